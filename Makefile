@@ -1,0 +1,39 @@
+# Everything a fresh Debian machine needs, then the job. `make train` and `make test` each set up first.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup train test test-fast lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@# libaio is what DeepSpeed's async_io op (NVMe offload) links against.
+	@if ! dpkg -s libaio-dev >/dev/null 2>&1; then \
+		echo "installing Debian package libaio-dev"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libaio-dev; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	@# torch first and pinned, so nothing below drags in a CUDA build.
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[wandb,gpu,dev]'
+	touch $(STAMP)
+
+train: setup
+	$(PY) train.py
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf outputs multirun/*/ .pytest_cache

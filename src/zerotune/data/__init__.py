@@ -1,0 +1,39 @@
+"""Data sets by name (cfg.data.name). Items are dicts: "x0" (the clean sample) plus conditioning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from zerotune.errors import ConfigError
+from zerotune.models import latent_shape, unet_config
+
+
+def build_dataset(cfg: Any) -> Dataset:
+    name, model = cfg.data.name, cfg.model
+    shape = latent_shape(model, int(cfg.resolution.size))
+    if name == "digits":
+        if model.conditioning != "class" or int(model.vae_scale_factor) != 1 or shape[0] != 1:
+            raise ConfigError("data", f"digits are 1-channel pixel images with class labels; model={model.name} "
+                              "does not take those", "model=tiny with data=digits, or data=synthetic")
+        from zerotune.data.digits import DigitsDataset
+
+        return DigitsDataset(size=int(cfg.resolution.size), split="train", seed=int(cfg.train.seed))
+    if name == "synthetic":
+        return _synthetic(cfg, shape)
+    raise ConfigError("data.name", f"unknown data set {name!r}", "data=digits or data=synthetic")
+
+
+def _synthetic(cfg: Any, shape: tuple[int, int, int]) -> Dataset:
+    from zerotune.data.synthetic import SyntheticDataset
+
+    unet = unet_config(cfg.model)
+    # SDXL's pooled text embedding: what the added-conditioning projection takes besides 6 time ids.
+    pooled = int(unet.get("projection_class_embeddings_input_dim", 2816)) - 6 * int(
+        unet.get("addition_time_embed_dim", 256))
+    return SyntheticDataset(
+        num_samples=int(cfg.data.num_samples), latent_shape=shape, conditioning=cfg.model.conditioning,
+        pixel_size=int(cfg.resolution.size), text_seq_len=int(cfg.model.get("text_seq_len", 77)),
+        cross_attention_dim=int(unet.get("cross_attention_dim") or 0), text_embeds_dim=pooled,
+        num_classes=int(cfg.model.get("num_classes", 10)), seed=int(cfg.train.seed))

@@ -1,0 +1,1 @@
+"""The DeepSpeed config dict: built from the config groups, validated before anything runs."""

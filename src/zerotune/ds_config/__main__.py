@@ -1,0 +1,41 @@
+"""Print the validated DeepSpeed JSON for any composition, without training.
+
+    python -m zerotune.ds_config zero_stage=3 offload=nvme offload.path=/tmp/x
+    python -m zerotune.ds_config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from zerotune import CONF_DIR
+from zerotune.cli.overrides import normalize_overrides
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.ds_config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=1, help="processes the run would use (default 1)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    args = parser.parse_args(argv)
+    from zerotune.plan import make_plan
+
+    try:
+        overrides = normalize_overrides(args.overrides, CONF_DIR)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        plan = make_plan(cfg, world_size=args.world_size)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    print(json.dumps(plan.ds_config, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

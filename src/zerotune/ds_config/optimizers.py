@@ -1,0 +1,71 @@
+"""Optimizer names: normalisation, aliases, and which ones DeepSpeed can run where."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from zerotune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Canonical lower-case name -> DeepSpeed's "optimizer.type" spelling.
+DEEPSPEED_TYPES = {
+    "adamw": "AdamW",
+    "adam": "Adam",
+    "adagrad": "Adagrad",
+    "lamb": "Lamb",
+    "lion": "Lion",
+    "muadam": "MuAdam",
+    "muadamw": "MuAdamW",
+    "musgd": "MuSGD",
+}
+
+# Names people write that mean an implementation of AdamW, not a different optimizer.
+ADAMW_ALIASES = {"cpuadam", "fusedadam", "deepspeedcpuadam", "adam_w", "adamw_torch"}
+
+# Named by DeepSpeed's docs but not built from a config dict by DeepSpeed 0.19's engine.
+NOT_CONFIG_DRIVEN = {
+    "onebitadam": "1-bit Adam",
+    "onebitlamb": "1-bit LAMB",
+    "zerooneadam": "0/1 Adam",
+    "muon": "Muon (needs every parameter tagged use_muon by the model code)",
+}
+
+
+def normalize(name: str, key: str = "optimizer.name") -> str:
+    """Return the canonical name for `name`, case-insensitively; AdamW aliases fall back with a warning."""
+    canon = str(name).strip().lower().replace("-", "").replace(" ", "")
+    if canon in ADAMW_ALIASES:
+        log.warning("optimizer %r is an AdamW implementation, not an optimizer choice: using DeepSpeed's AdamW "
+                    "(CPU Adam when offloaded, fused Adam otherwise)", name)
+        return "adamw"
+    if canon in DEEPSPEED_TYPES:
+        return canon
+    if canon in NOT_CONFIG_DRIVEN:
+        raise ConfigError(key, f"{NOT_CONFIG_DRIVEN[canon]} is not available through a DeepSpeed config dict "
+                          "in DeepSpeed 0.19", f"choose one of: {', '.join(DEEPSPEED_TYPES)}")
+    raise ConfigError(key, f"unknown optimizer {name!r}",
+                      f"choose one of: {', '.join(DEEPSPEED_TYPES)} (case-insensitive)")
+
+
+def _op_available(builder_name: str) -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().get_op_builder(builder_name)
+    return builder is not None and builder.__name__ != "NotImplementedBuilder"
+
+
+def check_supported(name: str, offloaded: bool, key: str = "optimizer.name") -> None:
+    """Refuse an optimizer that DeepSpeed cannot run on this accelerator with this offload choice."""
+    if name in ("muadam", "muadamw", "musgd") and importlib.util.find_spec("mup") is None:
+        raise ConfigError(key, f"{name} needs the `mup` package, which is not installed", "pip install mup")
+    if name == "lamb":
+        if offloaded:
+            raise ConfigError(key, "DeepSpeed has no offloaded LAMB", "use offload=none, or optimizer=adamw")
+        if not _op_available("FusedLambBuilder"):
+            raise ConfigError(key, "LAMB needs DeepSpeed's FusedLamb kernel, which this accelerator lacks",
+                              "use optimizer=adamw (or lion with offload=cpu)")
+    if name == "lion" and not offloaded and not _op_available("FusedLionBuilder"):
+        raise ConfigError(key, "Lion without offload needs DeepSpeed's FusedLion kernel, which this "
+                          "accelerator lacks", "add offload=cpu (CPU Lion), or use optimizer=adamw")

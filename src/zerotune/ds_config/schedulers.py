@@ -1,0 +1,43 @@
+"""The DeepSpeed "scheduler" block for each scheduler option."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerotune.errors import ConfigError
+
+NAMES = ("warmup", "warmup_decay", "cosine", "onecycle", "constant")
+
+
+def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
+    """DeepSpeed scheduler dict for `sched` (cfg.scheduler); None means a constant lr."""
+    name = sched.name
+    if name == "constant":
+        return None
+    if name in ("warmup", "warmup_decay", "cosine"):
+        warmup = int(sched.warmup_steps)
+        if warmup < 0:
+            raise ConfigError("scheduler.warmup_steps", f"must be >= 0, got {warmup}", "scheduler.warmup_steps=100")
+        if name != "warmup" and warmup >= max_steps:
+            raise ConfigError("scheduler.warmup_steps", f"{warmup} warm-up steps leave nothing to decay over "
+                              f"train.max_steps={max_steps}", f"scheduler.warmup_steps={max(max_steps // 10, 0)}")
+    if name == "warmup":
+        return {"type": "WarmupLR", "params": {
+            "warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr,
+            "warmup_num_steps": int(sched.warmup_steps), "warmup_type": sched.warmup_type}}
+    if name == "warmup_decay":
+        return {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr, "warmup_num_steps": int(sched.warmup_steps),
+            "warmup_type": sched.warmup_type, "total_num_steps": max_steps}}
+    if name == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max_steps, "warmup_num_steps": int(sched.warmup_steps),
+            "warmup_min_ratio": float(sched.warmup_min_ratio), "cos_min_ratio": float(sched.cos_min_ratio),
+            "warmup_type": sched.warmup_type}}
+    if name == "onecycle":
+        half = max(max_steps // 2, 1)
+        return {"type": "OneCycle", "params": {
+            "cycle_min_lr": lr / float(sched.div_factor), "cycle_max_lr": lr,
+            "cycle_first_step_size": half, "cycle_second_step_size": max(max_steps - half, 1),
+            "cycle_momentum": False, "decay_lr_rate": 0.0}}
+    raise ConfigError("scheduler.name", f"unknown scheduler {name!r}", f"choose one of: {', '.join(NAMES)}")

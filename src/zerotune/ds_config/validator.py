@@ -1,0 +1,133 @@
+"""Check a DeepSpeed dict before anything is built: the project's rules, then DeepSpeed's own classes."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from zerotune.ds_config import offload as offload_mod
+from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_supported, normalize
+from zerotune.errors import ConfigError
+from zerotune.platform import Platform
+
+log = logging.getLogger(__name__)
+
+
+def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
+    """Return a normalised copy of `ds`, or raise ConfigError naming the key and the fix."""
+    ds = copy.deepcopy(ds)
+    zero = ds.setdefault("zero_optimization", {})
+    stage = _check_stage(zero.get("stage", 0))
+    _check_platform(platform, stage)
+    _check_batch(ds, world_size)
+    _check_clip(ds.get("gradient_clipping", 0.0))
+    _check_precision(ds, platform)
+    offloaded = _check_offload(zero, stage)
+    if "optimizer" in ds:
+        opt = ds["optimizer"]
+        name = normalize(opt.get("type", ""), key="optimizer.type")
+        opt["type"] = DEEPSPEED_TYPES[name]
+        check_supported(name, offloaded, key="optimizer.type")
+    _deepspeed_accepts(ds)
+    return ds
+
+
+def _check_stage(stage: Any) -> int:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}",
+                          "zero_stage=0|1|2|3")
+    return stage
+
+
+def _check_platform(platform: Platform, stage: int) -> None:
+    if not platform.deepspeed_supported and stage >= 1:
+        raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
+                          "use zero_stage=0, which trains with plain accelerate here")
+
+
+def _positive_int(ds: dict, key: str, hydra_key: str) -> int:
+    value = ds.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}", f"{hydra_key}=1 or more")
+    return value
+
+
+def _check_batch(ds: dict, world_size: int) -> None:
+    micro = _positive_int(ds, "train_micro_batch_size_per_gpu", "train.batch_size")
+    accum = _positive_int(ds, "gradient_accumulation_steps", "train.grad_accum")
+    total = ds.get("train_batch_size", micro * accum * world_size)
+    if total != micro * accum * world_size:
+        raise ConfigError("train_batch_size", f"{total} != train_micro_batch_size_per_gpu ({micro}) x "
+                          f"gradient_accumulation_steps ({accum}) x world size ({world_size})",
+                          f"set train_batch_size to {micro * accum * world_size}, or drop it and let zerotune "
+                          "derive it")
+    ds["train_batch_size"] = total
+
+
+def _check_clip(clip: Any) -> None:
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
+                          "train.grad_clip=1.0 (or 0 to disable)")
+
+
+def _check_precision(ds: dict, platform: Platform) -> None:
+    bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("bfloat16", {}).get("enabled"))
+    fp16 = bool(ds.get("fp16", {}).get("enabled"))
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled", "bf16 and fp16 are both enabled", "enable one: precision=bf16 or "
+                          "precision=fp16 (and remove the other block from deepspeed.config_file)")
+    for name, on in (("bf16", bf16), ("fp16", fp16)):
+        if on and not platform.supports(name):
+            raise ConfigError(f"{name}.enabled", f"this {platform.device_type} device cannot train in {name}",
+                              "precision=fp32" + ("" if name == "bf16" or not platform.bf16 else " or precision=bf16"))
+
+
+def _check_offload(zero: dict, stage: int) -> bool:
+    opt, param = zero.get("offload_optimizer"), zero.get("offload_param")
+    opt_dev = (opt or {}).get("device", "none")
+    param_dev = (param or {}).get("device", "none")
+    if param_dev != "none" and stage < 3:
+        raise ConfigError("zero_optimization.offload_param", f"parameter offload needs ZeRO stage 3, got stage "
+                          f"{stage}", "zero_stage=3, or offload.params=false")
+    if opt_dev != "none" and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1 or more: stage 0 "
+                          "has no partitioned optimizer to move", "zero_stage=2 offload=cpu, or offload=none")
+    if "nvme" in (opt_dev, param_dev):
+        if stage < 3:
+            raise ConfigError("offload", f"NVMe offload needs ZeRO stage 3: at stage {stage} DeepSpeed keeps "
+                              "optimizer states in host memory and never writes the NVMe folder",
+                              "zero_stage=3 offload=nvme, or offload=cpu")
+        for block_name, block in (("offload_optimizer", opt), ("offload_param", param)):
+            if block and block.get("device") == "nvme":
+                offload_mod.check_nvme_path(block.get("nvme_path"), f"zero_optimization.{block_name}.nvme_path "
+                                            "(offload.path)")
+    return opt_dev != "none"
+
+
+def _deepspeed_accepts(ds: dict) -> None:
+    """Run DeepSpeed's own config parsing, so anything it would reject is reported here, in our words."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    probe = copy.deepcopy(ds)
+    # DeepSpeedConfig takes the world size from torch.distributed; check batch arithmetic at world size 1.
+    probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+    try:
+        DeepSpeedConfig(probe)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        key = f"{_section_of(exc.title)}.{where}".strip(".")
+        raise ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
+                          "correct or remove that key (see https://www.deepspeed.ai/docs/config-json/)") from None
+    except (AssertionError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("deepspeed", f"DeepSpeed rejects the config: {exc}",
+                          "correct the setting it names (see https://www.deepspeed.ai/docs/config-json/)") from None
+
+
+def _section_of(model_title: str) -> str:
+    return {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
+            "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
+            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16"
+            }.get(model_title, "")

@@ -1,0 +1,33 @@
+"""How a batch conditions the U-Net, per model kind, and how the condition is dropped for guidance."""
+
+from __future__ import annotations
+
+import torch
+
+NULL_CLASS = 10  # the class index reserved for "no class" (classifier-free guidance)
+
+
+def unet_kwargs(kind: str, batch: dict) -> dict:
+    """Keyword arguments for unet(sample, timestep, **kwargs)."""
+    if kind == "class":
+        return {"encoder_hidden_states": None, "class_labels": batch["class_labels"]}
+    if kind == "text_time":
+        return {"encoder_hidden_states": batch["encoder_hidden_states"],
+                "added_cond_kwargs": {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}}
+    raise ValueError(f"unknown conditioning kind {kind!r}")
+
+
+def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generator) -> dict:
+    """Replace the condition by the null condition for a random `prob` share of the batch."""
+    if prob <= 0:
+        return batch
+    keys = {"class": ("class_labels",), "text_time": ("encoder_hidden_states", "text_embeds")}[kind]
+    n = batch[keys[0]].shape[0]
+    drop = torch.rand(n, generator=generator) < prob
+    out = dict(batch)
+    for key in keys:
+        value = batch[key]
+        mask = drop.to(value.device).view(-1, *([1] * (value.dim() - 1)))
+        null = torch.full_like(value, NULL_CLASS) if kind == "class" else torch.zeros_like(value)
+        out[key] = torch.where(mask, null, value)
+    return out

@@ -1,0 +1,60 @@
+"""From a composed config to a checked run plan: every bad configuration stops here, before any model exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zerotune import models
+from zerotune.ds_config import builder, validator
+from zerotune.ds_config.builder import ModelStats
+from zerotune.errors import ConfigError
+from zerotune.platform import Platform, detect
+
+
+@dataclass(frozen=True)
+class Plan:
+    ds_config: dict           # validated; what DeepSpeed (or the plain path) will be given
+    use_deepspeed: bool       # False: plain accelerate, stage 0 only
+    model_stats: ModelStats
+    input_shape: tuple[int, int, int]
+    platform: Platform
+
+
+def _use_deepspeed(cfg: Any, platform: Platform) -> bool:
+    setting = cfg.deepspeed.enabled
+    if setting == "auto":
+        return platform.deepspeed_supported
+    if setting is True and not platform.deepspeed_supported:
+        raise ConfigError("deepspeed.enabled", f"DeepSpeed was asked for, but {platform.deepspeed_reason}",
+                          "deepspeed.enabled=auto with zero_stage=0 (plain accelerate)")
+    if setting is False and int(cfg.zero_stage.stage) != 0:
+        raise ConfigError("deepspeed.enabled", f"ZeRO stage {cfg.zero_stage.stage} needs DeepSpeed",
+                          "deepspeed.enabled=auto, or zero_stage=0")
+    if setting not in (True, False):
+        raise ConfigError("deepspeed.enabled", f"must be auto, true or false, got {setting!r}",
+                          "deepspeed.enabled=auto")
+    return bool(setting)
+
+
+def _check_train(cfg: Any) -> None:
+    for key in ("batch_size", "grad_accum", "max_steps"):
+        value = cfg.train[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"train.{key}", f"must be a positive integer, got {value!r}", f"train.{key}=1 or more")
+    if cfg.train.grad_clip is None or float(cfg.train.grad_clip) < 0:
+        raise ConfigError("train.grad_clip", f"must be >= 0 (0 disables clipping), got {cfg.train.grad_clip!r}",
+                          "train.grad_clip=1.0")
+    if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction"):
+        raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
+                          "diffusion.prediction_type=epsilon or v_prediction")
+
+
+def make_plan(cfg: Any, world_size: int = 1, platform: Platform | None = None) -> Plan:
+    platform = platform or detect()
+    _check_train(cfg)
+    shape = models.latent_shape(cfg.model, cfg.resolution.size)
+    use_ds = _use_deepspeed(cfg, platform)
+    stats = models.model_stats(cfg.model)
+    ds = validator.validate(builder.build(cfg, world_size, stats), platform, world_size)
+    return Plan(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform)

@@ -1,0 +1,46 @@
+"""What the machine can do: which accelerator, whether DeepSpeed supports it, which precisions."""
+
+from __future__ import annotations
+
+import platform as _platform
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str             # "cuda" | "cpu" | "mps"
+    deepspeed_supported: bool
+    deepspeed_reason: str        # why not, when not
+    bf16: bool
+    fp16: bool
+
+    def supports(self, precision: str) -> bool:
+        return {"fp32": True, "bf16": self.bf16, "fp16": self.fp16}[precision]
+
+
+def _is_rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def detect() -> Platform:
+    """Inspect the running machine. DeepSpeed is CUDA- and CPU-only: MPS and ROCm builds are refused."""
+    if sys.platform == "darwin" or (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        return Platform("mps", False, f"DeepSpeed does not support macOS/MPS ({_platform.platform()})",
+                        bf16=False, fp16=True)
+    if _is_rocm():
+        return Platform("cuda", False, f"DeepSpeed is not supported on ROCm (torch {torch.__version__})",
+                        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(), fp16=True)
+    if torch.cuda.is_available():
+        return Platform("cuda", True, "", bf16=torch.cuda.is_bf16_supported(), fp16=True)
+    return Platform("cpu", True, "", bf16=True, fp16=_cpu_fp16_supported())
+
+
+def _cpu_fp16_supported() -> bool:
+    # DeepSpeed's CPU accelerator asks oneDNN the same question.
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False

@@ -1,0 +1,78 @@
+"""What the run ran on: recorded with every result so numbers from different machines are not compared blindly."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from importlib import metadata
+from typing import Any
+
+MIB = float(1 << 20)
+
+
+def _version(dist: str) -> str | None:
+    # Package metadata, not `import deepspeed`: importing it is slow and probes for CUDA/ops at import time.
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvml_driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # no library / no driver
+        return None
+    return version.decode() if isinstance(version, bytes) else str(version)
+
+
+def _usable_cpus() -> int | None:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may run on (cgroups, taskset)
+    except AttributeError:
+        return os.cpu_count()
+
+
+def environment_info() -> dict[str, Any]:
+    """Device, GPU memory, driver, library versions, host. Missing things are None."""
+    device_name, gpu_total_mib, cuda_version, gpu_count = _cpu_model(), None, None, 0
+    try:
+        import torch
+
+        cuda_version = torch.version.cuda
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            device_name, gpu_total_mib = props.name, props.total_memory / MIB
+            gpu_count = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return {
+        "device_name": device_name,
+        "gpu_count": gpu_count,
+        "gpu_total_mib": gpu_total_mib,
+        "driver_version": _nvml_driver_version(),
+        "cuda_version": cuda_version,
+        "torch": _version("torch"),
+        "deepspeed": _version("deepspeed"),
+        "accelerate": _version("accelerate"),
+        "diffusers": _version("diffusers"),
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": _usable_cpus(),
+    }

@@ -1,0 +1,109 @@
+"""Per-step wall time with device synchronisation, and time-to-first-step."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+
+def _noop() -> None:
+    return None
+
+
+def default_synchronize() -> Callable[[], None]:
+    """torch.cuda.synchronize when CUDA is usable, else a no-op (CPU work is synchronous already)."""
+    try:
+        import torch
+    except ImportError:
+        return _noop
+    return torch.cuda.synchronize if torch.cuda.is_available() else _noop
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy.percentile's default method)."""
+    if not values:
+        raise ValueError("quantile of an empty sequence")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def process_start_time() -> float:
+    """Epoch seconds at which this process was created (kernel clock-tick resolution, ~10 ms)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class StepTimer:
+    """Times training steps. GPU work is asynchronous, so the device is synchronised before each clock read:
+    otherwise a step would be charged for the previous step's kernels, or finish before its own ran.
+
+    `clock` measures step durations (monotonic); `wall_clock` (epoch seconds, same base as psutil's
+    create_time) measures startup, i.e. process start to the end of the first step.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        synchronize: Callable[[], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        process_start: float | None = None,
+    ) -> None:
+        self.clock = clock
+        self.synchronize = default_synchronize() if synchronize is None else synchronize
+        self.wall_clock = wall_clock
+        self._process_start = process_start
+        self._t0: float | None = None
+        self.durations: list[float] = []
+        self.samples: list[int] = []
+        self.startup_s: float | None = None
+
+    def mark_process_start(self, t: float) -> None:
+        """Overrides the process start (epoch seconds), e.g. with the launcher's start time."""
+        self._process_start = t
+
+    def start_step(self) -> None:
+        self.synchronize()
+        self._t0 = self.clock()
+
+    def end_step(self, samples: int) -> float:
+        """Ends the step begun by start_step(); returns its duration in seconds."""
+        if self._t0 is None:
+            raise RuntimeError("end_step() without start_step()")
+        self.synchronize()
+        dt = self.clock() - self._t0
+        self._t0 = None
+        self.durations.append(dt)
+        self.samples.append(samples)
+        if len(self.durations) == 1:
+            self.first_step_done()
+        return dt
+
+    def first_step_done(self) -> None:
+        """Records startup_s (called by end_step on the first step)."""
+        start = self._process_start if self._process_start is not None else process_start_time()
+        self.startup_s = self.wall_clock() - start
+
+    def summary(self, warmup_steps: int) -> dict[str, float | int | None]:
+        """Statistics over the steps after the first `warmup_steps` (compilation, allocator growth, caches).
+
+        `warmup_steps` in the result is the number of steps actually excluded (fewer if the run was shorter).
+        """
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        durations = self.durations[warmup_steps:]
+        samples = self.samples[warmup_steps:]
+        total = sum(durations)
+        return {
+            "step_time_median_s": statistics.median(durations) if durations else None,
+            "step_time_p90_s": quantile(durations, 0.9) if durations else None,
+            "samples_per_s": sum(samples) / total if durations and total > 0 else None,
+            "steps_timed": len(durations),
+            "warmup_steps": min(warmup_steps, len(self.durations)),
+            "startup_s": self.startup_s,
+        }

@@ -1,0 +1,65 @@
+"""The accelerate side: DeepSpeed (any ZeRO stage) or plain accelerate (stage 0 without DeepSpeed).
+
+Both are driven from the same validated DeepSpeed dict, so the optimizer and scheduler match.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from zerotune.errors import ConfigError
+from zerotune.plan import Plan
+
+
+def mixed_precision(ds: dict) -> str:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "no"
+
+
+def make_accelerator(plan: Plan) -> Accelerator:
+    ds = plan.ds_config
+    if plan.use_deepspeed:
+        from accelerate.utils import DeepSpeedPlugin
+
+        plugin = DeepSpeedPlugin(hf_ds_config=ds)
+        return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds))
+    return Accelerator(mixed_precision=mixed_precision(ds), cpu=plan.platform.device_type == "cpu",
+                       gradient_accumulation_steps=ds["gradient_accumulation_steps"])
+
+
+def optimizer_and_scheduler(plan: Plan, params):
+    """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders); the plain path mirrors it."""
+    ds = plan.ds_config
+    if plan.use_deepspeed:
+        from accelerate.utils import DummyOptim, DummyScheduler
+
+        opt = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
+        return opt, (DummyScheduler(opt) if "scheduler" in ds else None)
+    opt = torch_optimizer(ds["optimizer"], params)
+    return opt, (torch_scheduler(ds["scheduler"], opt) if "scheduler" in ds else None)
+
+
+def torch_optimizer(block: dict, params) -> torch.optim.Optimizer:
+    kind, p = block["type"], {k: v for k, v in block["params"].items() if k not in ("torch_adam", "adam_w_mode")}
+    if "betas" in p:
+        p["betas"] = tuple(p["betas"])
+    # DeepSpeed's "Adam" applies AdamW's decoupled decay unless adam_w_mode is false.
+    if kind == "AdamW" or (kind == "Adam" and block["params"].get("adam_w_mode", True)):
+        return torch.optim.AdamW(params, **p)
+    if kind == "Adam":
+        return torch.optim.Adam(params, **p)
+    if kind == "Adagrad":
+        return torch.optim.Adagrad(params, **p)
+    raise ConfigError("optimizer", f"{kind} needs DeepSpeed, which is off for this run",
+                      "optimizer=adamw, adam or adagrad without DeepSpeed")
+
+
+def torch_scheduler(block: dict, opt: torch.optim.Optimizer):
+    # DeepSpeed's schedulers are plain classes over a torch optimizer: reuse them for identical curves.
+    from deepspeed.runtime import lr_schedules
+
+    return getattr(lr_schedules, block["type"])(opt, **block["params"])
