@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -25,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from zerotune.plan import make_plan
 
+    # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
     try:
         overrides = normalize_overrides(args.overrides, CONF_DIR)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
-        plan = make_plan(cfg, world_size=args.world_size)
+        with contextlib.redirect_stdout(sys.stderr):
+            plan = make_plan(cfg, world_size=args.world_size)
     except ConfigError as exc:
         print(f"zerotune: config error at {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT

@@ -39,17 +39,30 @@ def precision_blocks(prec: Any) -> dict:
     return {}
 
 
+# DeepSpeed's own defaults, in elements.
+DEFAULT_BUCKETS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+                   "stage3_prefetch_bucket_size": 50_000_000}
+
+
+def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
+    """A configured size, or for `auto` DeepSpeed's default capped at the parameter count (rounded up to 1M)."""
+    value = ds[key]
+    if value != "auto":
+        return int(value)
+    return min(DEFAULT_BUCKETS[key], -(-stats.num_params // 1_000_000) * 1_000_000)
+
+
 def zero_block(cfg: Any, stats: ModelStats) -> dict:
     stage, ds = int(cfg.zero_stage.stage), cfg.deepspeed
     zero: dict = {"stage": stage}
     if stage >= 1:
-        zero.update({"reduce_bucket_size": int(ds.reduce_bucket_size), "reduce_scatter": True,
+        zero.update({"reduce_bucket_size": bucket_size(ds, "reduce_bucket_size", stats), "reduce_scatter": True,
                      "overlap_comm": bool(ds.overlap_comm)})
     if stage in (1, 2):
-        zero.update({"allgather_bucket_size": int(ds.allgather_bucket_size),
+        zero.update({"allgather_bucket_size": bucket_size(ds, "allgather_bucket_size", stats),
                      "contiguous_gradients": bool(ds.contiguous_gradients)})
     if stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": int(ds.stage3_prefetch_bucket_size),
+        zero.update({"stage3_prefetch_bucket_size": bucket_size(ds, "stage3_prefetch_bucket_size", stats),
                      "stage3_param_persistence_threshold": int(ds.stage3_param_persistence_threshold),
                      "contiguous_gradients": bool(ds.contiguous_gradients),
                      "stage3_gather_16bit_weights_on_model_save": True})

@@ -7,6 +7,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from zerotune.errors import ConfigError
 
 # DeepSpeed's own default parameter swap buffer (100M elements).
@@ -36,7 +38,8 @@ def offload_blocks(offload: Any, stage: int, largest_param_numel: int) -> dict:
     if offload_params_enabled(offload, stage):
         blocks["offload_param"] = {"device": offload.device, "pin_memory": bool(offload.pin_memory)}
     if offload.device == "nvme":
-        path = str(offload.path) if offload.path not in (None, "???") else None
+        missing = OmegaConf.is_config(offload) and OmegaConf.is_missing(offload, "path")
+        path = None if missing or offload.path is None else str(offload.path)
         blocks["offload_optimizer"].update({"nvme_path": path, "buffer_count": 4, "fast_init": False})
         if "offload_param" in blocks:
             size = offload.buffer_size

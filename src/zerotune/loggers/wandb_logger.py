@@ -175,7 +175,7 @@ def read_offline_run(run_dir: str | os.PathLike[str], timeout_s: float = 15.0) -
     header), so this re-reads until the exit record is there or `timeout_s` passes; a run that never
     finished (crash, still running) is returned as far as it got, with exit_code None.
 
-    Values are JSON-decoded (an integral float comes back as an int: the Go core writes 100.0 as "100");
+    Values are JSON-decoded (an integral float comes back as an int: wandb 0.31 stores 100.0 as "100");
     images appear as wandb's descriptors (`{"_type": "images/separated", "filenames": [...], ...}`).
     """
     path = find_offline_run(run_dir)

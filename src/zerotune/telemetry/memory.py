@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
 
-# Why 0.05 s: a diffusion U-Net step takes ~0.1-1 s, and the transient peaks we care about (optimizer step,
+# Why 0.05 s: a diffusion U-Net step takes ~0.1-1 s and the transient peaks we care about (optimizer step,
 # ZeRO gather/partition, offload copies) last tens of milliseconds, so 20 Hz sees them; the trainer's
-# `sample_now()` at step boundaries covers the rest. One sample costs ~0.1-0.5 ms of mostly-syscall work
-# on a tree of a few processes (see benchmarks/bench_telemetry_overhead.py: overhead well under 2%).
+# `sample_now()` at step boundaries covers the rest. Cost: one sample of a small process tree takes
+# ~0.05 ms of CPU hot, ~0.25 ms as a thread waking every 50 ms, i.e. ~0.5% of one core
+# (benchmarks/bench_telemetry_overhead.py; step-time overhead was within the +-2% noise of a shared box).
 DEFAULT_INTERVAL_S = 0.05
 
 # wandb's service process (and its GPU/system monitor helpers) is a child of the trainer. It belongs to the
