@@ -9,6 +9,7 @@ list of options, in zerotune's error format.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +18,23 @@ from zerotune.errors import ConfigError
 
 _OVERRIDE = re.compile(r"^(?P<prefix>[+~]{0,2})(?P<key>[\w/.@-]+)=(?P<value>.*)$", re.S)
 _SIMPLE_LIST = re.compile(r"^[\w.-]+(,[\w.-]+)*$")
+
+
+def strip_local_rank(args: list[str]) -> list[str]:
+    """The `deepspeed` launcher appends --local_rank=N, which Hydra refuses; LOCAL_RANK carries it instead."""
+    out, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(args):
+            os.environ.setdefault("LOCAL_RANK", args[i + 1])
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 def group_options(conf_dir: Path) -> dict[str, list[str]]:

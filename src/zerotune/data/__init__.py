@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import DataLoader, Dataset
 
 from zerotune.errors import ConfigError
 from zerotune.models import latent_shape, unet_config
@@ -37,3 +38,9 @@ def _synthetic(cfg: Any, shape: tuple[int, int, int]) -> Dataset:
         pixel_size=int(cfg.resolution.size), text_seq_len=int(cfg.model.get("text_seq_len", 77)),
         cross_attention_dim=int(unet.get("cross_attention_dim") or 0), text_embeds_dim=pooled,
         num_classes=int(cfg.model.get("num_classes", 10)), seed=int(cfg.train.seed))
+
+
+def build_loader(cfg: Any, micro_batch: int, seed: int) -> DataLoader:
+    """The training DataLoader: shuffled by a seeded generator, whole batches only."""
+    return DataLoader(build_dataset(cfg), batch_size=micro_batch, shuffle=True, drop_last=True,
+                      num_workers=int(cfg.data.num_workers), generator=torch.Generator().manual_seed(seed))

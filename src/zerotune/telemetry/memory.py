@@ -156,11 +156,14 @@ class MemorySampler:
         nvme_dir: str | os.PathLike[str] | None = None,
         cuda_index: int | None = None,
         exclude_names: tuple[str, ...] = DEFAULT_EXCLUDE_NAMES,
+        include_root: bool = True,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
         self.pid = os.getpid() if pid is None else pid
+        # False: only the descendants count (a launcher measuring its workers, not itself).
+        self.include_root = include_root
         self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
         self.exclude_names = tuple(exclude_names)
         if cuda_index is None:
@@ -268,7 +271,8 @@ class MemorySampler:
                         continue
                 except psutil.Error:
                     continue
-            pids.append(pid)
+            if pid != self.pid or self.include_root:
+                pids.append(pid)
             stack.extend(self._children(pid))
         for gone in set(self._procs) - set(pids):
             del self._procs[gone]

@@ -1,15 +1,18 @@
-"""One training run, start to finish: plan, run directory, train, evaluate, summary."""
+"""One training process, start to finish: plan, train, evaluate, summary. Every rank runs this."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
 from typing import Any
 
 from zerotune.errors import ConfigError
+from zerotune.launch.spec import JobSpec
+from zerotune.loggers import make_logger
 from zerotune.plan import make_plan
-from zerotune.rundir import RunDir
+from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.telemetry import environment_info
 from zerotune.telemetry.plot import plot_run
 from zerotune.training import distributed
@@ -27,28 +30,37 @@ def key_choices(cfg: Any) -> dict:
             "world_size": distributed.world_size()}
 
 
-def train(cfg: Any, output_dir: str) -> dict:
-    """Train as `cfg` says, writing everything into `output_dir`; returns the summary written there.
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def train(cfg: Any, spec: JobSpec) -> dict:
+    """Train as `cfg` says, in `spec.run_dir`; returns the summary rank 0 writes there.
 
     A ConfigError is re-raised after its summary is written: bad input never reaches model building.
     """
     start = time.time()
     distributed.ensure_single_process_env()
-    run_dir = RunDir(output_dir, is_writer=distributed.rank() == 0)
+    rank = distributed.rank()
+    run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
     run_dir.write_config(cfg)
     summary: dict = {"status": "failed", "choices": key_choices(cfg), "run_dir": str(run_dir.path)}
+    logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
     try:
         plan = make_plan(cfg, distributed.world_size())
         run_dir.write_ds_config(plan.ds_config)
         summary.update({"use_deepspeed": plan.use_deepspeed, "num_params": plan.model_stats.num_params})
-        summary.update(_train_and_evaluate(cfg, plan, run_dir))
+        summary.update(_train_and_evaluate(cfg, plan, run_dir, logger))
         summary["status"] = "ok"
         return summary
     except ConfigError as exc:
         summary["error"] = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
         raise
     except BaseException as exc:
-        summary["error"] = {"type": type(exc).__name__, "message": str(exc),
+        summary["status"] = "oom" if is_oom(exc) else "failed"
+        summary["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000],
                             "traceback_tail": traceback.format_exc().splitlines()[-12:]}
         raise
     finally:
@@ -58,9 +70,29 @@ def train(cfg: Any, output_dir: str) -> dict:
         run_dir.close()
         if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
             plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
+        _finish_logger(logger, summary, run_dir)
 
 
-def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir) -> dict:
+def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
+    images = [p for p in (run_dir.file("samples/grid.png"), run_dir.file("telemetry.png")) if p.is_file()]
+    if images:
+        logger.log_images("samples", [str(p) for p in images], step=int(summary.get("steps") or 0))
+    logger.log_summary({k: v for k, v in summary.items() if k != "env"})
+    logger.finish(0 if summary["status"] == "ok" else 1)
+
+
+class _MetricsSink:
+    """Each logged row goes to metrics.jsonl and to the logger, with the same keys."""
+
+    def __init__(self, run_dir: RunDir, logger):
+        self.run_dir, self.logger = run_dir, logger
+
+    def log_metrics(self, row: dict) -> None:
+        self.run_dir.log_metrics(row)
+        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
     from zerotune.training.evaluate import evaluate_digits
     from zerotune.training.measure import RunTelemetry
     from zerotune.training.trainer import Trainer
@@ -68,19 +100,27 @@ def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir) -> dict:
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:
-        trainer = Trainer(cfg, plan, run_dir)
+        trainer = Trainer(cfg, plan, _MetricsSink(run_dir, logger))
         telemetry.timer.synchronize = _device_sync(trainer)
         out.update(trainer.fit(telemetry))
         out["train_time_s"] = sum(telemetry.timer.durations)
         if trainer.ema is not None:
             out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
+    _write_rank_memory(run_dir, out["memory"])
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits":
         quality = evaluate_digits(trainer, cfg, run_dir)
         if quality is not None:
             out["quality"] = quality
     trainer.accelerator.end_training()
     return out
+
+
+def _write_rank_memory(run_dir: RunDir, memory: dict) -> None:
+    """Every rank records its own figures; the job merges them (rank 0 alone would hide the others)."""
+    folder = run_dir.path / "ranks"
+    folder.mkdir(exist_ok=True)
+    write_json_atomic(folder / f"rank{distributed.rank()}.json", {"rank": distributed.rank(), **memory})
 
 
 def _device_sync(trainer):
@@ -93,14 +133,17 @@ def _device_sync(trainer):
 
 
 def print_result(summary: dict) -> None:
-    q = summary.get("quality", {})
-    perf = summary.get("perf", {})
-    parts = [f"status {summary['status']}", f"steps {summary.get('steps')}",
-             f"loss {summary.get('loss_first') or float('nan'):.4f} -> {summary.get('loss_last') or float('nan'):.4f}"]
+    q, perf = summary.get("quality", {}), summary.get("perf", {})
+    first, last = summary.get("loss_first"), summary.get("loss_last")
+    parts = [f"status {summary['status']}", f"steps {summary.get('steps')}"]
+    if first is not None and last is not None:
+        parts.append(f"loss {first:.4f} -> {last:.4f}")
     if perf.get("step_time_median_s") is not None:
         parts.append(f"{perf['step_time_median_s']:.3f} s/step (median)")
     if "digit_accuracy" in q:
         parts.append(f"digit accuracy {100 * q['digit_accuracy']:.1f}%")
-    parts.append(f"wall time {summary['wall_time_s']:.0f} s")
+    parts.append(f"wall time {summary.get('wall_time_s', 0):.0f} s")
     log.info("result: %s", ", ".join(parts))
+    if summary.get("error"):
+        log.error("error: %s", json.dumps(summary["error"].get("message")))
     log.info("run directory: %s", summary["run_dir"])

@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 
-from zerotune.data import build_dataset
+from zerotune.data import build_loader
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.models import build_unet, conditioning
 from zerotune.plan import Plan
-from zerotune.rundir import RunDir
 from zerotune.training.backend import make_accelerator, optimizer_and_scheduler
 from zerotune.training.ema import HostEMA
 from zerotune.training.progress import Progress
@@ -23,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Any, plan: Plan, run_dir: RunDir):
-        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+    def __init__(self, cfg: Any, plan: Plan, metrics_sink):
+        self.cfg, self.plan, self.metrics_sink = cfg, plan, metrics_sink
         ds = plan.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
@@ -41,9 +39,7 @@ class Trainer:
         self.noise = noise_scheduler(cfg.diffusion)
         # Shuffling, noise and condition dropout draw from their own seeded generators, one stream per rank.
         rank = self.accelerator.process_index
-        loader = DataLoader(build_dataset(cfg), batch_size=self.micro_batch, shuffle=True, drop_last=True,
-                            num_workers=int(cfg.data.num_workers),
-                            generator=torch.Generator().manual_seed(seed))
+        loader = build_loader(cfg, self.micro_batch, seed)
         self.gen = torch.Generator().manual_seed(seed * 7919 + rank)
         opt, sched = optimizer_and_scheduler(plan, unet.parameters())
         if sched is None:
@@ -132,7 +128,7 @@ class Trainer:
                     raise FloatingPointError(f"loss is {loss_last} at step {self.step}")
                 row = {"step": self.step, **metrics, "perf/step_time_s": step_s, **telemetry.step_memory()}
                 if self.step % every == 0 or self.step in (1, max_steps):
-                    self.run_dir.log_metrics(row)
+                    self.metrics_sink.log_metrics(row)
                 progress.update(row)
         finally:
             progress.close()

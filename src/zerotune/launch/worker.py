@@ -1,0 +1,34 @@
+"""One training process of a job: `python -m zerotune.launch.worker <run_dir>`, started by the launcher.
+
+It reads the config the parent resolved (so every rank trains the same thing, in the same folder)
+and trains with the rank torch.distributed's environment gives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from omegaconf import OmegaConf
+
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.launch.spec import JobSpec
+from zerotune.rundir import CONFIG
+
+
+def main(run_dir: str) -> int:
+    from zerotune.training.run import train
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    spec = JobSpec.load(run_dir)
+    cfg = OmegaConf.load(f"{run_dir}/{CONFIG}")
+    try:
+        train(cfg, spec)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,230 @@
+"""Read sweep directories into flat rows: one per job, whatever state the job was left in.
+
+A row is a plain dict (see `Row keys` below). GPU figures stay None where they were not measured:
+None means "unmeasured", never 0, and every consumer of these rows keeps that distinction.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SUMMARY = "summary.json"
+OVERRIDES = Path(".hydra") / "overrides.yaml"
+
+MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib",
+               "host_peak_rss_mib", "nvme_peak_mib")
+PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_s")
+TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
+# Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
+# plus every name in MEMORY_KEYS, PERF_KEYS and TOP_KEYS (None when absent).
+
+# Statuses a job without a readable summary.json gets.
+MISSING, RUNNING = "missing", "running"
+# A job directory without summary.json that changed this recently is taken for a job still running.
+RUNNING_WINDOW_S = 300.0
+
+# The summary's `choices` in their report order; they name a configuration.
+CHOICE_ORDER = ("zero_stage", "offload", "resolution", "batch_size", "grad_accum", "optimizer", "scheduler",
+                "precision", "model", "data", "gradient_checkpointing", "world_size")
+# Override keys that set one of the `choices`: a sweep over `train.batch_size` is a sweep over batch_size.
+OVERRIDE_TO_CHOICE = {
+    "zero_stage.stage": "zero_stage", "offload.device": "offload", "resolution.size": "resolution",
+    "train.batch_size": "batch_size", "train.grad_accum": "grad_accum",
+    "train.gradient_checkpointing": "gradient_checkpointing",
+    **{k: k for k in CHOICE_ORDER},
+}
+# Shown for an override-only key in a job that did not override it (its value is the config's default).
+DEFAULT = "(default)"
+# Keys that identify a job when no key varies across the jobs (a single run, say).
+IDENTITY_KEYS = ("zero_stage", "offload", "resolution", "batch_size")
+
+
+class NoRunsError(ValueError):
+    """A directory given to the report holds no run directory."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(f"{path} holds no runs (no job folder with summary.json or .hydra/)")
+
+
+def collect_runs(dirs: Iterable[str | Path], running_window_s: float = RUNNING_WINDOW_S) -> list[dict]:
+    """Rows for every job in the given sweep directories (merged in order), or for a single run directory.
+
+    Raises FileNotFoundError for a path that doesn't exist and NoRunsError for one that holds no runs.
+    """
+    rows: list[dict] = []
+    for d in dirs:
+        path = Path(d)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        if is_run_dir(path):  # a single run: its parent is the sweep (or outputs/<date>) folder
+            rows.append(read_job(path.parent, path, running_window_s))
+            continue
+        jobs = job_dirs(path)
+        if not jobs:
+            raise NoRunsError(path)
+        rows.extend(read_job(path, job, running_window_s) for job in jobs)
+    _fill_override_defaults(rows)
+    return rows
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / SUMMARY).is_file() or (path / OVERRIDES).is_file()
+
+
+def job_dirs(sweep: Path) -> list[Path]:
+    """Job folders in a sweep: Hydra numbers them; a numbered folder counts even when still empty."""
+    if not sweep.is_dir():
+        return []
+    found = [p for p in sweep.iterdir() if p.is_dir() and (p.name.isdigit() or is_run_dir(p))]
+    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+
+
+def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S) -> dict:
+    overrides = read_overrides(job)
+    row: dict[str, Any] = {"sweep_dir": str(sweep), "job": job.name, "run_dir": str(job), "overrides": overrides,
+                           "error": None, "experiment": None, "device": None, "choices": {}}
+    summary, problem = _read_summary(job)
+    if summary is None:
+        row["status"] = RUNNING if _recently_changed(job, running_window_s) else MISSING
+        row["error"] = problem
+        summary = {}
+    else:
+        row["status"] = str(summary.get("status") or MISSING)
+        row["error"] = short_error(summary.get("error"))
+        row["experiment"] = summary.get("experiment")
+        row["device"] = (summary.get("env") or {}).get("device_name")
+        row["choices"] = dict(summary.get("choices") or {})
+    memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
+    row.update({k: memory.get(k) for k in MEMORY_KEYS})
+    row.update({k: perf.get(k) for k in PERF_KEYS})
+    row.update({k: summary.get(k) for k in TOP_KEYS})
+    row["params"] = _params(row["choices"], overrides)
+    return row
+
+
+def read_overrides(job: Path) -> dict[str, Any]:
+    """{key: value} from the job's Hydra overrides; deletions (~key) and unparsable files are skipped."""
+    file = job / OVERRIDES
+    try:
+        items = yaml.safe_load(file.read_text()) if file.is_file() else []
+    except (OSError, yaml.YAMLError):
+        return {}
+    out: dict[str, Any] = {}
+    for item in items if isinstance(items, list) else []:
+        text = str(item)
+        if text.startswith("~") or "=" not in text:
+            continue
+        key, value = text.split("=", 1)
+        out[key.lstrip("+")] = parse_value(value)
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """An override value as a number or bool where it looks like one: Hydra writes zero_stage='2'."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "null":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def short_error(error: Any, limit: int = 120) -> str | None:
+    """`Type: first line of the message`, cut to `limit` characters."""
+    if not error:
+        return None
+    if not isinstance(error, dict):
+        error = {"message": str(error)}
+    message = str(error.get("message") or "").strip().splitlines()
+    text = ": ".join(p for p in (error.get("type"), message[0] if message else "") if p)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
+    """Keys whose values differ across the rows, overridden keys first (in the order Hydra wrote them)."""
+    candidates: list[str] = []
+    for row in rows:
+        for key in row["overrides"]:
+            name = OVERRIDE_TO_CHOICE.get(key, key)
+            if name not in candidates:
+                candidates.append(name)
+    candidates += [k for k in CHOICE_ORDER if k not in candidates]
+    swept = [k for k in candidates if len(_distinct(rows, k)) > 1]
+    if swept:
+        return swept
+    # Nothing varies (one job, or identical jobs): show what identifies the configuration instead.
+    present = [k for k in candidates if _distinct(rows, k)]
+    overridden = [k for k in present if k not in CHOICE_ORDER or k in _overridden_choices(rows)]
+    return [k for k in IDENTITY_KEYS if k in present] + [k for k in overridden if k not in IDENTITY_KEYS]
+
+
+def sort_key(value: Any) -> tuple:
+    """Orders mixed values: numbers (numerically), then strings, then None."""
+    if isinstance(value, bool):
+        return (1, str(value), 0.0)
+    if isinstance(value, (int, float)):
+        return (0, "", float(value))
+    return (2, "", 0.0) if value is None else (1, str(value), 0.0)
+
+
+def _distinct(rows: list[dict], key: str) -> set:
+    # A choice that is None is unknown (the job left no summary), so it doesn't count as a value.
+    return {repr(r["params"].get(key)) for r in rows if r["params"].get(key) is not None}
+
+
+def _overridden_choices(rows: list[dict]) -> set[str]:
+    return {OVERRIDE_TO_CHOICE[k] for r in rows for k in r["overrides"] if k in OVERRIDE_TO_CHOICE}
+
+
+def _params(choices: dict, overrides: dict) -> dict[str, Any]:
+    """The job's configuration values: its `choices`, with overrides filling in what they don't name."""
+    params = dict(choices)
+    for key, value in overrides.items():
+        name = OVERRIDE_TO_CHOICE.get(key, key)
+        if params.get(name) is None:
+            params[name] = value
+    return params
+
+
+def _fill_override_defaults(rows: list[dict]) -> None:
+    """An override-only key (optimizer.lr=...) set in some jobs only: the others ran with the default."""
+    keys = {OVERRIDE_TO_CHOICE.get(k, k) for r in rows for k in r["overrides"]} - set(CHOICE_ORDER)
+    for row in rows:
+        for key in keys:
+            row["params"].setdefault(key, DEFAULT)
+
+
+def _read_summary(job: Path) -> tuple[dict | None, str | None]:
+    file = job / SUMMARY
+    if not file.is_file():
+        return None, None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"summary.json unreadable: {type(exc).__name__}: {exc}"[:120]
+    return (data, None) if isinstance(data, dict) else (None, "summary.json is not a JSON object")
+
+
+def _recently_changed(job: Path, window_s: float) -> bool:
+    if window_s <= 0:
+        return False
+    try:
+        newest = max([job.stat().st_mtime, *(p.stat().st_mtime for p in job.iterdir())])
+    except OSError:
+        return False
+    return time.time() - newest < window_s
