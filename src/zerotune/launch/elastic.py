@@ -75,9 +75,10 @@ def launch_workers(launch: Any, run_dir: Path, timeout_s: float | None) -> Launc
     except ChildFailedError as exc:
         if timed_out.is_set():
             return LaunchResult("timeout", f"killed after train.timeout_s={timeout_s} s")
-        first = exc.get_first_failure()[1]
-        return LaunchResult("failed", f"rank {first.global_rank} exited with code {first.exitcode}"
-                            + (f": {first.message}" if isinstance(first.message, str) and first.message else ""))
+        rank, first = exc.get_first_failure()
+        detail = first.message if isinstance(first.message, str) and first.message else ""
+        return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
+                            + (f": {detail}" if detail else ""))
     finally:
         if watchdog:
             watchdog.cancel()

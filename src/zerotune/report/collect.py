@@ -17,8 +17,8 @@ import yaml
 SUMMARY = "summary.json"
 OVERRIDES = Path(".hydra") / "overrides.yaml"
 
-MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib",
-               "host_peak_rss_mib", "nvme_peak_mib")
+MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib",
+               "gpu_peak_reserved_mib", "host_peak_rss_mib", "nvme_peak_mib")
 PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_s")
 TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
 # Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
@@ -88,8 +88,9 @@ def job_dirs(sweep: Path) -> list[Path]:
 
 def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S) -> dict:
     overrides = read_overrides(job)
-    row: dict[str, Any] = {"sweep_dir": str(sweep), "job": job.name, "run_dir": str(job), "overrides": overrides,
-                           "error": None, "experiment": None, "device": None, "choices": {}}
+    row: dict[str, Any] = {"sweep_dir": str(sweep), "job": job.name, "run_dir": str(job),
+                           "overrides": overrides, "error": None, "experiment": None, "device": None,
+                           "choices": {}}
     summary, problem = _read_summary(job)
     if summary is None:
         row["status"] = RUNNING if _recently_changed(job, running_window_s) else MISSING

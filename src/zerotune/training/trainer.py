@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 import torch
@@ -112,6 +113,16 @@ class Trainer:
         state = self.accelerator.get_state_dict(self.unet)
         return {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
 
+    def _inject_faults(self) -> None:
+        debug = self.cfg.get("debug") or {}
+        if debug.get("fail_at_step") == self.step:
+            raise RuntimeError(f"debug.fail_at_step={self.step}: injected failure")
+        if debug.get("oom_at_step") == self.step:
+            raise torch.OutOfMemoryError(f"debug.oom_at_step={self.step}: injected out of memory")
+        if debug.get("hang_at_step") == self.step:
+            log.warning("debug.hang_at_step=%d: hanging", self.step)
+            threading.Event().wait()
+
     def fit(self, telemetry) -> dict:
         """Train for train.max_steps; returns the loss/perf part of the summary."""
         max_steps, every = int(self.cfg.train.max_steps), int(self.cfg.train.log_every)
@@ -119,6 +130,7 @@ class Trainer:
         loss_first = loss_last = None
         try:
             while self.step < max_steps:
+                self._inject_faults()
                 telemetry.timer.start_step()
                 metrics = self.train_step()
                 step_s = telemetry.timer.end_step(self.micro_batch * self.grad_accum * self.accelerator.num_processes)

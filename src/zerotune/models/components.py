@@ -1,0 +1,184 @@
+"""SDXL's frozen components from local folders: the VAE, both text encoders and their tokenizers.
+
+Each comes from its own key (model.vae, model.text_encoder, model.text_encoder_2, model.tokenizer,
+model.tokenizer_2) or from the matching subfolder of one SDXL pipeline folder, model.components; an
+own key wins. Nothing is ever downloaded (local_files_only). Their configs are checked against the
+U-Net before any weights load, and they load only when the latent cache misses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotune.data.hashing import FileHasher, digest
+from zerotune.errors import ConfigError
+from zerotune.models import downsample_factor, unet_config
+
+NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+# Files from_pretrained loads, in the order it looks for them; anything else in the folder
+# (other precision variants, READMEs) does not change what is computed.
+_WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin",
+            "pytorch_model.bin")
+# Config fields that record who saved a file, not what it computes.
+_VOLATILE = {"_diffusers_version", "transformers_version", "_name_or_path", "_commit_hash", "architectures",
+             "dtype", "torch_dtype", "_class_name"}
+
+
+@dataclass(frozen=True)
+class ComponentPaths:
+    vae: Path
+    text_encoder: Path
+    text_encoder_2: Path
+    tokenizer: Path
+    tokenizer_2: Path
+
+
+def resolve_components(model_cfg: Any) -> ComponentPaths:
+    """Where each component lives; a ConfigError naming the key for one that is missing."""
+    base = model_cfg.get("components")
+    base = Path(str(base)).expanduser() if base else None
+    if base is not None and not base.is_dir():
+        raise ConfigError("model.components", f"{base} is not a folder",
+                          "model.components=/path/to/a/local/sdxl/pipeline (with vae/, text_encoder/, ...)")
+    found = {}
+    for name in NAMES:
+        own = model_cfg.get(name)
+        path = Path(str(own)).expanduser() if own else (base / name if base is not None else None)
+        key = f"model.{name}" if own or base is None else "model.components"
+        marker = "tokenizer_config.json" if name.startswith("tokenizer") else "config.json"
+        if path is None:
+            raise ConfigError(f"model.{name}", "data=folder encodes images and captions, but no local "
+                              f"{name} was given", f"model.components=/path/to/sdxl_pipeline or model.{name}=/path")
+        if not (path / marker).is_file():
+            raise ConfigError(key, f"{path} has no {marker}: not a saved {name}",
+                              f"point model.{name} (or model.components) at a folder saved by save_pretrained")
+        found[name] = path
+    return ComponentPaths(**found)
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
+    """The components' output shapes against what the U-Net takes, from their configs alone."""
+    unet = unet_config(model_cfg)
+    vae, te1, te2 = _config(paths.vae), _config(paths.text_encoder), _config(paths.text_encoder_2)
+    vae_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    if vae_factor != int(model_cfg.vae_scale_factor):
+        raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
+                          f"says vae_scale_factor={model_cfg.vae_scale_factor}",
+                          f"model.vae_scale_factor={vae_factor}, or the VAE the U-Net was made for")
+    if int(vae.get("latent_channels", 4)) != int(unet["in_channels"]):
+        raise ConfigError("model.vae", f"{paths.vae} makes {vae.get('latent_channels')}-channel latents; the "
+                          f"U-Net takes {unet['in_channels']}", "the VAE the U-Net was made for")
+    hidden = int(te1["hidden_size"]) + int(te2["hidden_size"])
+    if hidden != int(unet.get("cross_attention_dim") or 0):
+        raise ConfigError("model.text_encoder", f"the text encoders' hidden sizes add up to {hidden} "
+                          f"({te1['hidden_size']} + {te2['hidden_size']}); the U-Net's cross_attention_dim is "
+                          f"{unet.get('cross_attention_dim')}", "the text encoders the U-Net was made for")
+    pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
+    if int(te2.get("projection_dim", -1)) != pooled:
+        raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
+                          f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
+    seq = int(model_cfg.get("text_seq_len", 77))
+    for key, cfg in (("model.text_encoder", te1), ("model.text_encoder_2", te2)):
+        if int(cfg["max_position_embeddings"]) < seq:
+            raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "
+                              f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
+
+
+def check_bucket_step(model_cfg: Any, step: int) -> None:
+    """Every bucket side must become a latent side the U-Net can halve down to its bottleneck."""
+    unit = int(model_cfg.vae_scale_factor) * downsample_factor(model_cfg)
+    if step <= 0 or step % unit:
+        raise ConfigError("data.bucket_step", f"{step} px is not a multiple of {unit} (model={model_cfg.name} "
+                          "encodes by vae_scale_factor and its U-Net halves the rest)", f"data.bucket_step={unit * 8}")
+
+
+def _weights_files(path: Path) -> list[str]:
+    for name in _WEIGHTS:
+        if (path / name).is_file():
+            return [name]
+        index = path / f"{name}.index.json"
+        if index.is_file():
+            return [index.name, *sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(p.name for p in path.iterdir() if p.is_file() and p.name != "config.json")
+
+
+def component_id(path: Path, hasher: FileHasher) -> str:
+    """What the component computes: its config (minus who-saved-it fields) and its weights' bytes."""
+    config = {k: v for k, v in _config(path).items() if k not in _VOLATILE}
+    return digest(config, [(name, hasher.file(path / name)) for name in _weights_files(path)])
+
+
+def component_ids(paths: ComponentPaths, hasher: FileHasher) -> dict[str, str]:
+    """{"vae": ..., "text": ...}: latents depend on the first, text embeddings on the second."""
+    text = digest(component_id(paths.text_encoder, hasher), component_id(paths.text_encoder_2, hasher),
+                  hasher.folder(paths.tokenizer), hasher.folder(paths.tokenizer_2))
+    return {"vae": component_id(paths.vae, hasher), "text": text}
+
+
+class SDXLEncoders:
+    """The frozen encoders, each loaded on first use, in fp32, on `device`."""
+
+    def __init__(self, paths: ComponentPaths, device: torch.device, seq_len: int = 77):
+        self.paths, self.device, self.seq_len = paths, device, seq_len
+        self._vae = self._text = None
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[n, 3, h, w] in [-1, 1] -> latents the U-Net trains on: the posterior's mean, scaled.
+
+        The mean, not a sample: the cache holds one deterministic value per image.
+        """
+        vae = self._load_vae()
+        latents = vae.encode(pixels.to(self.device, torch.float32)).latent_dist.mean
+        shift = vae.config.get("shift_factor") or 0.0
+        return ((latents - shift) * vae.config.scaling_factor).float().cpu()
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDXL's conditioning: both encoders' penultimate hidden states side by side [n, seq, d1 + d2],
+        and text_encoder_2's projected pooled embedding [n, p]."""
+        (tok1, enc1), (tok2, enc2) = self._load_text()
+        states, pooled = [], None
+        for tok, enc in ((tok1, enc1), (tok2, enc2)):
+            ids = tok(captions, padding="max_length", max_length=self.seq_len, truncation=True,
+                      return_tensors="pt").input_ids.to(self.device)
+            out = enc(ids, output_hidden_states=True)
+            states.append(out.hidden_states[-2])
+            pooled = out[0]  # for text_encoder_2 (a ...WithProjection model), its text_embeds
+        return torch.cat(states, dim=-1).float().cpu(), pooled.float().cpu()
+
+    def _load_vae(self):
+        if self._vae is None:
+            from diffusers import AutoencoderKL
+
+            self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
+                                                      torch_dtype=torch.float32).to(self.device).eval()
+        return self._vae
+
+    def _load_text(self):
+        if self._text is None:
+            from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+            def model(cls, path: Path):
+                return cls.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(self.device).eval()
+
+            self._text = ((CLIPTokenizer.from_pretrained(self.paths.tokenizer, local_files_only=True),
+                           model(CLIPTextModel, self.paths.text_encoder)),
+                          (CLIPTokenizer.from_pretrained(self.paths.tokenizer_2, local_files_only=True),
+                           model(CLIPTextModelWithProjection, self.paths.text_encoder_2)))
+        return self._text
+
+    def release(self) -> None:
+        """Drop the encoders: training keeps only the U-Net on the accelerator."""
+        self._vae = self._text = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

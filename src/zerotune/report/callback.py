@@ -1,0 +1,68 @@
+"""Write the sweep report when a Hydra sweep ends, and refresh it as each job ends.
+
+Hydra skips `on_multirun_end` when any job raised (the sweeper re-raises the first failure once the
+batch is done), so the report is also rebuilt in `on_job_end`: a sweep with an OOM still leaves one.
+A report problem is logged, never raised: it must not fail or stop the sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from zerotune.report.collect import RUNNING_WINDOW_S, NoRunsError
+
+log = logging.getLogger(__name__)
+
+
+class SweepReportCallback(Callback):
+    def __init__(self, refresh_each_job: bool = True) -> None:
+        self.refresh_each_job = refresh_each_job
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if self.refresh_each_job and _mode(config) == RunMode.MULTIRUN:
+            self.report(config, running_window_s=RUNNING_WINDOW_S, final=False)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # Every job has returned: a job folder without summary.json is missing, not running.
+        self.report(config, running_window_s=0.0, final=True)
+
+    def report(self, config: DictConfig, running_window_s: float, final: bool) -> None:
+        """Build the report for `config.hydra.sweep.dir`; log, never raise, on failure."""
+        if os.environ.get("RANK", "0") != "0":
+            return  # under a multi-process launcher every rank runs Hydra; one writer is enough
+        sweep_dir: Path | str = "?"
+        try:
+            from zerotune.report.build import build_report  # matplotlib loads only when a report is made
+
+            sweep_dir = Path(str(config.hydra.sweep.dir))
+            budget = OmegaConf.select(config, "report.budget_mib", default=None)
+            metric = OmegaConf.select(config, "report.metric", default=None) or "gpu"
+            report = build_report([sweep_dir], budget_mib=budget, metric=metric,
+                                  running_window_s=running_window_s)
+        except (FileNotFoundError, NoRunsError) as exc:
+            log.warning("sweep report skipped: %s", exc)
+            return
+        except Exception:  # noqa: BLE001 -- a broken report must never fail the sweep
+            log.exception("sweep report for %s failed (the sweep itself is unaffected)", sweep_dir)
+            return
+        if not final:
+            log.info("sweep report updated: %s", report.md_path)
+            return
+        log.info("sweep report: %s\n%s", report.md_path, report.table_md)
+        if report.budget is not None:
+            log.info("budget %.0f MiB (%s): %s", report.budget.budget_mib, report.budget.metric,
+                     report.budget.reason)
+
+
+def _mode(config: DictConfig) -> Any:
+    try:
+        return OmegaConf.select(config, "hydra.mode", default=None)
+    except Exception:  # noqa: BLE001 -- an unreadable config just means "not a sweep we can report on"
+        return None
