@@ -83,3 +83,19 @@ def test_multirun_sweep_over_stages(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, stage in (("0", 1), ("1", 2)):
         check_run(tmp_path / job, stage, "none")
+
+
+def test_wandb_offline_run_records_what_was_logged(tmp_path):
+    from zerotune.loggers.wandb_logger import read_offline_run
+
+    proc = run_cli("logger=wandb", "zero_stage=1", *QUICK, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_offline_run(tmp_path)
+    assert record["name"] == "logger=wandb,zero_stage=1,train.max_steps=4,train.batch_size=8,train.log_every=1," \
+        "evaluate.enabled=false,scheduler.warmup_steps=0"
+    assert record["config"]["zero_stage"]["stage"] == 1 and record["config"]["model"]["name"] == "tiny"
+    losses = [row["loss/train"] for row in record["history"] if "loss/train" in row]
+    assert len(losses) == 4 and all(0 < x < 10 for x in losses)
+    assert any("memory" in row or "memory/host_rss_mib" in row for row in record["history"])
+    assert record["summary"]["status"] == "ok" and record["summary"]["steps"] == 4
+    assert record["exit_code"] == 0

@@ -30,7 +30,7 @@ def job_spec() -> JobSpec:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     group = f"{Path(hc.sweep.dir).parent.name}/{Path(hc.sweep.dir).name}" if multirun else None
-    overrides = list(hc.overrides.task)
+    overrides = [o.replace("'", "") for o in hc.overrides.task]  # zero_stage=2, as the user typed it
     return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name_from_overrides(overrides), group=group,
                    overrides=overrides)
 
