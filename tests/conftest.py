@@ -12,14 +12,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import normalize_overrides
+from zerotune.cli.overrides import normalize_overrides, with_search_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=normalize_overrides(list(overrides), CONF_DIR))
+        return compose(config_name="config",
+                       overrides=with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR))
 
 
 def cli_env() -> dict:

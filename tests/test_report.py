@@ -22,6 +22,7 @@ from PIL import Image
 
 from tests.conftest import cli_env
 from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
+from zerotune.report.__main__ import main as report_main
 from zerotune.report.build import build_report
 from zerotune.report.callback import SweepReportCallback
 from zerotune.report.collect import NoRunsError
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def write_job(sweep: Path, num: int, *, stage: int, resolution: int, status: str = "ok", batch: int = 8,
               offload: str = "none", gpu: float | None = None, host: float | None = 3000.0,
               step: float | None = 0.5, error: dict | None = None, experiment: dict | None = None,
-              device: str = "FIXTURE-GPU", summary: bool = True) -> Path:
+              device: str = "FIXTURE-GPU", gpu_max_rank: float | None = None, summary: bool = True) -> Path:
     """A job folder as a sweep leaves it: .hydra/overrides.yaml always, summary.json unless told not."""
     job = sweep / str(num)
     (job / ".hydra").mkdir(parents=True)
@@ -57,7 +58,8 @@ def write_job(sweep: Path, num: int, *, stage: int, resolution: int, status: str
             "memory": {"gpu_peak_process_mib": gpu, "gpu_peak_device_mib": gpu,
                        "gpu_peak_allocated_mib": None if gpu is None else gpu - 1000,
                        "gpu_peak_reserved_mib": None if gpu is None else gpu - 500,
-                       "host_peak_rss_mib": host, "nvme_peak_mib": None},
+                       "host_peak_rss_mib": host, "nvme_peak_mib": None,
+                       "gpu_peak_process_mib_max_rank": gpu_max_rank},
             "perf": {"step_time_median_s": step, "step_time_p90_s": None if step is None else step * 1.2,
                      "samples_per_s": None if step is None else batch / step, "startup_s": 12.0},
             "env": {"device_name": device},
@@ -77,7 +79,8 @@ OOM = {"type": "OutOfMemoryError", "message": "CUDA out of memory. Tried to allo
        "traceback_tail": ["..."]}
 FAILED = {"type": "ValueError", "message": "bad | value"}
 REFERENCE = {"name": "fixture-reference",
-             "reference": {"gpu_peak_process_mib": 16000.0, "step_time_s": 0.9, "device": "FIXTURE-REF-GPU"}}
+             "reference": {"gpu_peak_process_mib": 16000.0, "step_time_s": 0.9, "device": "FIXTURE-REF-GPU",
+                           "source": "fixture guide"}}
 
 
 @pytest.fixture
@@ -86,7 +89,8 @@ def gpu_sweep(tmp_path: Path) -> Path:
     sweep = tmp_path / "multirun" / "2026-11-21" / "21-40-00-000001"
     write_job(sweep, 0, stage=2, resolution=128, gpu=6000.0, host=3000.0, step=0.40)
     write_job(sweep, 1, stage=2, resolution=512, status="oom", gpu=None, host=3100.0, step=None, error=OOM)
-    write_job(sweep, 2, stage=3, resolution=128, gpu=4000.0, host=3500.0, step=0.60)
+    # Two ranks: rank 0 peaked at 4000 MiB, the busiest rank at 4200 MiB.
+    write_job(sweep, 2, stage=3, resolution=128, gpu=4000.0, gpu_max_rank=4200.0, host=3500.0, step=0.60)
     write_job(sweep, 3, stage=3, resolution=512, gpu=20000.0, host=4000.0, step=1.50, experiment=REFERENCE)
     write_job(sweep, 4, stage=2, resolution=1024, status="failed", gpu=None, host=2000.0, step=None,
               error=FAILED)
@@ -126,11 +130,14 @@ def by_job(rows: list[dict]) -> dict[str, dict]:
 # ---------------------------------------------------------------- collection
 
 def test_collect_reads_every_job_state(gpu_sweep: Path):
+    with open(gpu_sweep / "0" / ".hydra" / "overrides.yaml", "a") as f:
+        f.write("- report.budget_mib=100\n")  # configures the report, not the run: never a swept key
     rows = by_job(collect_runs([gpu_sweep]))
     assert list(rows) == ["0", "1", "2", "3", "4", "5"]
     assert {j: r["status"] for j, r in rows.items()} == {
         "0": "ok", "1": "oom", "2": "ok", "3": "ok", "4": "failed", "5": "missing"}
     assert rows["0"]["gpu_peak_process_mib"] == 6000.0 and rows["1"]["gpu_peak_process_mib"] is None
+    assert rows["2"]["gpu_peak_process_mib"] == 4200.0  # the busiest rank's peak is what must fit a GPU
     assert rows["1"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     # The missing job is still placed by its overrides (quoted group choices parsed back to numbers).
     assert rows["5"]["params"]["zero_stage"] == 3 and rows["5"]["params"]["resolution"] == 1024
@@ -200,7 +207,7 @@ def test_csv_markdown_and_plots_with_gpu_figures(gpu_sweep: Path, tmp_path: Path
     assert "## Measured vs reference" in md
     ref_line = next(line for line in md.splitlines() if line.startswith("| fixture-reference"))
     assert "| 20000 | 16000 | 1.25× |" in ref_line
-    assert "1.5 s (FIXTURE-GPU)" in ref_line and "0.9 s (FIXTURE-REF-GPU)" in ref_line
+    assert "| 1.5 s (FIXTURE-GPU) | 0.9 s (FIXTURE-REF-GPU) | fixture guide |" in ref_line
 
     assert [p.path.name for p in report.plots] == [GPU_PNG, TIME_PNG, HOST_PNG]
     assert all(p.note is None for p in report.plots)
@@ -232,6 +239,9 @@ def test_merging_two_sweeps(gpu_sweep: Path, cpu_sweep: Path, tmp_path: Path):
     assert len(rows) == 10
     assert {(r["sweep_dir"], r["job"]) for r in rows if r["job"] == "0"} == {
         (str(gpu_sweep), "0"), (str(cpu_sweep), "0")}
+    # A folder of sweeps (multirun/) expands to the sweeps in it.
+    nested = collect_runs([gpu_sweep.parents[1]])
+    assert [(r["sweep_dir"], r["job"]) for r in nested] == [(r["sweep_dir"], r["job"]) for r in rows]
 
     build_report([gpu_sweep, cpu_sweep], out=tmp_path / "merged")
     csv_rows = read_csv(tmp_path / "merged" / "summary.csv")
@@ -249,12 +259,12 @@ def test_budget_picks_fastest_that_fits(gpu_sweep: Path):
     best = cheapest_fit(rows, 24576)
     assert best is not None and best["job"] == "0"  # 0.40 s/step beats 0.60 and 1.50, all fit
     assert best["fit"]["peak_mib"] == 6000.0 and best["fit"]["headroom_mib"] == 18576.0
-    assert cheapest_fit(rows, 5000)["job"] == "2"  # only the 4000 MiB job fits
-    assert cheapest_fit(rows, 4000)["job"] == "2"  # the budget is inclusive
+    assert cheapest_fit(rows, 5000)["job"] == "2"  # only the 4200 MiB job fits
+    assert cheapest_fit(rows, 4200)["job"] == "2"  # the budget is inclusive
 
-    none = budget_answer(rows, 3000)
-    assert none.best is None and cheapest_fit(rows, 3000) is None
-    assert "smallest measured peak is 4000 MiB" in none.reason and "1 oom" in none.reason
+    none = budget_answer(rows, 4100)  # rank 0 of job 2 would fit; its busiest rank doesn't
+    assert none.best is None and cheapest_fit(rows, 4100) is None
+    assert "smallest measured peak is 4200 MiB" in none.reason and "1 oom" in none.reason
 
     # Fitting jobs at two resolutions: their s/step are different work, and the answer says so.
     assert "differ in resolution" in budget_answer(rows, 24576).reason
@@ -323,15 +333,19 @@ def test_cli_writes_report_and_answers_budget(gpu_sweep: Path, tmp_path: Path):
     assert "## Budget: 5000 MiB of gpu_peak_process_mib" in (out / "summary.md").read_text()
 
 
-def test_cli_exit_codes_for_bad_paths(gpu_sweep: Path, tmp_path: Path):
+def test_cli_exit_codes_for_bad_paths(gpu_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     missing = run_report(str(gpu_sweep), str(tmp_path / "no-such-sweep"))
     assert missing.returncode == 2
     assert "argument DIR" in missing.stderr and "no-such-sweep does not exist" in missing.stderr
+
+    # The other usage errors in-process (the module's entry point, without an interpreter start each).
     (tmp_path / "empty").mkdir()
-    empty = run_report(str(tmp_path / "empty"))
-    assert empty.returncode == 2 and "holds no runs" in empty.stderr
-    bad_where = run_report(str(gpu_sweep), "--budget-mib", "100", "--where", "resolution")
-    assert bad_where.returncode == 2 and "argument --where" in bad_where.stderr
+    for argv, message in [([str(tmp_path / "empty")], "holds no runs"),
+                          ([str(gpu_sweep), "--budget-mib", "-5"], "argument --budget-mib"),
+                          ([str(gpu_sweep), "--budget-mib", "100", "--where", "resolution"], "argument --where")]:
+        with pytest.raises(SystemExit) as exited:
+            report_main(argv)
+        assert exited.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "empty" / "summary.md").exists()
 
 
@@ -365,6 +379,10 @@ def test_callback_reports_with_budget_from_config(gpu_sweep: Path):
     md = (gpu_sweep / "summary.md").read_text()
     assert "## Budget: 24576 MiB of gpu_peak_process_mib" in md
     assert "zero_stage=2, resolution=128 (job 0)" in md
+
+    cfg.report.where = {"resolution": 512}
+    SweepReportCallback().on_multirun_end(cfg)
+    assert "Among jobs with resolution=512: Fastest" in (gpu_sweep / "summary.md").read_text()
 
 
 TOY_APP = """

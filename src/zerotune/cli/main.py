@@ -12,7 +12,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import normalize_overrides, strip_local_rank
+from zerotune.cli.overrides import normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.launch.spec import JobSpec
 
@@ -56,7 +56,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     # Hydra options (--cfg job, -m, --help) pass through untouched; only key=value overrides are rewritten.
     try:
-        sys.argv[1:] = normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR)
+        sys.argv[1:] = with_search_path(normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR), CONF_DIR)
     except ConfigError as exc:
         _fail(exc)
     _hydra_main()

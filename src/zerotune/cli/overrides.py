@@ -43,9 +43,23 @@ def group_options(conf_dir: Path) -> dict[str, list[str]]:
             for d in sorted(conf_dir.iterdir()) if d.is_dir() and d.name != "hydra"}
 
 
+def experiments_dir(conf_dir: Path) -> Path:
+    """Experiment configs live beside conf/, in experiments/experiment/, with their results."""
+    return conf_dir.parent / "experiments"
+
+
 def normalize_overrides(args: list[str], conf_dir: Path) -> list[str]:
     groups = group_options(conf_dir)
+    if (experiments_dir(conf_dir) / "experiment").is_dir():
+        groups["experiment"] = sorted(p.stem for p in (experiments_dir(conf_dir) / "experiment").glob("*.yaml"))
     return [_normalize_one(arg, groups) for arg in args]
+
+
+def with_search_path(args: list[str], conf_dir: Path) -> list[str]:
+    """Add experiments/ to Hydra's search path, unless the user set their own."""
+    if any(a.lstrip("+").startswith("hydra.searchpath=") for a in args):
+        return args
+    return [*args, f"hydra.searchpath=[file://{experiments_dir(conf_dir)}]"]
 
 
 def _normalize_one(arg: str, groups: dict[str, list[str]]) -> str:

@@ -14,7 +14,7 @@ import sys
 from hydra import compose, initialize_config_dir
 
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import normalize_overrides
+from zerotune.cli.overrides import normalize_overrides, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
     try:
-        overrides = normalize_overrides(args.overrides, CONF_DIR)
+        overrides = with_search_path(normalize_overrides(args.overrides, CONF_DIR), CONF_DIR)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         with contextlib.redirect_stdout(sys.stderr):

@@ -18,7 +18,7 @@ from zerotune.launch.spec import JobSpec
 from zerotune.plan import make_plan
 from zerotune.rundir import RunDir
 from zerotune.telemetry import MemorySampler, environment_info
-from zerotune.training.run import key_choices, train
+from zerotune.training.run import experiment_info, key_choices, train
 
 log = logging.getLogger("zerotune")
 
@@ -39,7 +39,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     run_dir.write_config(cfg)
     spec.save()
     base = {"status": "failed", "choices": {**key_choices(cfg), "world_size": world_size(cfg)},
-            "run_dir": spec.run_dir}
+            "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
     try:
         plan = make_plan(cfg, world_size(cfg))  # fail in seconds, before any worker starts
     except ConfigError as exc:
@@ -51,7 +51,12 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     # The job's own view of memory: every worker on this node, whatever becomes of them.
     with MemorySampler(nvme_dir=nvme, include_root=False) as sampler:
         result = launch_workers(cfg.launch, run_dir.path, cfg.train.get("timeout_s"))
-    summary = run_dir.read_summary() or {**base, "env": environment_info()}
+    summary = run_dir.read_summary()
+    if summary is None and int(cfg.launch.node_rank) != 0 and result.status == "ok":
+        # Another node's rank 0 writes the job's summary; this node records its own ranks' outcome.
+        summary = {**base, "status": "ok", "node_rank": int(cfg.launch.node_rank),
+                   "note": "the job's summary is written on node 0", "env": environment_info()}
+    summary = summary or {**base, "env": environment_info()}
     summary = merge_job_view(summary, result.status, result.error, sampler.peaks(), run_dir.path)
     run_dir.write_summary(summary)
     return summary
@@ -73,7 +78,11 @@ def merge_job_view(summary: dict, launch_status: str, launch_error: str | None, 
     for key in ("gpu_peak_process_mib", "gpu_peak_device_mib"):
         if memory.get(key) is None and peaks[key] is not None:
             memory[key] = peaks[key]  # the worker died before writing its own figures
-    memory.update(per_rank_memory(run_dir))
+    files = per_rank_memory(run_dir)
+    # Rank 0 gathered every rank's record over torch.distributed (all nodes); this node's files are a
+    # subset, and the only record when the job failed before the gather.
+    if len(files.get("per_rank", [])) >= len(memory.get("per_rank") or []):
+        memory.update(files)
     return summary
 
 
@@ -81,12 +90,19 @@ def per_rank_memory(run_dir: Path) -> dict:
     import json
 
     files = sorted((run_dir / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    ranks = [json.loads(f.read_text()) for f in files]
+    return per_rank_summary([json.loads(f.read_text()) for f in files])
+
+
+def per_rank_summary(ranks: list[dict]) -> dict:
+    """Each rank's figures, and the largest per-process GPU peak among them."""
     if not ranks:
         return {}
+    ranks = sorted(ranks, key=lambda r: int(r["rank"]))
     gpu = [r.get("gpu_peak_process_mib") for r in ranks]
     measured = [g for g in gpu if g is not None]
-    return {"per_rank": ranks, "gpu_peak_process_mib_max_rank": max(measured) if measured else None}
+    host = [r["host_peak_rss_mib"] for r in ranks if r.get("host_peak_rss_mib") is not None]
+    return {"per_rank": ranks, "gpu_peak_process_mib_max_rank": max(measured) if measured else None,
+            "host_peak_rss_mib_max_rank": max(host) if host else None}
 
 
 def log_tail(run_dir: Path, lines: int = 30) -> list[str]:

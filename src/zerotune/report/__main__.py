@@ -8,7 +8,6 @@ import math
 import sys
 from pathlib import Path
 
-from zerotune.report.build import build_report
 from zerotune.report.collect import NoRunsError, parse_value
 
 
@@ -45,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (sep and key):
             p.error(f"argument --where: expected KEY=VALUE, got {item!r}")
         where[key] = parse_value(value)
+    if where and args.budget_mib is None:
+        p.error("argument --where: narrows the budget answer, so it needs --budget-mib")
+    from zerotune.report.build import build_report  # after the checks: a usage error needs no matplotlib
+
     try:
         report = build_report(args.dirs, out=args.out, budget_mib=args.budget_mib, metric=args.metric,
                               where=where)

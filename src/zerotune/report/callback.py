@@ -1,7 +1,8 @@
 """Write the sweep report when a Hydra sweep ends, and refresh it as each job ends.
 
-Hydra skips `on_multirun_end` when any job raised (the sweeper re-raises the first failure once the
-batch is done), so the report is also rebuilt in `on_job_end`: a sweep with an OOM still leaves one.
+Hydra skips `on_multirun_end` when a job's task function raised (its sweeper re-raises the first
+failure), and a sweep stopped with Ctrl-C never gets there either; zerotune's task function records a
+failure and returns, but the report is rebuilt in `on_job_end` too, so any sweep leaves an up-to-date one.
 A report problem is logged, never raised: it must not fail or stop the sweep.
 """
 
@@ -44,7 +45,9 @@ class SweepReportCallback(Callback):
             sweep_dir = Path(str(config.hydra.sweep.dir))
             budget = OmegaConf.select(config, "report.budget_mib", default=None)
             metric = OmegaConf.select(config, "report.metric", default=None) or "gpu"
-            report = build_report([sweep_dir], budget_mib=budget, metric=metric,
+            where = OmegaConf.select(config, "report.where", default=None)
+            where = OmegaConf.to_container(where) if where is not None else None
+            report = build_report([sweep_dir], budget_mib=budget, metric=metric, where=where,
                                   running_window_s=running_window_s)
         except (FileNotFoundError, NoRunsError) as exc:
             log.warning("sweep report skipped: %s", exc)

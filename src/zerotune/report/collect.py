@@ -20,6 +20,7 @@ OVERRIDES = Path(".hydra") / "overrides.yaml"
 MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib",
                "gpu_peak_reserved_mib", "host_peak_rss_mib", "nvme_peak_mib")
 PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_s")
+MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry for multi-process jobs
 TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
 # Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
 # plus every name in MEMORY_KEYS, PERF_KEYS and TOP_KEYS (None when absent).
@@ -41,6 +42,7 @@ OVERRIDE_TO_CHOICE = {
 }
 # Shown for an override-only key in a job that did not override it (its value is the config's default).
 DEFAULT = "(default)"
+IGNORED_PREFIXES = ("report.", "hydra.")
 # Keys that identify a job when no key varies across the jobs (a single run, say).
 IDENTITY_KEYS = ("zero_stage", "offload", "resolution", "batch_size")
 
@@ -54,7 +56,8 @@ class NoRunsError(ValueError):
 
 
 def collect_runs(dirs: Iterable[str | Path], running_window_s: float = RUNNING_WINDOW_S) -> list[dict]:
-    """Rows for every job in the given sweep directories (merged in order), or for a single run directory.
+    """Rows for every job in the given sweep directories (merged in order); a single run directory or a
+    folder of sweeps (multirun/, multirun/<date>/) works too.
 
     Raises FileNotFoundError for a path that doesn't exist and NoRunsError for one that holds no runs.
     """
@@ -66,16 +69,25 @@ def collect_runs(dirs: Iterable[str | Path], running_window_s: float = RUNNING_W
         if is_run_dir(path):  # a single run: its parent is the sweep (or outputs/<date>) folder
             rows.append(read_job(path.parent, path, running_window_s))
             continue
-        jobs = job_dirs(path)
-        if not jobs:
+        sweeps = find_sweeps(path)
+        if not sweeps:
             raise NoRunsError(path)
-        rows.extend(read_job(path, job, running_window_s) for job in jobs)
+        rows.extend(read_job(sweep, job, running_window_s) for sweep in sweeps for job in job_dirs(sweep))
     _fill_override_defaults(rows)
     return rows
 
 
 def is_run_dir(path: Path) -> bool:
     return (path / SUMMARY).is_file() or (path / OVERRIDES).is_file()
+
+
+def find_sweeps(path: Path, depth: int = 2) -> list[Path]:
+    """`path` if it holds jobs, else the sweeps below it: multirun/ -> <date>/ -> <time>/ is two levels."""
+    if job_dirs(path):
+        return [path]
+    if depth <= 0 or not path.is_dir():
+        return []
+    return [s for child in sorted(p for p in path.iterdir() if p.is_dir()) for s in find_sweeps(child, depth - 1)]
 
 
 def job_dirs(sweep: Path) -> list[Path]:
@@ -104,6 +116,9 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
         row["choices"] = dict(summary.get("choices") or {})
     memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
     row.update({k: memory.get(k) for k in MEMORY_KEYS})
+    # With several ranks the top-level figure is rank 0's; what has to fit a GPU is the busiest rank's.
+    busiest = [v for v in (row["gpu_peak_process_mib"], memory.get(MAX_RANK_KEY)) if v is not None]
+    row["gpu_peak_process_mib"] = max(busiest) if busiest else None
     row.update({k: perf.get(k) for k in PERF_KEYS})
     row.update({k: summary.get(k) for k in TOP_KEYS})
     row["params"] = _params(row["choices"], overrides)
@@ -165,6 +180,8 @@ def swept_keys(rows: list[dict]) -> list[str]:
             if name not in candidates:
                 candidates.append(name)
     candidates += [k for k in CHOICE_ORDER if k not in candidates]
+    # report.* configures this report, not the run: it never tells two configurations apart.
+    candidates = [k for k in candidates if not k.startswith(IGNORED_PREFIXES)]
     swept = [k for k in candidates if len(_distinct(rows, k)) > 1]
     if swept:
         return swept

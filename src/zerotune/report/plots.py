@@ -8,6 +8,7 @@ report always has the same files; `write_plots` returns the sentence for summary
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ OFFLOAD_STYLE = {"none": "-", "cpu": "--", "nvme": ":"}
 # Keys that are an axis or a facet; every other swept key splits lines further.
 LAYOUT_KEYS = ("zero_stage", "offload", "resolution", "batch_size")
 MAX_COLS = 3
+LABEL_WIDTH = 38  # legend labels wrap here, so several swept keys don't make the legend wider than the plot
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
     series = _ordered({_value_tuple(r, line_keys) for r in drawn})
     colors = {s: f"C{i % 10}" for i, s in enumerate(series)}
     batches = _ordered({r["params"].get("batch_size") for r in drawn})
-    fig, axes = _grid(len(batches), title)
+    labels = {s: _series_label(s, line_keys) for s in series}
+    fig, axes = _grid(len(batches), title, legend_lines=sum(lab.count("\n") + 1 for lab in labels.values()))
     for ax, batch in zip(axes, batches, strict=False):
         panel = [r for r in drawn if r["params"].get("batch_size") == batch]
         for i, s in enumerate(series):
@@ -84,7 +87,7 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
         top = max((r[metric] for r in panel if r["status"] == "ok" and r[metric] is not None), default=1.0)
         ax.set_ylim(0, top * 1.3)  # headroom keeps the top-edge X marks clear of the lines
     handles = [Line2D([], [], color=colors[s], linestyle=OFFLOAD_STYLE.get(str(s[1]), "-."), marker="o",
-                      label=_series_label(s, line_keys)) for s in series]
+                      label=labels[s]) for s in series]
     handles.append(Line2D([], [], color="red", marker="X", linestyle="", label="did not finish (top edge)"))
     fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     _save(fig, path)
@@ -152,10 +155,12 @@ def _resolution_axis(ax: Axes, resolutions: list[float]) -> None:
     ax.set_xlabel("resolution (px)")
 
 
-def _grid(n: int, title: str) -> tuple[Figure, list[Axes]]:
+def _grid(n: int, title: str, legend_lines: int = 4) -> tuple[Figure, list[Axes]]:
     cols = min(MAX_COLS, max(n, 1))
     rows = math.ceil(max(n, 1) / cols)
-    fig = Figure(figsize=(4.2 * cols + 2.6, 3.4 * rows + 0.8), layout="constrained")
+    # Tall enough for the legend beside the panels: a cramped one would squeeze the axes to nothing.
+    height = max(3.4 * rows + 0.8, 0.2 * legend_lines + 1.0)
+    fig = Figure(figsize=(4.2 * cols + 3.2, height), layout="constrained")
     FigureCanvasAgg(fig)
     axes = list(fig.subplots(rows, cols, squeeze=False).flat)
     for ax in axes[n:]:
@@ -191,4 +196,4 @@ def _ordered(values: set) -> list:
 def _series_label(values: tuple, keys: list[str]) -> str:
     stage, offload, *rest = values
     extra = "".join(f", {k}={v}" for k, v in zip(keys[2:], rest, strict=True))
-    return f"ZeRO-{stage}, offload {offload}{extra}"
+    return textwrap.fill(f"ZeRO-{stage}, offload {offload}{extra}", LABEL_WIDTH, subsequent_indent="  ")

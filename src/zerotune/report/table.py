@@ -77,7 +77,7 @@ def reference_section(rows: list[dict]) -> str:
     if not refs:
         return ""
     headers = ["experiment", "job", "status", "GPU peak MiB", "reference MiB", "measured / reference",
-               "s/step measured", "s/step reference"]
+               "s/step measured", "s/step reference", "reference source"]
     lines = ["## Measured vs reference", "", _md_row(headers), _md_row(["---"] * len(headers))]
     for row in refs:
         ref = row["experiment"]["reference"]
@@ -87,7 +87,7 @@ def reference_section(rows: list[dict]) -> str:
             str(row["experiment"].get("name", NA)), row["job"], row["status"],
             _cell(measured, "{:.0f}".format), _cell(expected, "{:.0f}".format), ratio,
             _timed(row.get("step_time_median_s"), row.get("device")),
-            _timed(ref.get("step_time_s"), ref.get("device")),
+            _timed(ref.get("step_time_s"), ref.get("device")), str(ref.get("source") or NA),
         ]))
     lines += ["", "Memory ratio = measured / reference peak GPU process memory. Step times were taken on "
               "the devices named and are shown side by side, not divided: times from different GPUs don't "
@@ -119,7 +119,8 @@ def _timed(seconds: float | None, device: str | None) -> str:
 
 def _sweep_label(sweep_dir: str) -> str:
     """The last two path parts (`<date>/<time>`): enough to tell Hydra's sweeps apart."""
-    return "/".join(Path(sweep_dir).parts[-2:])
+    path = Path(sweep_dir)
+    return "/".join([p for p in path.parts if p != path.anchor][-2:]) or str(path)
 
 
 def _md_row(cells: list[str]) -> str:

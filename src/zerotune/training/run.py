@@ -30,6 +30,16 @@ def key_choices(cfg: Any) -> dict:
             "world_size": distributed.world_size()}
 
 
+def experiment_info(cfg: Any) -> dict | None:
+    """An experiment's name and the reference figures it reproduces, for reports to compare against."""
+    ref = cfg.get("reference")
+    if not ref:
+        return None
+    from omegaconf import OmegaConf
+
+    return {"name": ref.get("name"), "reference": OmegaConf.to_container(ref, resolve=True)}
+
+
 def is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -46,10 +56,12 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     rank = distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
     run_dir.write_config(cfg)
-    summary: dict = {"status": "failed", "choices": key_choices(cfg), "run_dir": str(run_dir.path)}
+    summary: dict = {"status": "failed", "choices": key_choices(cfg), "run_dir": str(run_dir.path),
+                     "experiment": experiment_info(cfg)}
     logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
     try:
         plan = make_plan(cfg, distributed.world_size())
+        distributed.init_accelerate_state(plan.use_deepspeed)
         run_dir.write_ds_config(plan.ds_config)
         summary.update({"use_deepspeed": plan.use_deepspeed, "num_params": plan.model_stats.num_params})
         summary.update(_train_and_evaluate(cfg, plan, run_dir, logger))
@@ -86,8 +98,16 @@ class _MetricsSink:
 
     def __init__(self, run_dir: RunDir, logger):
         self.run_dir, self.logger = run_dir, logger
+        self.trainer = None
+        self.partition: dict | None = None      # this rank's ZeRO share, read once after the first step
+        self.losses: dict[int, float] = {}      # this rank's logged losses (only rank 0 writes metrics.jsonl)
 
     def log_metrics(self, row: dict) -> None:
+        if self.partition is None and self.trainer is not None:
+            from zerotune.training.partition import partition_bytes
+
+            self.partition = partition_bytes(self.trainer.unet, self.trainer.optimizer)
+        self.losses[int(row["step"])] = row.get("loss/train")
         self.run_dir.log_metrics(row)
         self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
@@ -100,14 +120,21 @@ def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:
-        trainer = Trainer(cfg, plan, _MetricsSink(run_dir, logger))
+        sink = _MetricsSink(run_dir, logger)
+        trainer = Trainer(cfg, plan, sink)
+        sink.trainer = trainer
         telemetry.timer.synchronize = _device_sync(trainer)
         out.update(trainer.fit(telemetry))
         out["train_time_s"] = sum(telemetry.timer.durations)
         if trainer.ema is not None:
             out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
-    _write_rank_memory(run_dir, out["memory"])
+    out["partition"] = sink.partition
+    record = _write_rank_memory(run_dir, out["memory"], partition=sink.partition, losses=sink.losses)
+    # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
+    records = distributed.gather_object(record)
+    if records is not None:
+        out["memory"].update(_per_rank_memory(records))
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits":
         quality = evaluate_digits(trainer, cfg, run_dir)
         if quality is not None:
@@ -116,11 +143,19 @@ def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
     return out
 
 
-def _write_rank_memory(run_dir: RunDir, memory: dict) -> None:
+def _write_rank_memory(run_dir: RunDir, memory: dict, **extra) -> dict:
     """Every rank records its own figures; the job merges them (rank 0 alone would hide the others)."""
     folder = run_dir.path / "ranks"
-    folder.mkdir(exist_ok=True)
-    write_json_atomic(folder / f"rank{distributed.rank()}.json", {"rank": distributed.rank(), **memory})
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"rank": distributed.rank(), **memory, **extra}
+    write_json_atomic(folder / f"rank{distributed.rank()}.json", record)
+    return record
+
+
+def _per_rank_memory(records: list[dict]) -> dict:
+    from zerotune.launch.job import per_rank_summary
+
+    return per_rank_summary(records)
 
 
 def _device_sync(trainer):
