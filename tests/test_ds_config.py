@@ -118,3 +118,8 @@ def test_auto_buckets_are_capped_at_model_size():
     assert zero["reduce_bucket_size"] == 500_000_000 and zero["stage3_prefetch_bucket_size"] == 50_000_000
     zero = build(compose_cfg("zero_stage=2", "deepspeed.reduce_bucket_size=12345"), 1, big)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 12345
+
+
+def test_zero_warmup():
+    # DeepSpeed's WarmupLR refuses 0 steps; with no warm-up the lr is constant, so no scheduler block.
+    assert "scheduler" not in make_plan(compose_cfg("scheduler.warmup_steps=0")).ds_config

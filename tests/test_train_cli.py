@@ -42,7 +42,7 @@ def test_zero2_cpu_offload_as_documented(tmp_path):
     proc = run_cli("zero_stage=2", "offload=cpu", *QUICK, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_run(tmp_path, 2, "cpu")
-    assert "result: status ok" in proc.stderr
+    assert "result: status ok" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_default_job_loss_falls(tmp_path):
     assert summary["loss_last"] < 0.7 * summary["loss_first"], losses
     assert 0.0 <= summary["quality"]["digit_accuracy"] <= 1.0 and summary["quality"]["samples"] == 40
     assert (tmp_path / "samples" / "grid.png").stat().st_size > 0
-    assert "digit accuracy" in proc.stderr
+    assert "digit accuracy" in proc.stdout + proc.stderr
 
 
 def test_plain_accelerate_path_trains_at_stage_0(tmp_path):
@@ -91,11 +91,12 @@ def test_wandb_offline_run_records_what_was_logged(tmp_path):
     proc = run_cli("logger=wandb", "zero_stage=1", *QUICK, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_offline_run(tmp_path)
-    assert record["name"] == "logger=wandb,zero_stage=1,train.max_steps=4,train.batch_size=8,train.log_every=1," \
-        "evaluate.enabled=false,scheduler.warmup_steps=0"
+    # The run name is the overrides as typed (cut to 100 characters with a hash suffix when longer).
+    assert record["name"].startswith("logger=wandb,zero_stage=1,train.max_steps=4,") and len(record["name"]) <= 100
     assert record["config"]["zero_stage"]["stage"] == 1 and record["config"]["model"]["name"] == "tiny"
     losses = [row["loss/train"] for row in record["history"] if "loss/train" in row]
     assert len(losses) == 4 and all(0 < x < 10 for x in losses)
-    assert any("memory" in row or "memory/host_rss_mib" in row for row in record["history"])
+    assert all(row["memory/host_rss_mib"] > 0 for row in record["history"] if "loss/train" in row)
+    assert any("samples" in row for row in record["history"]), "the sample/telemetry images were logged"
     assert record["summary"]["status"] == "ok" and record["summary"]["steps"] == 4
     assert record["exit_code"] == 0

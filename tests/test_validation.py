@@ -195,3 +195,8 @@ def test_cli_unknown_group_choice_exits_nonzero():
 def test_ds_config_cli_error_exits_nonzero():
     proc = run_cli("train.batch_size=0", module="zerotune.ds_config", timeout=120)
     assert proc.returncode == CONFIG_ERROR_EXIT and "train.batch_size" in proc.stderr
+
+
+def test_decay_schedulers_need_warmup_steps():
+    err = plan_error("scheduler=cosine", "scheduler.warmup_steps=0")
+    assert err.key == "scheduler.warmup_steps" and ">= 1" in err.problem

@@ -16,8 +16,12 @@ def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
         return None
     if name in ("warmup", "warmup_decay", "cosine"):
         warmup = int(sched.warmup_steps)
-        if warmup < 0:
-            raise ConfigError("scheduler.warmup_steps", f"must be >= 0, got {warmup}", "scheduler.warmup_steps=100")
+        if warmup < 0 or (warmup == 0 and name != "warmup"):
+            # DeepSpeed's schedulers refuse 0 warm-up steps; only plain warm-up has a 0-step equivalent.
+            raise ConfigError("scheduler.warmup_steps", f"must be >= {0 if name == 'warmup' else 1} for "
+                              f"scheduler={name}, got {warmup}", "scheduler.warmup_steps=100")
+        if warmup == 0:
+            return None  # WarmupLR with no warm-up is the optimizer's lr throughout
         if name != "warmup" and warmup >= max_steps:
             raise ConfigError("scheduler.warmup_steps", f"{warmup} warm-up steps leave nothing to decay over "
                               f"train.max_steps={max_steps}", f"scheduler.warmup_steps={max(max_steps // 10, 0)}")
