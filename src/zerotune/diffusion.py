@@ -15,14 +15,19 @@ def noise_scheduler(diff: Any) -> DDPMScheduler:
 
 
 def diffusion_loss(unet, x0: torch.Tensor, cond: dict, sched: DDPMScheduler, generator: torch.Generator,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, noise: torch.Tensor | None = None,
+                   timesteps: torch.Tensor | None = None) -> torch.Tensor:
     """MSE between the U-Net's prediction and its target at a random timestep, computed in fp32.
 
-    Noise and timesteps are drawn on the CPU from `generator`, so runs are reproducible on any device.
+    Noise and timesteps are drawn on the CPU from `generator`, so runs are reproducible on any device,
+    unless given (drawn for the global batch and sliced per rank: see training/distributed.py).
     """
     n = x0.shape[0]
-    noise = torch.randn(x0.shape, generator=generator).to(x0.device, x0.dtype)
-    t = torch.randint(0, sched.config.num_train_timesteps, (n,), generator=generator).to(x0.device)
+    if noise is None:
+        noise = torch.randn(x0.shape, generator=generator)
+    if timesteps is None:
+        timesteps = torch.randint(0, sched.config.num_train_timesteps, (n,), generator=generator)
+    noise, t = noise.to(x0.device, x0.dtype), timesteps.to(x0.device)
     noisy = sched.add_noise(x0, noise, t)
     if sched.config.prediction_type == "v_prediction":
         target = sched.get_velocity(x0, noise, t)

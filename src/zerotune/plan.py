@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune import models
+from zerotune.data import check_data
 from zerotune.ds_config import builder, validator
 from zerotune.ds_config.builder import ModelStats
 from zerotune.errors import ConfigError
@@ -54,6 +55,7 @@ def make_plan(cfg: Any, world_size: int = 1, platform: Platform | None = None) -
     platform = platform or detect()
     _check_train(cfg)
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
+    check_data(cfg)
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model)
     ds = validator.validate(builder.build(cfg, world_size, stats), platform, world_size)

@@ -11,7 +11,9 @@ from diffusers import DPMSolverMultistepScheduler
 from zerotune.models.tiny import NULL_CLASS, tiny_unet_kwargs
 
 
-def make_sampler(noise_scheduler_config: Mapping[str, Any], prediction_type: str) -> DPMSolverMultistepScheduler:
+def make_sampler(
+    noise_scheduler_config: Mapping[str, Any], prediction_type: str
+) -> DPMSolverMultistepScheduler:
     """DPM-Solver++ (2nd order, multistep) sharing the training betas; accurate in ~20 steps."""
     config = dict(noise_scheduler_config)
     config.pop("variance_type", None)  # DDPM's fixed_small would make DPM-Solver expect learned variance

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -48,14 +49,58 @@ def _hydra_main(cfg: DictConfig) -> None:
             log.error("config error at %s", exc)
             return
         _fail(exc)
-    print_result(summary)
+    from zerotune.training import distributed
+
+    if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
+        print_result(summary)
     if summary["status"] != "ok" and not multirun:
         sys.exit(1)
+
+
+def agree_across_ranks(args: list[str]) -> list[str]:
+    """Under torchrun / `accelerate launch` / `deepspeed`, every rank runs this CLI and composes its own config.
+
+    The ranks join the default process group first and take rank 0's clock, so `${now:...}` in
+    hydra.run.dir (and hydra.sweep.dir) resolves to ONE folder on every rank. Ranks other than 0 then
+    write nothing of Hydra's there: no `.hydra/` (hydra.output_subdir=null) and no log file
+    (hydra/job_logging=stdout: their log goes to the launcher's console). Only rank 0 writes the
+    run's files (training/run.py) and talks to W&B.
+    """
+    from zerotune.launch.job import launched_externally
+    from zerotune.training import distributed
+
+    if not launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
+        return args
+    distributed.init_process_group()
+    pin_hydra_clock(distributed.broadcast_object(datetime.now()))
+    if distributed.rank() == 0:
+        return args
+    extra = ["hydra.output_subdir=null"]
+    if not any(a.lstrip("+~").startswith("hydra/job_logging=") for a in args):
+        extra.append("hydra/job_logging=stdout")
+    return [*args, *extra]
+
+
+def _hydra_option_only(args: list[str]) -> bool:
+    return any(a in ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i") for a in args)
+
+
+def pin_hydra_clock(moment: datetime) -> None:
+    """Make Hydra's `${now:...}` resolver read `moment` (it calls hydra.core.utils.datetime.now)."""
+    import hydra.core.utils as hydra_utils
+
+    class _Pinned(datetime):
+        @classmethod
+        def now(cls, tz=None):  # noqa: ARG003 (datetime's signature)
+            return moment
+
+    hydra_utils.datetime = _Pinned
 
 
 def main() -> None:
     # Hydra options (--cfg job, -m, --help) pass through untouched; only key=value overrides are rewritten.
     try:
+        sys.argv[1:] = agree_across_ranks(strip_local_rank(sys.argv[1:]))
         sys.argv[1:] = with_search_path(normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR), CONF_DIR)
     except ConfigError as exc:
         _fail(exc)

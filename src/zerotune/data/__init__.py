@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,19 @@ def build_dataset(cfg: Any) -> Dataset:
         return DigitsDataset(size=int(cfg.resolution.size), split="train", seed=int(cfg.train.seed))
     if name == "synthetic":
         return _synthetic(cfg, shape)
-    raise ConfigError("data.name", f"unknown data set {name!r}", "data=digits or data=synthetic")
+    if name == "folder":
+        from zerotune.data.prepare import prepare_folder_data
+
+        return prepare_folder_data(cfg)[0]
+    raise ConfigError("data.name", f"unknown data set {name!r}", "data=digits, data=synthetic or data=folder")
+
+
+def check_data(cfg: Any) -> None:
+    """The data checks that load no model (seconds): for the parent process, before workers start."""
+    if cfg.data.name == "folder":
+        from zerotune.data.prepare import check_folder_data
+
+        check_folder_data(cfg)
 
 
 def _synthetic(cfg: Any, shape: tuple[int, int, int]) -> Dataset:
@@ -40,7 +53,16 @@ def _synthetic(cfg: Any, shape: tuple[int, int, int]) -> Dataset:
         num_classes=int(cfg.model.get("num_classes", 10)), seed=int(cfg.train.seed))
 
 
-def build_loader(cfg: Any, micro_batch: int, seed: int) -> DataLoader:
-    """The training DataLoader: shuffled by a seeded generator, whole batches only."""
+def build_loader(cfg: Any, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
+    """The training DataLoader: shuffled by a seeded generator, whole batches only.
+
+    data=folder: batches from one aspect-ratio bucket each, read from the latent cache (filled first, by
+    one process per node); `loader.dataset.report` is its data report, also written to
+    <run_dir>/data_report.json when run_dir is given.
+    """
+    if cfg.data.name == "folder":
+        from zerotune.data.prepare import folder_loader
+
+        return folder_loader(cfg, micro_batch, seed, run_dir)
     return DataLoader(build_dataset(cfg), batch_size=micro_batch, shuffle=True, drop_last=True,
                       num_workers=int(cfg.data.num_workers), generator=torch.Generator().manual_seed(seed))

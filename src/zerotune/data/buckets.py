@@ -1,8 +1,8 @@
 """SDXL-style aspect-ratio buckets, and where an image lands in its bucket.
 
-Buckets are the (width, height) pairs with sides divisible by `step`, area at most size**2 and aspect
-ratio within `max_ratio`, that cannot grow either side without leaving the area: for 1024 they are
-SDXL's 512x2048 ... 1024x1024 ... 2048x512. An image goes to the bucket closest to it in log aspect
+Buckets are, for each width divisible by `step`, the tallest height divisible by `step` whose area
+stays within size**2, and the same pairs turned on their side, with aspect ratios up to `max_ratio`:
+for 1024, SDXL's 512x2048, 512x1984, ..., 832x1216, ..., 1024x1024, ..., 2048x512. An image goes to the bucket closest to it in log aspect
 ratio, is resized (keeping its aspect) to cover the bucket, and centre-cropped to it; SDXL's time_ids
 record the original size and the crop's top-left corner.
 """
@@ -20,14 +20,12 @@ def make_buckets(size: int, step: int = 64, max_ratio: float = 4.0) -> list[Buck
     area = size * size
     if step <= 0 or size < step:
         raise ValueError(f"size {size} must be at least one step ({step})")
-    out = []
+    out = set()
     for w in range(step, area // step + 1, step):
-        h = (area // w) // step * step
+        h = (area // w) // step * step  # the tallest that fits, as SDXL's (and kohya's) lists do
         if h >= step and max(w, h) / min(w, h) <= max_ratio:
-            out.append((w, h))
-    # Keep only the maximal ones: (1408, 704) loses to (1472, 704), which has the same height.
-    best = [b for b in out if not any(o != b and o[0] >= b[0] and o[1] >= b[1] for o in out)]
-    return sorted(best, key=lambda b: b[0] / b[1])
+            out.update({(w, h), (h, w)})
+    return sorted(out, key=lambda b: (b[0] / b[1], b[0]))
 
 
 def closest_bucket(width: int, height: int, buckets: list[Bucket]) -> Bucket:

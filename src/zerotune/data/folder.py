@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from zerotune.errors import ConfigError
 
@@ -48,9 +48,10 @@ class Skipped:
 @dataclass
 class ScanResult:
     records: list[ImageRecord] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)        # unreadable images
-    metadata_problems: list[str] = field(default_factory=list)  # bad jsonl lines, entries without a file
-    other_files: int = 0                                        # neither image, caption nor metadata
+    skipped: list[Skipped] = field(default_factory=list)  # unreadable images
+    # Bad metadata.jsonl lines, entries naming no image, unreadable caption files or folders.
+    problems: list[str] = field(default_factory=list)
+    other_files: int = 0                                  # neither image, caption nor metadata
 
 
 def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanResult:
@@ -62,7 +63,11 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
     out = ScanResult()
     images: list[Path] = []
     metadata: dict[Path, tuple[str, Path]] = {}  # image -> (caption, the jsonl that gave it)
-    for folder, dirs, files in os.walk(root):
+
+    def unreadable_folder(exc: OSError) -> None:
+        out.problems.append(f"unreadable folder {exc.filename}: {exc.strerror}")
+
+    for folder, dirs, files in os.walk(root, onerror=unreadable_folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # sorted: a deterministic order
         here = Path(folder)
         for name in sorted(f for f in files if not f.startswith(".")):
@@ -70,7 +75,7 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
             if suffix in IMAGE_SUFFIXES:
                 images.append(here / name)
             elif name == METADATA:
-                _read_metadata(here / name, root, metadata, out.metadata_problems)
+                _read_metadata(here / name, root, metadata, out.problems)
             elif suffix != ".txt":
                 out.other_files += 1
     for path in images:
@@ -80,11 +85,11 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
             out.skipped.append(Skipped(rel, size))
             log.warning("skipping %s: %s", rel, size)
             continue
-        caption, source = _caption(path, metadata)
+        caption, source = _caption(path, metadata, out.problems)
         out.records.append(ImageRecord(path, rel, size[0], size[1], caption, source, _repeats_for(rel, rules)))
     for path in sorted(set(metadata) - set(images)):
-        out.metadata_problems.append(f"{metadata[path][1].relative_to(root).as_posix()}: "
-                                     f"{path.relative_to(root).as_posix()} is not an image file in the folder")
+        out.problems.append(f"{_rel(metadata[path][1], root)}: {_rel(path, root)} is not a jpg, png or webp "
+                            "file in the folder")
     return out
 
 
@@ -94,25 +99,33 @@ def _display_size(path: Path) -> tuple[int, int] | str:
         with Image.open(path) as img:
             w, h = img.size
             orientation = img.getexif().get(0x0112, 1)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except Exception as exc:  # a bad file raises almost anything: OSError, SyntaxError, struct.error...
         return f"unreadable image ({type(exc).__name__}: {exc})"
     if w <= 0 or h <= 0:
         return f"empty image ({w}x{h})"
     return (h, w) if orientation in _SWAPS_SIDES else (w, h)
 
 
-def _caption(path: Path, metadata: Mapping[Path, tuple[str, Path]]) -> tuple[str, str]:
+def _caption(path: Path, metadata: Mapping[Path, tuple[str, Path]], problems: list[str]) -> tuple[str, str]:
     sidecar = path.with_suffix(".txt")
     if sidecar.is_file():
-        return sidecar.read_text(encoding="utf-8", errors="replace").strip(), "sidecar"
+        try:
+            return sidecar.read_text(encoding="utf-8", errors="replace").strip(), "sidecar"
+        except OSError as exc:
+            problems.append(f"unreadable caption {sidecar.name}: {exc}")
     if path in metadata:
         return metadata[path][0], "metadata"
     return "", "missing"
 
 
 def _read_metadata(file: Path, root: Path, out: dict[Path, tuple[str, Path]], problems: list[str]) -> None:
-    rel = file.relative_to(root).as_posix()
-    for n, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    rel = _rel(file, root)
+    try:
+        lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        problems.append(f"{rel}: unreadable ({exc})")
+        return
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -123,11 +136,15 @@ def _read_metadata(file: Path, root: Path, out: dict[Path, tuple[str, Path]], pr
         except (ValueError, KeyError, TypeError) as exc:
             problems.append(f"{rel} line {n}: {type(exc).__name__}: {exc}")
             continue
-        image = (file.parent / name).resolve()
+        image = Path(os.path.normpath(file.parent / name))  # no resolve(): a symlinked image keeps its name
         # A nearer metadata.jsonl wins: os.walk visits parents first, so a later entry is nearer.
         previous = out.get(image)
         if previous is None or len(previous[1].parts) <= len(file.parts):
             out[image] = (caption.strip(), file)
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
 
 
 def _repeat_rules(root: Path, repeats: Mapping[str, int]) -> list[tuple[PurePosixPath, int]]:

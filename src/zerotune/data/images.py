@@ -10,8 +10,9 @@ from PIL import Image, ImageOps
 
 from zerotune.data.buckets import Placement
 
-# What a corrupt or truncated file raises while it is decoded (PIL raises SyntaxError for some headers).
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+# A corrupt file can raise almost anything while it decodes (OSError, SyntaxError, struct.error,
+# DecompressionBombError...): whatever it is, that one image is skipped, not the run.
+DECODE_ERRORS = (Exception,)
 
 
 def open_rgb(path: Path) -> Image.Image:

@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 
+from zerotune.errors import ConfigError
 from zerotune.training.distributed import free_port
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 class LaunchResult:
     status: str                  # "ok" | "failed" | "timeout"
     error: str | None = None
+    failed_rank: int | None = None        # the global rank that failed first (the root cause)
+    failed_local_rank: int | None = None  # its index on this node: logs/<run>/attempt_0/<local_rank>/
 
 
 def _kill_children() -> None:
@@ -36,20 +39,40 @@ def _kill_children() -> None:
             pass
 
 
+def check_launch(launch: Any) -> None:
+    """The launch block's own rules (seconds, before any worker starts)."""
+    nnodes, node_rank = int(launch.nnodes), int(launch.node_rank)
+    if int(launch.num_processes) < 1 or nnodes < 1:
+        raise ConfigError("launch.num_processes", "a job needs at least one process on one node",
+                          "launch.num_processes=1 launch.nnodes=1")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError("launch.node_rank", f"node_rank {node_rank} is outside 0..{nnodes - 1}",
+                          f"launch.node_rank=0 .. {nnodes - 1}, one per node")
+    if str(launch.master_port) == "auto" and nnodes > 1:
+        raise ConfigError("launch.master_port", "several nodes need one port they all know; auto picks a "
+                          "free port on one machine only", "launch.master_port=29500 (the same on every node)")
+
+
 def launch_config(launch: Any, run_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    port = free_port() if str(launch.master_port) == "auto" else int(launch.master_port)
+    check_launch(launch)
     nnodes = int(launch.nnodes)
+    port = free_port() if str(launch.master_port) == "auto" else int(launch.master_port)
+    # The static rendezvous keys its store by run id: every node of a job must use the same one.
+    run_id = launch.get("run_id") or (f"zerotune-{launch.master_addr}-{port}" if nnodes > 1
+                                      else uuid.uuid4().hex[:12])
+    # One log folder per node: over a shared file system, node 1's local rank 0 must not write node 0's.
+    log_dir = run_dir / "logs" / (f"node{int(launch.node_rank)}" if nnodes > 1 else "")
     return LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=int(launch.num_processes),
-        run_id=str(launch.get("run_id") or uuid.uuid4().hex[:12]),
+        run_id=str(run_id),
         # "static" is torchrun's default: node ranks are given, the master hosts the store.
         rdzv_backend="static", rdzv_endpoint=f"{launch.master_addr}:{port}",
         rdzv_configs={"rank": int(launch.node_rank), "timeout": int(launch.rdzv_timeout_s)},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), tee=Std.ALL),
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
     )
 
 
@@ -76,9 +99,12 @@ def launch_workers(launch: Any, run_dir: Path, timeout_s: float | None) -> Launc
         if timed_out.is_set():
             return LaunchResult("timeout", f"killed after train.timeout_s={timeout_s} s")
         rank, first = exc.get_first_failure()
-        detail = first.message if isinstance(first.message, str) and first.message else ""
+        detail = first.message.get("message", "") if isinstance(first.message, dict) else first.message
+        detail = "" if not isinstance(detail, str) or detail.startswith("To enable traceback") else detail
+        detail = detail.strip().splitlines()[0][:2000] if detail.strip() else ""
         return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
-                            + (f": {detail}" if detail else ""))
+                            + (f": {detail}" if detail else ""), failed_rank=rank,
+                            failed_local_rank=first.local_rank)
     finally:
         if watchdog:
             watchdog.cancel()

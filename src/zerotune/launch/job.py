@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.launch.elastic import launch_workers
+from zerotune.launch.elastic import check_launch, launch_workers
 from zerotune.launch.spec import JobSpec
 from zerotune.plan import make_plan
-from zerotune.rundir import RunDir
+from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.telemetry import MemorySampler, environment_info
 from zerotune.training.run import experiment_info, key_choices, train
 
@@ -35,12 +35,15 @@ def world_size(cfg: Any) -> int:
 def run_job(cfg: Any, spec: JobSpec) -> dict:
     if launched_externally():
         return train(cfg, spec)  # this process is one rank already
+    apply_slurm_geometry(cfg)
+    node_rank = int(cfg.launch.node_rank)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
     spec.save()
     base = {"status": "failed", "choices": {**key_choices(cfg), "world_size": world_size(cfg)},
             "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
     try:
+        check_launch(cfg.launch)
         plan = make_plan(cfg, world_size(cfg))  # fail in seconds, before any worker starts
     except ConfigError as exc:
         run_dir.write_summary({**base, "error": {"type": "ConfigError", "key": exc.key, "message": str(exc)},
@@ -51,26 +54,54 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     # The job's own view of memory: every worker on this node, whatever becomes of them.
     with MemorySampler(nvme_dir=nvme, include_root=False) as sampler:
         result = launch_workers(cfg.launch, run_dir.path, cfg.train.get("timeout_s"))
-    summary = run_dir.read_summary()
-    if summary is None and int(cfg.launch.node_rank) != 0 and result.status == "ok":
-        # Another node's rank 0 writes the job's summary; this node records its own ranks' outcome.
-        summary = {**base, "status": "ok", "node_rank": int(cfg.launch.node_rank),
-                   "note": "the job's summary is written on node 0", "env": environment_info()}
-    summary = summary or {**base, "env": environment_info()}
-    summary = merge_job_view(summary, result.status, result.error, sampler.peaks(), run_dir.path)
-    run_dir.write_summary(summary)
+    if node_rank != 0:
+        # Rank 0, on node 0, writes the job's summary.json (over a shared file system, this same folder);
+        # this node records its own ranks' outcome beside it, in summary.node<k>.json.
+        summary = {**base, "status": "ok" if result.status == "ok" else "failed", "node_rank": node_rank,
+                   "note": "the job's summary.json is written by node 0", "env": environment_info()}
+    else:
+        summary = run_dir.read_summary() or {**base, "env": environment_info()}
+    summary = merge_job_view(summary, result.status, result.error, sampler.peaks(), run_dir.path,
+                             failed_rank=result.failed_rank, failed_local_rank=result.failed_local_rank)
+    if node_rank != 0:
+        write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
+    else:
+        run_dir.write_summary(summary)
     return summary
 
 
+def apply_slurm_geometry(cfg: Any) -> None:
+    """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM."""
+    from omegaconf import OmegaConf, open_dict
+
+    from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
+
+    if not in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
+        return
+    mapped = launch_from_slurm(OmegaConf.to_container(cfg.launch, resolve=True), os.environ)
+    with open_dict(cfg):
+        cfg.launch = mapped
+    log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],
+             mapped["node_rank"], mapped["nnodes"], mapped["master_addr"], mapped["master_port"],
+             mapped["num_processes"])
+
+
 def merge_job_view(summary: dict, launch_status: str, launch_error: str | None, peaks: dict,
-                   run_dir: Path) -> dict:
+                   run_dir: Path, failed_rank: int | None = None, failed_local_rank: int | None = None) -> dict:
     """Fold the launcher's outcome and the whole-tree memory peaks into the workers' summary."""
     if launch_status != "ok" and summary.get("status") in ("ok", "failed", None):
         # A worker's own "oom" stays; a timeout or a death the worker could not record is the launcher's.
         if launch_status == "timeout" or "error" not in summary:
             summary["status"] = launch_status
             summary["error"] = {"type": launch_status, "message": launch_error,
-                                "log_tail": log_tail(run_dir)}
+                                "log_tail": log_tail(run_dir, local_rank=failed_local_rank)}
+        elif failed_rank not in (None, 0):
+            # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
+            # failed first: its error leads, rank 0's stays beside it.
+            summary["status"] = "failed"
+            summary["error"] = {"type": "failed", "message": launch_error, "failed_rank": failed_rank,
+                                "rank0_error": summary["error"],
+                                "log_tail": log_tail(run_dir, local_rank=failed_local_rank)}
     memory = summary.setdefault("memory", {})
     memory["host_peak_rss_mib"] = peaks["host_peak_rss_mib"]  # all ranks, not just rank 0
     if peaks["nvme_peak_mib"] is not None:
@@ -105,9 +136,11 @@ def per_rank_summary(ranks: list[dict]) -> dict:
             "host_peak_rss_mib_max_rank": max(host) if host else None}
 
 
-def log_tail(run_dir: Path, lines: int = 30) -> list[str]:
-    """The last lines any worker wrote to stderr (the launcher keeps one log per rank)."""
-    logs = sorted((run_dir / "logs").glob("**/stderr.log"), key=lambda p: p.stat().st_mtime)
+def log_tail(run_dir: Path, lines: int = 30, local_rank: int | None = None) -> list[str]:
+    """The last lines a worker wrote to stderr (the launcher keeps one log per rank): the failed rank's
+    when known, else the latest written."""
+    pattern = f"**/{local_rank}/stderr.log" if local_rank is not None else "**/stderr.log"
+    logs = sorted((run_dir / "logs").glob(pattern), key=lambda p: p.stat().st_mtime)
     if not logs:
         return []
     return logs[-1].read_text(errors="replace").splitlines()[-lines:]

@@ -17,6 +17,12 @@ from zerotune.rundir import CONFIG
 
 
 def main(run_dir: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_main)(run_dir)  # an exception reaches the launcher's report (error.message in the summary)
+
+
+def _main(run_dir: str) -> int:
     from zerotune.training.run import train
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

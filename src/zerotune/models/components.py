@@ -61,15 +61,27 @@ def resolve_components(model_cfg: Any) -> ComponentPaths:
     return ComponentPaths(**found)
 
 
-def _config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+def _config(path: Path, key: str = "model.components") -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"{path / 'config.json'} is unreadable ({exc})",
+                          "point it at a folder saved by save_pretrained") from exc
+
+
+def _field(config: dict, name: str, key: str, path: Path) -> Any:
+    if name not in config:
+        raise ConfigError(key, f"{path / 'config.json'} has no {name!r}: not the expected model type",
+                          "an AutoencoderKL for vae, CLIPTextModel(WithProjection) for the text encoders")
+    return config[name]
 
 
 def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
     """The components' output shapes against what the U-Net takes, from their configs alone."""
     unet = unet_config(model_cfg)
-    vae, te1, te2 = _config(paths.vae), _config(paths.text_encoder), _config(paths.text_encoder_2)
-    vae_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    vae = _config(paths.vae, "model.vae")
+    te1, te2 = _config(paths.text_encoder, "model.text_encoder"), _config(paths.text_encoder_2, "model.text_encoder_2")
+    vae_factor = 2 ** (len(_field(vae, "block_out_channels", "model.vae", paths.vae)) - 1)
     if vae_factor != int(model_cfg.vae_scale_factor):
         raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
                           f"says vae_scale_factor={model_cfg.vae_scale_factor}",
@@ -77,18 +89,19 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
     if int(vae.get("latent_channels", 4)) != int(unet["in_channels"]):
         raise ConfigError("model.vae", f"{paths.vae} makes {vae.get('latent_channels')}-channel latents; the "
                           f"U-Net takes {unet['in_channels']}", "the VAE the U-Net was made for")
-    hidden = int(te1["hidden_size"]) + int(te2["hidden_size"])
-    if hidden != int(unet.get("cross_attention_dim") or 0):
-        raise ConfigError("model.text_encoder", f"the text encoders' hidden sizes add up to {hidden} "
-                          f"({te1['hidden_size']} + {te2['hidden_size']}); the U-Net's cross_attention_dim is "
-                          f"{unet.get('cross_attention_dim')}", "the text encoders the U-Net was made for")
+    h1 = int(_field(te1, "hidden_size", "model.text_encoder", paths.text_encoder))
+    h2 = int(_field(te2, "hidden_size", "model.text_encoder_2", paths.text_encoder_2))
+    if h1 + h2 != int(unet.get("cross_attention_dim") or 0):
+        raise ConfigError("model.text_encoder", f"the text encoders' hidden sizes add up to {h1 + h2} "
+                          f"({h1} + {h2}); the U-Net's cross_attention_dim is {unet.get('cross_attention_dim')}",
+                          "the text encoders the U-Net was made for")
     pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
     if int(te2.get("projection_dim", -1)) != pooled:
         raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
                           f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
     seq = int(model_cfg.get("text_seq_len", 77))
     for key, cfg in (("model.text_encoder", te1), ("model.text_encoder_2", te2)):
-        if int(cfg["max_position_embeddings"]) < seq:
+        if int(cfg.get("max_position_embeddings", seq)) < seq:
             raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "
                               f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
 
@@ -98,7 +111,8 @@ def check_bucket_step(model_cfg: Any, step: int) -> None:
     unit = int(model_cfg.vae_scale_factor) * downsample_factor(model_cfg)
     if step <= 0 or step % unit:
         raise ConfigError("data.bucket_step", f"{step} px is not a multiple of {unit} (model={model_cfg.name} "
-                          "encodes by vae_scale_factor and its U-Net halves the rest)", f"data.bucket_step={unit * 8}")
+                          "encodes by vae_scale_factor and its U-Net halves the rest)",
+                          f"data.bucket_step={64 if 64 % unit == 0 else unit * max(1, -(-step // unit))}")
 
 
 def _weights_files(path: Path) -> list[str]:

@@ -17,13 +17,17 @@ def unet_kwargs(kind: str, batch: dict) -> dict:
     raise ValueError(f"unknown conditioning kind {kind!r}")
 
 
-def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generator) -> dict:
-    """Replace the condition by the null condition for a random `prob` share of the batch."""
+def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generator,
+                   uniform: torch.Tensor | None = None) -> dict:
+    """Replace the condition by the null condition for a random `prob` share of the batch.
+
+    `uniform`: the batch's U(0, 1) draws, if already drawn (for the global batch, sliced per rank).
+    """
     if prob <= 0:
         return batch
     keys = {"class": ("class_labels",), "text_time": ("encoder_hidden_states", "text_embeds")}[kind]
     n = batch[keys[0]].shape[0]
-    drop = torch.rand(n, generator=generator) < prob
+    drop = (torch.rand(n, generator=generator) if uniform is None else uniform) < prob
     out = dict(batch)
     for key in keys:
         value = batch[key]

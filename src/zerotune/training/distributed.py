@@ -1,9 +1,20 @@
-"""torch.distributed environment for a process that was not started by a launcher."""
+"""torch.distributed environment: a world of one for a lone process, and the pieces ranks share.
+
+- `ensure_single_process_env`: DeepSpeed wants torch.distributed even for one process.
+- `init_accelerate_state`: on a CPU, accelerate (1.x) sees DeepSpeed's ranks as ONE process (no
+  CUDA, `cpu=False`: backend None, so num_processes=1, process_index=0 on every rank) and then
+  neither shards the DataLoader nor tells ranks apart. Building its state with the gloo backend first
+  gives it the real world size and rank.
+- `init_process_group`, `barrier`, `broadcast_object`: the default process group, joined early by
+  externally launched ranks to agree on one run directory (DeepSpeed and accelerate reuse it).
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
 import os
 import socket
+from typing import Any
 
 
 def free_port() -> int:
@@ -15,7 +26,7 @@ def free_port() -> int:
 def ensure_single_process_env() -> None:
     """DeepSpeed initialises torch.distributed even for one process; give it a world of one on loopback."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return  # started by torchrun / accelerate launch / deepspeed: keep theirs
+        return  # started by torchrun / accelerate launch / deepspeed / zerotune's elastic launch: keep theirs
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
 
@@ -26,3 +37,91 @@ def world_size() -> int:
 
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _backend() -> str:
+    import torch
+
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(timeout_s: float = 1800) -> None:
+    """Join the default process group from the launcher's env (MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+    import torch.distributed as dist
+
+    if world_size() > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=_backend(), timeout=_dt.timedelta(seconds=timeout_s))
+
+
+def is_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` from rank `src` on every rank (itself where there is no process group)."""
+    import torch.distributed as dist
+
+    if not is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def init_accelerate_state(use_deepspeed: bool) -> None:
+    """Make accelerate see this process's real rank and world size under DeepSpeed on a CPU (see above)."""
+    import torch
+
+    if world_size() == 1 or not use_deepspeed or torch.cuda.is_available():
+        return  # on CUDA accelerate gets it right (nccl); one process needs nothing
+    from accelerate.state import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what Accelerator(deepspeed_plugin=...) sets, a bit earlier
+    state = PartialState(backend="gloo")
+    if state.num_processes != world_size():
+        raise RuntimeError(f"accelerate sees {state.num_processes} processes, the launcher started {world_size()}")
+
+
+def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int, world: int,
+                       num_timesteps: int, cond_dropout: float) -> dict:
+    """This rank's slice of the random draws for the GLOBAL micro batch (world × local), from a generator
+    seeded the same on every rank.
+
+    Sample j of the global batch gets the same dropout draw, noise and timestep whatever the process
+    count, so 2 processes × batch B compute what 1 process × batch 2B computes. The order of the draws
+    (dropout, noise, timesteps) is the order a lone process always used: one process is bit-identical
+    to before. The cost, world× the draws of one rank, is negligible next to the U-Net.
+    """
+    import torch
+
+    n = local_shape[0]
+    rows = slice(rank_index * n, (rank_index + 1) * n)
+    total = (n * world, *local_shape[1:])
+    uniform = torch.rand(total[0], generator=generator)[rows] if cond_dropout > 0 else None
+    noise = torch.randn(total, generator=generator)[rows]
+    timesteps = torch.randint(0, num_timesteps, (total[0],), generator=generator)[rows]
+    return {"uniform": uniform, "noise": noise, "timesteps": timesteps}
+
+
+def gather_object(obj: Any) -> list | None:
+    """[every rank's obj] on rank 0, None on the others; [obj] where there is no process group."""
+    import torch.distributed as dist
+
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -93,25 +93,6 @@ def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
     logger.finish(0 if summary["status"] == "ok" else 1)
 
 
-class _MetricsSink:
-    """Each logged row goes to metrics.jsonl and to the logger, with the same keys."""
-
-    def __init__(self, run_dir: RunDir, logger):
-        self.run_dir, self.logger = run_dir, logger
-        self.trainer = None
-        self.partition: dict | None = None      # this rank's ZeRO share, read once after the first step
-        self.losses: dict[int, float] = {}      # this rank's logged losses (only rank 0 writes metrics.jsonl)
-
-    def log_metrics(self, row: dict) -> None:
-        if self.partition is None and self.trainer is not None:
-            from zerotune.training.partition import partition_bytes
-
-            self.partition = partition_bytes(self.trainer.unet, self.trainer.optimizer)
-        self.losses[int(row["step"])] = row.get("loss/train")
-        self.run_dir.log_metrics(row)
-        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
-
-
 def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
     from zerotune.training.evaluate import evaluate_digits
     from zerotune.training.measure import RunTelemetry
@@ -120,17 +101,17 @@ def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:
-        sink = _MetricsSink(run_dir, logger)
-        trainer = Trainer(cfg, plan, sink)
-        sink.trainer = trainer
+        trainer = Trainer(cfg, plan, run_dir, logger)
         telemetry.timer.synchronize = _device_sync(trainer)
         out.update(trainer.fit(telemetry))
         out["train_time_s"] = sum(telemetry.timer.durations)
         if trainer.ema is not None:
             out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
-    out["partition"] = sink.partition
-    record = _write_rank_memory(run_dir, out["memory"], partition=sink.partition, losses=sink.losses)
+    if trainer.data_report:
+        out["data"] = trainer.data_report
+    out["partition"] = trainer.partition
+    record = _write_rank_memory(run_dir, out["memory"], partition=trainer.partition, losses=trainer.logged_losses)
     # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
     records = distributed.gather_object(record)
     if records is not None:

@@ -12,8 +12,12 @@ from accelerate.utils import set_seed
 
 from zerotune.data import build_loader
 from zerotune.diffusion import diffusion_loss, noise_scheduler
+from zerotune.loggers.base import RunLogger
 from zerotune.models import build_unet, conditioning
 from zerotune.plan import Plan
+from zerotune.rundir import RunDir
+from zerotune.training import checkpoint as ckpt
+from zerotune.training import distributed
 from zerotune.training.backend import make_accelerator, optimizer_and_scheduler
 from zerotune.training.ema import HostEMA
 from zerotune.training.progress import Progress
@@ -22,12 +26,14 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Any, plan: Plan, metrics_sink):
-        self.cfg, self.plan, self.metrics_sink = cfg, plan, metrics_sink
+    def __init__(self, cfg: Any, plan: Plan, run_dir: RunDir, logger: RunLogger):
+        self.cfg, self.plan, self.run_dir, self.logger = cfg, plan, run_dir, logger
         ds = plan.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
+        self.resume_plan = ckpt.plan_resume(cfg, plan, distributed.world_size())  # ConfigError before building
         self.accelerator = make_accelerator(plan)
+        self._clean_stale_swap()
         seed = int(cfg.train.seed)
         set_seed(seed)
         if cfg.train.deterministic:
@@ -38,10 +44,13 @@ class Trainer:
             unet.enable_gradient_checkpointing()
         self.kind = cfg.model.conditioning
         self.noise = noise_scheduler(cfg.diffusion)
-        # Shuffling, noise and condition dropout draw from their own seeded generators, one stream per rank.
-        rank = self.accelerator.process_index
-        loader = build_loader(cfg, self.micro_batch, seed)
-        self.gen = torch.Generator().manual_seed(seed * 7919 + rank)
+        # Shuffling, noise and condition dropout draw from their own seeded generators. The noise generator
+        # is the same on every rank: each draws for the global batch and keeps its slice (same math at any
+        # process count; distributed.global_batch_draws).
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        loader = build_loader(cfg, self.micro_batch, seed, run_dir=run_dir.path)
+        self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
+        self.gen = torch.Generator().manual_seed(seed * 7919)
         opt, sched = optimizer_and_scheduler(plan, unet.parameters())
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
@@ -55,7 +64,13 @@ class Trainer:
             self.ema = HostEMA(list(self._module().named_parameters()), cfg.ema.decay, cfg.ema.warmup,
                                zero3=self.zero_stage == 3)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
+        self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
         self._batches = self._infinite_batches()
+        self.checkpoints: list[dict] = []
+        self.partition: dict | None = None
+        self.logged_losses: dict[int, float] = {}
+        if self.resume_plan is not None:
+            ckpt.load(self, self.resume_plan)
 
     @property
     def zero_stage(self) -> int:
@@ -68,8 +83,74 @@ class Trainer:
         while True:
             if hasattr(self.loader, "set_epoch"):
                 self.loader.set_epoch(self.epoch)
-            yield from self.loader
-            self.epoch += 1
+            # The shuffle generators as this epoch starts: restoring them replays its order on resume.
+            self._epoch_gen_states = [g.get_state() for g in self._loader_generators()]
+            loader = self.loader
+            if self._skip:
+                loader, self._skip = self.accelerator.skip_first_batches(self.loader, self._skip), 0
+            for batch in loader:
+                self.batches_in_epoch += 1
+                yield batch
+            self.epoch, self.batches_in_epoch = self.epoch + 1, 0
+
+    def _loader_generators(self) -> list[torch.Generator]:
+        from accelerate.data_loader import get_sampler
+
+        found = [getattr(self.loader, "generator", None), getattr(get_sampler(self.loader), "generator", None),
+                 getattr(getattr(self.loader, "batch_sampler", None), "generator", None)]
+        unique: list[torch.Generator] = []
+        for g in found:
+            if isinstance(g, torch.Generator) and all(g is not u for u in unique):
+                unique.append(g)
+        return unique
+
+    # ---- checkpoints (the files and their rules: training/checkpoint.py)
+
+    def position_state(self) -> dict:
+        """Where training stands, per rank: step, data position, the Trainer's own generators."""
+        return {"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch,
+                "batches_in_epoch": self.batches_in_epoch, "gen": self.gen.get_state(),
+                "epoch_gen_states": self._epoch_gen_states}
+
+    def load_position_state(self, state: dict, saved_world: int, world: int) -> None:
+        self.step, self.samples_seen, self.epoch = state["step"], state["samples_seen"], state["epoch"]
+        self.gen.set_state(state["gen"])
+        gens = self._loader_generators()
+        if len(gens) == len(state["epoch_gen_states"]):
+            for g, s in zip(gens, state["epoch_gen_states"], strict=True):
+                g.set_state(s)
+        # Skip exactly the batches this epoch consumed (the same samples when the process count changed).
+        self._skip = state["batches_in_epoch"] * saved_world // world
+        self.batches_in_epoch = self._skip
+
+    def raw_scheduler(self):
+        if self.plan.use_deepspeed:
+            return getattr(self.unet, "lr_scheduler", None)
+        return getattr(self.scheduler, "scheduler", self.scheduler)
+
+    def _clean_stale_swap(self) -> None:
+        """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
+        if self.resume_plan is not None and self.cfg.offload.device == "nvme":
+            if self.accelerator.is_local_main_process:
+                removed = ckpt.clean_stale_swap(self.cfg.offload.path)
+                log.info("removed stale DeepSpeed swap folders: %s", removed)
+            self.accelerator.wait_for_everyone()
+
+    def _maybe_save(self, max_steps: int) -> None:
+        every = int(self.cfg.checkpoint.get("every_n_steps") or 0)
+        if every > 0 and (self.step % every == 0 or self.step == max_steps):
+            meta = ckpt.current_meta(self.cfg, self.plan, self.accelerator.num_processes)
+            info = ckpt.save(self, ckpt.checkpoint_root(self.cfg, self.run_dir.path), meta)
+            self.checkpoints.append({"step": self.step, **info})
+            log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
+
+    def checkpoint_summary(self) -> dict:
+        rp = self.resume_plan
+        out = {"saved": self.checkpoints}
+        if rp is not None:
+            out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
+                                   "changed": {k: list(v) for k, v in rp.changed.items()}}
+        return out
 
     def _to_device(self, batch: dict) -> dict:
         dev = self.accelerator.device
@@ -77,9 +158,12 @@ class Trainer:
 
     def forward_backward(self, batch: dict) -> float:
         batch = self._to_device(batch)
-        cond = conditioning.drop_condition(self.kind, batch, float(self.cfg.diffusion.cond_dropout), self.gen)
+        p = float(self.cfg.diffusion.cond_dropout)
+        draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
+                                               self.noise.config.num_train_timesteps, p)
+        cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
         loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise,
-                              self.gen, self.dtype)
+                              self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"])
         self.accelerator.backward(loss)
         return float(loss.detach())
 
@@ -115,6 +199,8 @@ class Trainer:
 
     def _inject_faults(self) -> None:
         debug = self.cfg.get("debug") or {}
+        if debug.get("fail_rank") is not None and int(debug["fail_rank"]) != self.rank:
+            return  # faults are injected on that rank only (null: every rank)
         if debug.get("fail_at_step") == self.step:
             raise RuntimeError(f"debug.fail_at_step={self.step}: injected failure")
         if debug.get("oom_at_step") == self.step:
@@ -122,6 +208,17 @@ class Trainer:
         if debug.get("hang_at_step") == self.step:
             log.warning("debug.hang_at_step=%d: hanging", self.step)
             threading.Event().wait()
+
+    def log_row(self, row: dict) -> None:
+        """One logged step: to metrics.jsonl and to the logger, under the same keys."""
+        if self.partition is None:
+            from zerotune.training.partition import partition_bytes
+
+            # This rank's ZeRO share, once the optimizer's partitions exist (after the first step).
+            self.partition = partition_bytes(self.unet, self.optimizer)
+        self.logged_losses[int(row["step"])] = row["loss/train"]  # every rank's, for cross-rank checks
+        self.run_dir.log_metrics(row)
+        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def fit(self, telemetry) -> dict:
         """Train for train.max_steps; returns the loss/perf part of the summary."""
@@ -140,9 +237,10 @@ class Trainer:
                     raise FloatingPointError(f"loss is {loss_last} at step {self.step}")
                 row = {"step": self.step, **metrics, "perf/step_time_s": step_s, **telemetry.step_memory()}
                 if self.step % every == 0 or self.step in (1, max_steps):
-                    self.metrics_sink.log_metrics(row)
+                    self.log_row(row)
                 progress.update(row)
+                self._maybe_save(max_steps)
         finally:
             progress.close()
         return {"steps": self.step, "loss_first": loss_first, "loss_last": loss_last,
-                "samples_seen": self.samples_seen, "epochs": self.epoch}
+                "samples_seen": self.samples_seen, "epochs": self.epoch, "checkpoint": self.checkpoint_summary()}

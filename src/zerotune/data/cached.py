@@ -1,0 +1,32 @@
+"""Training items read back from the latent cache: {"x0", "encoder_hidden_states", "text_embeds", "time_ids"}."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+
+from zerotune.data.buckets import Bucket
+from zerotune.data.latent_cache import CacheItem, LatentCache
+from zerotune.data.sampler import SampleRef
+
+
+class CachedFolderDataset(Dataset):
+    """One sample per image and repeat; index with an int, or (int, flipped) under random_flip."""
+
+    def __init__(self, cache: LatentCache, items: list[CacheItem]):
+        self.cache, self.items = cache, items
+        # A repeated image is several samples that read the same entries.
+        self._item_of = [i for i, it in enumerate(items) for _ in range(it.record.repeats)]
+        self.buckets: list[Bucket] = [items[i].placement.bucket for i in self._item_of]
+        self.report: dict = {}  # filled by prepare_folder_data, for the run's summary
+
+    def __len__(self) -> int:
+        return len(self._item_of)
+
+    def __getitem__(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        index, flipped = ref if isinstance(ref, tuple) else (ref, False)
+        item = self.items[self._item_of[index]]
+        text = self.cache.get("text", item.text_key)
+        return {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"],
+                "encoder_hidden_states": text["encoder_hidden_states"], "text_embeds": text["text_embeds"],
+                "time_ids": torch.tensor(item.placement.time_ids(flipped))}

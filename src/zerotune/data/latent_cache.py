@@ -1,0 +1,171 @@
+"""VAE latents and text embeddings on disk, one safetensors file per entry, computed once.
+
+An entry's name is a hash of everything its value depends on, so a change recomputes exactly what it
+touches and nothing else:
+  latents  <- image bytes, VAE (config + weights), bucket, flip, preprocessing version
+  text     <- caption, both text encoders and tokenizers (config + weights / files), sequence length
+Text entries are shared by every image with the same caption, and the folder can be shared by all runs
+of a sweep and by several data sets. Files are written whole and renamed into place, so a run that dies
+mid-write, or two runs writing the same entry, leave no half entry behind. Nothing is ever evicted:
+delete the folder (or any entry in it) to reclaim space.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from zerotune.data.buckets import Placement
+from zerotune.data.folder import ImageRecord, Skipped
+from zerotune.data.hashing import digest
+from zerotune.data.images import DECODE_ERRORS, load_crop
+
+log = logging.getLogger(__name__)
+
+# Bump when the preprocessing changes (resize filter, crop rule, pixel range): every latent is stale then.
+PREPROCESS_VERSION = 1
+
+
+class LatentCache:
+    def __init__(self, root: Path):
+        self.root = root
+
+    @staticmethod
+    def latent_key(image_hash: str, vae_id: str, placement: Placement, flipped: bool) -> str:
+        geometry = [placement.resized_w, placement.resized_h, placement.crop_left, placement.crop_top]
+        return digest("latent", PREPROCESS_VERSION, image_hash, vae_id, list(placement.bucket), geometry, flipped)
+
+    @staticmethod
+    def text_key(caption: str, text_id: str, seq_len: int) -> str:
+        return digest("text", caption, text_id, seq_len)
+
+    def _path(self, kind: str, key: str) -> Path:
+        return self.root / kind / key[:2] / f"{key}.safetensors"
+
+    def has(self, kind: str, key: str) -> bool:
+        return self._path(kind, key).is_file()
+
+    def put(self, kind: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        path = self._path(kind, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+
+    def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
+        return load_file(str(self._path(kind, key)))
+
+
+@dataclass
+class CacheItem:
+    """One image to cache: where it lands, which views it needs, and its entries' keys."""
+    record: ImageRecord
+    placement: Placement
+    latent_keys: dict[bool, str]  # flipped -> key; {False: ...} alone without random_flip
+    text_key: str
+
+
+@dataclass
+class CacheStats:
+    latents_computed: int = 0
+    latents_reused: int = 0
+    texts_computed: int = 0
+    texts_reused: int = 0
+    images_encoded: int = 0
+    latent_seconds: float = 0.0
+    text_seconds: float = 0.0
+    failed: list[Skipped] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        rate = self.images_encoded / self.latent_seconds if self.images_encoded else None
+        return {"latents_computed": self.latents_computed, "latents_reused": self.latents_reused,
+                "texts_computed": self.texts_computed, "texts_reused": self.texts_reused,
+                "images_encoded": self.images_encoded, "latent_seconds": round(self.latent_seconds, 3),
+                "text_seconds": round(self.text_seconds, 3), "images_per_s": rate}
+
+
+class Encoders(Protocol):
+    """What build_cache needs; models.components.SDXLEncoders is the real one."""
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def build_cache(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
+                progress: bool = True) -> tuple[list[CacheItem], CacheStats]:
+    """Compute every missing entry; returns the items whose entries all exist, and what it did.
+
+    An image that fails to decode is skipped (warned, listed in stats.failed), never fatal.
+    """
+    stats = CacheStats()
+    ok = _build_latents(items, cache, encoders, batch_size, progress, stats)
+    _build_texts(ok, cache, encoders, batch_size, progress, stats)
+    return ok, stats
+
+
+def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
+                   progress: bool, stats: CacheStats) -> list[CacheItem]:
+    keys = {k for it in items for k in it.latent_keys.values()}
+    missing = {k for k in keys if not cache.has("latents", k)}
+    stats.latents_reused = len(keys) - len(missing)
+    todo = [it for it in items if any(k in missing for k in it.latent_keys.values())]
+    failed: set[int] = set()
+    start = time.perf_counter()
+    by_bucket: dict[tuple[int, int], list[CacheItem]] = {}
+    for it in todo:
+        by_bucket.setdefault(it.placement.bucket, []).append(it)
+    with tqdm(total=len(todo), desc="caching latents", unit="img", disable=not progress or not todo) as bar:
+        for group in by_bucket.values():
+            for i in range(0, len(group), batch_size):
+                chunk = group[i:i + batch_size]
+                views: list[tuple[CacheItem, bool, torch.Tensor]] = []
+                for it in chunk:
+                    try:
+                        pixels = load_crop(it.record.path, it.placement)
+                    except DECODE_ERRORS as exc:
+                        reason = f"corrupt image ({type(exc).__name__}: {exc})"
+                        log.warning("skipping %s: %s", it.record.rel, reason)
+                        stats.failed.append(Skipped(it.record.rel, reason))
+                        failed.add(id(it))
+                        continue
+                    stats.images_encoded += 1
+                    for flipped, key in it.latent_keys.items():
+                        if key in missing:  # once only, also for two identical files
+                            missing.discard(key)
+                            views.append((it, flipped, pixels.flip(-1) if flipped else pixels))
+                if views:
+                    latents = encoders.encode_images(torch.stack([v[2] for v in views]))
+                    for (it, flipped, _), z in zip(views, latents, strict=True):
+                        cache.put("latents", it.latent_keys[flipped], {"latents": z},
+                                  {"image": it.record.rel, "flipped": str(flipped)})
+                    stats.latents_computed += len(views)
+                bar.update(len(chunk))
+    stats.latent_seconds = time.perf_counter() - start
+    return [it for it in items if id(it) not in failed]
+
+
+def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
+                 progress: bool, stats: CacheStats) -> None:
+    captions = {it.text_key: it.record.caption for it in items}
+    todo = [(k, c) for k, c in captions.items() if not cache.has("text", k)]
+    stats.texts_reused = len(captions) - len(todo)
+    start = time.perf_counter()
+    with tqdm(total=len(todo), desc="caching text embeddings", unit="caption",
+              disable=not progress or not todo) as bar:
+        for i in range(0, len(todo), batch_size):
+            chunk = todo[i:i + batch_size]
+            hidden, pooled = encoders.encode_text([c for _, c in chunk])
+            for (key, caption), h, p in zip(chunk, hidden, pooled, strict=True):
+                cache.put("text", key, {"encoder_hidden_states": h, "text_embeds": p}, {"caption": caption})
+            stats.texts_computed += len(chunk)
+            bar.update(len(chunk))
+    stats.text_seconds = time.perf_counter() - start

@@ -1,0 +1,221 @@
+"""data=folder from config to DataLoader: check, scan, bucket, cache, report.
+
+`check_folder_data(cfg)` does every check that needs no model and no pixel decoding (seconds), so a
+bad folder or a missing component fails before anything loads; `prepare_folder_data(cfg, run_dir)`
+then fills the cache and writes data_report.json; `folder_loader` wraps it for the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from zerotune.data.buckets import Bucket, Placement, bucket_name, closest_bucket, make_buckets, place
+from zerotune.data.cached import CachedFolderDataset
+from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
+from zerotune.data.hashing import FileHasher
+from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
+from zerotune.data.sampler import BucketBatchSampler, batch_plan
+from zerotune.errors import ConfigError
+from zerotune.models.components import (
+    ComponentPaths,
+    SDXLEncoders,
+    check_bucket_step,
+    check_compatible,
+    component_ids,
+    resolve_components,
+)
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "data_report.json"
+
+
+@dataclass
+class FolderPlan:
+    root: Path
+    scan: ScanResult
+    placed: list[tuple[ImageRecord, Placement]]
+    too_small: list[Skipped]
+    components: ComponentPaths
+
+
+def default_cache_dir() -> Path:
+    """Per user, shared by every run and data set: entries are keyed by content, not by folder."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zerotune" / "latents"
+
+
+def cache_dir(cfg: Any) -> Path:
+    configured = cfg.data.get("cache_dir")
+    return Path(str(configured)).expanduser() if configured else default_cache_dir()
+
+
+def check_folder_data(cfg: Any) -> FolderPlan:
+    """Every check of data=folder that loads no model and decodes no pixels."""
+    if cfg.model.conditioning != "text_time":
+        raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={cfg.model.name} "
+                          f"takes {cfg.model.conditioning!r}", "model=sdxl or model=sdxl_tiny with data=folder")
+    if not cfg.data.get("path"):
+        raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
+    step = int(cfg.data.bucket_step)
+    check_bucket_step(cfg.model, step)
+    size = int(cfg.resolution.size)
+    if size < step:
+        raise ConfigError("resolution.size", f"{size} px is below the smallest bucket side ({step})",
+                          f"resolution.size={step * 2} or more")
+    root = Path(str(cfg.data.path)).expanduser().resolve()
+    scan = scan_folder(root, dict(cfg.data.get("repeats") or {}))
+    if not scan.records:
+        found = (f"its {len(scan.skipped)} jpg, png and webp files are all unreadable" if scan.skipped else
+                 "no jpg, png or webp file in it or its subfolders (hidden ones are not searched)")
+        raise ConfigError("data.path", f"no usable image in {root}: {found}",
+                          "data.path=a folder of images, with captions in side-car .txt files or metadata.jsonl")
+    buckets = make_buckets(size, step, float(cfg.data.bucket_max_ratio))
+    placed, too_small = [], []
+    for record in scan.records:
+        placement = place(record.width, record.height, closest_bucket(record.width, record.height, buckets))
+        if placement.upscales and not cfg.data.upscale_small:
+            too_small.append(Skipped(record.rel, f"{record.width}x{record.height} px is smaller than its bucket "
+                                     f"{bucket_name(placement.bucket)} (data.upscale_small=true upscales it)"))
+        else:
+            placed.append((record, placement))
+    if not placed:
+        raise ConfigError("data.path", f"all {len(too_small)} readable images in {root} are smaller than their "
+                          f"bucket at resolution.size={size}", "data.upscale_small=true, or a smaller resolution.size")
+    _check_batches([p.bucket for r, p in placed for _ in range(r.repeats)], int(cfg.train.batch_size))
+    components = resolve_components(cfg.model)
+    check_compatible(cfg.model, components)
+    return FolderPlan(root, scan, placed, too_small, components)
+
+
+def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch: int | None = None,
+                        device: torch.device | None = None,
+                        progress: bool = True) -> tuple[CachedFolderDataset, dict]:
+    """The cached dataset and its report; writes <run_dir>/data_report.json when run_dir is given.
+
+    Encoders load only if some entry is missing, on `device` (default: data.cache_device), and are
+    released before this returns.
+    """
+    plan = check_folder_data(cfg)
+    micro_batch = int(micro_batch or cfg.train.batch_size)
+    cache = LatentCache(cache_dir(cfg))
+    hasher = FileHasher(cache.root / "file_hashes.json")
+    ids = component_ids(plan.components, hasher)
+    seq_len = int(cfg.model.get("text_seq_len", 77))
+    flips = (False, True) if cfg.data.random_flip else (False,)
+    items, unreadable = [], []
+    for record, placement in plan.placed:
+        try:
+            image_hash = hasher.file(record.path)
+        except OSError as exc:
+            unreadable.append(Skipped(record.rel, f"unreadable file ({exc})"))
+            continue
+        items.append(CacheItem(record, placement,
+                               {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
+                               LatentCache.text_key(record.caption, ids["text"], seq_len)))
+    hasher.save()
+    encoders = SDXLEncoders(plan.components, device or _device(cfg), seq_len)
+    try:
+        ok, stats = build_cache(items, cache, encoders, int(cfg.data.cache_batch_size), progress)
+    finally:
+        encoders.release()
+    if not ok:
+        raise ConfigError("data.path", f"none of the {len(plan.placed)} images in {plan.root} that fit a bucket "
+                          "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
+    dataset = CachedFolderDataset(cache, ok)
+    _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
+    full = _report(cfg, plan, cache, dataset, [*plan.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
+                   micro_batch)
+    for name, b in full["buckets"].items():
+        if not b["batches_per_epoch"]:
+            log.warning("bucket %s has %d samples, fewer than a batch of %d: they are never trained on",
+                        name, b["samples"], micro_batch)
+    if run_dir is not None:
+        full["report_file"] = str(Path(run_dir) / REPORT_FILE)
+        _write_json(Path(run_dir) / REPORT_FILE, full)
+    dataset.report = {k: v for k, v in full.items() if k not in _LISTS}
+    _log_summary(dataset.report)
+    return dataset, dataset.report
+
+
+def folder_loader(cfg: Any, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
+    """The training DataLoader of data=folder; with several processes, each node's first fills the cache
+    while the others wait, then finds every entry there (a shared cache_dir is filled once)."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    device = state.device if str(cfg.data.cache_device) == "auto" else None  # None: data.cache_device
+    with state.local_main_process_first():
+        dataset, _ = prepare_folder_data(cfg, run_dir if state.is_main_process else None, micro_batch, device,
+                                         progress=state.is_local_main_process)
+    sampler = BucketBatchSampler(dataset.buckets, micro_batch, seed, random_flip=bool(cfg.data.random_flip))
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=int(cfg.data.num_workers))
+
+
+# Per-file lists go to data_report.json only; summary.json gets the counts.
+_LISTS = ("skipped_files", "missing_captions", "upscaled_files", "problem_list")
+
+
+def _report(cfg: Any, plan: FolderPlan, cache: LatentCache, dataset: CachedFolderDataset,
+            skipped: list[Skipped], cache_stats: dict, micro_batch: int) -> dict:
+    used = [it.record for it in dataset.items]
+    sources = Counter(r.caption_source for r in used)
+    upscaled = [it.record.rel for it in dataset.items if it.placement.upscales]
+    return {
+        "path": str(plan.root), "cache_dir": str(cache.root),
+        "images_found": len(plan.scan.records) + len(plan.scan.skipped), "images_used": len(used),
+        "samples_per_epoch": len(dataset),
+        "skipped": {"unreadable": len(skipped), "too_small": len(plan.too_small)},
+        "upscaled": len(upscaled),
+        "captions": {"sidecar": sources["sidecar"], "metadata": sources["metadata"],
+                     "missing": sources["missing"]},
+        "problems": len(plan.scan.problems), "other_files": plan.scan.other_files,
+        "random_flip": bool(cfg.data.random_flip), "micro_batch": micro_batch,
+        "buckets": batch_plan(dataset.buckets, micro_batch),
+        "cache": cache_stats,
+        "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *plan.too_small]],
+        "missing_captions": [r.rel for r in used if r.caption_source == "missing"],
+        "upscaled_files": upscaled,
+        "problem_list": plan.scan.problems,
+    }
+
+
+def _check_batches(buckets: list[Bucket], micro_batch: int) -> None:
+    fullest = max(Counter(buckets).values(), default=0)
+    if fullest < micro_batch:
+        raise ConfigError("train.batch_size", f"no bucket holds a whole batch of {micro_batch} samples (the "
+                          f"fullest has {fullest}); batches never mix buckets",
+                          f"train.batch_size={max(fullest, 1)} or less, more images, or data.repeats")
+
+
+def _device(cfg: Any) -> torch.device:
+    choice = str(cfg.data.cache_device)
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _log_summary(r: dict) -> None:
+    log.info("data=folder: %d of %d images used (%d unreadable, %d too small, %d upscaled), %d without caption, "
+             "%d buckets; cache: %d latents and %d text entries computed, %d and %d reused",
+             r["images_used"], r["images_found"], r["skipped"]["unreadable"], r["skipped"]["too_small"],
+             r["upscaled"], r["captions"]["missing"], len(r["buckets"]), r["cache"]["latents_computed"],
+             r["cache"]["texts_computed"], r["cache"]["latents_reused"], r["cache"]["texts_reused"])
+    if r["captions"]["missing"]:
+        log.warning("%d images have no caption (no side-car .txt, no metadata.jsonl entry): trained with an "
+                    "empty caption; listed in %s", r["captions"]["missing"], REPORT_FILE)
