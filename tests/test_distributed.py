@@ -6,6 +6,7 @@ process): on 2 cores each 2-process run costs 30-50 s, mostly start-up.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ def rank_losses(summary: dict) -> list[list[float]]:
     return [[r["losses"][k] for k in sorted(r["losses"], key=int)] for r in ranks]
 
 
+@functools.cache
 def partition_tolerance_bytes(world: int) -> int:
     """How far a rank's share may sit above `whole / world`: DeepSpeed pads partitions for alignment.
 
