@@ -208,6 +208,11 @@ class Trainer:
         if debug.get("hang_at_step") == self.step:
             log.warning("debug.hang_at_step=%d: hanging", self.step)
             threading.Event().wait()
+        if debug.get("host_alloc_mib") and self.step == 1:
+            # A known allocation, held for 1 s and touched page by page, for the host-peak honesty check.
+            ballast = torch.ones(int(debug["host_alloc_mib"]) * 2**20 // 4, dtype=torch.float32)
+            threading.Event().wait(1.0)
+            del ballast
 
     def log_row(self, row: dict) -> None:
         """One logged step: to metrics.jsonl and to the logger, under the same keys."""
