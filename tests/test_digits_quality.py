@@ -8,11 +8,13 @@ import torch
 from PIL import Image
 
 from zerotune.data.digits import DigitsDataset, split_indices
-from zerotune.models.tiny import NULL_CLASS, TINY_UNET_CONFIG, tiny_unet_kwargs
+from tests.conftest import compose_cfg
+from zerotune.models import build_unet
+from zerotune.models.conditioning import NULL_CLASS, unet_kwargs
 from zerotune.quality import DigitClassifier, save_grid
 from zerotune.sampling import sample_images
 
-SIZE = TINY_UNET_CONFIG["sample_size"]
+SIZE = 8  # the default job trains on the digits at their own 8x8
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +24,16 @@ def classifier() -> DigitClassifier:
 
 @pytest.fixture(scope="module")
 def tiny_unet() -> torch.nn.Module:
-    from diffusers import UNet2DConditionModel
-
     torch.manual_seed(0)
-    return UNet2DConditionModel(**TINY_UNET_CONFIG)
+    return build_unet(compose_cfg().model)
 
 
 def test_dataset_shapes_ranges_and_balance() -> None:
     ds = DigitsDataset(SIZE)
     assert len(ds) == 1797
     item = ds[0]
-    assert item["pixel_values"].shape == (1, SIZE, SIZE)
-    assert item["pixel_values"].dtype == torch.float32
+    assert item["x0"].shape == (1, SIZE, SIZE)
+    assert item["x0"].dtype == torch.float32
     assert item["class_labels"].dtype == torch.long and item["class_labels"].ndim == 0
     assert ds.pixel_values.min() >= -1 and ds.pixel_values.max() <= 1
     # Background is 0 -> -1 and strokes reach 16 -> close to +1, so the full range is used.
@@ -87,10 +87,10 @@ def test_tiny_unet_accepts_class_labels_without_encoder_states(tiny_unet: torch.
     assert tiny_unet.config.num_class_embeds == NULL_CLASS + 1
     x = torch.randn(4, 1, SIZE, SIZE)
     labels = torch.tensor([0, 3, 9, NULL_CLASS])
-    out = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **tiny_unet_kwargs(labels)).sample
+    out = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **unet_kwargs("class", {"class_labels": labels}).sample
     assert out.shape == x.shape
     # Different labels must give different outputs: the class embedding reaches the network.
-    out2 = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **tiny_unet_kwargs(labels.flip(0))).sample
+    out2 = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **unet_kwargs("class", {"class_labels": labels.flip(0)})).sample
     assert not torch.allclose(out, out2)
 
 

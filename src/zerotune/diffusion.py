@@ -11,6 +11,7 @@ from diffusers import DDPMScheduler
 
 def noise_scheduler(diff: Any) -> DDPMScheduler:
     return DDPMScheduler(num_train_timesteps=int(diff.num_train_timesteps), beta_schedule=str(diff.beta_schedule),
+                         beta_start=float(diff.beta_start), beta_end=float(diff.beta_end),
                          prediction_type=str(diff.prediction_type))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from zerotune.models.tiny import NULL_CLASS, tiny_unet_kwargs
+from zerotune.models.conditioning import NULL_CLASS, unet_kwargs
 
 
 def make_sampler(
@@ -71,7 +71,7 @@ def sample_images(
     try:
         for t in scheduler.timesteps:
             model_in = scheduler.scale_model_input(torch.cat([x, x]), t).to(dtype)
-            out = unet(model_in, t.expand(2 * n), **tiny_unet_kwargs(cfg_labels)).sample.float()
+            out = unet(model_in, t.expand(2 * n), **unet_kwargs("class", {"class_labels": cfg_labels})).sample.float()
             cond, uncond = out.chunk(2)
             # Guidance is linear in the prediction, so it is the same for epsilon and v targets.
             x = scheduler.step(uncond + guidance_scale * (cond - uncond), t, x).prev_sample
