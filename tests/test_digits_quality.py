@@ -87,7 +87,7 @@ def test_tiny_unet_accepts_class_labels_without_encoder_states(tiny_unet: torch.
     assert tiny_unet.config.num_class_embeds == NULL_CLASS + 1
     x = torch.randn(4, 1, SIZE, SIZE)
     labels = torch.tensor([0, 3, 9, NULL_CLASS])
-    out = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **unet_kwargs("class", {"class_labels": labels}).sample
+    out = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **unet_kwargs("class", {"class_labels": labels})).sample
     assert out.shape == x.shape
     # Different labels must give different outputs: the class embedding reaches the network.
     out2 = tiny_unet(x, torch.tensor([0, 10, 500, 999]), **unet_kwargs("class", {"class_labels": labels.flip(0)})).sample
