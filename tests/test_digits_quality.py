@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from zerotune.data.digits import DigitsDataset, split_indices
 from tests.conftest import compose_cfg
+from zerotune.data.digits import DigitsDataset, split_indices
 from zerotune.models import build_unet
 from zerotune.models.conditioning import NULL_CLASS, unet_kwargs
 from zerotune.quality import DigitClassifier, save_grid
