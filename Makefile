@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	@# torch first and pinned, so nothing below drags in a CUDA build.
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[wandb,gpu,dev]'
+	$(PIP) install -q -e '.[wandb,gpu,slurm,dev]'
 	touch $(STAMP)
 
 train: setup

@@ -59,7 +59,8 @@ def test_optimizer_and_scheduler_blocks():
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["total_num_steps"] == 1000
     assert "scheduler" not in make_plan(compose_cfg("scheduler=constant")).ds_config
-    onecycle = make_plan(compose_cfg("scheduler=onecycle", "train.max_steps=100")).ds_config["scheduler"]
+    onecycle = make_plan(compose_cfg("scheduler=onecycle", "train.max_steps=100", "optimizer.lr=1e-4")).ds_config[
+        "scheduler"]
     assert onecycle["params"]["cycle_max_lr"] == 1e-4 and onecycle["params"]["cycle_first_step_size"] == 50
     decay = make_plan(compose_cfg("scheduler=warmup_decay", "train.max_steps=300")).ds_config["scheduler"]
     assert decay["type"] == "WarmupDecayLR" and decay["params"]["total_num_steps"] == 300
@@ -122,4 +123,4 @@ def test_auto_buckets_are_capped_at_model_size():
 
 def test_zero_warmup():
     # DeepSpeed's WarmupLR refuses 0 steps; with no warm-up the lr is constant, so no scheduler block.
-    assert "scheduler" not in make_plan(compose_cfg("scheduler.warmup_steps=0")).ds_config
+    assert "scheduler" not in make_plan(compose_cfg("scheduler=warmup", "scheduler.warmup_steps=0")).ds_config

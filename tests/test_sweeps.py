@@ -28,3 +28,14 @@ def test_cpu_twin_sweep_survives_a_failing_job_and_reports(tmp_path):
     assert len(rows) == 12
     assert sum(r["status"] == "failed" for r in rows) == 4
     assert (tmp_path / "summary.md").read_text().count("failed") >= 4
+
+
+def test_parallel_joblib_launcher(tmp_path):
+    """hydra/launcher=joblib runs jobs side by side; each still trains in its own worker processes."""
+    proc = run_cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "zero_stage=1,2", "data=synthetic",
+                   "resolution=16", "train.max_steps=3", "train.batch_size=2", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = sorted(read_summary(tmp_path / job)["choices"]["zero_stage"] for job in ("0", "1"))
+    assert stages == [1, 2]
+    assert all(read_summary(tmp_path / job)["status"] == "ok" for job in ("0", "1"))
+    assert (tmp_path / "summary.csv").is_file()

@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import read_losses, read_summary, run_cli
 
 QUICK = ["train.max_steps=4", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false",
-         "scheduler.warmup_steps=0"]
+         "scheduler=constant"]
 
 
 def check_run(run_dir, stage: int, offload: str) -> dict:
