@@ -16,7 +16,8 @@ from tests.conftest import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune.errors import ConfigError
 from zerotune.training import checkpoint as ckpt
 
-QUICK = ["train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler.warmup_steps=2",
+QUICK = ["train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
+         "scheduler.warmup_steps=2",
          "precision=fp32"]
 
 

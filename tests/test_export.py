@@ -19,20 +19,20 @@ TRAIN_AND_PROBE = textwrap.dedent("""
     from tests.conftest import compose_cfg
     from zerotune.training import distributed
     distributed.ensure_single_process_env()
+    from zerotune.loggers.base import NullLogger
     from zerotune.plan import make_plan
+    from zerotune.rundir import RunDir
     from zerotune.training.trainer import Trainer
 
     out = sys.argv[1]
     cfg = compose_cfg("zero_stage=3", "train.batch_size=4", "ema.enabled=true", "train.max_steps=2",
-                      "checkpoint.every_n_steps=2", f"checkpoint.dir={out}/checkpoints")
-    class Sink:
-        def log_metrics(self, row): pass
-    t = Trainer(cfg, make_plan(cfg, 1), Sink())
+                      "scheduler=constant", "checkpoint.every_n_steps=2", f"checkpoint.dir={out}/checkpoints")
+    t = Trainer(cfg, make_plan(cfg, 1), RunDir(out), NullLogger())
     for _ in range(2):
         t.train_step()
     t._maybe_save(2)
     g = torch.Generator().manual_seed(1)
-    x, steps, labels = torch.randn(3, 1, 16, 16, generator=g), torch.tensor([10, 500, 990]), torch.tensor([0, 3, 10])
+    x, steps, labels = torch.randn(3, 1, 8, 8, generator=g), torch.tensor([10, 500, 990]), torch.tensor([0, 3, 10])
     t.unet.eval()
     with torch.no_grad():
         y = t.unet(x, steps, encoder_hidden_states=None, class_labels=labels).sample
@@ -65,7 +65,7 @@ def test_zero3_export_matches_training_model(tmp_path):
 
     # model.pretrained=<exported folder> starts a new run from those weights.
     run = tmp_path / "from_export"
-    proc = run_cli(f"model.pretrained={out}", "zero_stage=0", "train.max_steps=1", "train.batch_size=4",
+    proc = run_cli(f"model.pretrained={out}", "zero_stage=0", "train.max_steps=1", "train.batch_size=4", "scheduler=constant",
                    "evaluate.enabled=false", "checkpoint.every_n_steps=1", f"hydra.run.dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_summary(run)["status"] == "ok"

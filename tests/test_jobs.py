@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tests.conftest import read_summary, run_cli
 
-QUICK = ["train.max_steps=3", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false"]
+QUICK = ["train.max_steps=3", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false", "scheduler=constant"]
 
 
 def test_failed_job_is_recorded_with_log_tail(tmp_path):

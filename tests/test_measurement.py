@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import read_summary, run_cli
 
-QUICK = ["train.max_steps=3", "train.batch_size=8", "evaluate.enabled=false", "zero_stage=0"]
+QUICK = ["train.max_steps=3", "train.batch_size=8", "evaluate.enabled=false", "zero_stage=0", "scheduler=constant"]
 BALLAST_MIB = 600
 # Peak RSS differs between identical runs by allocator timing (tens of MiB); 15% of the ballast covers it.
 TOLERANCE = 0.15

@@ -200,3 +200,9 @@ def test_ds_config_cli_error_exits_nonzero():
 def test_decay_schedulers_need_warmup_steps():
     err = plan_error("scheduler=cosine", "scheduler.warmup_steps=0")
     assert err.key == "scheduler.warmup_steps" and ">= 1" in err.problem
+
+
+def test_warmup_longer_than_training():
+    err = plan_error("scheduler=cosine", "scheduler.warmup_steps=100", "train.max_steps=50")
+    assert err.key == "scheduler.warmup_steps" and err.fix == "scheduler.warmup_steps=5"
+    assert plan_error("scheduler=cosine", "train.max_steps=1").fix == "scheduler=constant"

@@ -23,8 +23,9 @@ def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
         if warmup == 0:
             return None  # WarmupLR with no warm-up is the optimizer's lr throughout
         if name != "warmup" and warmup >= max_steps:
+            fix = f"scheduler.warmup_steps={max(max_steps // 10, 1)}" if max_steps > 1 else "scheduler=constant"
             raise ConfigError("scheduler.warmup_steps", f"{warmup} warm-up steps leave nothing to decay over "
-                              f"train.max_steps={max_steps}", f"scheduler.warmup_steps={max(max_steps // 10, 0)}")
+                              f"train.max_steps={max_steps}", fix)
     if name == "warmup":
         return {"type": "WarmupLR", "params": {
             "warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr,
