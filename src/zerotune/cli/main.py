@@ -54,7 +54,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
     if summary["status"] != "ok" and not multirun:
-        sys.exit(1)
+        # A config problem found in a worker (e.g. a refused resume) is still a config problem.
+        sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
 
 
 def agree_across_ranks(args: list[str]) -> list[str]:
