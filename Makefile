@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint clean
+.PHONY: setup train test test-all lint clean
 
 setup: $(STAMP)
 
@@ -26,11 +26,13 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) train.py
 
+# The suite without the long end-to-end runs (marked slow): under 20 minutes on 2 cores.
 test: setup
-	$(PY) -m pytest -q
-
-test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# Everything, slow runs included (every stage x offload, NVMe, fidelity, sweeps, resume, multi-process).
+test-all: setup
+	$(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check .

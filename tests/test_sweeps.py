@@ -12,7 +12,7 @@ from tests.conftest import read_summary, run_cli
 @pytest.mark.slow
 def test_cpu_twin_sweep_survives_a_failing_job_and_reports(tmp_path):
     # batch 0 is refused at validation: one job forced to fail among eight that train.
-    proc = run_cli("-m", "experiment=stage_resolution_batch_cpu", "hydra.sweeper.params.train.batch_size=2,8,0",
+    proc = run_cli("-m", "experiment=stage_resolution_batch_cpu", "train.batch_size=2,8,0",
                    f"hydra.sweep.dir={tmp_path}", timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted((p for p in tmp_path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))

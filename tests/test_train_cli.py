@@ -58,7 +58,7 @@ def test_nvme_offload_swaps_to_the_folder(tmp_path):
 
 
 def test_default_job_loss_falls(tmp_path):
-    proc = run_cli("train.max_steps=60", "train.log_every=10", "evaluate.per_class=4", "evaluate.steps=4",
+    proc = run_cli("train.max_steps=60", "scheduler.warmup_steps=10", "train.log_every=10", "evaluate.per_class=4", "evaluate.steps=4",
                    f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = read_summary(tmp_path)

@@ -16,8 +16,21 @@ from zerotune.launch.spec import JobSpec
 from zerotune.rundir import CONFIG
 
 
+def die_with_parent() -> None:
+    """Linux: if the job's process is killed (even with SIGKILL), its workers go too, never training on alone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def main(run_dir: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
+
+    die_with_parent()
 
     return record(_main)(run_dir)  # an exception reaches the launcher's report (error.message in the summary)
 

@@ -195,6 +195,11 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
+def _jsonable(value):
+    """Config values JSON lacks: tuples and sets as lists, paths as strings."""
+    return str(value) if isinstance(value, Path) else list(value)
+
+
 def save(trainer, root: Path, meta: dict) -> dict:
     """Save on EVERY rank (a rank-0-only save hangs under DeepSpeed); returns {path, seconds, bytes}."""
     acc, t0 = trainer.accelerator, time.perf_counter()
@@ -209,7 +214,7 @@ def save(trainer, root: Path, meta: dict) -> dict:
     if acc.is_main_process:
         if trainer.ema is not None:
             torch.save(trainer.ema.state_dict(), tmp / EMA_FILE)
-        (tmp / UNET_CONFIG).write_text(json.dumps(dict(trainer._module().config), default=list, indent=1))
+        (tmp / UNET_CONFIG).write_text(json.dumps(dict(trainer._module().config), default=_jsonable, indent=1))
         (tmp / META).write_text(json.dumps({**meta, "step": trainer.step}, indent=2))
     acc.wait_for_everyone()
     size = 0
