@@ -87,7 +87,3 @@ def load_pretrained(model_cfg: Any, path: Path):
         return unet
     raise ConfigError(key, f"{path} is neither a diffusers folder nor a .safetensors file",
                       "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
-
-
-def count_params(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
