@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from zerotune.ds_config.builder import ModelStats
