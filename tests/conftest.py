@@ -47,6 +47,20 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.fixture(autouse=True)
+def isolated_accelerate_config(tmp_path_factory, monkeypatch):
+    """accelerate.config_file=auto reads accelerate's default location: point it (and HF_HOME, for the CLI
+    subprocesses) at an empty folder, so a developer's own ~/.cache/huggingface config never leaks in."""
+    from zerotune.user_config import accelerate_config
+
+    home = tmp_path_factory.mktemp("hf_home")
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setattr(accelerate_config, "default_location", lambda: home / "accelerate" / "default_config.yaml")
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    return home
+
+
 @pytest.fixture
 def composed():
     return compose_cfg

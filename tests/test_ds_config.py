@@ -7,7 +7,8 @@ import json
 import pytest
 
 from tests.conftest import compose_cfg, run_cli
-from zerotune.ds_config.builder import ModelStats, build, deep_merge
+from zerotune.ds_config.builder import ModelStats, build
+from zerotune.user_config.merge import merge
 from zerotune.ds_config.offload import DEFAULT_PARAM_BUFFER, param_buffer_size
 from zerotune.ds_config.validator import validate
 from zerotune.plan import make_plan
@@ -88,9 +89,16 @@ def test_hand_written_json_is_merged_and_normalised(tmp_path, caplog):
     assert "AdamW implementation" in caplog.text
 
 
-def test_deep_merge():
-    assert deep_merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 3}, "e": 4}) == {
-        "a": {"b": 3, "c": 2}, "d": 1, "e": 4}
+def test_merge_takes_the_files_blocks_whole():
+    generated = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}, "d": 1,
+                 "zero_optimization": {"stage": 2, "reduce_bucket_size": 5, "offload_optimizer": {"device": "cpu",
+                                                                                                  "pin_memory": True}}}
+    user = {"optimizer": {"type": "Adam", "params": {"lr": 3e-5}}, "e": 4,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert merge(generated, user) == {
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-5}}, "d": 1, "e": 4,
+        # the user's offload replaces ours whole (no offload_optimizer of ours survives); other keys fill in
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5, "offload_param": {"device": "cpu"}}}
 
 
 def test_validate_returns_copy():

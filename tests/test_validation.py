@@ -73,14 +73,16 @@ def test_inconsistent_batch_sizes_in_hand_written_json(tmp_path):
     file = write_json(tmp_path, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                                  "gradient_accumulation_steps": 3})
     err = plan_error(f"deepspeed.config_file={file}")
-    assert err.key == "train_batch_size" and "8 != train_micro_batch_size_per_gpu (2)" in err.problem
-    assert "set train_batch_size to 6" in err.fix
+    assert err.key == "train_batch_size"
+    assert "8 (ds.json) != micro batch 2 (ds.json) x gradient accumulation 3 (ds.json)" in err.problem
+    # the fix keeps the global batch the file asked for: 8 = 2 x 4
+    assert err.fix == "set gradient_accumulation_steps to 4 in ds.json (keeps train_batch_size 8)"
 
 
 def test_bf16_and_fp16_both_enabled(tmp_path):
-    file = write_json(tmp_path, {"fp16": {"enabled": True}})
-    err = plan_error("precision=bf16", f"deepspeed.config_file={file}")
-    assert err.key == "bf16.enabled" and "both enabled" in err.problem
+    file = write_json(tmp_path, {"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    err = plan_error(f"deepspeed.config_file={file}")
+    assert err.key == "bf16.enabled" and "both enabled" in err.problem and "ds.json" in err.problem
 
 
 @pytest.mark.parametrize("override", ["train.grad_clip=-1"])
@@ -92,7 +94,7 @@ def test_negative_clip(override):
 def test_negative_clip_in_json(tmp_path):
     file = write_json(tmp_path, {"gradient_clipping": -0.5})
     err = plan_error(f"deepspeed.config_file={file}")
-    assert err.key == "gradient_clipping"
+    assert err.key == "gradient_clipping" and ">= 0" in err.problem and err.fix == "change gradient_clipping in ds.json"
 
 
 @pytest.mark.parametrize("key", ["train.batch_size", "train.grad_accum", "train.max_steps"])

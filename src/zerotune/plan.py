@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zerotune import models
@@ -11,6 +11,7 @@ from zerotune.ds_config import builder, validator
 from zerotune.ds_config.builder import ModelStats
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform, detect
+from zerotune.user_config import autofill, merge, resolve
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Plan:
     model_stats: ModelStats
     input_shape: tuple[int, int, int]
     platform: Platform
+    config_sources: dict = field(default_factory=dict)  # the user's files and where each value came from
 
 
 def _use_deepspeed(cfg: Any, platform: Platform) -> bool:
@@ -51,12 +53,26 @@ def _check_train(cfg: Any) -> None:
                           "diffusion.prediction_type=epsilon or v_prediction")
 
 
-def make_plan(cfg: Any, world_size: int = 1, platform: Platform | None = None) -> Plan:
+def make_plan(cfg: Any, world_size: int | None = None, platform: Platform | None = None,
+              overrides: list[str] | tuple = ()) -> Plan:
+    """Check `cfg` and build its DeepSpeed dict. The user's DeepSpeed JSON and accelerate config are folded
+    into `cfg` first, in place, so that it describes what will run; `overrides` (as typed on the command
+    line) may not contradict them. `world_size`: None means `launch.num_processes x launch.nnodes`."""
     platform = platform or detect()
-    _check_train(cfg)
+    user = resolve(cfg, overrides, world_size)
+    world_size = world_size or int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
+    try:
+        _check_train(cfg)
+    except ConfigError as exc:
+        raise user.attribute(exc) from None
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
     check_data(cfg)
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model)
-    ds = validator.validate(builder.build(cfg, world_size, stats), platform, world_size)
-    return Plan(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform)
+    ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))
+    if user.deepspeed is not None:
+        ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
+    builder.choose_adam(ds, cfg)
+    ds = validator.validate(ds, platform, world_size)
+    return Plan(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
+                config_sources=user.summary(ds))

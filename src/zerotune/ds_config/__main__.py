@@ -21,7 +21,8 @@ from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerotune.ds_config", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=1, help="processes the run would use (default 1)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes the run would use (default: launch.num_processes x launch.nnodes)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args(argv)
     from zerotune.plan import make_plan
@@ -32,12 +33,23 @@ def main(argv: list[str] | None = None) -> int:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
         with contextlib.redirect_stdout(sys.stderr):
-            plan = make_plan(cfg, world_size=args.world_size)
+            plan = make_plan(cfg, world_size=args.world_size, overrides=args.overrides)
     except ConfigError as exc:
         print(f"zerotune: config error at {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     print(json.dumps(plan.ds_config, indent=2))
+    print_sources(plan.config_sources)
     return 0
+
+
+def print_sources(sources: dict) -> None:
+    """Where each top-level value came from, on stderr (stdout stays the JSON alone)."""
+    lines = ["where each top-level value came from:"]
+    width = max(len(k) for k in sources["values"])
+    lines += [f"  {key:<{width}}  {origin}" for key, origin in sources["values"].items()]
+    for acc in sources["accelerate_config"]:
+        lines.append(f"accelerate config: {acc['path'] or acc['origin']} ({acc['how']})")
+    print("\n".join(lines), file=sys.stderr)
 
 
 if __name__ == "__main__":

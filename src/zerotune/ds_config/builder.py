@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Collection
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.ds_config.schedulers import scheduler_block
-from zerotune.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -21,11 +19,9 @@ class ModelStats:
     largest_param_numel: int
 
 
-def optimizer_block(opt: Any, torch_adam: bool) -> dict:
+def optimizer_block(opt: Any) -> dict:
     name = normalize(opt.name)
     params = {k: (list(v) if k == "betas" else v) for k, v in opt.items() if k != "name"}
-    if name in ("adam", "adamw") and torch_adam:
-        params["torch_adam"] = True
     return {"type": DEEPSPEED_TYPES[name], "params": params}
 
 
@@ -33,9 +29,11 @@ def precision_blocks(prec: Any) -> dict:
     if prec.name == "bf16":
         return {"bf16": {"enabled": True}}
     if prec.name == "fp16":
-        return {"fp16": {"enabled": True, "initial_scale_power": int(prec.initial_scale_power),
-                         "loss_scale_window": int(prec.loss_scale_window), "hysteresis": int(prec.hysteresis),
-                         "min_loss_scale": float(prec.min_loss_scale)}}
+        # DeepSpeed's own loss-scaling defaults where the precision came from a user's file, not fp16.yaml.
+        return {"fp16": {"enabled": True, "initial_scale_power": int(prec.get("initial_scale_power", 16)),
+                         "loss_scale_window": int(prec.get("loss_scale_window", 1000)),
+                         "hysteresis": int(prec.get("hysteresis", 2)),
+                         "min_loss_scale": float(prec.get("min_loss_scale", 1))}}
     return {}
 
 
@@ -65,7 +63,8 @@ def zero_block(cfg: Any, stats: ModelStats) -> dict:
         zero.update({"stage3_prefetch_bucket_size": bucket_size(ds, "stage3_prefetch_bucket_size", stats),
                      "stage3_param_persistence_threshold": int(ds.stage3_param_persistence_threshold),
                      "contiguous_gradients": bool(ds.contiguous_gradients),
-                     "stage3_gather_16bit_weights_on_model_save": True})
+                     "stage3_gather_16bit_weights_on_model_save":
+                         bool(ds.get("stage3_gather_16bit_weights_on_model_save", True))})
     zero.update(offload_mod.offload_blocks(cfg.offload, stage, stats.largest_param_numel))
     return zero
 
@@ -78,8 +77,19 @@ def use_torch_adam(cfg: Any) -> bool:
     return bool(setting)
 
 
-def build(cfg: Any, world_size: int, stats: ModelStats) -> dict:
-    """The DeepSpeed dict for composed config `cfg`, before a hand-written JSON is merged on top."""
+def choose_adam(ds: dict, cfg: Any) -> None:
+    """Apply `deepspeed.torch_adam` to an Adam/AdamW block, generated or the user's, unless it says itself."""
+    opt = ds.get("optimizer")
+    if not isinstance(opt, dict) or normalize(str(opt.get("type", "")), key="optimizer.type") not in ("adam", "adamw"):
+        return
+    params = opt.setdefault("params", {})
+    if "torch_adam" not in params and use_torch_adam(cfg):
+        params["torch_adam"] = True
+
+
+def build(cfg: Any, world_size: int, stats: ModelStats, given: Collection[str] = ()) -> dict:
+    """The DeepSpeed dict for composed config `cfg`. Blocks in `given` (a user file supplies them whole,
+    user_config.merge) are not generated: the config values behind them may be the file's, not a group's."""
     micro, accum = int(cfg.train.batch_size), int(cfg.train.grad_accum)
     ds: dict = {
         "train_micro_batch_size_per_gpu": micro,
@@ -90,41 +100,15 @@ def build(cfg: Any, world_size: int, stats: ModelStats) -> dict:
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": zero_block(cfg, stats),
-        "optimizer": optimizer_block(cfg.optimizer, use_torch_adam(cfg)),
-        **precision_blocks(cfg.precision),
     }
-    sched = scheduler_block(cfg.scheduler, float(cfg.optimizer.lr), int(cfg.train.max_steps))
-    if sched is not None:
-        ds["scheduler"] = sched
+    if "optimizer" not in given:
+        ds["optimizer"] = optimizer_block(cfg.optimizer)
+    if not {"fp16", "bf16"} & set(given):
+        ds.update(precision_blocks(cfg.precision))
+    if "scheduler" not in given:
+        sched = scheduler_block(cfg.scheduler, float(cfg.optimizer.lr), int(cfg.train.max_steps))
+        if sched is not None:
+            ds["scheduler"] = sched
     if cfg.offload.device == "nvme":
         ds["aio"] = dict(offload_mod.AIO_BLOCK)
-    if cfg.deepspeed.config_file:
-        ds = deep_merge(ds, load_json(str(cfg.deepspeed.config_file)))
     return ds
-
-
-def deep_merge(base: dict, over: dict) -> dict:
-    """`over` wins; nested dicts merge key by key."""
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else value
-    return out
-
-
-def load_json(path: str) -> dict:
-    """Read a hand-written DeepSpeed JSON; a syntax error names its line and column."""
-    key = "deepspeed.config_file"
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(key, f"{file} does not exist", "point deepspeed.config_file at a DeepSpeed JSON file")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(key, f"{file} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                          "fix the JSON at that position") from None
-    if not isinstance(data, dict):
-        raise ConfigError(key, f"{file} must hold a JSON object, not {type(data).__name__}",
-                          'wrap the settings in { ... }')
-    # The reference's config.json nests the dict under "deepspeed_config"; accept both shapes.
-    return data.get("deepspeed_config", data)

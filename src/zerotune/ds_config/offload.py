@@ -34,20 +34,22 @@ def offload_blocks(offload: Any, stage: int, largest_param_numel: int) -> dict:
     """The `offload_optimizer` / `offload_param` entries of `zero_optimization`."""
     if offload.device == "none":
         return {}
-    blocks: dict = {"offload_optimizer": {"device": offload.device, "pin_memory": bool(offload.pin_memory)}}
+    pin = bool(offload.get("pin_memory", True))
+    blocks: dict = {"offload_optimizer": {"device": offload.device, "pin_memory": pin}}
     if offload_params_enabled(offload, stage):
-        blocks["offload_param"] = {"device": offload.device, "pin_memory": bool(offload.pin_memory)}
+        blocks["offload_param"] = {"device": offload.device, "pin_memory": pin}
     if offload.device == "nvme":
         missing = OmegaConf.is_config(offload) and OmegaConf.is_missing(offload, "path")
         path = None if missing or offload.path is None else str(offload.path)
         blocks["offload_optimizer"].update({"nvme_path": path, "buffer_count": 4, "fast_init": False})
         if "offload_param" in blocks:
-            size = offload.buffer_size
+            # .get: an offload that came from a user's file has no nvme.yaml values behind it.
+            size = offload.get("buffer_size", "auto")
             blocks["offload_param"].update({
                 "nvme_path": path,
-                "buffer_count": int(offload.buffer_count),
+                "buffer_count": int(offload.get("buffer_count", 5)),
                 "buffer_size": param_buffer_size(largest_param_numel) if size == "auto" else int(size),
-                "max_in_cpu": int(offload.max_in_cpu),
+                "max_in_cpu": int(offload.get("max_in_cpu", 1_000_000_000)),
             })
     return blocks
 

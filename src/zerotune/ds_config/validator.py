@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
+from zerotune.ds_config.batch import Known, solve
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_supported, normalize
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform
@@ -29,6 +30,8 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
         name = normalize(opt.get("type", ""), key="optimizer.type")
         opt["type"] = DEEPSPEED_TYPES[name]
         check_supported(name, offloaded, key="optimizer.type")
+    if "scheduler" in ds:
+        _check_scheduler(ds["scheduler"])
     _deepspeed_accepts(ds)
     return ds
 
@@ -56,13 +59,11 @@ def _positive_int(ds: dict, key: str, hydra_key: str) -> int:
 def _check_batch(ds: dict, world_size: int) -> None:
     micro = _positive_int(ds, "train_micro_batch_size_per_gpu", "train.batch_size")
     accum = _positive_int(ds, "gradient_accumulation_steps", "train.grad_accum")
-    total = ds.get("train_batch_size", micro * accum * world_size)
-    if total != micro * accum * world_size:
-        raise ConfigError("train_batch_size", f"{total} != train_micro_batch_size_per_gpu ({micro}) x "
-                          f"gradient_accumulation_steps ({accum}) x world size ({world_size})",
-                          f"set train_batch_size to {micro * accum * world_size}, or drop it and let zerotune "
-                          "derive it")
-    ds["train_batch_size"] = total
+    total = ds.get("train_batch_size")
+    given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
+    batch = solve(Known(micro, "micro batch", "train.batch_size"), Known(accum, "accumulation", "train.grad_accum"),
+                  given, world_size, Known(micro, "", ""), Known(accum, "", ""))
+    ds["train_batch_size"] = batch.total
 
 
 def _check_clip(clip: Any) -> None:
@@ -105,9 +106,27 @@ def _check_offload(zero: dict, stage: int) -> bool:
     return opt_dev != "none"
 
 
+def _check_scheduler(block: Any) -> None:
+    """DeepSpeed builds the scheduler only inside the engine, where a wrong name or parameter is a TypeError
+    mid-start-up; the classes' own signatures answer it here."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind not in lr_schedules.VALID_LR_SCHEDULES:
+        raise ConfigError("scheduler.type", f"DeepSpeed has no scheduler {kind!r}",
+                          f"use one of: {', '.join(lr_schedules.VALID_LR_SCHEDULES)}")
+    accepted = set(inspect.signature(getattr(lr_schedules, kind)).parameters) - {"self", "optimizer"}
+    unknown = sorted(set(block.get("params") or {}) - accepted)
+    if unknown:
+        raise ConfigError(f"scheduler.params.{unknown[0]}", f"{kind} takes no parameter {unknown[0]!r}",
+                          f"remove it; {kind} takes: {', '.join(sorted(accepted))}")
+
+
 def _deepspeed_accepts(ds: dict) -> None:
     """Run DeepSpeed's own config parsing, so anything it would reject is reported here, in our words."""
-    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from pydantic import ValidationError
 
     probe = copy.deepcopy(ds)
@@ -121,7 +140,7 @@ def _deepspeed_accepts(ds: dict) -> None:
         key = f"{_section_of(exc.title)}.{where}".strip(".")
         raise ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
                           "correct or remove that key (see https://www.deepspeed.ai/docs/config-json/)") from None
-    except (AssertionError, ValueError, KeyError, TypeError) as exc:
+    except (DeepSpeedConfigError, AssertionError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError("deepspeed", f"DeepSpeed rejects the config: {exc}",
                           "correct the setting it names (see https://www.deepspeed.ai/docs/config-json/)") from None
 

@@ -36,19 +36,23 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     if launched_externally():
         return train(cfg, spec)  # this process is one rank already
     apply_slurm_geometry(cfg)
-    node_rank = int(cfg.launch.node_rank)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
     spec.save()
-    base = {"status": "failed", "choices": {**key_choices(cfg), "world_size": world_size(cfg)},
-            "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
     try:
+        # Fails in seconds, before any worker starts. The user's DeepSpeed JSON / accelerate config are folded
+        # into cfg here (world size included), so everything below reads what will run.
         check_launch(cfg.launch)
-        plan = make_plan(cfg, world_size(cfg))  # fail in seconds, before any worker starts
+        plan = make_plan(cfg, overrides=spec.overrides)
+        check_launch(cfg.launch)  # again: an accelerate config may have set it
     except ConfigError as exc:
-        run_dir.write_summary({**base, "error": {"type": "ConfigError", "key": exc.key, "message": str(exc)},
+        run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": "ConfigError", "key": exc.key,
+                                                                     "message": str(exc)},
                                "env": environment_info()})
         raise
+    run_dir.write_config(cfg)
+    base = {**base_summary(cfg, spec), "config_sources": plan.config_sources}
+    node_rank = int(cfg.launch.node_rank)
     run_dir.write_ds_config(plan.ds_config)
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     # The job's own view of memory: every worker on this node, whatever becomes of them.
@@ -68,6 +72,12 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     else:
         run_dir.write_summary(summary)
     return summary
+
+
+def base_summary(cfg: Any, spec: JobSpec) -> dict:
+    """What the job's summary says before (or without) the workers' own."""
+    return {"status": "failed", "choices": {**key_choices(cfg), "world_size": world_size(cfg)},
+            "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
 
 
 def apply_slurm_geometry(cfg: Any) -> None:

@@ -10,6 +10,7 @@ from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
 from zerotune.plan import Plan
+from zerotune.user_config.accelerate_config import absorbed_launch_environment
 
 
 def mixed_precision(ds: dict) -> str:
@@ -25,8 +26,9 @@ def make_accelerator(plan: Plan) -> Accelerator:
     if plan.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
-        plugin = DeepSpeedPlugin(hf_ds_config=ds)
-        return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds))
+        with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
+            plugin = DeepSpeedPlugin(hf_ds_config=ds)
+            return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds))
     return Accelerator(mixed_precision=mixed_precision(ds), cpu=plan.platform.device_type == "cpu",
                        gradient_accumulation_steps=ds["gradient_accumulation_steps"])
 

@@ -60,10 +60,12 @@ def train(cfg: Any, spec: JobSpec) -> dict:
                      "experiment": experiment_info(cfg)}
     logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
     try:
-        plan = make_plan(cfg, distributed.world_size())
+        plan = make_plan(cfg, distributed.world_size(), overrides=spec.overrides)
+        run_dir.write_config(cfg)  # now with the user's files folded in
         distributed.init_accelerate_state(plan.use_deepspeed)
         run_dir.write_ds_config(plan.ds_config)
-        summary.update({"use_deepspeed": plan.use_deepspeed, "num_params": plan.model_stats.num_params})
+        summary.update({"choices": key_choices(cfg), "config_sources": plan.config_sources,
+                        "use_deepspeed": plan.use_deepspeed, "num_params": plan.model_stats.num_params})
         summary.update(_train_and_evaluate(cfg, plan, run_dir, logger))
         summary["status"] = "ok"
         return summary

@@ -1,0 +1,72 @@
+"""Keys that older DeepSpeed configs still carry: translated to today's spelling, or refused with the
+replacement named. DeepSpeed itself either accepts the old spelling silently (`cpu_offload`, which then
+escapes zerotune's offload handling) or stops with an exception, so both are settled here first."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from zerotune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Top-level blocks DeepSpeed 0.19 no longer has, with what replaces them.
+REMOVED = {
+    "sparse_attention": ("DeepSpeed removed sparse attention", "delete the \"sparse_attention\" block"),
+    "amp": ("DeepSpeed removed its Apex AMP integration",
+            "replace \"amp\" with \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} "
+            "(or precision=bf16|fp16)"),
+    "elasticity": ("DeepSpeed removed elastic training",
+                   "delete \"elasticity\" and give train_batch_size or train_micro_batch_size_per_gpu"),
+}
+
+# zero_optimization keys renamed without a change of meaning.
+RENAMED_ZERO = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "allgather_size": "allgather_bucket_size",
+}
+
+
+def translate(ds: dict, source: str) -> dict:
+    """A copy of the user's dict in today's spelling; every change is logged as a warning."""
+    ds = copy.deepcopy(ds)
+    for key, (problem, fix) in REMOVED.items():
+        if key in ds:
+            raise ConfigError(f"{key}", f"{problem} ({source})", fix)
+    if "bfloat16" in ds:  # DeepSpeed's older alias of "bf16"
+        _warn(source, "bfloat16", "bf16")
+        ds["bf16"] = {**ds.pop("bfloat16"), **ds.get("bf16", {})}
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, bool):  # the oldest form: "zero_optimization": true means stage 1
+        _warn(source, f"zero_optimization: {str(zero).lower()}", f"zero_optimization: {{\"stage\": {int(zero)}}}")
+        ds["zero_optimization"] = {"stage": int(zero)}
+    elif isinstance(zero, dict):
+        ds["zero_optimization"] = _translate_zero(zero, source)
+    return ds
+
+
+def _translate_zero(zero: dict, source: str) -> dict:
+    zero = dict(zero)
+    for old, new in RENAMED_ZERO.items():
+        if old in zero:
+            _warn(source, f"zero_optimization.{old}", f"zero_optimization.{new}")
+            zero.setdefault(new, zero.pop(old))
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    for old, block in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param"),
+                       ("cpu_offload_param", "offload_param")):
+        if old not in zero:
+            continue
+        on = zero.pop(old)
+        if block in zero:
+            raise ConfigError(f"zero_optimization.{old}", f"both {old} (deprecated) and {block} are set ({source})",
+                              f"delete {old}; {block} says where it goes")
+        if on:
+            zero[block] = {"device": "cpu", "pin_memory": bool(pin)}
+            _warn(source, f"zero_optimization.{old}: true",
+                  f"zero_optimization.{block}: {{\"device\": \"cpu\", \"pin_memory\": {str(bool(pin)).lower()}}}")
+    return zero
+
+
+def _warn(source: str, old: str, new: str) -> None:
+    log.warning("%s: %s is a deprecated DeepSpeed key; read as %s", source, old, new)

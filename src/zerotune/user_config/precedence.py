@@ -1,0 +1,231 @@
+"""Who wins: the command line, the user's files, or zerotune's defaults.
+
+- A value the file states replaces the group default (the composed config is updated, so config.yaml,
+  summary choices, reports, offload handling and measurement all describe what runs).
+- A value typed on the command line that contradicts a file is an error naming both sides.
+- Two files (an accelerate YAML and the DeepSpeed JSON it names) that disagree are an error too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from zerotune.errors import ConfigError
+from zerotune.user_config import accelerate_config, deepspeed_file
+from zerotune.ds_config.batch import Batch, Known, solve
+from zerotune.user_config.settings import Setting, from_accelerate, from_deepspeed, stated
+
+log = logging.getLogger(__name__)
+
+# A group choice on the command line (`zero_stage=2`) pins the keys that identify the option, not the
+# option's other values: `optimizer=adamw` does not pin optimizer.lr against a file's lr.
+GROUP_PINS = {"zero_stage": ("zero_stage.stage",), "offload": ("offload.device", "offload.params"),
+              "precision": ("precision.name",), "optimizer": ("optimizer.name",), "scheduler": ("scheduler.name",)}
+
+# The zerotune keys each top-level DeepSpeed key is generated from (for "where did this come from").
+DS_KEY_SOURCES = {
+    "gradient_clipping": ("train.grad_clip",),
+    "zero_optimization": ("zero_stage.stage", "offload.device", "offload.params", "offload.path"),
+    "optimizer": ("optimizer.name", "optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"),
+    "scheduler": ("scheduler.name", "scheduler.warmup_steps", "train.max_steps"),
+    "fp16": ("precision.name",), "bf16": ("precision.name",), "aio": ("offload.device",),
+}
+
+
+@dataclass
+class UserConfig:
+    """The user's files, settled against the command line; the composed config already reflects them."""
+
+    deepspeed: dict | None = None                 # the user's DeepSpeed dict, today's spelling
+    deepspeed_path: str | None = None
+    accelerate: list[dict] = field(default_factory=list)   # [{"origin", "how", "path"}] for the summary
+    origins: dict[str, str] = field(default_factory=dict)  # zerotune key -> where its value came from
+    typed: dict[str, str] = field(default_factory=dict)    # key typed on the command line -> the override
+    batch: Batch | None = None
+    batch_origins: dict[str, str] = field(default_factory=dict)
+
+    def origin_of(self, key: str) -> str:
+        if key in self.origins:
+            return self.origins[key]
+        return "command line" if pinned_by(self.typed, key) else "default"
+
+    def attribute(self, exc: ConfigError) -> ConfigError:
+        """A problem with a value a file gave is reported at the file's key, with the fix made there."""
+        origin = self.origins.get(exc.key)
+        if origin is None or ": " not in origin:
+            return exc
+        name, where = origin.split(": ", 1)
+        return ConfigError(where, f"{exc.problem} ({name})", f"change {where} in {name}")
+
+    def value_sources(self, ds: dict) -> dict[str, str]:
+        """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
+        name = Path(self.deepspeed_path).name if self.deepspeed_path else None
+        out = {}
+        for key in ds:
+            if key in self.batch_origins:
+                out[key] = self.batch_origins[key]
+            elif self.deepspeed is not None and key in self.deepspeed:
+                fillers = {self.origin_of(k) for k in DS_KEY_SOURCES.get(key, ())} - {
+                    o for o in self.origins.values() if o.startswith(f"{name}:")}
+                out[key] = f"file {name}" + (f" (\"auto\" filled from: {', '.join(sorted(fillers or {'zerotune'}))})"
+                                             if _has_auto(self.deepspeed[key]) else "")
+                if key == "zero_optimization" and set(ds[key]) - set(self.deepspeed[key]):
+                    out[key] += "; other keys: zerotune defaults"
+            elif key in DS_KEY_SOURCES:
+                out[key] = ", ".join(sorted({self.origin_of(k) for k in DS_KEY_SOURCES[key]}))
+            else:
+                out[key] = "zerotune"
+        return out
+
+    def summary(self, ds: dict) -> dict:
+        return {"deepspeed_config_file": self.deepspeed_path, "accelerate_config": self.accelerate,
+                "values": self.value_sources(ds)}
+
+
+def typed_keys(overrides: list[str]) -> dict[str, str]:
+    """{key or group: the override as typed} for the command line's overrides, parsed by Hydra's own parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
+    return {o.key_or_group: o.input_line for o in parsed
+            if not o.key_or_group.startswith("hydra") and not o.is_delete()}
+
+
+def pinned_by(typed: dict[str, str], key: str) -> str | None:
+    """The typed override that fixes `key`, if any."""
+    for typed_key, line in typed.items():
+        if typed_key == key or key.startswith(typed_key + ".") and typed_key not in GROUP_PINS:
+            return line
+        if key in GROUP_PINS.get(typed_key, ()):
+            return line
+    return None
+
+
+def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None = None,
+            environ: dict | None = None) -> UserConfig:
+    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg`, in place; return what was used."""
+    user = UserConfig(typed=typed_keys(list(overrides)))
+    applied: dict[str, Setting] = {}
+    setting = (cfg.get("accelerate") or {}).get("config_file", "auto")
+    for acc in accelerate_config.find(setting, environ):
+        user.accelerate.append({"origin": acc.origin, "how": acc.how, "path": acc.path})
+        if acc.how == "default location":
+            log.info("read accelerate's default config %s (accelerate.config_file=null to ignore it)", acc.path)
+        for s in from_accelerate(acc, launched_externally=acc.how == "environment"):
+            _apply(cfg, s, applied, user)
+    path = cfg.deepspeed.get("config_file")
+    if path:
+        user.deepspeed_path = str(Path(str(path)).expanduser())
+        user.deepspeed = deepspeed_file.load(user.deepspeed_path)
+        for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
+            _apply(cfg, s, applied, user)
+    if world_size is None:
+        world_size = int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
+    _settle_batch(cfg, user, world_size)
+    return user
+
+
+def _apply(cfg: Any, s: Setting, applied: dict[str, Setting], user: UserConfig) -> None:
+    if s.key == "precision.not":  # a file says "fp16.enabled: false"
+        if cfg.precision.name != s.value:
+            return
+        s = Setting("precision.name", "fp32", s.origin)
+    earlier = applied.get(s.key)
+    if earlier is not None and not _same(s.key, earlier.value, s.value):
+        raise ConfigError(s.key, f"{earlier.origin} says {earlier.value!r} but {s.origin} says {s.value!r}",
+                          "make the two files agree (or drop one of them)")
+    current = OmegaConf.select(cfg, s.key, default=None)
+    line = pinned_by(user.typed, s.key)
+    if line is not None and current != "auto" and not _same(s.key, current, s.value):
+        raise ConfigError(s.key, f"the command line says `{line}` but {s.origin} says {s.value!r}",
+                          f"drop `{line}` from the command line, or change {s.origin}")
+    applied[s.key] = s
+    user.origins[s.key] = s.origin
+    if not _same(s.key, current, s.value):
+        log.info("%s = %r, from %s", s.key, s.value, s.origin)
+        OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if OmegaConf.is_config(a):
+        a = OmegaConf.to_container(a, resolve=True)
+    if key.endswith("path") or key.endswith("config_file"):
+        return a is not None and b is not None and os.path.abspath(os.path.expanduser(str(a))) == \
+            os.path.abspath(os.path.expanduser(str(b)))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(key, x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _settle_batch(cfg: Any, user: UserConfig, world: int) -> None:
+    ds = user.deepspeed or {}
+    name = Path(user.deepspeed_path).name if user.deepspeed_path else None
+
+    def known(ds_key: str, cfg_key: str) -> Known | None:
+        in_file = ds.get(ds_key)
+        line = pinned_by(user.typed, cfg_key)
+        typed_value = OmegaConf.select(cfg, cfg_key) if line else None
+        if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
+            raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
+                              f"drop `{line}` from the command line, or change {ds_key} in {name}")
+        if stated(in_file):
+            return Known(_whole(in_file, ds_key, name), f"{name}", ds_key, name)
+        if line:
+            return Known(int(typed_value), "command line", cfg_key)
+        if cfg_key in user.origins:  # from an accelerate config
+            return Known(int(OmegaConf.select(cfg, cfg_key)), user.origins[cfg_key], cfg_key)
+        return None
+
+    micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
+    accum = known("gradient_accumulation_steps", "train.grad_accum")
+    total_in_file = ds.get("train_batch_size")
+    total = Known(_whole(total_in_file, "train_batch_size", name), f"{name}", "train_batch_size", name) \
+        if stated(total_in_file) else None
+    defaults = (Known(_positive(cfg, "train.batch_size"), "default", "train.batch_size"),
+                Known(_positive(cfg, "train.grad_accum"), "default", "train.grad_accum"))
+    user.batch = solve(micro, accum, total, world, *defaults)
+    procs = f"{world} process{'es' if world > 1 else ''}"
+    user.batch_origins = {
+        "train_batch_size": total.origin if total else f"derived: micro batch x accumulation x {procs}",
+        "train_micro_batch_size_per_gpu": _batch_part_origin(micro, total, "train.batch_size", user, procs),
+        "gradient_accumulation_steps": _batch_part_origin(accum, total, "train.grad_accum", user, procs)}
+    OmegaConf.update(cfg, "train.batch_size", user.batch.micro, merge=False)
+    OmegaConf.update(cfg, "train.grad_accum", user.batch.accum, merge=False)
+
+
+def _batch_part_origin(part: Known | None, total: Known | None, cfg_key: str, user: UserConfig,
+                       procs: str) -> str:
+    if part is not None:
+        return part.origin
+    if total is not None:
+        return f"derived: train_batch_size / (the other factor x {procs})"
+    return user.origin_of(cfg_key)
+
+
+def _whole(value: Any, key: str, name: str | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be a positive integer or \"auto\", got {value!r} ({name})",
+                          f"set {key} to a whole number in {name}, or to \"auto\"")
+    return value
+
+
+def _positive(cfg: Any, key: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}", f"{key}=1 or more")
+    return value
+
+
+def _has_auto(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_has_auto(v) for v in value.values())
+    return value == "auto"

@@ -1,0 +1,196 @@
+"""What a user's file says, in zerotune's keys: `zero_optimization.stage: 3` is `zero_stage.stage=3`.
+
+Only values the file states count: a missing key or `"auto"` leaves the choice to zerotune's groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from zerotune.ds_config.optimizers import normalize
+from zerotune.errors import ConfigError
+from zerotune.user_config.accelerate_config import AccelerateConfig
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+# DeepSpeed's scheduler types, by zerotune's scheduler option names.
+SCHEDULER_NAMES = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "cosine",
+                   "OneCycle": "onecycle"}
+# Optimizer params that zerotune's optimizer groups also carry.
+OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
+# zero_optimization keys that zerotune's `deepspeed.*` knobs set.
+ZERO_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+              "stage3_param_persistence_threshold", "overlap_comm", "contiguous_gradients",
+              "stage3_gather_16bit_weights_on_model_save")
+DEVICE_DEPTH = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str        # zerotune's key, e.g. "zero_stage.stage"
+    value: Any
+    origin: str     # where the user wrote it, e.g. "ds_z3.json: zero_optimization.stage"
+
+
+def stated(value: Any) -> bool:
+    return value is not None and value != AUTO
+
+
+def from_deepspeed(ds: dict, name: str) -> list[Setting]:
+    """Settings a DeepSpeed dict states (batch keys are settled by `batch`, not here)."""
+    out: list[Setting] = []
+
+    def add(key: str, value: Any, where: str) -> None:
+        if stated(value):
+            out.append(Setting(key, value, f"{name}: {where}"))
+
+    add("train.grad_clip", ds.get("gradient_clipping"), "gradient_clipping")
+    zero = ds.get("zero_optimization") or {}
+    add("zero_stage.stage", zero.get("stage"), "zero_optimization.stage")
+    for knob in ZERO_KNOBS:
+        add(f"deepspeed.{knob}", zero.get(knob), f"zero_optimization.{knob}")
+    out += _offload(zero, name)
+    out += _precision(ds, name)
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict) and stated(opt.get("type")):
+        add("optimizer.name", normalize(opt["type"], key="optimizer.type"), "optimizer.type")
+        params = opt.get("params") or {}
+        for param in OPTIMIZER_PARAMS:
+            value = params.get(param)
+            add(f"optimizer.{param}", list(value) if isinstance(value, (list, tuple)) else value,
+                f"optimizer.params.{param}")
+    sched = ds.get("scheduler")
+    if isinstance(sched, dict) and stated(sched.get("type")):
+        add("scheduler.name", SCHEDULER_NAMES.get(sched["type"], sched["type"]), "scheduler.type")
+        params = sched.get("params") or {}
+        if sched["type"] in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            add("scheduler.warmup_steps", params.get("warmup_num_steps"), "scheduler.params.warmup_num_steps")
+    return out
+
+
+def _offload(zero: dict, name: str) -> list[Setting]:
+    """A file that gives either offload block defines offload whole: an absent one means DeepSpeed's default,
+    none. A file that gives neither leaves offload to zerotune's `offload` group."""
+    opt, param = zero.get("offload_optimizer"), zero.get("offload_param")
+    if opt is None and param is None:
+        return []
+    opt_dev = str((opt or {}).get("device", "none")).lower()
+    param_dev = str((param or {}).get("device", "none")).lower()
+    for block, dev in (("offload_optimizer", opt_dev), ("offload_param", param_dev)):
+        if dev not in DEVICE_DEPTH:
+            raise ConfigError(f"zero_optimization.{block}.device", f"unknown offload device {dev!r} ({name})",
+                              "use \"none\", \"cpu\" or \"nvme\"")
+    where = f"{name}: zero_optimization.offload_*"
+    device = max(opt_dev, param_dev, key=DEVICE_DEPTH.get)  # the deepest tier decides what is measured
+    out = [Setting("offload.device", device, where), Setting("offload.params", param_dev != "none", where)]
+    paths = {b.get("nvme_path") for b in (opt or {}, param or {}) if b.get("device") == "nvme"}
+    paths.discard(None)
+    if len(paths) == 1:
+        out.append(Setting("offload.path", str(paths.pop()), f"{name}: zero_optimization.offload_*.nvme_path"))
+    return out
+
+
+def _precision(ds: dict, name: str) -> list[Setting]:
+    on = {p for p in ("fp16", "bf16") if isinstance(ds.get(p), dict) and ds[p].get("enabled") is True}
+    off = {p for p in ("fp16", "bf16") if isinstance(ds.get(p), dict) and ds[p].get("enabled") is False}
+    if on == {"fp16", "bf16"}:
+        raise ConfigError("bf16.enabled", f"bf16 and fp16 are both enabled ({name})",
+                          "enable one of them in the file, or set both to \"auto\" and choose with precision=")
+    if on:
+        p = on.pop()
+        return [Setting("precision.name", p, f"{name}: {p}.enabled")]
+    if off == {"fp16", "bf16"}:
+        return [Setting("precision.name", "fp32", f"{name}: fp16.enabled and bf16.enabled")]
+    # One block explicitly off says "not that one"; precedence turns it into fp32 if that one was chosen.
+    return [Setting("precision.not", p, f"{name}: {p}.enabled") for p in sorted(off)]
+
+
+def from_accelerate(acc: AccelerateConfig, launched_externally: bool) -> list[Setting]:
+    """accelerate's fields in zerotune's keys (the mapping accelerate's DeepSpeedPlugin applies itself)."""
+    out: list[Setting] = []
+
+    def add(key: str, value: Any, field: str) -> None:
+        if stated(value):
+            out.append(Setting(key, value, f"{acc.origin}: {field}"))
+
+    kind = acc.distributed_type or "NO"
+    if kind in ("FSDP", "XLA", "MEGATRON_LM", "TP"):
+        raise ConfigError("accelerate.config_file", f"{acc.origin} asks for distributed_type {kind}; zerotune "
+                          "trains with DeepSpeed", "set distributed_type: DEEPSPEED (or run `accelerate config` "
+                          "again), or accelerate.config_file=null")
+    if acc.mixed_precision is not None:
+        precision = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(str(acc.mixed_precision).lower())
+        if precision is None:
+            raise ConfigError("precision", f"{acc.origin}: mixed_precision {acc.mixed_precision!r} is not "
+                              "supported by zerotune", "mixed_precision: bf16, fp16 or no")
+        add("precision.name", precision, "mixed_precision")
+    if kind == "DEEPSPEED":
+        _accelerate_deepspeed(acc, add)
+    if not launched_externally:  # under `accelerate launch` the launcher has already placed the processes
+        out += _accelerate_machines(acc)
+    return out
+
+
+def _accelerate_deepspeed(acc: AccelerateConfig, add) -> None:
+    ds = acc.deepspeed
+    if stated(ds.get("deepspeed_config_file")) and ds["deepspeed_config_file"] != "none":
+        add("deepspeed.config_file", str(ds["deepspeed_config_file"]), "deepspeed_config.deepspeed_config_file")
+    add("zero_stage.stage", _int(ds.get("zero_stage"), acc, "zero_stage"), "deepspeed_config.zero_stage")
+    add("train.grad_accum", _int(ds.get("gradient_accumulation_steps"), acc, "gradient_accumulation_steps"),
+        "deepspeed_config.gradient_accumulation_steps")
+    clip = ds.get("gradient_clipping")
+    add("train.grad_clip", None if clip in (None, "auto", "none") else float(clip), "deepspeed_config.gradient_clipping")
+    opt_dev = str(ds.get("offload_optimizer_device") or "").lower() or None
+    param_dev = str(ds.get("offload_param_device") or "").lower() or None
+    if opt_dev or param_dev:
+        device = max(opt_dev or "none", param_dev or "none", key=lambda d: DEVICE_DEPTH.get(d, -1))
+        add("offload.device", device, "deepspeed_config.offload_*_device")
+        add("offload.params", (param_dev or "none") != "none", "deepspeed_config.offload_param_device")
+    for path_field in ("offload_optimizer_nvme_path", "offload_param_nvme_path"):
+        if ds.get(path_field) not in (None, "none"):
+            add("offload.path", str(ds[path_field]), f"deepspeed_config.{path_field}")
+    save16 = ds.get("zero3_save_16bit_model")
+    if save16 is not None:
+        add("deepspeed.stage3_gather_16bit_weights_on_model_save", _bool(save16),
+            "deepspeed_config.zero3_save_16bit_model")
+    if _bool(ds.get("zero3_init_flag", False)):
+        # accelerate applies zero3_init_flag only to transformers' from_pretrained; a diffusers U-Net is built
+        # whole either way and partitioned when DeepSpeed's engine takes it.
+        log.warning("%s: zero3_init_flag has no effect on a diffusers U-Net (built whole, then partitioned)",
+                    acc.origin)
+
+
+def _accelerate_machines(acc: AccelerateConfig) -> list[Setting]:
+    m = acc.machines
+    out = []
+    nodes = int(m.get("num_machines") or 1)
+    if "num_processes" in m:
+        total = int(m["num_processes"])
+        if total % nodes:
+            raise ConfigError("launch.num_processes", f"{acc.origin}: num_processes {total} is not divisible by "
+                              f"num_machines {nodes}", "num_processes is the total over all machines")
+        # accelerate counts processes over all machines; zerotune's launch.num_processes is per node.
+        out.append(Setting("launch.num_processes", total // nodes, f"{acc.origin}: num_processes / num_machines"))
+    for key, name in (("launch.nnodes", "num_machines"), ("launch.node_rank", "machine_rank"),
+                      ("launch.master_addr", "main_process_ip"), ("launch.master_port", "main_process_port")):
+        if m.get(name) is not None:
+            out.append(Setting(key, m[name], f"{acc.origin}: {name}"))
+    return out
+
+
+def _int(value: Any, acc: AccelerateConfig, name: str) -> int | None:
+    if value in (None, "auto", "none"):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"deepspeed_config.{name}", f"{acc.origin}: {name} must be an integer, got {value!r}",
+                          f"set {name} to a whole number") from None
+
+
+def _bool(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).lower() == "true"
