@@ -8,11 +8,11 @@ import pytest
 
 from tests.conftest import compose_cfg, run_cli
 from zerotune.ds_config.builder import ModelStats, build
-from zerotune.user_config.merge import merge
 from zerotune.ds_config.offload import DEFAULT_PARAM_BUFFER, param_buffer_size
 from zerotune.ds_config.validator import validate
 from zerotune.plan import make_plan
 from zerotune.platform import detect
+from zerotune.user_config.merge import merge
 
 PLATFORM = detect()
 PRECISIONS = [p for p in ("fp32", "bf16", "fp16") if PLATFORM.supports(p)]

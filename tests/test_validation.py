@@ -15,7 +15,7 @@ from zerotune.platform import Platform, detect
 
 def plan_error(*overrides: str, platform: Platform | None = None) -> ConfigError:
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(*overrides), platform=platform)
+        make_plan(compose_cfg(*overrides), platform=platform, overrides=list(overrides))
     return err.value
 
 
@@ -204,7 +204,17 @@ def test_decay_schedulers_need_warmup_steps():
     assert err.key == "scheduler.warmup_steps" and ">= 1" in err.problem
 
 
-def test_warmup_longer_than_training():
+def test_typed_warmup_longer_than_training():
     err = plan_error("scheduler=cosine", "scheduler.warmup_steps=100", "train.max_steps=50")
     assert err.key == "scheduler.warmup_steps" and err.fix == "scheduler.warmup_steps=5"
-    assert plan_error("scheduler=cosine", "train.max_steps=1").fix == "scheduler=constant"
+
+
+@pytest.mark.parametrize(("steps", "warmup", "kind"), [(3, 1, "WarmupCosineLR"), (50, 5, "WarmupCosineLR"),
+                                                        (1, None, None)])
+def test_default_warmup_is_fitted_to_a_short_run(steps, warmup, kind):
+    # `python train.py train.max_steps=3` must work: the recipe's 100 warm-up steps are a default, not a choice
+    overrides = ["scheduler=cosine", f"train.max_steps={steps}"]
+    ds = make_plan(compose_cfg(*overrides), overrides=overrides).ds_config
+    assert ds.get("scheduler", {}).get("type") == kind
+    if warmup is not None:
+        assert ds["scheduler"]["params"]["warmup_num_steps"] == warmup

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from zerotune.ds_config.builder import ModelStats
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform, detect
 from zerotune.user_config import autofill, merge, resolve
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,22 @@ def _check_train(cfg: Any) -> None:
                           "diffusion.prediction_type=epsilon or v_prediction")
 
 
+def _fit_default_warmup(cfg: Any, user) -> None:
+    """A default warm-up longer than a short run (`train.max_steps=3`) is shortened to a tenth of the run;
+    one typed on the command line or given by a file stays, and the scheduler check reports it."""
+    steps, sched = int(cfg.train.max_steps), cfg.scheduler
+    warmup = sched.get("warmup_steps")
+    if sched.name not in ("warmup_decay", "cosine") or warmup is None or int(warmup) < steps:
+        return
+    if user.origin_of("scheduler.warmup_steps") != "default":
+        return
+    fitted = max(steps // 10, 1) if steps > 1 else 0
+    log.warning("scheduler.warmup_steps=%s does not fit train.max_steps=%s: using %s", warmup, steps, fitted)
+    cfg.scheduler.warmup_steps = fitted
+    if fitted == 0:
+        cfg.scheduler.name = "constant"  # one step leaves nothing to warm up or decay over
+
+
 def make_plan(cfg: Any, world_size: int | None = None, platform: Platform | None = None,
               overrides: list[str] | tuple = ()) -> Plan:
     """Check `cfg` and build its DeepSpeed dict. The user's DeepSpeed JSON and accelerate config are folded
@@ -60,6 +79,7 @@ def make_plan(cfg: Any, world_size: int | None = None, platform: Platform | None
     line) may not contradict them. `world_size`: None means `launch.num_processes x launch.nnodes`."""
     platform = platform or detect()
     user = resolve(cfg, overrides, world_size)
+    _fit_default_warmup(cfg, user)
     world_size = world_size or int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
     try:
         _check_train(cfg)

@@ -49,23 +49,25 @@ def normalize(name: str, key: str = "optimizer.name") -> str:
                       f"choose one of: {', '.join(DEEPSPEED_TYPES)} (case-insensitive)")
 
 
-def _op_available(builder_name: str) -> bool:
+def _op_available(builder_name: str, device_type: str) -> bool:
+    if device_type == "cuda":
+        return True  # DeepSpeed's CUDA accelerator has every fused optimizer (built with nvcc on first use)
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().get_op_builder(builder_name)
     return builder is not None and builder.__name__ != "NotImplementedBuilder"
 
 
-def check_supported(name: str, offloaded: bool, key: str = "optimizer.name") -> None:
+def check_supported(name: str, offloaded: bool, key: str = "optimizer.name", device_type: str = "cpu") -> None:
     """Refuse an optimizer that DeepSpeed cannot run on this accelerator with this offload choice."""
     if name in ("muadam", "muadamw", "musgd") and importlib.util.find_spec("mup") is None:
         raise ConfigError(key, f"{name} needs the `mup` package, which is not installed", "pip install mup")
     if name == "lamb":
         if offloaded:
             raise ConfigError(key, "DeepSpeed has no offloaded LAMB", "use offload=none, or optimizer=adamw")
-        if not _op_available("FusedLambBuilder"):
+        if not _op_available("FusedLambBuilder", device_type):
             raise ConfigError(key, "LAMB needs DeepSpeed's FusedLamb kernel, which this accelerator lacks",
                               "use optimizer=adamw (or lion with offload=cpu)")
-    if name == "lion" and not offloaded and not _op_available("FusedLionBuilder"):
+    if name == "lion" and not offloaded and not _op_available("FusedLionBuilder", device_type):
         raise ConfigError(key, "Lion without offload needs DeepSpeed's FusedLion kernel, which this "
                           "accelerator lacks", "add offload=cpu (CPU Lion), or use optimizer=adamw")

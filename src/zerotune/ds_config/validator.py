@@ -29,7 +29,7 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
         opt = ds["optimizer"]
         name = normalize(opt.get("type", ""), key="optimizer.type")
         opt["type"] = DEEPSPEED_TYPES[name]
-        check_supported(name, offloaded, key="optimizer.type")
+        check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
     if "scheduler" in ds:
         _check_scheduler(ds["scheduler"])
     _deepspeed_accepts(ds)

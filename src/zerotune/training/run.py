@@ -106,6 +106,7 @@ def _train_and_evaluate(cfg: Any, plan, run_dir: RunDir, logger) -> dict:
         trainer = Trainer(cfg, plan, run_dir, logger)
         telemetry.timer.synchronize = _device_sync(trainer)
         out.update(trainer.fit(telemetry))
+        out["optimizer_class"] = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
         out["train_time_s"] = sum(telemetry.timer.durations)
         if trainer.ema is not None:
             out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}

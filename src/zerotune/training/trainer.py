@@ -76,6 +76,12 @@ class Trainer:
     def zero_stage(self) -> int:
         return int(self.plan.ds_config["zero_optimization"]["stage"]) if self.plan.use_deepspeed else 0
 
+    def optimizer_class(self) -> str:
+        """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
+        inner = getattr(self.unet, "basic_optimizer", None) if self.plan.use_deepspeed else None
+        inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
+        return type(inner).__name__
+
     def _module(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.unet)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerotune.ds_config.batch import Batch
 from zerotune.ds_config.builder import ModelStats, bucket_size
 from zerotune.errors import ConfigError
-from zerotune.ds_config.batch import Batch
 
 AUTO = "auto"
 

@@ -26,6 +26,14 @@ RENAMED_ZERO = {
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "allgather_size": "allgather_bucket_size",
 }
+# Field names DeepSpeed accepts beside their documented aliases; one spelling, so a merge never holds both.
+SYNONYMS_ZERO = {
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+}
 
 
 def translate(ds: dict, source: str) -> dict:
@@ -48,6 +56,9 @@ def translate(ds: dict, source: str) -> dict:
 
 def _translate_zero(zero: dict, source: str) -> dict:
     zero = dict(zero)
+    for name, alias in SYNONYMS_ZERO.items():
+        if name in zero:
+            zero.setdefault(alias, zero.pop(name))
     for old, new in RENAMED_ZERO.items():
         if old in zero:
             _warn(source, f"zero_optimization.{old}", f"zero_optimization.{new}")

@@ -16,9 +16,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.errors import ConfigError
 from zerotune.user_config import accelerate_config, deepspeed_file
-from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.user_config.settings import Setting, from_accelerate, from_deepspeed, stated
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class UserConfig:
 
     def summary(self, ds: dict) -> dict:
         return {"deepspeed_config_file": self.deepspeed_path, "accelerate_config": self.accelerate,
-                "values": self.value_sources(ds)}
+                "origins": dict(self.origins), "values": self.value_sources(ds)}
 
 
 def typed_keys(overrides: list[str]) -> dict[str, str]:

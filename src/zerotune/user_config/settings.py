@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zerotune.ds_config.optimizers import normalize
@@ -138,7 +139,8 @@ def from_accelerate(acc: AccelerateConfig, launched_externally: bool) -> list[Se
 def _accelerate_deepspeed(acc: AccelerateConfig, add) -> None:
     ds = acc.deepspeed
     if stated(ds.get("deepspeed_config_file")) and ds["deepspeed_config_file"] != "none":
-        add("deepspeed.config_file", str(ds["deepspeed_config_file"]), "deepspeed_config.deepspeed_config_file")
+        add("deepspeed.config_file", _beside(str(ds["deepspeed_config_file"]), acc.path),
+            "deepspeed_config.deepspeed_config_file")
     add("zero_stage.stage", _int(ds.get("zero_stage"), acc, "zero_stage"), "deepspeed_config.zero_stage")
     add("train.grad_accum", _int(ds.get("gradient_accumulation_steps"), acc, "gradient_accumulation_steps"),
         "deepspeed_config.gradient_accumulation_steps")
@@ -180,6 +182,16 @@ def _accelerate_machines(acc: AccelerateConfig) -> list[Setting]:
         if m.get(name) is not None:
             out.append(Setting(key, m[name], f"{acc.origin}: {name}"))
     return out
+
+
+def _beside(path: str, config_path: str | None) -> str:
+    """accelerate reads a relative deepspeed_config_file from the working directory; where nothing is there,
+    the file beside the YAML is what its author meant."""
+    file = Path(path).expanduser()
+    if file.is_absolute() or file.exists() or config_path is None:
+        return str(file.absolute()) if file.exists() else path
+    beside = Path(config_path).parent / file
+    return str(beside) if beside.exists() else path
 
 
 def _int(value: Any, acc: AccelerateConfig, name: str) -> int | None:

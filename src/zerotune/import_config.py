@@ -1,0 +1,158 @@
+"""Turn an accelerate YAML or a DeepSpeed JSON into zerotune overrides (or an experiment file).
+
+    python -m zerotune.import_config ~/.cache/huggingface/accelerate/default_config.yaml
+    python -m zerotune.import_config ds_config_zero3.json --save my_zero3   # experiments/experiment/my_zero3.yaml
+
+The overrides are checked: the DeepSpeed dict they build is compared with the one the file builds. Whatever
+the overrides cannot express (a scheduler's own parameters, exotic ZeRO keys) keeps the file in the
+overrides as `deepspeed.config_file=<path>`, and the keys it is needed for are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+
+from zerotune import CONF_DIR
+from zerotune.cli.overrides import experiments_dir, group_options, normalize_overrides, with_search_path
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.platform import Platform
+
+# A platform that can do everything a GPU can: the file is usually meant for a GPU machine, not this one.
+ANY_GPU = Platform("cuda", True, "", bf16=True, fp16=True)
+# Keys zerotune sets for itself (logging, DeepSpeed's optimizer gate); a file's values for them change nothing.
+OWN_KEYS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"}
+# zerotune key -> the config group whose option it names.
+GROUP_KEYS = {"zero_stage.stage": "zero_stage", "offload.device": "offload", "precision.name": "precision",
+              "optimizer.name": "optimizer", "scheduler.name": "scheduler"}
+
+
+def compose_with(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config",
+                       overrides=with_search_path(normalize_overrides(overrides, CONF_DIR), CONF_DIR))
+
+
+def file_override(path: Path) -> str:
+    key = "accelerate.config_file" if path.suffix in (".yaml", ".yml") else "deepspeed.config_file"
+    return f"{key}={path.resolve()}"
+
+
+def overrides_for(path: Path) -> tuple[list[str], list[str]]:
+    """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
+    from zerotune.plan import make_plan
+
+    file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
+    cfg = compose_with(file_only)
+    plan = make_plan(cfg, platform=ANY_GPU)
+    overrides = [_override(key, _value(cfg, key)) for key in _ordered(plan.config_sources["origins"])]
+    from_file = plan.ds_config
+    for key, ds_key in (("train.batch_size", "train_micro_batch_size_per_gpu"),
+                        ("train.grad_accum", "gradient_accumulation_steps")):
+        if plan.config_sources["values"].get(ds_key, "default") != "default" and not any(
+                o.startswith(f"{key}=") for o in overrides):
+            overrides.append(f"{key}={from_file[ds_key]}")
+    overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
+    rebuilt = make_plan(compose_with([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
+    from_file, rebuilt = _comparable(from_file), _comparable(rebuilt)
+    differ = sorted(k for k in set(from_file) | set(rebuilt)
+                    if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))
+    if differ:
+        ds_path = plan.config_sources.get("deepspeed_config_file") or str(path.resolve())
+        overrides.append(f"deepspeed.config_file={ds_path}")
+    return overrides + ["accelerate.config_file=null"], differ
+
+
+def _comparable(ds: dict) -> dict:
+    """A disabled fp16/bf16 block means the same as none."""
+    return {k: v for k, v in ds.items() if not (k in ("fp16", "bf16") and not v.get("enabled"))}
+
+
+def _value(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, key)
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _ordered(keys: dict) -> list[str]:
+    first = [k for k in GROUP_KEYS if k in keys]
+    return first + sorted(k for k in keys if k not in GROUP_KEYS)
+
+
+def _override(key: str, value: Any) -> str:
+    group = GROUP_KEYS.get(key)
+    if group is not None and str(value) in group_options(CONF_DIR).get(group, []):
+        return f"{group}={value}"
+    if isinstance(value, bool):
+        return f"{key}={str(value).lower()}"
+    if isinstance(value, list):
+        return f"{key}=[{','.join(str(v) for v in value)}]"
+    return f"{key}={value}"
+
+
+def experiment_yaml(source: Path, overrides: list[str], differ: list[str]) -> str:
+    """The overrides as an experiment file: group choices as `override /group:`, the rest as nested keys."""
+    groups = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in GROUP_KEYS.values()]
+    values = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] not in GROUP_KEYS.values()]
+    lines = ["# @package _global_", f"# Imported from {source.resolve()}",
+             f"# (python -m zerotune.import_config {source.name} --save ...).",]
+    if differ:
+        lines.append(f"# The file itself stays in use for: {', '.join(differ)}.")
+    lines.append("defaults:")
+    lines += [f"  - override /{g}: \"{v}\"" for g, v in groups]
+    nested: dict = {}
+    for key, value in values:
+        node = nested
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    lines += _yaml_lines(nested, 0)
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_lines(node: dict, depth: int) -> list[str]:
+    out = []
+    for key, value in node.items():
+        if isinstance(value, dict):
+            out.append("  " * depth + f"{key}:")
+            out += _yaml_lines(value, depth + 1)
+        else:
+            out.append("  " * depth + f"{key}: {value}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.import_config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", type=Path, help="an accelerate config YAML or a DeepSpeed JSON")
+    parser.add_argument("--save", metavar="NAME", help="also write experiments/experiment/NAME.yaml")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
+    args = parser.parse_args(argv)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the answer
+            overrides, differ = overrides_for(args.file)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    print(" ".join(overrides))
+    if differ:
+        print(f"# kept as deepspeed.config_file for: {', '.join(differ)}", file=sys.stderr)
+    if args.save:
+        target = experiments_dir(CONF_DIR) / "experiment" / f"{args.save}.yaml"
+        if target.exists() and not args.force:
+            print(f"zerotune: {target} exists; choose another name or add --force", file=sys.stderr)
+            return CONFIG_ERROR_EXIT
+        target.write_text(experiment_yaml(args.file, overrides, differ))
+        print(f"wrote {target}: python train.py experiment={args.save}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

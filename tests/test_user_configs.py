@@ -1,0 +1,359 @@
+"""Configs users bring: DeepSpeed JSON files and accelerate YAMLs, as public repositories write them.
+
+tests/data/ds_configs/expected.yaml says what must happen to each file; every file is checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, compose_cfg, read_summary, run_cli
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.plan import make_plan
+from zerotune.platform import Platform
+from zerotune.training.run import key_choices
+from zerotune.user_config import accelerate_config
+
+CORPUS = ROOT / "tests" / "data" / "ds_configs"
+EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text())
+SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
+QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false"]
+# CPU runs in the default suite: one per shape (HF "auto", DeepSpeedExamples, legacy, accelerate YAML);
+# the rest of the corpus trains in the slow suite.
+FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json", "dse_onecycle_bf16.json",
+             "legacy_cpu_offload.json", "accelerate_reference.yaml"}
+
+
+def file_override(name: str) -> list[str]:
+    if name.endswith(".yaml"):
+        return [f"accelerate.config_file={CORPUS / name}"]
+    return [f"deepspeed.config_file={CORPUS / name}", "accelerate.config_file=null"]
+
+
+def dotted(ds: dict, key: str):
+    for part in key.split("."):
+        ds = ds[part]
+    return ds
+
+
+def all_values(node):
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from all_values(value)
+    else:
+        yield node
+
+
+def test_corpus_covers_the_shapes_users_bring():
+    files = {p.name for p in CORPUS.iterdir() if p.suffix in (".json", ".yaml") and p.name != "expected.yaml"}
+    assert files == set(EXPECTED), "every file has an expected outcome, and every outcome a file"
+    assert sum(f.endswith(".json") for f in files) >= 20 and sum(f.endswith(".yaml") for f in files) >= 3
+    outcomes = {e["outcome"] for e in EXPECTED.values()}
+    assert outcomes == {"accepted", "refused"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_file_is_settled_before_training(name, monkeypatch):
+    """Accepted: the effective choices, the final dict, no "auto" left, and accelerate's plugin takes it.
+    Refused: a ConfigError at the expected key (the CLI prints it without a traceback)."""
+    expected = EXPECTED[name]
+    monkeypatch.chdir(CORPUS)  # relative paths inside the files, as their authors run them
+    cfg = compose_cfg(*file_override(name))
+    platform = SIMULATED_CUDA if expected.get("platform") == "cuda" else None
+    if expected["outcome"] == "refused":
+        with pytest.raises(ConfigError) as err:
+            make_plan(cfg, platform=platform)
+        assert err.value.key == expected["key"], str(err.value)
+        if "fix" in expected:
+            assert err.value.fix == expected["fix"]
+        return
+    plan = make_plan(cfg, platform=platform)
+    choices = {**key_choices(cfg), "world_size": int(cfg.launch.num_processes) * int(cfg.launch.nnodes)}
+    for key, value in expected.get("choices", {}).items():
+        assert choices[key] == value, (key, choices)
+    for key, value in expected.get("ds", {}).items():
+        assert dotted(plan.ds_config, key) == value, key
+    assert "auto" not in list(all_values(plan.ds_config))
+    ds = plan.ds_config
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
+        choices["world_size"]
+    from accelerate.utils import DeepSpeedPlugin
+
+    plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(ds)))
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == ds["zero_optimization"]["stage"]
+
+
+def cpu_runnable() -> list:
+    names = sorted(n for n, e in EXPECTED.items() if e["outcome"] == "accepted" and e.get("platform") == "cpu")
+    return [pytest.param(n, marks=() if n in FAST_RUNS else pytest.mark.slow) for n in names]
+
+
+@pytest.mark.parametrize("name", cpu_runnable())
+def test_accepted_files_train_on_the_cpu(name, tmp_path):
+    proc = run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", cwd=CORPUS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "ok" and summary["steps"] == 2
+    for key, value in EXPECTED[name].get("choices", {}).items():
+        assert summary["choices"][key] == value, (key, summary["choices"])
+    assert summary["config_sources"]["values"]
+    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
+        assert summary["optimizer_class"] == "DeepSpeedCPUAdam"  # not torch's AdamW: the file's offload counts
+
+
+def test_stage3_cpu_offload_file_reports_what_ran():
+    """The effective config, not the command line's defaults: choices, offload handling, measurement."""
+    cfg = compose_cfg(*file_override("hf_zero3_offload_auto.json"))
+    plan = make_plan(cfg)
+    assert key_choices(cfg)["zero_stage"] == 3 and key_choices(cfg)["offload"] == "cpu"
+    assert "torch_adam" not in plan.ds_config["optimizer"]["params"]  # DeepSpeed's CPU-Adam, not torch's
+    assert plan.config_sources["values"]["zero_optimization"].startswith("file hf_zero3_offload_auto.json")
+
+
+@pytest.mark.parametrize("name", ["batch_contradiction.json", "removed_amp.json", "accelerate_fsdp.yaml"])
+def test_refused_files_exit_2_without_traceback(name, tmp_path):
+    proc = run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", timeout=180)
+    assert proc.returncode == CONFIG_ERROR_EXIT
+    assert f"`{EXPECTED[name]['key']}`" in proc.stderr and "fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert read_summary(tmp_path)["error"]["key"] == EXPECTED[name]["key"]
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def test_a_typed_value_that_contradicts_the_file_is_an_error():
+    cfg = compose_cfg("zero_stage=2", *file_override("hf_zero3_offload_auto.json"))
+    with pytest.raises(ConfigError) as err:
+        make_plan(cfg, overrides=["zero_stage=2"])
+    assert err.value.key == "zero_stage.stage"
+    assert "`zero_stage=2`" in err.value.problem and "hf_zero3_offload_auto.json" in err.value.problem
+    assert "drop `zero_stage=2`" in err.value.fix
+
+
+def test_a_typed_value_that_agrees_with_the_file_is_fine():
+    cfg = compose_cfg("zero_stage=3", "offload=cpu", *file_override("hf_zero3_offload_auto.json"))
+    plan = make_plan(cfg, overrides=["zero_stage=3", "offload=cpu"])
+    assert plan.ds_config["zero_optimization"]["stage"] == 3
+
+
+def test_a_group_choice_does_not_pin_the_options_other_values():
+    # optimizer=adam pins the optimizer's name, not its lr: the file's lr stands
+    names = ["optimizer=adam", *file_override("dse_onecycle_bf16.json")]
+    plan = make_plan(compose_cfg(*names), overrides=names[:1])
+    assert plan.ds_config["optimizer"]["params"]["lr"] == 0.001
+
+
+def test_typed_lr_fills_auto_and_conflicts_with_a_number():
+    auto = ["optimizer.lr=3e-5", *file_override("hf_zero2_offload_auto.json")]
+    assert make_plan(compose_cfg(*auto), overrides=auto[:1]).ds_config["optimizer"]["params"]["lr"] == 3e-5
+    fixed = ["optimizer.lr=3e-5", *file_override("dse_warmup_decay.json")]
+    with pytest.raises(ConfigError) as err:
+        make_plan(compose_cfg(*fixed), overrides=fixed[:1])
+    assert err.value.key == "optimizer.lr" and "2e-4" not in err.value.fix
+
+
+def test_typed_precision_fills_the_auto_precision_blocks():
+    names = ["precision=bf16", *file_override("hf_zero2_offload_auto.json")]
+    ds = make_plan(compose_cfg(*names), overrides=names[:1]).ds_config
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["fp16"]["loss_scale_window"] == 1000  # the rest of the file's block is kept
+
+
+def test_file_blocks_are_taken_whole(tmp_path):
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {
+        "lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
+    # data=digits' recipe is a cosine schedule with weight decay: none of it may leak into the file's blocks
+    ds = make_plan(compose_cfg(f"deepspeed.config_file={file}")).ds_config
+    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+    assert ds["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
+
+
+def test_an_unset_group_yields_to_the_file_and_is_recorded():
+    cfg = compose_cfg(*file_override("zero3_cpu_offload_bf16.json"))
+    plan = make_plan(cfg)
+    assert cfg.zero_stage.stage == 3 and cfg.offload.device == "cpu" and cfg.precision.name == "bf16"
+    assert plan.config_sources["origins"]["zero_stage.stage"] == "zero3_cpu_offload_bf16.json: zero_optimization.stage"
+    assert plan.config_sources["values"]["train_batch_size"].startswith("derived")
+
+
+@pytest.mark.parametrize(("processes", "accum"), [(1, 64), (2, 32), (4, 16)])
+def test_two_batch_keys_determine_the_third_at_any_world_size(processes, accum):
+    # DeepSpeedExamples' BERT: 4096 samples per step, 64 per GPU. The global batch stays 4096.
+    cfg = compose_cfg(*file_override("dse_bert_lamb_fp16.json"), f"launch.num_processes={processes}")
+    ds = make_plan(cfg, platform=SIMULATED_CUDA).ds_config
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        4096, 64, accum)
+
+
+def test_a_typed_batch_completes_a_file_that_gives_only_the_total(tmp_path):
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"train_batch_size": 32}))
+    names = ["train.batch_size=8", f"deepspeed.config_file={file}"]
+    ds = make_plan(compose_cfg(*names), overrides=names[:1]).ds_config
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4)
+    names = ["train.batch_size=5", f"deepspeed.config_file={file}"]
+    with pytest.raises(ConfigError) as err:
+        make_plan(compose_cfg(*names), overrides=names[:1])
+    assert err.value.key == "train_batch_size" and "not a multiple" in err.value.problem
+
+
+def test_legacy_keys_are_translated_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = compose_cfg(*file_override("legacy_cpu_offload.json"))
+        plan = make_plan(cfg)
+    assert "cpu_offload: true is a deprecated DeepSpeed key" in caplog.text
+    assert "cpu_offload" not in plan.ds_config["zero_optimization"]
+    assert cfg.offload.device == "cpu" and "torch_adam" not in plan.ds_config["optimizer"]["params"]
+
+
+def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
+    data = json.loads((CORPUS / "dse_zero3_nvme_aio.json").read_text())
+    for block in ("offload_optimizer", "offload_param"):
+        data["zero_optimization"][block]["nvme_path"] = str(tmp_path / "swap")
+    file = tmp_path / "nvme.json"
+    file.write_text(json.dumps(data))
+    cfg = compose_cfg(f"deepspeed.config_file={file}")
+    plan = make_plan(cfg)
+    assert cfg.offload.device == "nvme" and cfg.offload.path == str(tmp_path / "swap")  # the sampler's folder
+    assert plan.ds_config["aio"]["queue_depth"] == 32  # the file's aio block, whole
+
+
+def test_ds_config_cli_says_where_each_value_came_from():
+    proc = run_cli("zero_stage=3", *file_override("llava_zero2.json")[:1], module="zerotune.ds_config",
+                   timeout=180)
+    assert proc.returncode == CONFIG_ERROR_EXIT  # the file says stage 2
+    proc = run_cli("train.batch_size=4", *file_override("llava_zero2.json"), module="zerotune.ds_config",
+                   timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    ds = json.loads(proc.stdout)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == 4
+    lines = {ln.split()[0]: ln for ln in proc.stderr.splitlines() if ln.startswith("  ")}
+    assert "command line" in lines["train_micro_batch_size_per_gpu"]
+    assert "file llava_zero2.json" in lines["zero_optimization"]
+    assert "default" in lines["gradient_clipping"]
+
+
+# ---------------------------------------------------------------- accelerate
+
+
+def test_accelerate_default_location_is_read_and_reported(isolated_accelerate_config):
+    default = accelerate_config.default_location()
+    default.parent.mkdir(parents=True, exist_ok=True)
+    default.write_text((CORPUS / "accelerate_reference.yaml").read_text())
+    cfg = compose_cfg()
+    plan = make_plan(cfg)
+    assert cfg.zero_stage.stage == 1 and cfg.train.grad_accum == 4 and cfg.precision.name == "bf16"
+    assert plan.config_sources["accelerate_config"] == [
+        {"origin": "default_config.yaml", "how": "default location", "path": str(default)}]
+    cfg = compose_cfg("accelerate.config_file=null")
+    assert make_plan(cfg).config_sources["accelerate_config"] == [] and cfg.zero_stage.stage == 2
+
+
+def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(monkeypatch):
+    # what `accelerate launch --config_file accelerate_zero3_offload.yaml` exports to each process
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
+           "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2", "ACCELERATE_MIXED_PRECISION": "bf16",
+           "ACCELERATE_CONFIG_DS_FIELDS": "gradient_accumulation_steps,offload_optimizer_device,"
+                                          "offload_param_device,zero_stage,mixed_precision"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg()
+    plan = make_plan(cfg)
+    assert (cfg.zero_stage.stage, cfg.offload.device, cfg.train.grad_accum, cfg.precision.name) == (3, "cpu", 2, "bf16")
+    from accelerate.utils import DeepSpeedPlugin
+
+    with pytest.raises(ValueError, match="will be ignored"):  # what killed the worker before
+        DeepSpeedPlugin(hf_ds_config=dict(plan.ds_config))
+    with accelerate_config.absorbed_launch_environment():
+        DeepSpeedPlugin(hf_ds_config=dict(plan.ds_config))
+    assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"]  # restored afterwards
+    with pytest.raises(ConfigError) as err:  # the command line may not contradict the launcher
+        make_plan(compose_cfg("zero_stage=2"), overrides=["zero_stage=2"])
+    assert err.value.key == "zero_stage.stage" and "accelerate launch" in err.value.problem
+
+
+def test_accelerate_yaml_and_its_deepspeed_file_must_agree(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
+                                       "  deepspeed_config_file: ds.json\n")
+    with pytest.raises(ConfigError) as err:
+        make_plan(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
+    assert err.value.key == "zero_stage.stage" and "acc.yaml" in err.value.problem and "ds.json" in err.value.problem
+
+
+@pytest.mark.parametrize(("text", "needle"), [("distributed_type: DEEPSPEED\nbogus_key: 1\n", "unknown keys"),
+                                              ("distributed_type: [DEEPSPEED\n", "not valid YAML")])
+def test_broken_accelerate_yaml_is_a_config_error(tmp_path, text, needle):
+    (tmp_path / "acc.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        make_plan(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
+    assert err.value.key == "accelerate.config_file" and needle in err.value.problem
+
+
+def test_accelerate_launch_with_the_reference_yaml_trains(tmp_path):
+    """`accelerate launch --config_file <the guide's YAML> train.py`: the user's path, end to end."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    proc = subprocess.run([accelerate, "launch", "--config_file", str(CORPUS / "accelerate_reference.yaml"),
+                           str(ROOT / "train.py"), *QUICK, "scheduler=constant", "train.batch_size=8",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "ok"
+    assert (summary["choices"]["zero_stage"], summary["choices"]["grad_accum"], summary["choices"]["precision"]) == (
+        1, 4, "bf16")
+    assert summary["config_sources"]["accelerate_config"][0]["how"] == "environment"
+
+
+# ---------------------------------------------------------------- import_config
+
+
+@pytest.mark.parametrize("name", ["accelerate_reference.yaml", "dse_onecycle_bf16.json", "legacy_cpu_offload.json"])
+def test_import_config_prints_equivalent_overrides(name):
+    from zerotune.import_config import overrides_for
+
+    overrides, file_needed_for = overrides_for(CORPUS / name)
+    via_file = make_plan(compose_cfg(*file_override(name)), platform=SIMULATED_CUDA).ds_config
+    via_overrides = make_plan(compose_cfg(*overrides), platform=SIMULATED_CUDA).ds_config
+    assert via_overrides == via_file
+    assert any(o.startswith("deepspeed.config_file=") for o in overrides) == bool(file_needed_for)
+
+
+def test_import_config_cli_saves_an_experiment(tmp_path):
+    name = "imported_test_tmp"
+    target = ROOT / "experiments" / "experiment" / f"{name}.yaml"
+    try:
+        proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+                       timeout=180)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["zero_stage=1", "precision=bf16", "launch.nnodes=1", "launch.node_rank=0",
+                                       "launch.num_processes=1", "train.grad_accum=4", "accelerate.config_file=null"]
+        cfg = compose_cfg(f"experiment={name}")
+        assert (cfg.zero_stage.stage, cfg.precision.name, cfg.train.grad_accum) == (1, "bf16", 4)
+        again = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+                        timeout=180)
+        assert again.returncode == CONFIG_ERROR_EXIT and "--force" in again.stderr
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def test_import_config_refuses_what_zerotune_refuses():
+    proc = run_cli(str(CORPUS / "removed_amp.json"), module="zerotune.import_config", timeout=180)
+    assert proc.returncode == CONFIG_ERROR_EXIT and "`amp`" in proc.stderr and "Traceback" not in proc.stderr
