@@ -71,3 +71,48 @@ def check_supported(name: str, offloaded: bool, key: str = "optimizer.name", dev
     if name == "lion" and not offloaded and not _op_available("FusedLionBuilder", device_type):
         raise ConfigError(key, "Lion without offload needs DeepSpeed's FusedLion kernel, which this "
                           "accelerator lacks", "add offload=cpu (CPU Lion), or use optimizer=adamw")
+
+
+def _implementation(name: str, offloaded: bool, torch_adam: bool):
+    """The class DeepSpeed 0.19's engine builds for this optimizer (engine._configure_basic_optimizer)."""
+    import torch
+
+    if name in ("adam", "adamw"):
+        if torch_adam:
+            return torch.optim.AdamW
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+        return DeepSpeedCPUAdam if offloaded else FusedAdam
+    if name == "adagrad":
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad if offloaded else torch.optim.Adagrad
+    if name == "lamb":
+        from deepspeed.ops.lamb import FusedLamb
+
+        return FusedLamb
+    if name == "lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        return DeepSpeedCPULion if offloaded else FusedLion
+    return None  # the muP optimizers: mup's own classes
+
+
+def check_params(name: str, params: dict, offloaded: bool, key: str = "optimizer.params") -> None:
+    """The engine passes `params` to the optimizer's constructor mid-start-up, where an unknown one is a
+    TypeError; the constructor's own signature answers it here."""
+    import inspect
+
+    if "max_grad_norm" in params:
+        raise ConfigError(f"{key}.max_grad_norm", "DeepSpeed clips gradients itself",
+                          "remove it and set gradient_clipping (train.grad_clip=...)")
+    cls = _implementation(name, offloaded, bool(params.get("torch_adam")))
+    if cls is None:
+        return
+    accepted = set(inspect.signature(cls).parameters) - {"params", "model_params", "adamw_mode"}
+    if name in ("adam", "adamw"):
+        accepted |= {"torch_adam", "adam_w_mode", "fp32_optimizer_states"}  # read by the engine itself
+    unknown = sorted(set(params) - accepted)
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}", f"{cls.__name__} (what DeepSpeed runs for {name} here) takes no "
+                          f"parameter {unknown[0]!r}", f"remove it; it takes: {', '.join(sorted(accepted))}")

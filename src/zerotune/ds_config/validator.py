@@ -8,7 +8,7 @@ from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.batch import Known, solve
-from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_supported, normalize
+from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_params, check_supported, normalize
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform
 
@@ -30,6 +30,7 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
         name = normalize(opt.get("type", ""), key="optimizer.type")
         opt["type"] = DEEPSPEED_TYPES[name]
         check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
+        check_params(name, opt.get("params") or {}, offloaded)
     if "scheduler" in ds:
         _check_scheduler(ds["scheduler"])
     _deepspeed_accepts(ds)

@@ -11,6 +11,7 @@ from typing import Any
 from zerotune.errors import ConfigError
 from zerotune.launch.spec import JobSpec
 from zerotune.loggers import make_logger
+from zerotune.loggers.base import NullLogger, RunLogger
 from zerotune.plan import make_plan
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.telemetry import environment_info
@@ -58,10 +59,12 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     run_dir.write_config(cfg)
     summary: dict = {"status": "failed", "choices": key_choices(cfg), "run_dir": str(run_dir.path),
                      "experiment": experiment_info(cfg)}
-    logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
+    logger: RunLogger = NullLogger()
     try:
         plan = make_plan(cfg, distributed.world_size(), overrides=spec.overrides)
         run_dir.write_config(cfg)  # now with the user's files folded in
+        # After the plan: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
+        logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
         distributed.init_accelerate_state(plan.use_deepspeed)
         run_dir.write_ds_config(plan.ds_config)
         summary.update({"choices": key_choices(cfg), "config_sources": plan.config_sources,

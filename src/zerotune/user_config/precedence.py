@@ -61,7 +61,7 @@ class UserConfig:
         if origin is None or ": " not in origin:
             return exc
         name, where = origin.split(": ", 1)
-        return ConfigError(where, f"{exc.problem} ({name})", f"change {where} in {name}")
+        return ConfigError(where, f"{exc.problem} ({name})", _change(origin))
 
     def value_sources(self, ds: dict) -> dict[str, str]:
         """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
@@ -144,12 +144,20 @@ def _apply(cfg: Any, s: Setting, applied: dict[str, Setting], user: UserConfig) 
     line = pinned_by(user.typed, s.key)
     if line is not None and current != "auto" and not _same(s.key, current, s.value):
         raise ConfigError(s.key, f"the command line says `{line}` but {s.origin} says {s.value!r}",
-                          f"drop `{line}` from the command line, or change {s.origin}")
+                          f"drop `{line}` from the command line, or {_change(s.origin)}")
     applied[s.key] = s
     user.origins[s.key] = s.origin
     if not _same(s.key, current, s.value):
         log.info("%s = %r, from %s", s.key, s.value, s.origin)
         OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
+
+
+def _change(origin: str) -> str:
+    """'change zero_optimization.stage in ds.json', from an origin 'ds.json: zero_optimization.stage'."""
+    name, _, where = origin.partition(": ")
+    if name == "accelerate launch":
+        return f"change {where} in the config file given to `accelerate launch`"
+    return f"change {where} in {name}"
 
 
 def _same(key: str, a: Any, b: Any) -> bool:

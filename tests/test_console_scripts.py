@@ -1,0 +1,36 @@
+"""Every console script pyproject.toml installs starts and does its job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from tests.conftest import ROOT, cli_env
+
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+BIN = Path(sys.executable).parent
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / name), *args], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_the_scripts_tested_here_are_all_the_scripts():
+    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config"}
+
+
+def test_zerotune_ds_config_prints_the_json():
+    proc = run_script("zerotune-ds-config", "zero_stage=3", "offload=cpu")
+    assert proc.returncode == 0, proc.stderr
+    ds = json.loads(proc.stdout)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_zerotune_import_config_prints_overrides():
+    proc = run_script("zerotune-import-config", str(ROOT / "tests/data/ds_configs/accelerate_reference.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[:2] == ["zero_stage=1", "precision=bf16"]
