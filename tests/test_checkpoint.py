@@ -12,7 +12,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune.errors import ConfigError
 from zerotune.training import checkpoint as ckpt
 

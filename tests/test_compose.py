@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import compose_cfg, run_cli
+from tests.helpers.cli import compose_cfg, run_cli
 from zerotune import CONF_DIR
 from zerotune.cli.overrides import group_options, normalize_overrides
 from zerotune.errors import ConfigError

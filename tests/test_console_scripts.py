@@ -8,7 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from tests.conftest import ROOT, cli_env
+from tests.helpers.cli import ROOT, cli_env
 
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 BIN = Path(sys.executable).parent

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import compose_cfg
+from tests.helpers.cli import compose_cfg
 from zerotune.data.digits import DigitsDataset, split_indices
 from zerotune.models import build_unet
 from zerotune.models.conditioning import NULL_CLASS, unet_kwargs

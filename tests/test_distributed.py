@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli_env, compose_cfg, read_losses, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_losses, read_summary, run_cli
 from zerotune.training.distributed import free_port
 
 QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false", "scheduler=constant"]
@@ -127,8 +127,8 @@ def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from tests.helpers.slurm import sbatch_script, submission
     from zerotune import CONF_DIR
-    from zerotune.launch.slurm import sbatch_script, submission
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True,

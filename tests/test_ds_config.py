@@ -6,12 +6,13 @@ import json
 
 import pytest
 
-from tests.conftest import compose_cfg, run_cli
-from zerotune.ds_config.builder import ModelStats, build
+from tests.helpers.cli import compose_cfg, run_cli
+from zerotune.ds_config.builder import build
 from zerotune.ds_config.offload import DEFAULT_PARAM_BUFFER, param_buffer_size
 from zerotune.ds_config.validator import validate
-from zerotune.plan import make_plan
+from zerotune.models import ModelStats
 from zerotune.platform import detect
+from zerotune.preflight import preflight
 from zerotune.user_config.merge import merge
 
 PLATFORM = detect()
@@ -25,7 +26,7 @@ VALID = [(s, o) for s in range(4) for o in ("none", "cpu", "nvme")
 def test_dict_for_every_supported_combination(stage, offload, precision, tmp_path):
     cfg = compose_cfg(f"zero_stage={stage}", f"offload={offload}", f"precision={precision}",
                       f"offload.path={tmp_path}", "train.batch_size=4", "train.grad_accum=3")
-    ds = make_plan(cfg, world_size=2).ds_config
+    ds = preflight(cfg, world_size=2).ds_config
     zero = ds["zero_optimization"]
     assert zero["stage"] == stage
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
@@ -55,15 +56,15 @@ def test_dict_for_every_supported_combination(stage, offload, precision, tmp_pat
 def test_optimizer_and_scheduler_blocks():
     cfg = compose_cfg("optimizer=lion", "offload=cpu", "scheduler=cosine", "train.max_steps=1000",
                       "optimizer.lr=3e-5")
-    ds = make_plan(cfg).ds_config
+    ds = preflight(cfg).ds_config
     assert ds["optimizer"] == {"type": "Lion", "params": {"lr": 3e-5, "betas": [0.9, 0.99], "weight_decay": 0.1}}
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["total_num_steps"] == 1000
-    assert "scheduler" not in make_plan(compose_cfg("scheduler=constant")).ds_config
-    onecycle = make_plan(compose_cfg("scheduler=onecycle", "train.max_steps=100", "optimizer.lr=1e-4")).ds_config[
+    assert "scheduler" not in preflight(compose_cfg("scheduler=constant")).ds_config
+    onecycle = preflight(compose_cfg("scheduler=onecycle", "train.max_steps=100", "optimizer.lr=1e-4")).ds_config[
         "scheduler"]
     assert onecycle["params"]["cycle_max_lr"] == 1e-4 and onecycle["params"]["cycle_first_step_size"] == 50
-    decay = make_plan(compose_cfg("scheduler=warmup_decay", "train.max_steps=300")).ds_config["scheduler"]
+    decay = preflight(compose_cfg("scheduler=warmup_decay", "train.max_steps=300")).ds_config["scheduler"]
     assert decay["type"] == "WarmupDecayLR" and decay["params"]["total_num_steps"] == 300
 
 
@@ -81,7 +82,7 @@ def test_hand_written_json_is_merged_and_normalised(tmp_path, caplog):
     file.write_text(json.dumps({"deepspeed_config": {
         "gradient_clipping": 0.5, "optimizer": {"type": "cpuadam", "params": {"lr": 2e-4}},
         "zero_optimization": {"reduce_bucket_size": 12345}}}))
-    ds = make_plan(compose_cfg(f"deepspeed.config_file={file}")).ds_config
+    ds = preflight(compose_cfg(f"deepspeed.config_file={file}")).ds_config
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["lr"] == 2e-4
     assert ds["zero_optimization"]["reduce_bucket_size"] == 12345
@@ -131,4 +132,4 @@ def test_auto_buckets_are_capped_at_model_size():
 
 def test_zero_warmup():
     # DeepSpeed's WarmupLR refuses 0 steps; with no warm-up the lr is constant, so no scheduler block.
-    assert "scheduler" not in make_plan(compose_cfg("scheduler=warmup", "scheduler.warmup_steps=0")).ds_config
+    assert "scheduler" not in preflight(compose_cfg("scheduler=warmup", "scheduler.warmup_steps=0")).ds_config

@@ -10,24 +10,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, cli_env, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 
 # Trains 2 steps under ZeRO-3 in one process, saves a checkpoint, and records what the *training* engine
 # (parameters partitioned, gathered per layer) outputs on a fixed input, and the EMA it holds.
 TRAIN_AND_PROBE = textwrap.dedent("""
     import sys, torch
-    from tests.conftest import compose_cfg
+    from tests.helpers.cli import compose_cfg
     from zerotune.training import distributed
     distributed.ensure_single_process_env()
     from zerotune.loggers.base import NullLogger
-    from zerotune.plan import make_plan
+    from zerotune.preflight import preflight
     from zerotune.rundir import RunDir
     from zerotune.training.trainer import Trainer
 
     out = sys.argv[1]
     cfg = compose_cfg("zero_stage=3", "train.batch_size=4", "ema.enabled=true", "train.max_steps=2",
                       "scheduler=constant", "checkpoint.every_n_steps=2", f"checkpoint.dir={out}/checkpoints")
-    t = Trainer(cfg, make_plan(cfg, 1), RunDir(out), NullLogger())
+    t = Trainer(cfg, preflight(cfg, 1), RunDir(out), NullLogger())
     for _ in range(2):
         t.train_step()
     t._maybe_save(2)

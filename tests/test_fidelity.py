@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_losses, run_cli
+from tests.helpers.cli import read_losses, run_cli
 
 N_STEPS = 6
 # fp32 on CPU. Stages 1-3 flatten parameters into partitions and compute the clipping norm over the flat

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from tests.conftest import compose_cfg, read_summary, run_cli
-from tests.folder_fixtures import (
+from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.folder_fixtures import (
     CAPTIONS,
     EXPECTED_BUCKET,
     MISSING_CAPTIONS,
@@ -21,15 +21,15 @@ from tests.folder_fixtures import (
     USED,
     make_folder,
 )
-from tests.tiny_components import save_tiny_pipeline, save_vae
+from tests.helpers.tiny_components import save_tiny_pipeline, save_vae
 from zerotune.data import build_loader, check_data
 from zerotune.data.buckets import closest_bucket, make_buckets, place
+from zerotune.data.components import SDXLEncoders
 from zerotune.data.folder import scan_folder
 from zerotune.data.images import crop_pixels, open_rgb
 from zerotune.data.prepare import prepare_folder_data
 from zerotune.data.sampler import BucketBatchSampler
 from zerotune.errors import ConfigError
-from zerotune.models.components import SDXLEncoders
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -260,7 +260,7 @@ def test_random_flip_caches_mirrored_views(folder, components, tmp_path, calls):
 
 
 def cfg_paths(components):
-    from zerotune.models.components import resolve_components
+    from zerotune.data.components import resolve_components
 
     return resolve_components(compose_cfg("model=sdxl_tiny", f"model.components={components}").model)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.conftest import read_summary, run_cli
+from tests.helpers.cli import read_summary, run_cli
 
 QUICK = ["train.max_steps=3", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false", "scheduler=constant"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import read_summary, run_cli
+from tests.helpers.cli import read_summary, run_cli
 
 QUICK = ["train.max_steps=3", "train.batch_size=8", "evaluate.enabled=false", "zero_stage=0", "scheduler=constant"]
 BALLAST_MIB = 600

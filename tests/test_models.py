@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import compose_cfg
+from tests.helpers.cli import compose_cfg
 from zerotune.errors import ConfigError
 from zerotune.models import build_unet, latent_shape, model_stats
 

@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
-from tests.conftest import cli_env
+from tests.helpers.cli import cli_env
 from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
 from zerotune.report.__main__ import main as report_main
 from zerotune.report.build import build_report

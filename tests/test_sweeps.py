@@ -6,7 +6,7 @@ import csv
 
 import pytest
 
-from tests.conftest import read_summary, run_cli
+from tests.helpers.cli import read_summary, run_cli
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import read_losses, read_summary, run_cli
+from tests.helpers.cli import read_losses, read_summary, run_cli
 
 QUICK = ["train.max_steps=4", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false",
          "scheduler=constant"]
@@ -86,7 +86,7 @@ def test_multirun_sweep_over_stages(tmp_path):
 
 
 def test_wandb_offline_run_records_what_was_logged(tmp_path):
-    from zerotune.loggers.wandb_logger import read_offline_run
+    from tests.helpers.wandb_records import read_offline_run
 
     proc = run_cli("logger=wandb", "zero_stage=1", *QUICK, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, compose_cfg, read_summary, run_cli
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.plan import make_plan
 from zerotune.platform import Platform
-from zerotune.training.run import key_choices
+from zerotune.preflight import preflight
+from zerotune.rundir.summary import key_choices
 from zerotune.user_config import accelerate_config
 
 CORPUS = ROOT / "tests" / "data" / "ds_configs"
@@ -68,19 +68,19 @@ def test_every_file_is_settled_before_training(name, monkeypatch):
     platform = SIMULATED_CUDA if expected.get("platform") == "cuda" else None
     if expected["outcome"] == "refused":
         with pytest.raises(ConfigError) as err:
-            make_plan(cfg, platform=platform)
+            preflight(cfg, platform=platform)
         assert err.value.key == expected["key"], str(err.value)
         if "fix" in expected:
             assert err.value.fix == expected["fix"]
         return
-    plan = make_plan(cfg, platform=platform)
-    choices = {**key_choices(cfg), "world_size": int(cfg.launch.num_processes) * int(cfg.launch.nnodes)}
+    checked = preflight(cfg, platform=platform)
+    choices = key_choices(cfg, int(cfg.launch.num_processes) * int(cfg.launch.nnodes))
     for key, value in expected.get("choices", {}).items():
         assert choices[key] == value, (key, choices)
     for key, value in expected.get("ds", {}).items():
-        assert dotted(plan.ds_config, key) == value, key
-    assert "auto" not in list(all_values(plan.ds_config))
-    ds = plan.ds_config
+        assert dotted(checked.ds_config, key) == value, key
+    assert "auto" not in list(all_values(checked.ds_config))
+    ds = checked.ds_config
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
         choices["world_size"]
     from accelerate.utils import DeepSpeedPlugin
@@ -112,10 +112,10 @@ def test_accepted_files_train_on_the_cpu(name, tmp_path):
 def test_stage3_cpu_offload_file_reports_what_ran():
     """The effective config, not the command line's defaults: choices, offload handling, measurement."""
     cfg = compose_cfg(*file_override("hf_zero3_offload_auto.json"))
-    plan = make_plan(cfg)
-    assert key_choices(cfg)["zero_stage"] == 3 and key_choices(cfg)["offload"] == "cpu"
-    assert "torch_adam" not in plan.ds_config["optimizer"]["params"]  # DeepSpeed's CPU-Adam, not torch's
-    assert plan.config_sources["values"]["zero_optimization"].startswith("file hf_zero3_offload_auto.json")
+    checked = preflight(cfg)
+    assert key_choices(cfg, 1)["zero_stage"] == 3 and key_choices(cfg, 1)["offload"] == "cpu"
+    assert "torch_adam" not in checked.ds_config["optimizer"]["params"]  # DeepSpeed's CPU-Adam, not torch's
+    assert checked.config_sources["values"]["zero_optimization"].startswith("file hf_zero3_offload_auto.json")
 
 
 @pytest.mark.parametrize("name", ["batch_contradiction.json", "removed_amp.json", "accelerate_fsdp.yaml"])
@@ -133,7 +133,7 @@ def test_refused_files_exit_2_without_traceback(name, tmp_path):
 def test_a_typed_value_that_contradicts_the_file_is_an_error():
     cfg = compose_cfg("zero_stage=2", *file_override("hf_zero3_offload_auto.json"))
     with pytest.raises(ConfigError) as err:
-        make_plan(cfg, overrides=["zero_stage=2"])
+        preflight(cfg, overrides=["zero_stage=2"])
     assert err.value.key == "zero_stage.stage"
     assert "`zero_stage=2`" in err.value.problem and "hf_zero3_offload_auto.json" in err.value.problem
     assert "drop `zero_stage=2`" in err.value.fix
@@ -141,29 +141,29 @@ def test_a_typed_value_that_contradicts_the_file_is_an_error():
 
 def test_a_typed_value_that_agrees_with_the_file_is_fine():
     cfg = compose_cfg("zero_stage=3", "offload=cpu", *file_override("hf_zero3_offload_auto.json"))
-    plan = make_plan(cfg, overrides=["zero_stage=3", "offload=cpu"])
-    assert plan.ds_config["zero_optimization"]["stage"] == 3
+    checked = preflight(cfg, overrides=["zero_stage=3", "offload=cpu"])
+    assert checked.ds_config["zero_optimization"]["stage"] == 3
 
 
 def test_a_group_choice_does_not_pin_the_options_other_values():
     # optimizer=adam pins the optimizer's name, not its lr: the file's lr stands
     names = ["optimizer=adam", *file_override("dse_onecycle_bf16.json")]
-    plan = make_plan(compose_cfg(*names), overrides=names[:1])
-    assert plan.ds_config["optimizer"]["params"]["lr"] == 0.001
+    checked = preflight(compose_cfg(*names), overrides=names[:1])
+    assert checked.ds_config["optimizer"]["params"]["lr"] == 0.001
 
 
 def test_typed_lr_fills_auto_and_conflicts_with_a_number():
     auto = ["optimizer.lr=3e-5", *file_override("hf_zero2_offload_auto.json")]
-    assert make_plan(compose_cfg(*auto), overrides=auto[:1]).ds_config["optimizer"]["params"]["lr"] == 3e-5
+    assert preflight(compose_cfg(*auto), overrides=auto[:1]).ds_config["optimizer"]["params"]["lr"] == 3e-5
     fixed = ["optimizer.lr=3e-5", *file_override("dse_warmup_decay.json")]
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(*fixed), overrides=fixed[:1])
+        preflight(compose_cfg(*fixed), overrides=fixed[:1])
     assert err.value.key == "optimizer.lr" and "2e-4" not in err.value.fix
 
 
 def test_typed_precision_fills_the_auto_precision_blocks():
     names = ["precision=bf16", *file_override("hf_zero2_offload_auto.json")]
-    ds = make_plan(compose_cfg(*names), overrides=names[:1]).ds_config
+    ds = preflight(compose_cfg(*names), overrides=names[:1]).ds_config
     assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
     assert ds["fp16"]["loss_scale_window"] == 1000  # the rest of the file's block is kept
 
@@ -173,24 +173,24 @@ def test_file_blocks_are_taken_whole(tmp_path):
     file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {
         "lr": 1e-3}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}))
     # data=digits' recipe is a cosine schedule with weight decay: none of it may leak into the file's blocks
-    ds = make_plan(compose_cfg(f"deepspeed.config_file={file}")).ds_config
+    ds = preflight(compose_cfg(f"deepspeed.config_file={file}")).ds_config
     assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
     assert ds["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}
 
 
 def test_an_unset_group_yields_to_the_file_and_is_recorded():
     cfg = compose_cfg(*file_override("zero3_cpu_offload_bf16.json"))
-    plan = make_plan(cfg)
+    checked = preflight(cfg)
     assert cfg.zero_stage.stage == 3 and cfg.offload.device == "cpu" and cfg.precision.name == "bf16"
-    assert plan.config_sources["origins"]["zero_stage.stage"] == "zero3_cpu_offload_bf16.json: zero_optimization.stage"
-    assert plan.config_sources["values"]["train_batch_size"].startswith("derived")
+    assert checked.config_sources["origins"]["zero_stage.stage"] == "zero3_cpu_offload_bf16.json: zero_optimization.stage"
+    assert checked.config_sources["values"]["train_batch_size"].startswith("derived")
 
 
 @pytest.mark.parametrize(("processes", "accum"), [(1, 64), (2, 32), (4, 16)])
 def test_two_batch_keys_determine_the_third_at_any_world_size(processes, accum):
     # DeepSpeedExamples' BERT: 4096 samples per step, 64 per GPU. The global batch stays 4096.
     cfg = compose_cfg(*file_override("dse_bert_lamb_fp16.json"), f"launch.num_processes={processes}")
-    ds = make_plan(cfg, platform=SIMULATED_CUDA).ds_config
+    ds = preflight(cfg, platform=SIMULATED_CUDA).ds_config
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
         4096, 64, accum)
 
@@ -199,21 +199,21 @@ def test_a_typed_batch_completes_a_file_that_gives_only_the_total(tmp_path):
     file = tmp_path / "ds.json"
     file.write_text(json.dumps({"train_batch_size": 32}))
     names = ["train.batch_size=8", f"deepspeed.config_file={file}"]
-    ds = make_plan(compose_cfg(*names), overrides=names[:1]).ds_config
+    ds = preflight(compose_cfg(*names), overrides=names[:1]).ds_config
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4)
     names = ["train.batch_size=5", f"deepspeed.config_file={file}"]
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(*names), overrides=names[:1])
+        preflight(compose_cfg(*names), overrides=names[:1])
     assert err.value.key == "train_batch_size" and "not a multiple" in err.value.problem
 
 
 def test_legacy_keys_are_translated_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING):
         cfg = compose_cfg(*file_override("legacy_cpu_offload.json"))
-        plan = make_plan(cfg)
+        checked = preflight(cfg)
     assert "cpu_offload: true is a deprecated DeepSpeed key" in caplog.text
-    assert "cpu_offload" not in plan.ds_config["zero_optimization"]
-    assert cfg.offload.device == "cpu" and "torch_adam" not in plan.ds_config["optimizer"]["params"]
+    assert "cpu_offload" not in checked.ds_config["zero_optimization"]
+    assert cfg.offload.device == "cpu" and "torch_adam" not in checked.ds_config["optimizer"]["params"]
 
 
 def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
@@ -223,9 +223,9 @@ def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
     file = tmp_path / "nvme.json"
     file.write_text(json.dumps(data))
     cfg = compose_cfg(f"deepspeed.config_file={file}")
-    plan = make_plan(cfg)
+    checked = preflight(cfg)
     assert cfg.offload.device == "nvme" and cfg.offload.path == str(tmp_path / "swap")  # the sampler's folder
-    assert plan.ds_config["aio"]["queue_depth"] == 32  # the file's aio block, whole
+    assert checked.ds_config["aio"]["queue_depth"] == 32  # the file's aio block, whole
 
 
 def test_ds_config_cli_says_where_each_value_came_from():
@@ -251,12 +251,12 @@ def test_accelerate_default_location_is_read_and_reported(isolated_accelerate_co
     default.parent.mkdir(parents=True, exist_ok=True)
     default.write_text((CORPUS / "accelerate_reference.yaml").read_text())
     cfg = compose_cfg()
-    plan = make_plan(cfg)
+    checked = preflight(cfg)
     assert cfg.zero_stage.stage == 1 and cfg.train.grad_accum == 4 and cfg.precision.name == "bf16"
-    assert plan.config_sources["accelerate_config"] == [
+    assert checked.config_sources["accelerate_config"] == [
         {"origin": "default_config.yaml", "how": "default location", "path": str(default)}]
     cfg = compose_cfg("accelerate.config_file=null")
-    assert make_plan(cfg).config_sources["accelerate_config"] == [] and cfg.zero_stage.stage == 2
+    assert preflight(cfg).config_sources["accelerate_config"] == [] and cfg.zero_stage.stage == 2
 
 
 def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(monkeypatch):
@@ -269,17 +269,17 @@ def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(m
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     cfg = compose_cfg()
-    plan = make_plan(cfg)
+    checked = preflight(cfg)
     assert (cfg.zero_stage.stage, cfg.offload.device, cfg.train.grad_accum, cfg.precision.name) == (3, "cpu", 2, "bf16")
     from accelerate.utils import DeepSpeedPlugin
 
     with pytest.raises(ValueError, match="will be ignored"):  # what killed the worker before
-        DeepSpeedPlugin(hf_ds_config=dict(plan.ds_config))
+        DeepSpeedPlugin(hf_ds_config=dict(checked.ds_config))
     with accelerate_config.absorbed_launch_environment():
-        DeepSpeedPlugin(hf_ds_config=dict(plan.ds_config))
+        DeepSpeedPlugin(hf_ds_config=dict(checked.ds_config))
     assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"]  # restored afterwards
     with pytest.raises(ConfigError) as err:  # the command line may not contradict the launcher
-        make_plan(compose_cfg("zero_stage=2"), overrides=["zero_stage=2"])
+        preflight(compose_cfg("zero_stage=2"), overrides=["zero_stage=2"])
     assert err.value.key == "zero_stage.stage" and "accelerate launch" in err.value.problem
 
 
@@ -288,7 +288,7 @@ def test_accelerate_yaml_and_its_deepspeed_file_must_agree(tmp_path):
     (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
                                        "  deepspeed_config_file: ds.json\n")
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
+        preflight(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
     assert err.value.key == "zero_stage.stage" and "acc.yaml" in err.value.problem and "ds.json" in err.value.problem
 
 
@@ -297,7 +297,7 @@ def test_accelerate_yaml_and_its_deepspeed_file_must_agree(tmp_path):
 def test_broken_accelerate_yaml_is_a_config_error(tmp_path, text, needle):
     (tmp_path / "acc.yaml").write_text(text)
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
+        preflight(compose_cfg(f"accelerate.config_file={tmp_path / 'acc.yaml'}"))
     assert err.value.key == "accelerate.config_file" and needle in err.value.problem
 
 
@@ -307,7 +307,7 @@ def test_accelerate_launch_with_the_reference_yaml_trains(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import cli_env
+    from tests.helpers.cli import cli_env
 
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     proc = subprocess.run([accelerate, "launch", "--config_file", str(CORPUS / "accelerate_reference.yaml"),
@@ -330,8 +330,8 @@ def test_import_config_prints_equivalent_overrides(name):
     from zerotune.import_config import overrides_for
 
     overrides, file_needed_for = overrides_for(CORPUS / name)
-    via_file = make_plan(compose_cfg(*file_override(name)), platform=SIMULATED_CUDA).ds_config
-    via_overrides = make_plan(compose_cfg(*overrides), platform=SIMULATED_CUDA).ds_config
+    via_file = preflight(compose_cfg(*file_override(name)), platform=SIMULATED_CUDA).ds_config
+    via_overrides = preflight(compose_cfg(*overrides), platform=SIMULATED_CUDA).ds_config
     assert via_overrides == via_file
     assert any(o.startswith("deepspeed.config_file=") for o in overrides) == bool(file_needed_for)
 

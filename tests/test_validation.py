@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from tests.conftest import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.plan import make_plan
 from zerotune.platform import Platform, detect
+from zerotune.preflight import preflight
 
 
 def plan_error(*overrides: str, platform: Platform | None = None) -> ConfigError:
     with pytest.raises(ConfigError) as err:
-        make_plan(compose_cfg(*overrides), platform=platform, overrides=list(overrides))
+        preflight(compose_cfg(*overrides), platform=platform, overrides=list(overrides))
     return err.value
 
 
@@ -119,7 +119,7 @@ def test_optimizer_unsupported_on_this_device():
     assert err.key == "optimizer.type" and "FusedLamb" in err.problem
     err = plan_error("optimizer=lion")
     assert "offload=cpu" in err.fix
-    make_plan(compose_cfg("optimizer=lion", "offload=cpu"))  # CPU Lion exists
+    preflight(compose_cfg("optimizer=lion", "offload=cpu"))  # CPU Lion exists
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mup") is not None, reason="mup is installed here")
@@ -153,8 +153,8 @@ def test_precision_the_device_cannot_do():
 def test_deepspeed_unavailable_platform(platform):
     err = plan_error("zero_stage=2", platform=platform)
     assert err.key == "zero_stage" and "needs DeepSpeed" in err.problem and "zero_stage=0" in err.fix
-    plan = make_plan(compose_cfg("zero_stage=0"), platform=platform)
-    assert plan.use_deepspeed is False  # stage 0 still trains, with plain accelerate
+    checked = preflight(compose_cfg("zero_stage=0"), platform=platform)
+    assert checked.use_deepspeed is False  # stage 0 still trains, with plain accelerate
 
 
 def test_deepspeed_own_classes_reject_unknown_key(tmp_path):
@@ -214,7 +214,7 @@ def test_typed_warmup_longer_than_training():
 def test_default_warmup_is_fitted_to_a_short_run(steps, warmup, kind):
     # `python train.py train.max_steps=3` must work: the recipe's 100 warm-up steps are a default, not a choice
     overrides = ["scheduler=cosine", f"train.max_steps={steps}"]
-    ds = make_plan(compose_cfg(*overrides), overrides=overrides).ds_config
+    ds = preflight(compose_cfg(*overrides), overrides=overrides).ds_config
     assert ds.get("scheduler", {}).get("type") == kind
     if warmup is not None:
         assert ds["scheduler"]["params"]["warmup_num_steps"] == warmup

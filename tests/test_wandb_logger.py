@@ -7,15 +7,12 @@ import os
 import pytest
 
 from zerotune.loggers.base import NullLogger, RunLogger
+from zerotune.rundir.spec import run_name
 
 wandb = pytest.importorskip("wandb")
 
-from zerotune.loggers.wandb_logger import (  # noqa: E402
-    WandbLogger,
-    find_offline_run,
-    read_offline_run,
-    run_name_from_overrides,
-)
+from tests.helpers.wandb_records import find_offline_run, read_offline_run  # noqa: E402
+from zerotune.loggers.wandb_logger import WandbLogger  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -120,12 +117,12 @@ def test_find_offline_run_requires_a_run(tmp_path):
     ],
 )
 def test_run_name_from_overrides(overrides, expected):
-    assert run_name_from_overrides(overrides) == expected
+    assert run_name(overrides) == expected
 
 
 def test_long_run_names_are_cut_but_distinct():
-    a = run_name_from_overrides([f"key{i}=value{i}" for i in range(40)])
-    b = run_name_from_overrides([f"key{i}=value{i}" for i in range(41)])
+    a = run_name([f"key{i}=value{i}" for i in range(40)])
+    b = run_name([f"key{i}=value{i}" for i in range(41)])
     assert len(a) <= 100 and len(b) <= 100 and a != b
     assert a.startswith("key0=value0,key1=value1")
 

@@ -22,6 +22,7 @@ from zerotune import CONF_DIR
 from zerotune.cli.overrides import experiments_dir, group_options, normalize_overrides, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform
+from zerotune.preflight import preflight
 
 # A platform that can do everything a GPU can: the file is usually meant for a GPU machine, not this one.
 ANY_GPU = Platform("cuda", True, "", bf16=True, fp16=True)
@@ -45,25 +46,23 @@ def file_override(path: Path) -> str:
 
 def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
-    from zerotune.plan import make_plan
-
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
     cfg = compose_with(file_only)
-    plan = make_plan(cfg, platform=ANY_GPU)
-    overrides = [_override(key, _value(cfg, key)) for key in _ordered(plan.config_sources["origins"])]
-    from_file = plan.ds_config
+    checked = preflight(cfg, platform=ANY_GPU)
+    overrides = [_override(key, _value(cfg, key)) for key in _ordered(checked.config_sources["origins"])]
+    from_file = checked.ds_config
     for key, ds_key in (("train.batch_size", "train_micro_batch_size_per_gpu"),
                         ("train.grad_accum", "gradient_accumulation_steps")):
-        if plan.config_sources["values"].get(ds_key, "default") != "default" and not any(
+        if checked.config_sources["values"].get(ds_key, "default") != "default" and not any(
                 o.startswith(f"{key}=") for o in overrides):
             overrides.append(f"{key}={from_file[ds_key]}")
     overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
-    rebuilt = make_plan(compose_with([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
+    rebuilt = preflight(compose_with([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
     from_file, rebuilt = _comparable(from_file), _comparable(rebuilt)
     differ = sorted(k for k in set(from_file) | set(rebuilt)
                     if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))
     if differ:
-        ds_path = plan.config_sources.get("deepspeed_config_file") or str(path.resolve())
+        ds_path = checked.config_sources.get("deepspeed_config_file") or str(path.resolve())
         overrides.append(f"deepspeed.config_file={ds_path}")
     return overrides + ["accelerate.config_file=null"], differ
 

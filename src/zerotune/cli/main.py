@@ -13,9 +13,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import normalize_overrides, strip_local_rank, with_search_path
+from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.launch.spec import JobSpec
+from zerotune.launch.job import run_job
+from zerotune.rundir.spec import JobSpec, run_name
+from zerotune.rundir.summary import print_result
+from zerotune.training import distributed
+from zerotune.training.run import train
 
 log = logging.getLogger("zerotune")
 
@@ -26,31 +30,25 @@ def _fail(exc: ConfigError) -> None:
 
 
 def job_spec() -> JobSpec:
-    from zerotune.loggers.wandb_logger import run_name_from_overrides
-
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     group = f"{Path(hc.sweep.dir).parent.name}/{Path(hc.sweep.dir).name}" if multirun else None
-    overrides = [o.replace("'", "") for o in hc.overrides.task]  # zero_stage=2, as the user typed it
-    return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name_from_overrides(overrides), group=group,
-                   overrides=overrides)
+    overrides = as_typed(list(hc.overrides.task))  # zero_stage=2, as the user typed it
+    return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name(overrides), group=group, overrides=overrides)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from zerotune.launch.job import run_job
-    from zerotune.training.run import print_result
-
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        summary = run_job(cfg, job_spec())
+        # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
+        # Otherwise it is the job's parent, which starts the workers and records what they did.
+        summary = train(cfg, job_spec()) if distributed.launched_externally() else run_job(cfg, job_spec())
     except ConfigError as exc:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
             return
         _fail(exc)
-    from zerotune.training import distributed
-
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
     if summary["status"] != "ok" and not multirun:
@@ -61,16 +59,13 @@ def _hydra_main(cfg: DictConfig) -> None:
 def agree_across_ranks(args: list[str]) -> list[str]:
     """Under torchrun / `accelerate launch` / `deepspeed`, every rank runs this CLI and composes its own config.
 
-    The ranks join the default process group first and take rank 0's clock, so `${now:...}` in
+    The ranks first join the default process group and take rank 0's clock, so `${now:...}` in
     hydra.run.dir (and hydra.sweep.dir) resolves to ONE folder on every rank. Ranks other than 0 then
     write nothing of Hydra's there: no `.hydra/` (hydra.output_subdir=null) and no log file
     (hydra/job_logging=stdout: their log goes to the launcher's console). Only rank 0 writes the
     run's files (training/run.py) and talks to W&B.
     """
-    from zerotune.launch.job import launched_externally
-    from zerotune.training import distributed
-
-    if not launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
+    if not distributed.launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
         return args
     distributed.init_process_group()
     pin_hydra_clock(distributed.broadcast_object(datetime.now()))

@@ -4,7 +4,7 @@ Hydra 1.3 parses `zero_stage=2` as the int 2 and then refuses it as a config gro
 ("Config group override must be a string or a list. Got int"). Group choices that look like
 numbers are quoted here, in single values and in sweep lists (`zero_stage=1,2,3`). Optimizer
 choices are normalised case-insensitively, and an unknown choice of any group is refused with the
-list of options, in zerotune's error format.
+list of options, in zerotune's error format. Each override is read by Hydra's own parser.
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ import os
 import re
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import QuotedString, ValueType
+from hydra.errors import OverrideParseException
+
 from zerotune.ds_config.optimizers import normalize
 from zerotune.errors import ConfigError
 
-_OVERRIDE = re.compile(r"^(?P<prefix>[+~]{0,2})(?P<key>[\w/.@-]+)=(?P<value>.*)$", re.S)
-_SIMPLE_LIST = re.compile(r"^[\w.-]+(,[\w.-]+)*$")
+_PARSER = OverridesParser.create()
+_PLAIN = re.compile(r"^[\w./-]+$")  # a value that needs no quotes
 
 
 def strip_local_rank(args: list[str]) -> list[str]:
@@ -55,6 +59,17 @@ def normalize_overrides(args: list[str], conf_dir: Path) -> list[str]:
     return [_normalize_one(arg, groups) for arg in args]
 
 
+def as_typed(overrides: list[str]) -> list[str]:
+    """The overrides without the quotes `normalize_overrides` put around simple values: `zero_stage=2`."""
+    out = []
+    for line in overrides:
+        parsed = _parse(line)
+        if parsed is not None and isinstance(parsed._value, QuotedString) and _PLAIN.match(parsed.value()):
+            line = f"{line.split('=', 1)[0]}={parsed.value()}"
+        out.append(line)
+    return out
+
+
 def with_search_path(args: list[str], conf_dir: Path) -> list[str]:
     """Add experiments/ to Hydra's search path, unless the user set their own."""
     if any(a.lstrip("+").startswith("hydra.searchpath=") for a in args):
@@ -62,13 +77,32 @@ def with_search_path(args: list[str], conf_dir: Path) -> list[str]:
     return [*args, f"hydra.searchpath=[file://{experiments_dir(conf_dir)}]"]
 
 
+def _parse(arg: str):
+    """Hydra's own reading of one override, or None for what is not one (flags, Hydra's errors to report)."""
+    if arg.startswith("-") or "=" not in arg:
+        return None
+    try:
+        return _PARSER.parse_override(arg)
+    except OverrideParseException:
+        return None
+
+
 def _normalize_one(arg: str, groups: dict[str, list[str]]) -> str:
-    m = _OVERRIDE.match(arg)
-    if not m or m["key"] not in groups or not _SIMPLE_LIST.match(m["value"]):
-        return arg  # not a plain group choice (quoted, a function such as range(), or not a group): Hydra's job
-    key, options = m["key"], groups[m["key"]]
-    choices = [_choose(key, v, options) for v in m["value"].split(",")]
-    return f"{m['prefix']}{key}=" + ",".join(f"'{c}'" for c in choices)
+    parsed = _parse(arg)
+    if parsed is None or parsed.key_or_group not in groups or parsed.is_delete():
+        return arg
+    if parsed.value_type == ValueType.ELEMENT:
+        values = [parsed._value]
+    elif parsed.value_type == ValueType.SIMPLE_CHOICE_SWEEP:
+        values = parsed.value().list
+    else:
+        return arg  # choice(), range(), glob(): Hydra's own syntax, as written
+    texts = [v.text if isinstance(v, QuotedString) else v for v in values]
+    if not all(isinstance(t, (str, int)) and not isinstance(t, bool) for t in texts):
+        return arg
+    key, options = parsed.key_or_group, groups[parsed.key_or_group]
+    choices = [_choose(key, str(t), options) for t in texts]
+    return f"{arg.split('=', 1)[0]}=" + ",".join(f"'{c}'" for c in choices)
 
 
 def _choose(key: str, value: str, options: list[str]) -> str:

@@ -20,12 +20,7 @@ from torch.utils.data import DataLoader
 
 from zerotune.data.buckets import Bucket, Placement, bucket_name, closest_bucket, make_buckets, place
 from zerotune.data.cached import CachedFolderDataset
-from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
-from zerotune.data.hashing import FileHasher
-from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
-from zerotune.data.sampler import BucketBatchSampler, batch_plan
-from zerotune.errors import ConfigError
-from zerotune.models.components import (
+from zerotune.data.components import (
     ComponentPaths,
     SDXLEncoders,
     check_bucket_step,
@@ -33,6 +28,11 @@ from zerotune.models.components import (
     component_ids,
     resolve_components,
 )
+from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
+from zerotune.data.hashing import FileHasher
+from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
+from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
+from zerotune.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ REPORT_FILE = "data_report.json"
 
 
 @dataclass
-class FolderPlan:
+class CheckedFolder:
     root: Path
     scan: ScanResult
     placed: list[tuple[ImageRecord, Placement]]
@@ -58,7 +58,7 @@ def cache_dir(cfg: Any) -> Path:
     return Path(str(configured)).expanduser() if configured else default_cache_dir()
 
 
-def check_folder_data(cfg: Any) -> FolderPlan:
+def check_folder_data(cfg: Any) -> CheckedFolder:
     """Every check of data=folder that loads no model and decodes no pixels."""
     if cfg.model.conditioning != "text_time":
         raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={cfg.model.name} "
@@ -93,7 +93,7 @@ def check_folder_data(cfg: Any) -> FolderPlan:
     _check_batches([p.bucket for r, p in placed for _ in range(r.repeats)], int(cfg.train.batch_size))
     components = resolve_components(cfg.model)
     check_compatible(cfg.model, components)
-    return FolderPlan(root, scan, placed, too_small, components)
+    return CheckedFolder(root, scan, placed, too_small, components)
 
 
 def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch: int | None = None,
@@ -104,15 +104,15 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
     Encoders load only if some entry is missing, on `device` (default: data.cache_device), and are
     released before this returns.
     """
-    plan = check_folder_data(cfg)
+    folder = check_folder_data(cfg)
     micro_batch = int(micro_batch or cfg.train.batch_size)
     cache = LatentCache(cache_dir(cfg))
     hasher = FileHasher(cache.root / "file_hashes.json")
-    ids = component_ids(plan.components, hasher)
+    ids = component_ids(folder.components, hasher)
     seq_len = int(cfg.model.get("text_seq_len", 77))
     flips = (False, True) if cfg.data.random_flip else (False,)
     items, unreadable = [], []
-    for record, placement in plan.placed:
+    for record, placement in folder.placed:
         try:
             image_hash = hasher.file(record.path)
         except OSError as exc:
@@ -122,17 +122,17 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
                                {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
                                LatentCache.text_key(record.caption, ids["text"], seq_len)))
     hasher.save()
-    encoders = SDXLEncoders(plan.components, device or _device(cfg), seq_len)
+    encoders = SDXLEncoders(folder.components, device or _device(cfg), seq_len)
     try:
         ok, stats = build_cache(items, cache, encoders, int(cfg.data.cache_batch_size), progress)
     finally:
         encoders.release()
     if not ok:
-        raise ConfigError("data.path", f"none of the {len(plan.placed)} images in {plan.root} that fit a bucket "
+        raise ConfigError("data.path", f"none of the {len(folder.placed)} images in {folder.root} that fit a bucket "
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
     dataset = CachedFolderDataset(cache, ok)
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
-    full = _report(cfg, plan, cache, dataset, [*plan.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
+    full = _report(cfg, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
     for name, b in full["buckets"].items():
         if not b["batches_per_epoch"]:
@@ -164,27 +164,27 @@ def folder_loader(cfg: Any, micro_batch: int, seed: int, run_dir: str | Path | N
 _LISTS = ("skipped_files", "missing_captions", "upscaled_files", "problem_list")
 
 
-def _report(cfg: Any, plan: FolderPlan, cache: LatentCache, dataset: CachedFolderDataset,
+def _report(cfg: Any, folder: CheckedFolder, cache: LatentCache, dataset: CachedFolderDataset,
             skipped: list[Skipped], cache_stats: dict, micro_batch: int) -> dict:
     used = [it.record for it in dataset.items]
     sources = Counter(r.caption_source for r in used)
     upscaled = [it.record.rel for it in dataset.items if it.placement.upscales]
     return {
-        "path": str(plan.root), "cache_dir": str(cache.root),
-        "images_found": len(plan.scan.records) + len(plan.scan.skipped), "images_used": len(used),
+        "path": str(folder.root), "cache_dir": str(cache.root),
+        "images_found": len(folder.scan.records) + len(folder.scan.skipped), "images_used": len(used),
         "samples_per_epoch": len(dataset),
-        "skipped": {"unreadable": len(skipped), "too_small": len(plan.too_small)},
+        "skipped": {"unreadable": len(skipped), "too_small": len(folder.too_small)},
         "upscaled": len(upscaled),
         "captions": {"sidecar": sources["sidecar"], "metadata": sources["metadata"],
                      "missing": sources["missing"]},
-        "problems": len(plan.scan.problems), "other_files": plan.scan.other_files,
+        "problems": len(folder.scan.problems), "other_files": folder.scan.other_files,
         "random_flip": bool(cfg.data.random_flip), "micro_batch": micro_batch,
-        "buckets": batch_plan(dataset.buckets, micro_batch),
+        "buckets": batches_per_bucket(dataset.buckets, micro_batch),
         "cache": cache_stats,
-        "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *plan.too_small]],
+        "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *folder.too_small]],
         "missing_captions": [r.rel for r in used if r.caption_source == "missing"],
         "upscaled_files": upscaled,
-        "problem_list": plan.scan.problems,
+        "problem_list": folder.scan.problems,
     }
 
 

@@ -3,7 +3,7 @@
 Each epoch, every bucket's samples are shuffled and cut into whole batches; the batches of all buckets
 are then shuffled together. A bucket's remainder (fewer than a batch) sits out that epoch only: the
 next epoch's shuffle leaves out different samples, so over epochs every sample is seen. A bucket with
-fewer samples than one batch is never trained on; `batch_plan` says so, and the data report lists it.
+fewer samples than one batch is never trained on; `batches_per_bucket` says so, and the data report lists it.
 
 With random_flip, each drawn sample also gets a coin flip, and the sampler yields (index, flipped)
 pairs: the dataset returns the flipped view, whose latents were encoded from mirrored pixels.
@@ -58,7 +58,7 @@ class BucketBatchSampler(Sampler[list[SampleRef]]):
                 yield batch
 
 
-def batch_plan(buckets: Sequence[Bucket], batch_size: int) -> dict[str, dict[str, int]]:
+def batches_per_bucket(buckets: Sequence[Bucket], batch_size: int) -> dict[str, dict[str, int]]:
     """Per bucket: samples, whole batches per epoch, and samples sitting out each epoch."""
     counts = Counter(buckets)
     return {bucket_name(b): {"samples": n, "batches_per_epoch": n // batch_size, "left_out_per_epoch": n % batch_size}

@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.ds_config.schedulers import scheduler_block
-
-
-@dataclass(frozen=True)
-class ModelStats:
-    """What the builder needs to know about the model, measured on a meta-device copy."""
-
-    num_params: int
-    largest_param_numel: int
+from zerotune.models import ModelStats
 
 
 def optimizer_block(opt: Any) -> dict:

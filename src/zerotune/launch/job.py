@@ -14,18 +14,13 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import check_launch, launch_workers
-from zerotune.launch.spec import JobSpec
-from zerotune.plan import make_plan
+from zerotune.preflight import preflight
 from zerotune.rundir import RunDir, write_json_atomic
+from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
 from zerotune.telemetry import MemorySampler, environment_info
-from zerotune.training.run import experiment_info, key_choices, train
 
 log = logging.getLogger("zerotune")
-
-
-def launched_externally() -> bool:
-    """torchrun, `accelerate launch` and `deepspeed` start every rank themselves and set RANK."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def world_size(cfg: Any) -> int:
@@ -33,8 +28,7 @@ def world_size(cfg: Any) -> int:
 
 
 def run_job(cfg: Any, spec: JobSpec) -> dict:
-    if launched_externally():
-        return train(cfg, spec)  # this process is one rank already
+    """The parent side of a job: its workers train (launch/worker.py); this process watches and records."""
     apply_slurm_geometry(cfg)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
@@ -43,7 +37,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         # Fails in seconds, before any worker starts. The user's DeepSpeed JSON / accelerate config are folded
         # into cfg here (world size included), so everything below reads what will run.
         check_launch(cfg.launch)
-        plan = make_plan(cfg, overrides=spec.overrides)
+        checked = preflight(cfg, overrides=spec.overrides)
         check_launch(cfg.launch)  # again: an accelerate config may have set it
     except ConfigError as exc:
         run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": "ConfigError", "key": exc.key,
@@ -51,9 +45,9 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
                                "env": environment_info()})
         raise
     run_dir.write_config(cfg)
-    base = {**base_summary(cfg, spec), "config_sources": plan.config_sources}
+    base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
     node_rank = int(cfg.launch.node_rank)
-    run_dir.write_ds_config(plan.ds_config)
+    run_dir.write_ds_config(checked.ds_config)
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     # The job's own view of memory: every worker on this node, whatever becomes of them.
     with MemorySampler(nvme_dir=nvme, include_root=False) as sampler:
@@ -76,7 +70,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
 
 def base_summary(cfg: Any, spec: JobSpec) -> dict:
     """What the job's summary says before (or without) the workers' own."""
-    return {"status": "failed", "choices": {**key_choices(cfg), "world_size": world_size(cfg)},
+    return {"status": "failed", "choices": key_choices(cfg, world_size(cfg)),
             "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
 
 
@@ -119,31 +113,12 @@ def merge_job_view(summary: dict, launch_status: str, launch_error: str | None, 
     for key in ("gpu_peak_process_mib", "gpu_peak_device_mib"):
         if memory.get(key) is None and peaks[key] is not None:
             memory[key] = peaks[key]  # the worker died before writing its own figures
-    files = per_rank_memory(run_dir)
+    files = per_rank_summary(read_rank_records(run_dir))
     # Rank 0 gathered every rank's record over torch.distributed (all nodes); this node's files are a
     # subset, and the only record when the job failed before the gather.
     if len(files.get("per_rank", [])) >= len(memory.get("per_rank") or []):
         memory.update(files)
     return summary
-
-
-def per_rank_memory(run_dir: Path) -> dict:
-    import json
-
-    files = sorted((run_dir / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return per_rank_summary([json.loads(f.read_text()) for f in files])
-
-
-def per_rank_summary(ranks: list[dict]) -> dict:
-    """Each rank's figures, and the largest per-process GPU peak among them."""
-    if not ranks:
-        return {}
-    ranks = sorted(ranks, key=lambda r: int(r["rank"]))
-    gpu = [r.get("gpu_peak_process_mib") for r in ranks]
-    measured = [g for g in gpu if g is not None]
-    host = [r["host_peak_rss_mib"] for r in ranks if r.get("host_peak_rss_mib") is not None]
-    return {"per_rank": ranks, "gpu_peak_process_mib_max_rank": max(measured) if measured else None,
-            "host_peak_rss_mib_max_rank": max(host) if host else None}
 
 
 def log_tail(run_dir: Path, lines: int = 30, local_rank: int | None = None) -> list[str]:

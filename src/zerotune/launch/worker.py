@@ -12,8 +12,8 @@ import sys
 from omegaconf import OmegaConf
 
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.launch.spec import JobSpec
 from zerotune.rundir import CONFIG
+from zerotune.rundir.spec import JobSpec
 
 
 def die_with_parent() -> None:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from zerotune.ds_config.builder import ModelStats
 from zerotune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the DeepSpeed dict builder needs to know about the model, measured on a meta-device copy."""
+
+    num_params: int
+    largest_param_numel: int
 
 
 def unet_config(model_cfg: Any) -> dict:

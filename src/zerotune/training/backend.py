@@ -9,7 +9,7 @@ import torch
 from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
-from zerotune.plan import Plan
+from zerotune.preflight import CheckedRun
 from zerotune.user_config.accelerate_config import absorbed_launch_environment
 
 
@@ -21,22 +21,22 @@ def mixed_precision(ds: dict) -> str:
     return "no"
 
 
-def make_accelerator(plan: Plan) -> Accelerator:
-    ds = plan.ds_config
-    if plan.use_deepspeed:
+def make_accelerator(checked: CheckedRun) -> Accelerator:
+    ds = checked.ds_config
+    if checked.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
             return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds))
-    return Accelerator(mixed_precision=mixed_precision(ds), cpu=plan.platform.device_type == "cpu",
+    return Accelerator(mixed_precision=mixed_precision(ds), cpu=checked.platform.device_type == "cpu",
                        gradient_accumulation_steps=ds["gradient_accumulation_steps"])
 
 
-def optimizer_and_scheduler(plan: Plan, params):
+def optimizer_and_scheduler(checked: CheckedRun, params):
     """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders); the plain path mirrors it."""
-    ds = plan.ds_config
-    if plan.use_deepspeed:
+    ds = checked.ds_config
+    if checked.use_deepspeed:
         from accelerate.utils import DummyOptim, DummyScheduler
 
         opt = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])

@@ -109,14 +109,14 @@ def resolve_resume(cfg: Any) -> Path | None:
 # ---------------------------------------------------------------- metadata and resume planning
 
 
-def current_meta(cfg: Any, plan, world_size: int) -> dict:
+def current_meta(cfg: Any, checked, world_size: int) -> dict:
     from zerotune import __version__
 
-    stage = int(plan.ds_config["zero_optimization"]["stage"]) if plan.use_deepspeed else 0
-    return {"zero_stage": stage, "world_size": int(world_size), "use_deepspeed": bool(plan.use_deepspeed),
+    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+    return {"zero_stage": stage, "world_size": int(world_size), "use_deepspeed": bool(checked.use_deepspeed),
             "precision": str(cfg.precision.name), "offload": str(cfg.offload.device),
-            "offload_params": bool(plan.ds_config["zero_optimization"].get("offload_param")),
-            "model": str(cfg.model.name), "optimizer": plan.ds_config["optimizer"]["type"],
+            "offload_params": bool(checked.ds_config["zero_optimization"].get("offload_param")),
+            "model": str(cfg.model.name), "optimizer": checked.ds_config["optimizer"]["type"],
             "zerotune_version": __version__}
 
 
@@ -124,7 +124,7 @@ _TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload"
 
 
 @dataclass
-class ResumePlan:
+class ResumeDecision:
     path: Path
     mode: str          # native | universal | full
     meta: dict
@@ -136,22 +136,22 @@ def _export_fix(path: Path) -> str:
             f"(optimizer state restarts): python -m zerotune.export {path} <out> && train model.pretrained=<out>")
 
 
-def plan_resume(cfg: Any, plan, world_size: int) -> ResumePlan | None:
+def decide_resume(cfg: Any, checked, world_size: int) -> ResumeDecision | None:
     """Decide how to load `resume`, before any model or engine exists; sets load_universal when needed."""
     path = resolve_resume(cfg)
     if path is None:
         return None
-    meta, now = read_meta(path), current_meta(cfg, plan, world_size)
+    meta, now = read_meta(path), current_meta(cfg, checked, world_size)
     if meta.get("model") != now["model"]:
         raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
                           f"model={now['model']}", f"model={meta.get('model')}")
     changed = {k: (meta.get(k), now[k]) for k in _TOPOLOGY if meta.get(k) != now[k]}
     mode = "native" if not changed else _conversion(path, meta, now)
     if mode == "universal":
-        plan.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        checked.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     if changed:
         log.warning("resuming %s across changes %s: %s conversion", path, changed, mode)
-    return ResumePlan(path=path, mode=mode, meta=meta, changed=changed)
+    return ResumeDecision(path=path, mode=mode, meta=meta, changed=changed)
 
 
 def _conversion(path: Path, meta: dict, now: dict) -> str:
@@ -271,7 +271,7 @@ def clean_stale_swap(root: str | Path) -> list[str]:
 # ---------------------------------------------------------------- loading
 
 
-def load(trainer, rp: ResumePlan) -> None:
+def load(trainer, rp: ResumeDecision) -> None:
     """Restore everything `rp` names into a built Trainer (every rank)."""
     acc = trainer.accelerator
     if rp.mode == "native":
@@ -392,7 +392,7 @@ def _by_name(weights: dict, torch_opt_state: dict) -> dict:
     return {names[pos]: torch_opt_state["state"][i] for pos, i in enumerate(order) if i in torch_opt_state["state"]}
 
 
-def _load_full(trainer, rp: ResumePlan) -> None:
+def _load_full(trainer, rp: ResumeDecision) -> None:
     """Stage 0 (plain or DeepSpeed) from any checkpoint: full weights + Adam moments + scheduler position."""
     if rp.meta["use_deepspeed"] and rp.meta["zero_stage"] >= 1:
         universal_folder(trainer.accelerator, rp.path)  # rank 0 converts; the others wait for it

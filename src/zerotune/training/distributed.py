@@ -23,10 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_externally() -> bool:
+    """Whether a launcher started this process as one rank of a world: torchrun, `accelerate launch`,
+    `deepspeed`, or zerotune's own elastic launch (its workers). The one place that decides it."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def ensure_single_process_env() -> None:
     """DeepSpeed initialises torch.distributed even for one process; give it a world of one on loopback."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return  # started by torchrun / accelerate launch / deepspeed / zerotune's elastic launch: keep theirs
+    if launched_externally():
+        return  # keep the launcher's world
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
 

@@ -14,7 +14,7 @@ from zerotune.data import build_loader
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
 from zerotune.models import build_unet, conditioning
-from zerotune.plan import Plan
+from zerotune.preflight import CheckedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
 from zerotune.training import distributed
@@ -26,13 +26,13 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Any, plan: Plan, run_dir: RunDir, logger: RunLogger):
-        self.cfg, self.plan, self.run_dir, self.logger = cfg, plan, run_dir, logger
-        ds = plan.ds_config
+    def __init__(self, cfg: Any, checked: CheckedRun, run_dir: RunDir, logger: RunLogger):
+        self.cfg, self.checked, self.run_dir, self.logger = cfg, checked, run_dir, logger
+        ds = checked.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
-        self.resume_plan = ckpt.plan_resume(cfg, plan, distributed.world_size())  # ConfigError before building
-        self.accelerator = make_accelerator(plan)
+        self.resume_decision = ckpt.decide_resume(cfg, checked, distributed.world_size())  # ConfigError before building
+        self.accelerator = make_accelerator(checked)
         self._clean_stale_swap()
         seed = int(cfg.train.seed)
         set_seed(seed)
@@ -43,7 +43,7 @@ class Trainer:
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         self.kind = cfg.model.conditioning
-        self.noise = noise_scheduler(cfg.diffusion)
+        self.noise_schedule = noise_scheduler(cfg.diffusion)
         # Shuffling, noise and condition dropout draw from their own seeded generators. The noise generator
         # is the same on every rank: each draws for the global batch and keeps its slice (same math at any
         # process count; distributed.global_batch_draws).
@@ -51,7 +51,7 @@ class Trainer:
         loader = build_loader(cfg, self.micro_batch, seed, run_dir=run_dir.path)
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         self.gen = torch.Generator().manual_seed(seed * 7919)
-        opt, sched = optimizer_and_scheduler(plan, unet.parameters())
+        opt, sched = optimizer_and_scheduler(checked, unet.parameters())
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
             self.scheduler = None
@@ -69,16 +69,16 @@ class Trainer:
         self.checkpoints: list[dict] = []
         self.partition: dict | None = None
         self.logged_losses: dict[int, float] = {}
-        if self.resume_plan is not None:
-            ckpt.load(self, self.resume_plan)
+        if self.resume_decision is not None:
+            ckpt.load(self, self.resume_decision)
 
     @property
     def zero_stage(self) -> int:
-        return int(self.plan.ds_config["zero_optimization"]["stage"]) if self.plan.use_deepspeed else 0
+        return int(self.checked.ds_config["zero_optimization"]["stage"]) if self.checked.use_deepspeed else 0
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
-        inner = getattr(self.unet, "basic_optimizer", None) if self.plan.use_deepspeed else None
+        inner = getattr(self.unet, "basic_optimizer", None) if self.checked.use_deepspeed else None
         inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
@@ -130,13 +130,13 @@ class Trainer:
         self.batches_in_epoch = self._skip
 
     def raw_scheduler(self):
-        if self.plan.use_deepspeed:
+        if self.checked.use_deepspeed:
             return getattr(self.unet, "lr_scheduler", None)
         return getattr(self.scheduler, "scheduler", self.scheduler)
 
     def _clean_stale_swap(self) -> None:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
-        if self.resume_plan is not None and self.cfg.offload.device == "nvme":
+        if self.resume_decision is not None and self.cfg.offload.device == "nvme":
             if self.accelerator.is_local_main_process:
                 removed = ckpt.clean_stale_swap(self.cfg.offload.path)
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
@@ -145,13 +145,13 @@ class Trainer:
     def _maybe_save(self, max_steps: int) -> None:
         every = int(self.cfg.checkpoint.get("every_n_steps") or 0)
         if every > 0 and (self.step % every == 0 or self.step == max_steps):
-            meta = ckpt.current_meta(self.cfg, self.plan, self.accelerator.num_processes)
+            meta = ckpt.current_meta(self.cfg, self.checked, self.accelerator.num_processes)
             info = ckpt.save(self, ckpt.checkpoint_root(self.cfg, self.run_dir.path), meta)
             self.checkpoints.append({"step": self.step, **info})
             log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
 
     def checkpoint_summary(self) -> dict:
-        rp = self.resume_plan
+        rp = self.resume_decision
         out = {"saved": self.checkpoints}
         if rp is not None:
             out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
@@ -166,9 +166,9 @@ class Trainer:
         batch = self._to_device(batch)
         p = float(self.cfg.diffusion.cond_dropout)
         draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
-                                               self.noise.config.num_train_timesteps, p)
+                                               self.noise_schedule.config.num_train_timesteps, p)
         cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
-        loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise,
+        loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise_schedule,
                               self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"])
         self.accelerator.backward(loss)
         return float(loss.detach())

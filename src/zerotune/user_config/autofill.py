@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from zerotune.ds_config.batch import Batch
-from zerotune.ds_config.builder import ModelStats, bucket_size
+from zerotune.ds_config.builder import bucket_size
 from zerotune.errors import ConfigError
+from zerotune.models import ModelStats
 
 AUTO = "auto"
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SPEC_FILE = "launch.json"
+MAX_NAME_LEN = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
 
 
 @dataclass
@@ -22,3 +26,18 @@ class JobSpec:
     @classmethod
     def load(cls, run_dir: str | Path) -> JobSpec:
         return cls(**json.loads((Path(run_dir) / SPEC_FILE).read_text()))
+
+
+def run_name(overrides: list[str]) -> str:
+    """["zero_stage=2", "offload=cpu"] -> "zero_stage=2,offload=cpu"; [] -> "default".
+
+    Filesystem-safe ("/" -> "-", anything else unusual -> "_"); names longer than MAX_NAME_LEN are cut and
+    suffixed with a hash of the full name so that distinct long override sets stay distinct.
+    """
+    if not overrides:
+        return "default"
+    name = ",".join(_UNSAFE.sub("_", o.strip().replace("/", "-")) for o in overrides).lstrip(".-") or "default"
+    if len(name) > MAX_NAME_LEN:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = f"{name[: MAX_NAME_LEN - 9]}-{digest}"
+    return name

@@ -1,4 +1,4 @@
-"""From a composed config to a checked run plan: every bad configuration stops here, before any model exists."""
+"""Preflight: from a composed config to a checked run. Every bad configuration stops here, before any model exists."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 from zerotune import models
 from zerotune.data import check_data
 from zerotune.ds_config import builder, validator
-from zerotune.ds_config.builder import ModelStats
 from zerotune.errors import ConfigError
+from zerotune.models import ModelStats
 from zerotune.platform import Platform, detect
 from zerotune.user_config import autofill, merge, resolve
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckedRun:
     ds_config: dict           # validated; what DeepSpeed (or the plain path) will be given
     use_deepspeed: bool       # False: plain accelerate, stage 0 only
     model_stats: ModelStats
@@ -72,8 +72,8 @@ def _fit_default_warmup(cfg: Any, user) -> None:
         cfg.scheduler.name = "constant"  # one step leaves nothing to warm up or decay over
 
 
-def make_plan(cfg: Any, world_size: int | None = None, platform: Platform | None = None,
-              overrides: list[str] | tuple = ()) -> Plan:
+def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None = None,
+              overrides: list[str] | tuple = ()) -> CheckedRun:
     """Check `cfg` and build its DeepSpeed dict. The user's DeepSpeed JSON and accelerate config are folded
     into `cfg` first, in place, so that it describes what will run; `overrides` (as typed on the command
     line) may not contradict them. `world_size`: None means `launch.num_processes x launch.nnodes`."""
@@ -94,5 +94,5 @@ def make_plan(cfg: Any, world_size: int | None = None, platform: Platform | None
         ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
     builder.choose_adam(ds, cfg)
     ds = validator.validate(ds, platform, world_size)
-    return Plan(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
+    return CheckedRun(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
                 config_sources=user.summary(ds))

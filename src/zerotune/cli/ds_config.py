@@ -1,0 +1,55 @@
+"""Print the validated DeepSpeed JSON for any composition, without training.
+
+    python -m zerotune.ds_config zero_stage=3 offload=nvme offload.path=/tmp/x
+    python -m zerotune.ds_config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from zerotune import CONF_DIR
+from zerotune.cli.overrides import normalize_overrides, with_search_path
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.preflight import preflight
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.ds_config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes the run would use (default: launch.num_processes x launch.nnodes)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    args = parser.parse_args(argv)
+    # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
+    try:
+        overrides = with_search_path(normalize_overrides(args.overrides, CONF_DIR), CONF_DIR)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        with contextlib.redirect_stdout(sys.stderr):
+            checked = preflight(cfg, world_size=args.world_size, overrides=args.overrides)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    print(json.dumps(checked.ds_config, indent=2))
+    print_sources(checked.config_sources)
+    return 0
+
+
+def print_sources(sources: dict) -> None:
+    """Where each top-level value came from, on stderr (stdout stays the JSON alone)."""
+    lines = ["where each top-level value came from:"]
+    width = max(len(k) for k in sources["values"])
+    lines += [f"  {key:<{width}}  {origin}" for key, origin in sources["values"].items()]
+    for acc in sources["accelerate_config"]:
+        lines.append(f"accelerate config: {acc['path'] or acc['origin']} ({acc['how']})")
+    print("\n".join(lines), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The pieces of a run's summary.json that both sides write: the job's parent and its training ranks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from zerotune.rundir import write_json_atomic
+
+log = logging.getLogger("zerotune")
+
+RANKS = "ranks"  # <run dir>/ranks/rank<k>.json: each rank's own figures
+
+
+def key_choices(cfg: Any, world_size: int) -> dict:
+    """The few choices that identify a configuration in reports and dashboards."""
+    return {"zero_stage": cfg.zero_stage.stage, "offload": cfg.offload.device,
+            "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
+            "resolution": cfg.resolution.size, "batch_size": cfg.train.batch_size,
+            "grad_accum": cfg.train.grad_accum, "precision": cfg.precision.name, "model": cfg.model.name,
+            "data": cfg.data.name, "gradient_checkpointing": cfg.train.gradient_checkpointing,
+            "world_size": world_size}
+
+
+def experiment_info(cfg: Any) -> dict | None:
+    """An experiment's name and the reference figures it reproduces, for reports to compare against."""
+    ref = cfg.get("reference")
+    if not ref:
+        return None
+    return {"name": ref.get("name"), "reference": OmegaConf.to_container(ref, resolve=True)}
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def write_rank_record(run_dir: Path, rank: int, record: dict) -> dict:
+    """Every rank records its own figures; the job merges them (rank 0 alone would hide the others)."""
+    folder = run_dir / RANKS
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, **record}
+    write_json_atomic(folder / f"rank{rank}.json", record)
+    return record
+
+
+def read_rank_records(run_dir: Path) -> list[dict]:
+    files = sorted((run_dir / RANKS).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def per_rank_summary(ranks: list[dict]) -> dict:
+    """Each rank's figures, and the largest per-process peaks among them."""
+    if not ranks:
+        return {}
+    ranks = sorted(ranks, key=lambda r: int(r["rank"]))
+    gpu = [r.get("gpu_peak_process_mib") for r in ranks]
+    measured = [g for g in gpu if g is not None]
+    host = [r["host_peak_rss_mib"] for r in ranks if r.get("host_peak_rss_mib") is not None]
+    return {"per_rank": ranks, "gpu_peak_process_mib_max_rank": max(measured) if measured else None,
+            "host_peak_rss_mib_max_rank": max(host) if host else None}
+
+
+def print_result(summary: dict) -> None:
+    """The one line a person reads at the end of a run."""
+    q, perf = summary.get("quality", {}), summary.get("perf", {})
+    first, last = summary.get("loss_first"), summary.get("loss_last")
+    parts = [f"status {summary['status']}", f"steps {summary.get('steps')}"]
+    if first is not None and last is not None:
+        parts.append(f"loss {first:.4f} -> {last:.4f}")
+    if perf.get("step_time_median_s") is not None:
+        parts.append(f"{perf['step_time_median_s']:.3f} s/step (median)")
+    if "digit_accuracy" in q:
+        parts.append(f"digit accuracy {100 * q['digit_accuracy']:.1f}%")
+    parts.append(f"wall time {summary.get('wall_time_s', 0):.0f} s")
+    log.info("result: %s", ", ".join(parts))
+    if summary.get("error"):
+        log.error("error: %s", json.dumps(summary["error"].get("message")))
+    log.info("run directory: %s", summary["run_dir"])
