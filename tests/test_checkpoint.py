@@ -12,7 +12,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 from zerotune.errors import ConfigError
 from zerotune.training import checkpoint as ckpt
 
@@ -66,17 +66,15 @@ def test_resume_rules(tmp_path):
     run = tmp_path / "run"
     fake_checkpoint(run / "checkpoints", 3)
     fake_checkpoint(run / "checkpoints", 5)
-    cfg = compose_cfg(f"resume={run}")
-    assert ckpt.resolve_resume(cfg) == ckpt.step_dir(run / "checkpoints", 5)
-    cfg = compose_cfg(f"resume={run / 'checkpoints' / 'step-0000003'}")
-    assert ckpt.resolve_resume(cfg) == ckpt.step_dir(run / "checkpoints", 3)
-    cfg = compose_cfg("resume=latest", f"checkpoint.dir={run / 'checkpoints'}")
-    assert ckpt.resolve_resume(cfg) == ckpt.step_dir(run / "checkpoints", 5)
+    assert ckpt.resolve_resume(str(run), None) == ckpt.step_dir(run / "checkpoints", 5)
+    assert ckpt.resolve_resume(str(run / "checkpoints" / "step-0000003"), None) == ckpt.step_dir(run / "checkpoints", 3)
+    assert ckpt.resolve_resume("latest", str(run / "checkpoints")) == ckpt.step_dir(run / "checkpoints", 5)
+    assert ckpt.resolve_resume(None, None) is None
     with pytest.raises(ConfigError) as err:
-        ckpt.resolve_resume(compose_cfg("resume=latest"))
+        ckpt.resolve_resume("latest", None)
     assert err.value.key == "resume" and "checkpoint.dir" in err.value.fix
     with pytest.raises(ConfigError):
-        ckpt.resolve_resume(compose_cfg(f"resume={tmp_path / 'nothing'}"))
+        ckpt.resolve_resume(str(tmp_path / "nothing"), None)
 
 
 @pytest.mark.parametrize(("saved", "now", "mode"), [
@@ -91,10 +89,10 @@ def test_conversion_choice(tmp_path, saved, now, mode):
     base = {"offload": "none", "optimizer": "AdamW", "world_size": 1}
     if mode is ConfigError:
         with pytest.raises(ConfigError) as err:
-            ckpt._conversion(tmp_path, {**base, **saved}, {**base, **now})
+            ckpt.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
         assert "python -m zerotune.export" in err.value.fix
     else:
-        assert ckpt._conversion(tmp_path, {**base, **saved}, {**base, **now}) == mode
+        assert ckpt.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
 
 
 def test_stale_swap_removed_only_inside_offload_root(tmp_path):

@@ -24,14 +24,10 @@ from zerotune.training import checkpoint as ckpt
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    path = Path(path)
-    if ckpt.is_complete(path):
-        return path
-    for root in (path, path / "checkpoints"):
-        found = ckpt.latest(root)
-        if found is not None:
-            return found
-    raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none")
+    found = ckpt.find(Path(path))
+    if found is None:
+        raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none")
+    return found
 
 
 def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
@@ -48,7 +44,7 @@ def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
 def export(checkpoint: str | Path, out: str | Path) -> dict:
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = json.loads((path / ckpt.UNET_CONFIG).read_text())
+    config = ckpt.unet_config(path)
     weights, _, _ = ckpt.full_state(path, with_optimizer=False)
     written = {"checkpoint": str(path), "unet": str(_save(config, {k: v.float() for k, v in weights.items()},
                                                              out, "unet"))}

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
+
+from zerotune.files import write_text_atomic
 
 
 def digest(*parts: object) -> str:
@@ -57,7 +58,5 @@ class FileHasher:
             return
         self.index_file.parent.mkdir(parents=True, exist_ok=True)
         # Runs of a sweep may save at once: each writes a whole file and renames it, the last one wins.
-        tmp = self.index_file.with_name(f".{self.index_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self._index))
-        os.replace(tmp, self.index_file)
+        write_text_atomic(self.index_file, json.dumps(self._index))
         self._dirty = False

@@ -13,7 +13,6 @@ delete the folder (or any entry in it) to reclaim space.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from zerotune.data.buckets import Placement
 from zerotune.data.folder import ImageRecord, Skipped
 from zerotune.data.hashing import digest
 from zerotune.data.images import DECODE_ERRORS, load_crop
+from zerotune.files import replaced
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,8 @@ class LatentCache:
     def put(self, kind: str, key: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
         path = self._path(kind, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        with replaced(path) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
 
     def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         return load_file(str(self._path(kind, key)))

@@ -7,7 +7,6 @@ then fills the cache and writes data_report.json; `folder_loader` wraps it for t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
@@ -33,6 +32,7 @@ from zerotune.data.hashing import FileHasher
 from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
 from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
 from zerotune.errors import ConfigError
+from zerotune.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +205,7 @@ def _device(cfg: Any) -> torch.device:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
 
 
 def _log_summary(r: dict) -> None:

@@ -3,35 +3,20 @@
 from __future__ import annotations
 
 import json
-import math
-import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from zerotune.files import jsonable, write_json_atomic, write_text_atomic
+
+__all__ = ["RunDir", "write_json_atomic", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
 
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 SAMPLES = "samples"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN/inf; a diverged loss is recorded as null and flagged by status
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write to a temporary name, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
 
 
 class RunDir:
@@ -47,9 +32,7 @@ class RunDir:
 
     def write_config(self, cfg: Any) -> None:
         if self.is_writer:
-            tmp = self.path / f".{CONFIG}.tmp"
-            tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-            os.replace(tmp, self.path / CONFIG)
+            write_text_atomic(self.path / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
     def write_ds_config(self, ds: dict) -> None:
         if self.is_writer:
@@ -61,7 +44,7 @@ class RunDir:
             return
         if self._metrics is None:
             self._metrics = open(self.path / METRICS, "a", buffering=1)  # noqa: SIM115 (closed in close())
-        self._metrics.write(json.dumps(_jsonable(row)) + "\n")
+        self._metrics.write(json.dumps(jsonable(row)) + "\n")
 
     def write_summary(self, summary: dict) -> None:
         if self.is_writer:

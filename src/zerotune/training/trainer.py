@@ -31,38 +31,22 @@ class Trainer:
         ds = checked.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
-        self.resume_decision = ckpt.decide_resume(cfg, checked, distributed.world_size())  # ConfigError before building
+        self.resume_decision = self._decide_resume()  # a refused resume stops here, before anything is built
         self.accelerator = make_accelerator(checked)
         self._clean_stale_swap()
         seed = int(cfg.train.seed)
         set_seed(seed)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-
-        unet = build_unet(cfg.model)
-        if cfg.train.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
         self.kind = cfg.model.conditioning
         self.noise_schedule = noise_scheduler(cfg.diffusion)
         # Shuffling, noise and condition dropout draw from their own seeded generators. The noise generator
         # is the same on every rank: each draws for the global batch and keeps its slice (same math at any
         # process count; distributed.global_batch_draws).
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        loader = build_loader(cfg, self.micro_batch, seed, run_dir=run_dir.path)
-        self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         self.gen = torch.Generator().manual_seed(seed * 7919)
-        opt, sched = optimizer_and_scheduler(checked, unet.parameters())
-        if sched is None:
-            self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
-            self.scheduler = None
-        else:
-            self.unet, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
-                unet, opt, loader, sched)
-        self.dtype = next(self.unet.parameters()).dtype
-        self.ema = None
-        if cfg.ema.enabled:
-            self.ema = HostEMA(list(self._module().named_parameters()), cfg.ema.decay, cfg.ema.warmup,
-                               zero3=self.zero_stage == 3)
+        self._prepare(seed)
+        self.ema = self._make_ema()
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
         self._batches = self._infinite_batches()
@@ -70,7 +54,29 @@ class Trainer:
         self.partition: dict | None = None
         self.logged_losses: dict[int, float] = {}
         if self.resume_decision is not None:
-            ckpt.load(self, self.resume_decision)
+            self._restore(self.resume_decision)
+
+    def _prepare(self, seed: int) -> None:
+        """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
+        unet = build_unet(self.cfg.model)
+        if self.cfg.train.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        loader = build_loader(self.cfg, self.micro_batch, seed, run_dir=self.run_dir.path)
+        self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
+        opt, sched = optimizer_and_scheduler(self.checked, unet.parameters())
+        if sched is None:
+            self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
+            self.scheduler = None
+        else:
+            self.unet, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
+                unet, opt, loader, sched)
+        self.dtype = next(self.unet.parameters()).dtype
+
+    def _make_ema(self) -> HostEMA | None:
+        ema = self.cfg.ema
+        if not ema.enabled:
+            return None
+        return HostEMA(list(self._module().named_parameters()), ema.decay, ema.warmup, zero3=self.zero_stage == 3)
 
     @property
     def zero_stage(self) -> int:
@@ -110,7 +116,7 @@ class Trainer:
                 unique.append(g)
         return unique
 
-    # ---- checkpoints (the files and their rules: training/checkpoint.py)
+    # ---- checkpoints (the files and their rules: training/checkpoint/)
 
     def position_state(self) -> dict:
         """Where training stands, per rank: step, data position, the Trainer's own generators."""
@@ -129,6 +135,20 @@ class Trainer:
         self._skip = state["batches_in_epoch"] * saved_world // world
         self.batches_in_epoch = self._skip
 
+    def _meta(self, world_size: int) -> dict:
+        return ckpt.current_meta(self.cfg, self.checked.ds_config, self.checked.use_deepspeed, world_size)
+
+    def _decide_resume(self) -> ckpt.ResumeDecision | None:
+        path = ckpt.resolve_resume(self.cfg.get("resume"), self.cfg.checkpoint.get("dir"))
+        return ckpt.decide_resume(path, self._meta(distributed.world_size()), self.checked.ds_config)
+
+    def _restore(self, decision: ckpt.ResumeDecision) -> None:
+        raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        restored = ckpt.load(self.accelerator, decision, self._module(), raw_optimizer, self.raw_scheduler())
+        self.load_position_state(restored.position_state, decision.meta["world_size"], self.accelerator.num_processes)
+        if self.ema is not None and restored.ema_state is not None:
+            self.ema.load_state_dict(restored.ema_state)
+
     def raw_scheduler(self):
         if self.checked.use_deepspeed:
             return getattr(self.unet, "lr_scheduler", None)
@@ -145,8 +165,12 @@ class Trainer:
     def _maybe_save(self, max_steps: int) -> None:
         every = int(self.cfg.checkpoint.get("every_n_steps") or 0)
         if every > 0 and (self.step % every == 0 or self.step == max_steps):
-            meta = ckpt.current_meta(self.cfg, self.checked, self.accelerator.num_processes)
-            info = ckpt.save(self, ckpt.checkpoint_root(self.cfg, self.run_dir.path), meta)
+            request = ckpt.SaveRequest(
+                root=ckpt.checkpoint_root(self.cfg.checkpoint.get("dir"), self.run_dir.path), step=self.step,
+                meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
+                unet=self._module(), ema_state=self.ema.state_dict() if self.ema is not None else None,
+                keep_last=int(self.cfg.checkpoint.get("keep_last") or 0))
+            info = ckpt.save(self.accelerator, request)
             self.checkpoints.append({"step": self.step, **info})
             log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
 

@@ -1,0 +1,48 @@
+"""Writing a file so that a reader, or a crash, never sees half of it: write a temporary file beside it,
+then rename it over the target (a rename within one folder is atomic on POSIX file systems)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def replaced(path: str | Path, durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path (unique to this process) to write; on success it becomes `path`. `durable`:
+    fsync before the rename, for files that must survive a power cut (checkpoint markers)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        if durable:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str, durable: bool = False) -> None:
+    with replaced(path, durable) as tmp:
+        tmp.write_text(text)
+
+
+def jsonable(value: Any) -> Any:
+    """JSON has no NaN/inf: a diverged loss is recorded as null (and flagged by the run's status)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def write_json_atomic(path: str | Path, data: Any, durable: bool = False) -> None:
+    write_text_atomic(path, json.dumps(jsonable(data), indent=2) + "\n", durable)
