@@ -16,9 +16,10 @@ import pytest
 
 from zerotune.telemetry import memory
 from zerotune.telemetry.env import environment_info
-from zerotune.telemetry.memory import MemorySampler, pinned_memory_mib, torch_cuda_memory_stats
+from zerotune.telemetry.memory import MemorySampler
 from zerotune.telemetry.plot import plot_run
 from zerotune.telemetry.timing import StepTimer
+from zerotune.telemetry.torch_memory import pinned_memory_mib, torch_cuda_memory_stats
 
 MIB = 1 << 20
 TOL = 0.15  # RSS also moves with allocator/interpreter noise of a few MiB
@@ -64,7 +65,8 @@ def test_cpu_only_gpu_fields_are_none_and_host_rss_plausible(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no visible device, whatever the machine has
     with MemorySampler(interval_s=INTERVAL) as s:
         wait_for_thread_samples(s)
-    peaks, current = s.peaks(), s.current()
+        current = s.sample_now()
+    peaks = s.peaks()
     for d in (peaks, current):
         assert d["gpu_peak_process_mib"] is None and d["gpu_peak_device_mib"] is None
         assert d["nvme_peak_mib"] is None  # no nvme_dir given
@@ -75,7 +77,6 @@ def test_cpu_only_gpu_fields_are_none_and_host_rss_plausible(monkeypatch):
 def test_gpu_fields_none_without_nvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` now raises ImportError
     s = MemorySampler()
-    assert not s.gpu_available
     sample = s.sample_now()
     assert sample["gpu_peak_process_mib"] is None and sample["gpu_peak_device_mib"] is None
     assert sample["host_peak_rss_mib"] > 0
@@ -103,7 +104,7 @@ def test_gpu_process_memory_sums_only_our_tree(monkeypatch):
         monkeypatch.setitem(sys.modules, "pynvml", nv)
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
         s = MemorySampler(cuda_index=1)
-        assert s.gpu_available and nv.handles == ["index:1"]  # CUDA ordinal 1 is physical GPU 1 here
+        assert nv.handles == ["index:1"]  # CUDA ordinal 1 is physical GPU 1 here
         sample = s.sample_now()
         assert sample["gpu_peak_process_mib"] == 1536.0  # ours + child, not the stranger
         assert sample["gpu_peak_device_mib"] == 9000.0
@@ -187,7 +188,7 @@ def _step(proc: subprocess.Popen, expect: str | None) -> None:
 @pytest.mark.parametrize("proc_children_file", [True, False], ids=["proc-children", "psutil-fallback"])
 def test_grandchild_allocation_shows_in_tree_peak(tmp_path, monkeypatch, proc_children_file):
     if not proc_children_file:  # kernels without CONFIG_PROC_CHILDREN take the psutil path
-        monkeypatch.setattr(memory, "_child_pids", lambda pid: None)
+        monkeypatch.setattr(memory, "child_pids", lambda pid: None)
     mib = 200
     proc = _run_alloc_child(tmp_path, mib, depth=1)  # test -> child -> grandchild (allocates)
     try:
@@ -266,7 +267,7 @@ def test_concurrent_sample_now_is_safe():
         for w in workers:
             w.join()
     assert s.stats()["samples"] >= 200
-    assert s.peaks()["host_peak_rss_mib"] >= s.current()["host_peak_rss_mib"] > 0
+    assert s.peaks()["host_peak_rss_mib"] >= s.sample_now()["host_peak_rss_mib"] > 0
 
 
 # ------------------------------------------------------------------ StepTimer

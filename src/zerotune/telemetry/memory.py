@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
-from typing import Any
 
 import psutil
+
+from zerotune.telemetry.nvml import Nvml, in_child_pid_namespace
+from zerotune.telemetry.processes import child_pids, dir_bytes
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ DEFAULT_INTERVAL_S = 0.05
 DEFAULT_EXCLUDE_NAMES: tuple[str, ...] = ("wandb-core",)
 
 KEYS = ("host_peak_rss_mib", "nvme_peak_mib", "gpu_peak_process_mib", "gpu_peak_device_mib")
-# /proc/<pid>/ns/pid of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
-_INIT_PID_NS = "pid:[4026531836]"
 
 
 def _max(a: float | None, b: float | None) -> float | None:
@@ -42,105 +41,6 @@ def _max(a: float | None, b: float | None) -> float | None:
     if b is None:
         return a
     return max(a, b)
-
-
-def _dir_bytes(path: str) -> int:
-    """Recursive sum of file sizes; files/dirs deleted mid-walk (swap files come and go) are skipped."""
-    total = 0
-    stack = [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        elif entry.is_file(follow_symlinks=False):
-                            total += entry.stat(follow_symlinks=False).st_size
-                    except FileNotFoundError:
-                        continue
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            continue
-    return total
-
-
-def _child_pids(pid: int) -> list[int] | None:
-    """Direct children via /proc/<pid>/task/*/children: cost scales with the tree, not with every process
-    on the node (psutil.children() scans all of /proc). None when the kernel lacks CONFIG_PROC_CHILDREN."""
-    task_dir = f"/proc/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except FileNotFoundError:
-        return []
-    except OSError:
-        return None
-    kids: list[int] = []
-    for tid in tids:  # a child belongs to the thread that forked it, so read every thread
-        try:
-            with open(f"{task_dir}/{tid}/children") as f:
-                kids.extend(int(x) for x in f.read().split())
-        except FileNotFoundError:
-            if not os.path.exists(f"/proc/{pid}"):
-                return []
-            if not os.path.exists(f"{task_dir}/{tid}"):
-                continue  # thread exited mid-scan
-            return None  # file not provided by this kernel
-        except OSError:
-            continue
-    return kids
-
-
-def _in_child_pid_namespace() -> bool:
-    """True in a container with its own PID namespace: NVML then reports host PIDs that match none of ours."""
-    try:
-        return os.readlink("/proc/self/ns/pid") != _INIT_PID_NS
-    except OSError:
-        return False
-
-
-class _Nvml:
-    """The NVML handle of the CUDA device this process uses; `ok` is False without NVML or a visible GPU."""
-
-    def __init__(self, cuda_index: int) -> None:
-        self.ok = False
-        self.handle: Any = None
-        self.pynvml: Any = None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
-            return  # CUDA was told to see no device
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            if pynvml.nvmlDeviceGetCount() == 0:
-                return
-            self.handle = self._resolve(pynvml, cuda_index, visible)
-            self.pynvml = pynvml
-            self.ok = True
-        except Exception as e:  # no library, no driver, no such device: all mean "not measured"
-            log.debug("NVML unavailable: %s", e)
-
-    @staticmethod
-    def _resolve(pynvml: Any, cuda_index: int, visible: str | None) -> Any:
-        # NVML numbers devices physically and ignores CUDA_VISIBLE_DEVICES, so map the CUDA ordinal through it.
-        if visible:
-            entry = visible.split(",")[cuda_index].strip()
-            if entry.isdigit():
-                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-            return pynvml.nvmlDeviceGetHandleByUUID(entry)  # GPU-... or MIG-...
-        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
-
-    def device_used_bytes(self) -> int:
-        p = self.pynvml
-        try:  # v2 separates driver-reserved memory; its `used` is what current nvidia-smi prints
-            return int(p.nvmlDeviceGetMemoryInfo(self.handle, version=p.nvmlMemory_v2).used)
-        except Exception:
-            return int(p.nvmlDeviceGetMemoryInfo(self.handle).used)
-
-    def process_used_bytes(self) -> dict[int, int | None]:
-        # usedGpuMemory is None where the driver cannot attribute memory (NVML_VALUE_NOT_AVAILABLE).
-        procs = self.pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
-        return {int(p.pid): p.usedGpuMemory for p in procs}
 
 
 class MemorySampler:
@@ -168,8 +68,8 @@ class MemorySampler:
         self.exclude_names = tuple(exclude_names)
         if cuda_index is None:
             cuda_index = int(os.environ.get("LOCAL_RANK", "0"))
-        self._nvml = _Nvml(cuda_index)
-        self._container_pids = _in_child_pid_namespace()
+        self._nvml = Nvml(cuda_index)
+        self._container_pids = in_child_pid_namespace()
         self._warned_pid_ns = False
 
         self._procs: dict[int, psutil.Process] = {}  # cached so name() and pid reuse checks stay cheap
@@ -223,7 +123,7 @@ class MemorySampler:
             pids = self._tree()
             sample = {
                 "host_peak_rss_mib": self._rss_bytes(pids) / MIB,
-                "nvme_peak_mib": None if self.nvme_dir is None else _dir_bytes(self.nvme_dir) / MIB,
+                "nvme_peak_mib": None if self.nvme_dir is None else dir_bytes(self.nvme_dir) / MIB,
                 "gpu_peak_process_mib": None,
                 "gpu_peak_device_mib": None,
             }
@@ -249,7 +149,7 @@ class MemorySampler:
         return proc
 
     def _children(self, pid: int) -> list[int]:
-        kids = _child_pids(pid)
+        kids = child_pids(pid)
         if kids is not None:
             return kids
         proc = self._proc(pid)  # portable fallback: scans every process on the machine
@@ -316,11 +216,6 @@ class MemorySampler:
         with self._state_lock:
             return dict(self._peaks)
 
-    def current(self) -> dict[str, float | None]:
-        """The latest sample, under the same keys as peaks()."""
-        with self._state_lock:
-            return dict(self._current)
-
     def stats(self) -> dict[str, float | int]:
         """How many samples were taken and what one costs: wall time inside sample_now (includes waiting for
         the GIL and the CPU) and the sampling thread's own CPU time."""
@@ -331,56 +226,3 @@ class MemorySampler:
             "mean_sample_ms": 1e3 * t / n if n else 0.0,
             "mean_sample_cpu_ms": 1e3 * c / n if n else 0.0,
         }
-
-    @property
-    def gpu_available(self) -> bool:
-        return self._nvml.ok
-
-
-def _torch_cuda() -> Any:
-    """torch, if it is importable and sees a CUDA device; else None. Creates no CUDA context."""
-    if "torch" not in sys.modules:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return None
-    torch = sys.modules["torch"]
-    return torch if torch.cuda.is_available() else None
-
-
-def torch_cuda_memory_stats(device: Any = None) -> dict[str, float | int | None]:
-    """PyTorch caching-allocator peaks for this process (what the allocator handed out and reserved).
-
-    Lower than nvidia-smi's figure: it excludes the CUDA context, cuBLAS/NCCL workspaces and anything
-    allocated outside PyTorch's allocator.
-    """
-    torch = _torch_cuda()
-    if torch is None:
-        return {"gpu_peak_allocated_mib": None, "gpu_peak_reserved_mib": None, "alloc_retries": None, "ooms": None}
-    stats = torch.cuda.memory_stats(device)  # {} until the allocator has been used
-    return {
-        "gpu_peak_allocated_mib": stats.get("allocated_bytes.all.peak", 0) / MIB,
-        "gpu_peak_reserved_mib": stats.get("reserved_bytes.all.peak", 0) / MIB,
-        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
-        "ooms": int(stats.get("num_ooms", 0)),
-    }
-
-
-def pinned_memory_mib() -> float | None:
-    """Peak bytes (MiB) of page-locked host memory owned by PyTorch's CUDA host caching allocator.
-
-    That pool serves `tensor.pin_memory()`, `pin_memory=True` DataLoaders and `torch.empty(..., pin_memory=True)`,
-    which is how DeepSpeed's accelerator pins CPU-offload buffers. It does not see memory pinned behind
-    PyTorch's back (`cudaHostRegister`, DeepSpeed's aio page-locked buffers allocated in C++). Sizes are
-    rounded up to powers of two and torch documents the peak as best-effort. None without CUDA, or when
-    this torch does not report the `allocated_bytes.peak` host statistic.
-    """
-    torch = _torch_cuda()
-    if torch is None or not hasattr(torch.cuda.memory, "host_memory_stats"):
-        return None
-    try:
-        stats = torch.cuda.memory.host_memory_stats()
-    except Exception:
-        return None
-    peak = stats.get("allocated_bytes.peak")
-    return None if peak is None else peak / MIB

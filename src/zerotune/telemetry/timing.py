@@ -63,10 +63,6 @@ class StepTimer:
         self.samples: list[int] = []
         self.startup_s: float | None = None
 
-    def mark_process_start(self, t: float) -> None:
-        """Overrides the process start (epoch seconds), e.g. with the launcher's start time."""
-        self._process_start = t
-
     def start_step(self) -> None:
         self.synchronize()
         self._t0 = self.clock()
