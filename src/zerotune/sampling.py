@@ -32,6 +32,14 @@ def make_sampler(
     )
 
 
+def _per_image(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    if len(shape) == 4:
+        if shape[0] != n:
+            raise ValueError(f"shape {shape} does not match {n} class labels")
+        return tuple(shape[1:])
+    return tuple(shape)
+
+
 @torch.no_grad()
 def sample_images(
     unet: torch.nn.Module,
@@ -52,10 +60,7 @@ def sample_images(
     if prediction_type not in ("epsilon", "v_prediction"):
         raise ValueError(f"unsupported prediction_type {prediction_type!r}")
     n = len(class_labels)
-    if len(shape) == 4:
-        if shape[0] != n:
-            raise ValueError(f"shape {shape} does not match {n} class labels")
-        shape = tuple(shape[1:])
+    shape = _per_image(shape, n)
     param = next(unet.parameters())
     device, dtype = param.device, param.dtype
 
@@ -70,11 +75,16 @@ def sample_images(
     unet.eval()
     try:
         for t in scheduler.timesteps:
-            model_in = scheduler.scale_model_input(torch.cat([x, x]), t).to(dtype)
-            out = unet(model_in, t.expand(2 * n), **unet_kwargs("class", {"class_labels": cfg_labels})).sample.float()
-            cond, uncond = out.chunk(2)
-            # Guidance is linear in the prediction, so it is the same for epsilon and v targets.
-            x = scheduler.step(uncond + guidance_scale * (cond - uncond), t, x).prev_sample
+            x = _guided_step(unet, scheduler, x, t, cfg_labels, guidance_scale, dtype)
     finally:
         unet.train(was_training)
     return x.clamp(-1, 1)
+
+
+def _guided_step(unet, scheduler, x: torch.Tensor, t, cfg_labels: torch.Tensor, guidance_scale: float, dtype):
+    """One denoising step; the conditional and NULL_CLASS halves run as one batch."""
+    model_in = scheduler.scale_model_input(torch.cat([x, x]), t).to(dtype)
+    kwargs = unet_kwargs("class", {"class_labels": cfg_labels})
+    cond, uncond = unet(model_in, t.expand(model_in.shape[0]), **kwargs).sample.float().chunk(2)
+    # Guidance is linear in the prediction, so it is the same for epsilon and v targets.
+    return scheduler.step(uncond + guidance_scale * (cond - uncond), t, x).prev_sample

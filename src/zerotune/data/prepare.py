@@ -107,21 +107,8 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
     folder = check_folder_data(cfg)
     micro_batch = int(micro_batch or cfg.train.batch_size)
     cache = LatentCache(cache_dir(cfg))
-    hasher = FileHasher(cache.root / "file_hashes.json")
-    ids = component_ids(folder.components, hasher)
     seq_len = int(cfg.model.get("text_seq_len", 77))
-    flips = (False, True) if cfg.data.random_flip else (False,)
-    items, unreadable = [], []
-    for record, placement in folder.placed:
-        try:
-            image_hash = hasher.file(record.path)
-        except OSError as exc:
-            unreadable.append(Skipped(record.rel, f"unreadable file ({exc})"))
-            continue
-        items.append(CacheItem(record, placement,
-                               {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
-                               LatentCache.text_key(record.caption, ids["text"], seq_len)))
-    hasher.save()
+    items, unreadable = _cache_items(cfg, folder, cache, seq_len)
     encoders = SDXLEncoders(folder.components, device or _device(cfg), seq_len)
     try:
         ok, stats = build_cache(items, cache, encoders, int(cfg.data.cache_batch_size), progress)
@@ -134,16 +121,40 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(cfg, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
-    for name, b in full["buckets"].items():
-        if not b["batches_per_epoch"]:
-            log.warning("bucket %s has %d samples, fewer than a batch of %d: they are never trained on",
-                        name, b["samples"], micro_batch)
+    _warn_untrained_buckets(full, micro_batch)
     if run_dir is not None:
         full["report_file"] = str(Path(run_dir) / REPORT_FILE)
         _write_json(Path(run_dir) / REPORT_FILE, full)
     dataset.report = {k: v for k, v in full.items() if k not in _LISTS}
     _log_summary(dataset.report)
     return dataset, dataset.report
+
+
+def _cache_items(cfg: Any, folder: CheckedFolder, cache: LatentCache,
+                 seq_len: int) -> tuple[list[CacheItem], list[Skipped]]:
+    """Each placed image's cache keys (its content, the components, crop and flip), and what was unreadable."""
+    hasher = FileHasher(cache.root / "file_hashes.json")
+    ids = component_ids(folder.components, hasher)
+    flips = (False, True) if cfg.data.random_flip else (False,)
+    items, unreadable = [], []
+    for record, placement in folder.placed:
+        try:
+            image_hash = hasher.file(record.path)
+        except OSError as exc:
+            unreadable.append(Skipped(record.rel, f"unreadable file ({exc})"))
+            continue
+        items.append(CacheItem(record, placement,
+                               {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
+                               LatentCache.text_key(record.caption, ids["text"], seq_len)))
+    hasher.save()
+    return items, unreadable
+
+
+def _warn_untrained_buckets(report: dict, micro_batch: int) -> None:
+    for name, b in report["buckets"].items():
+        if not b["batches_per_epoch"]:
+            log.warning("bucket %s has %d samples, fewer than a batch of %d: they are never trained on",
+                        name, b["samples"], micro_batch)
 
 
 def folder_loader(cfg: Any, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:

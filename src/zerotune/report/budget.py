@@ -62,56 +62,77 @@ def budget_answer(rows: list[dict], budget_mib: float, metric: str = "gpu_peak_p
     scope = f"Among jobs with {_pairs(where)}: " if where else ""
     rows = [r for r in rows if all(_same(r["params"].get(k), v) for k, v in where.items())]
     keys = [k for k in keys if k not in where]
-
-    def answer(best: dict | None, reason: str, ties: list[dict] | None = None) -> BudgetAnswer:
-        return BudgetAnswer(best, scope + reason, key, budget_mib, ties or [])
-
     if where and not rows:
         return BudgetAnswer(None, f"No job has {_pairs(where)}.", key, budget_mib)
+    found = _fitting(rows, key, budget_mib, keys)
+    if isinstance(found, str):  # no candidate: the reason why
+        return BudgetAnswer(None, scope + found, key, budget_mib)
+    best, ties, reason = _fastest(found, key, budget_mib, keys)
+    if best is None:
+        return BudgetAnswer(None, scope + reason, key, budget_mib)
+    return BudgetAnswer(best, scope + reason + found.notes, key, budget_mib, ties)
+
+
+@dataclass
+class _Fits:
+    rows: list[dict]     # ok jobs whose measured peak fits the budget
+    measured: int        # ok jobs with a figure for the metric
+    notes: str           # what was left out, and why
+
+
+def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> _Fits | str:
+    """The jobs that fit, or why none can."""
     ok = [r for r in rows if r["status"] == "ok"]
     not_ok = _status_counts([r for r in rows if r["status"] != "ok"])
     not_ok_note = f" Did not finish ok: {not_ok}." if not_ok else ""
     if not ok:
-        return answer(None, f"No job finished with status ok ({not_ok or 'no jobs'}), so nothing can be "
-                      "recommended.")
+        return f"No job finished with status ok ({not_ok or 'no jobs'}), so nothing can be recommended."
     measured = [r for r in ok if r[key] is not None]
-    unmeasured = len(ok) - len(measured)
     if not measured:
         if key.startswith("gpu_"):
-            return answer(None, f"Could not decide from GPU figures: {key} was not measured in any of the "
-                          f"{len(ok)} ok jobs (no GPU present). For a host-RAM budget ask for it explicitly "
-                          "(--metric host).")
-        return answer(None, f"{key} was not measured in any of the {len(ok)} ok jobs.")
+            return (f"Could not decide from GPU figures: {key} was not measured in any of the {len(ok)} ok jobs "
+                    "(no GPU present). For a host-RAM budget ask for it explicitly (--metric host).")
+        return f"{key} was not measured in any of the {len(ok)} ok jobs."
+    unmeasured = len(ok) - len(measured)
     skipped = f" {unmeasured} ok job(s) have no {key} figure and were not considered." if unmeasured else ""
     fits = [r for r in measured if r[key] <= budget_mib]
     if not fits:
         low = min(measured, key=lambda r: r[key])
-        return answer(None, f"Nothing fits {budget_mib:.0f} MiB of {key}: the smallest measured peak is "
-                      f"{low[key]:.0f} MiB ({describe(low, keys)}).{skipped}{not_ok_note}")
+        return (f"Nothing fits {budget_mib:.0f} MiB of {key}: the smallest measured peak is {low[key]:.0f} MiB "
+                f"({describe(low, keys)}).{skipped}{not_ok_note}")
+    return _Fits(fits, len(measured), skipped + not_ok_note)
+
+
+def _fastest(found: _Fits, key: str, budget_mib: float, keys: list[str]) -> tuple[dict | None, list, str]:
+    """The fastest fitting job; among the equally fast (within TIE_REL) the smaller peak wins: more headroom
+    for the same speed. Then the faster, then a stable configuration order."""
+    fits = found.rows
     timed = [r for r in fits if r[TIME_KEY] is not None]
     if not timed:
-        return answer(None, f"{len(fits)} job(s) fit {budget_mib:.0f} MiB but none has a median step time "
-                      "(too few steps were timed), so none can be called fastest.")
-    # Among the equally fast (within TIE_REL of the fastest) the smaller peak wins: more headroom for the
-    # same speed. Then the faster, then a stable configuration order.
+        return None, [], (f"{len(fits)} job(s) fit {budget_mib:.0f} MiB but none has a median step time "
+                          "(too few steps were timed), so none can be called fastest.")
     fastest = min(r[TIME_KEY] for r in timed)
     tied = sorted((r for r in timed if r[TIME_KEY] <= fastest * (1 + TIE_REL)),
                   key=lambda r: (r[key], r[TIME_KEY], [sort_key(r["params"].get(k)) for k in keys]))
     best, ties = tied[0], tied[1:]
     reason = (f"Fastest that fits {budget_mib:.0f} MiB of {key}: {describe(best, keys)} at "
               f"{best[TIME_KEY]:.3g} s/step (median), peak {best[key]:.0f} MiB, "
-              f"{budget_mib - best[key]:.0f} MiB headroom. {len(fits)} of {len(measured)} measured ok job(s) "
+              f"{budget_mib - best[key]:.0f} MiB headroom. {len(fits)} of {found.measured} measured ok job(s) "
               "fit.")
     if ties:
         names = "; ".join(f"{describe(t, keys)} ({t[TIME_KEY]:.3g} s/step, {t[key]:.0f} MiB)" for t in ties)
         reason += (f" Tied within {TIE_REL:.0%} on step time with: {names}; picked the one with the lowest "
                    "peak memory.")
+    return best, ties, reason + _mixed_workload_note(fits, best)
+
+
+def _mixed_workload_note(fits: list[dict], best: dict) -> str:
     mixed = [k for k in WORKLOAD_KEYS if len({repr(r["params"].get(k)) for r in fits}) > 1]
-    if mixed:
-        example = f"{mixed[0]}={best['params'][mixed[0]]}"
-        reason += (f" Note: the jobs that fit differ in {', '.join(mixed)}, so their step times are for "
-                   f"different work; compare like with like with --where (e.g. --where {example}).")
-    return answer(best, reason + skipped + not_ok_note, ties)
+    if not mixed:
+        return ""
+    example = f"{mixed[0]}={best['params'][mixed[0]]}"
+    return (f" Note: the jobs that fit differ in {', '.join(mixed)}, so their step times are for different "
+            f"work; compare like with like with --where (e.g. --where {example}).")
 
 
 def describe(row: dict, keys: list[str]) -> str:

@@ -58,33 +58,42 @@ def partition_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) 
                 "master_weights_bytes": 0,
                 "optimizer_state_bytes": _state_bytes(optimizer) if optimizer is not None else 0}
     stage = int(engine.zero_optimization_stage())
-    zopt = engine.optimizer
     params = list(engine.module.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    elem = trainable[0].element_size() if trainable else 4
-    if stage == 3:
-        params_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
-                           + (p.ds_numel * p.element_size() if getattr(p, "ds_persist", False) else 0)
-                           for p in params)
-        flat = getattr(zopt, "grad_partitions_flat_buffer", None)
-        grads_bytes = _nbytes(flat) if flat is not None else sum(p.partition_numel() * elem for p in trainable)
-        master = sum(_nbytes(t) for t in zopt.fp32_partitioned_groups_flat)
-        state = _state_bytes(zopt.optimizer)
-    elif stage in (1, 2):
-        params_bytes = sum(_nbytes(p) for p in params)
-        master = sum(_nbytes(t) for t in zopt.single_partition_of_fp32_groups)
-        grads_bytes = (sum(int(n) for n in zopt.partition_size) * elem if stage == 2
-                       else sum(p.numel() * elem for p in trainable))
-        state = _state_bytes(zopt.optimizer)
-    else:
-        params_bytes = sum(_nbytes(p) for p in params)
-        grads_bytes = sum(p.numel() * elem for p in trainable)
-        inner = getattr(zopt, "optimizer", zopt)  # bf16/fp16 wrappers hold the torch optimizer
-        own = {id(p) for p in params}
-        master = sum(_nbytes(p) for g in inner.param_groups for p in g["params"] if id(p) not in own)
-        state = _state_bytes(inner)
+    share = {3: _zero3_share, 1: _zero12_share, 2: _zero12_share}.get(stage, _stage0_share)
+    params_bytes, grads_bytes, master, state = share(engine.optimizer, params, stage)
     return {"zero_stage": stage, "world_size": _world(), "params_bytes": params_bytes, "grads_bytes": grads_bytes,
             "master_weights_bytes": master, "optimizer_state_bytes": state}
+
+
+def _elem(params: list) -> int:
+    trainable = [p for p in params if p.requires_grad]
+    return trainable[0].element_size() if trainable else 4
+
+
+def _zero3_share(zopt: Any, params: list, stage: int) -> tuple[int, int, int, int]:
+    trainable = [p for p in params if p.requires_grad]
+    params_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
+                       + (p.ds_numel * p.element_size() if getattr(p, "ds_persist", False) else 0) for p in params)
+    flat = getattr(zopt, "grad_partitions_flat_buffer", None)
+    grads_bytes = _nbytes(flat) if flat is not None else sum(p.partition_numel() * _elem(params) for p in trainable)
+    master = sum(_nbytes(t) for t in zopt.fp32_partitioned_groups_flat)
+    return params_bytes, grads_bytes, master, _state_bytes(zopt.optimizer)
+
+
+def _zero12_share(zopt: Any, params: list, stage: int) -> tuple[int, int, int, int]:
+    elem = _elem(params)
+    master = sum(_nbytes(t) for t in zopt.single_partition_of_fp32_groups)
+    grads_bytes = (sum(int(n) for n in zopt.partition_size) * elem if stage == 2
+                   else sum(p.numel() * elem for p in params if p.requires_grad))
+    return sum(_nbytes(p) for p in params), grads_bytes, master, _state_bytes(zopt.optimizer)
+
+
+def _stage0_share(zopt: Any, params: list, stage: int) -> tuple[int, int, int, int]:
+    inner = getattr(zopt, "optimizer", zopt)  # bf16/fp16 wrappers hold the torch optimizer
+    own = {id(p) for p in params}
+    master = sum(_nbytes(p) for g in inner.param_groups for p in g["params"] if id(p) not in own)
+    grads_bytes = sum(p.numel() * _elem(params) for p in params if p.requires_grad)
+    return sum(_nbytes(p) for p in params), grads_bytes, master, _state_bytes(inner)
 
 
 def _world() -> int:

@@ -36,14 +36,10 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     logger: RunLogger = NullLogger()
     try:
         checked = preflight(cfg, distributed.world_size(), overrides=spec.overrides)
-        run_dir.write_config(cfg)  # now with the user's files folded in
-        # After the checked: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
+        _record_checked(cfg, checked, run_dir, summary)
+        # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
         logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
         distributed.init_accelerate_state(checked.use_deepspeed)
-        run_dir.write_ds_config(checked.ds_config)
-        summary.update({"choices": key_choices(cfg, distributed.world_size()),
-                        "config_sources": checked.config_sources,
-                        "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params})
         summary.update(_train_and_evaluate(cfg, checked, run_dir, logger))
         summary["status"] = "ok"
         return summary
@@ -63,6 +59,15 @@ def train(cfg: Any, spec: JobSpec) -> dict:
         if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
             plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
         _finish_logger(logger, summary, run_dir)
+
+
+def _record_checked(cfg: Any, checked, run_dir: RunDir, summary: dict) -> None:
+    """What preflight settled, written before training: the effective config (the user's files folded in),
+    the DeepSpeed dict, and the summary's choices and sources."""
+    run_dir.write_config(cfg)
+    run_dir.write_ds_config(checked.ds_config)
+    summary.update({"choices": key_choices(cfg, distributed.world_size()), "config_sources": checked.config_sources,
+                    "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params})
 
 
 def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
