@@ -1,4 +1,5 @@
-"""Data sets by name (cfg.data.name). Items are dicts: "x0" (the clean sample) plus conditioning."""
+"""Data sets by name (cfg.data.name); each loads its own module on demand (scikit-learn, PIL and the
+latent cache are heavy, and a job needs one of them). Items are dicts: "x0" (the clean sample) plus conditioning."""
 
 from __future__ import annotations
 

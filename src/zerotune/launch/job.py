@@ -14,6 +14,7 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import check_launch, launch_workers
+from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
 from zerotune.preflight import preflight
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
@@ -77,8 +78,6 @@ def base_summary(cfg: Any, spec: JobSpec) -> dict:
 def apply_slurm_geometry(cfg: Any) -> None:
     """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM."""
     from omegaconf import OmegaConf, open_dict
-
-    from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
 
     if not in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
         return

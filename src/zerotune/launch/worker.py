@@ -36,6 +36,7 @@ def main(run_dir: str) -> int:
 
 
 def _main(run_dir: str) -> int:
+    # Imported here, not at the top: the heavy imports (torch, DeepSpeed) come after die_with_parent().
     from zerotune.training.run import train
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

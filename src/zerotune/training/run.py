@@ -17,6 +17,9 @@ from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_ra
 from zerotune.telemetry import environment_info
 from zerotune.telemetry.plot import plot_run
 from zerotune.training import distributed
+from zerotune.training.evaluate import evaluate_digits
+from zerotune.training.measure import RunTelemetry
+from zerotune.training.trainer import Trainer
 
 log = logging.getLogger("zerotune")
 
@@ -79,10 +82,6 @@ def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
 
 
 def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger) -> dict:
-    from zerotune.training.evaluate import evaluate_digits
-    from zerotune.training.measure import RunTelemetry
-    from zerotune.training.trainer import Trainer
-
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:

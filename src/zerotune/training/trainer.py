@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Any
 
 import torch
@@ -17,9 +16,10 @@ from zerotune.models import build_unet, conditioning
 from zerotune.preflight import CheckedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
-from zerotune.training import distributed
+from zerotune.training import distributed, faults
 from zerotune.training.backend import make_accelerator, optimizer_and_scheduler
 from zerotune.training.ema import HostEMA
+from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -227,28 +227,9 @@ class Trainer:
         state = self.accelerator.get_state_dict(self.unet)
         return {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
 
-    def _inject_faults(self) -> None:
-        debug = self.cfg.get("debug") or {}
-        if debug.get("fail_rank") is not None and int(debug["fail_rank"]) != self.rank:
-            return  # faults are injected on that rank only (null: every rank)
-        if debug.get("fail_at_step") == self.step:
-            raise RuntimeError(f"debug.fail_at_step={self.step}: injected failure")
-        if debug.get("oom_at_step") == self.step:
-            raise torch.OutOfMemoryError(f"debug.oom_at_step={self.step}: injected out of memory")
-        if debug.get("hang_at_step") == self.step:
-            log.warning("debug.hang_at_step=%d: hanging", self.step)
-            threading.Event().wait()
-        if debug.get("host_alloc_mib") and self.step == 1:
-            # A known allocation, held for 1 s and touched page by page, for the host-peak honesty check.
-            ballast = torch.ones(int(debug["host_alloc_mib"]) * 2**20 // 4, dtype=torch.float32)
-            threading.Event().wait(1.0)
-            del ballast
-
     def log_row(self, row: dict) -> None:
         """One logged step: to metrics.jsonl and to the logger, under the same keys."""
         if self.partition is None:
-            from zerotune.training.partition import partition_bytes
-
             # This rank's ZeRO share, once the optimizer's partitions exist (after the first step).
             self.partition = partition_bytes(self.unet, self.optimizer)
         self.logged_losses[int(row["step"])] = row["loss/train"]  # every rank's, for cross-rank checks
@@ -259,10 +240,12 @@ class Trainer:
         """Train for train.max_steps; returns the loss/perf part of the summary."""
         max_steps, every = int(self.cfg.train.max_steps), int(self.cfg.train.log_every)
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
+        inject_faults = faults.step_hook(self.cfg.get("debug"), self.rank)  # None unless debug.* is set
         loss_first = loss_last = None
         try:
             while self.step < max_steps:
-                self._inject_faults()
+                if inject_faults is not None:
+                    inject_faults(self.step)
                 telemetry.timer.start_step()
                 metrics = self.train_step()
                 step_s = telemetry.timer.end_step(self.micro_batch * self.grad_accum * self.accelerator.num_processes)
