@@ -89,20 +89,18 @@ def only_run_dir(cwd: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- fast
 
 
-def test_nodelist_parser():
-    from zerotune.launch.slurm import parse_nodelist
+@pytest.mark.parametrize(("nodelist", "first"), [("gpu01", "gpu01"), ("gpu[07-08],login1", "gpu07"),
+                                                ("n[098-101]", "n098"), ("rack[1-2]-n[1-2]", "rack1-n1")])
+def test_slurm_master_is_the_first_host_of_the_node_list(nodelist, first, monkeypatch):
+    from zerotune.launch.slurm import launch_from_slurm
 
-    assert parse_nodelist("gpu01") == ["gpu01"]
-    assert parse_nodelist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
-    assert parse_nodelist("a[8-10]") == ["a8", "a9", "a10"]
-    assert parse_nodelist("n[098-101]") == ["n098", "n099", "n100", "n101"]
-    assert parse_nodelist("rack[1-2]-n[1-2]") == ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]
-    for bad in ("gpu[01-03", "gpu[a-b]", "gpu[3-1]"):
-        with pytest.raises(ValueError):
-            parse_nodelist(bad)
+    for key, value in {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2",
+                       "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert launch_from_slurm({"master_port": "auto"})["master_addr"] == first
 
 
-def test_slurm_env_maps_to_the_launch_block():
+def test_slurm_env_maps_to_the_launch_block(monkeypatch):
     from zerotune.launch.slurm import PORT_BASE, PORT_SPAN, in_slurm_job, launch_from_slurm
 
     env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
@@ -112,14 +110,17 @@ def test_slurm_env_maps_to_the_launch_block():
     assert in_slurm_job(env) and not in_slurm_job(env, "false")
     assert not in_slurm_job({k: v for k, v in env.items() if k != "SUBMITIT_EXECUTOR"})  # a bare salloc shell
     assert in_slurm_job({k: v for k, v in env.items() if k != "SUBMITIT_EXECUTOR"}, "true")
-    out = launch_from_slurm(launch, env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = launch_from_slurm(launch)
     assert out["nnodes"] == 2 and out["node_rank"] == 1 and out["master_addr"] == "gpu07"
     assert out["num_processes"] == 4
     assert out["master_port"] == PORT_BASE + 123456 % PORT_SPAN  # every node derives the same port
     assert out["run_id"] == "slurm-123456"
     # A port given by the user wins; "gpu:a100:8" is read as 8 GPUs.
-    out = launch_from_slurm({**launch, "master_port": 29500},
-                            {**env, "SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "gpu:a100:8"})
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "")
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "gpu:a100:8")
+    out = launch_from_slurm({**launch, "master_port": 29500})
     assert out["master_port"] == 29500 and out["num_processes"] == 8
 
 

@@ -81,7 +81,7 @@ def apply_slurm_geometry(cfg: Any) -> None:
 
     if not in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
         return
-    mapped = launch_from_slurm(OmegaConf.to_container(cfg.launch, resolve=True), os.environ)
+    mapped = launch_from_slurm(OmegaConf.to_container(cfg.launch, resolve=True))
     with open_dict(cfg):
         cfg.launch = mapped
     log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 
 SUMMARY = "summary.json"
 OVERRIDES = Path(".hydra") / "overrides.yaml"
@@ -126,27 +128,25 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
 
 
 def read_overrides(job: Path) -> dict[str, Any]:
-    """{key: value} from the job's Hydra overrides; deletions (~key) and unparsable files are skipped."""
+    """{key: value} from the job's Hydra overrides (read by Hydra's own parser); deletions (~key) and
+    unparsable files are skipped."""
     file = job / OVERRIDES
     try:
         items = yaml.safe_load(file.read_text()) if file.is_file() else []
-    except (OSError, yaml.YAMLError):
+        parsed = OverridesParser.create().parse_overrides([str(i) for i in items]) if isinstance(items, list) else []
+    except (OSError, yaml.YAMLError, OverrideParseException):
         return {}
-    out: dict[str, Any] = {}
-    for item in items if isinstance(items, list) else []:
-        text = str(item)
-        if text.startswith("~") or "=" not in text:
-            continue
-        key, value = text.split("=", 1)
-        out[key.lstrip("+")] = parse_value(value)
-    return out
+    return {o.key_or_group: _typed(o.value()) for o in parsed if not o.is_delete()}
+
+
+def _typed(value: Any) -> Any:
+    """Hydra keeps a quoted value a string (zerotune writes zero_stage='2'); a report compares numbers."""
+    return parse_value(value) if isinstance(value, str) else value
 
 
 def parse_value(text: str) -> Any:
-    """An override value as a number or bool where it looks like one: Hydra writes zero_stage='2'."""
+    """A value as a number, bool or null where it reads as one (`--where resolution=1024`)."""
     text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        text = text[1:-1]
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
