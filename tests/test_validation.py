@@ -218,3 +218,31 @@ def test_default_warmup_is_fitted_to_a_short_run(steps, warmup, kind):
     assert ds.get("scheduler", {}).get("type") == kind
     if warmup is not None:
         assert ds["scheduler"]["params"]["warmup_num_steps"] == warmup
+
+
+@pytest.mark.parametrize(("override", "key", "fix"), [
+    ("train.batch_size=abc", "train.batch_size", "train.batch_size=<int>"),
+    ("launch.num_processes=abc", "launch.num_processes", "launch.num_processes=<int>"),
+    ("train.batchsize=4", "train.batchsize", "train.batch_size=4"),
+    ("+train.batchsize=4", "train.batchsize", "train.batch_size=4"),
+    ("zero_stag=2", "zero_stag", "zero_stage=2"),
+])
+def test_typed_schema_stops_bad_keys_and_types_at_composition(override, key, fix, tmp_path):
+    """The schema (src/zerotune/schema.py) refuses these before Hydra runs: one message, exit 2, no run dir."""
+    proc = run_cli(override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == CONFIG_ERROR_EXIT
+    assert f"config error at `{key}`" in proc.stderr and f"fix: {fix}" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("config error") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_value_in_one_job_of_a_sweep_stops_the_sweep_before_it_starts(tmp_path):
+    proc = run_cli("-m", "train.batch_size=8,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}", timeout=120)
+    assert proc.returncode == CONFIG_ERROR_EXIT and "`train.batch_size`" in proc.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize("world", ["0", "-2"])
+def test_ds_config_cli_refuses_a_world_size_below_one(world):
+    proc = run_cli("--world-size", world, module="zerotune.ds_config", timeout=120)
+    assert proc.returncode == CONFIG_ERROR_EXIT and "`--world-size`" in proc.stderr and "Traceback" not in proc.stderr

@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import experiments_dir, group_options, normalize_overrides, with_search_path
+from zerotune.cli.compose import compose
+from zerotune.cli.overrides import experiments_dir, group_options
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform
 from zerotune.preflight import preflight
@@ -33,12 +32,6 @@ GROUP_KEYS = {"zero_stage.stage": "zero_stage", "offload.device": "offload", "pr
               "optimizer.name": "optimizer", "scheduler.name": "scheduler"}
 
 
-def compose_with(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config",
-                       overrides=with_search_path(normalize_overrides(overrides, CONF_DIR), CONF_DIR))
-
-
 def file_override(path: Path) -> str:
     key = "accelerate.config_file" if path.suffix in (".yaml", ".yml") else "deepspeed.config_file"
     return f"{key}={path.resolve()}"
@@ -47,7 +40,7 @@ def file_override(path: Path) -> str:
 def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
-    cfg = compose_with(file_only)
+    cfg = compose(file_only)
     checked = preflight(cfg, platform=ANY_GPU)
     overrides = [_override(key, _value(cfg, key)) for key in _ordered(checked.config_sources["origins"])]
     from_file = checked.ds_config
@@ -57,7 +50,7 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
                 o.startswith(f"{key}=") for o in overrides):
             overrides.append(f"{key}={from_file[ds_key]}")
     overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
-    rebuilt = preflight(compose_with([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
+    rebuilt = preflight(compose([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
     from_file, rebuilt = _comparable(from_file), _comparable(rebuilt)
     differ = sorted(k for k in set(from_file) | set(rebuilt)
                     if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))

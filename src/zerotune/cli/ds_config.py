@@ -11,10 +11,7 @@ import contextlib
 import json
 import sys
 
-from hydra import compose, initialize_config_dir
-
-from zerotune import CONF_DIR
-from zerotune.cli.overrides import normalize_overrides, with_search_path
+from zerotune.cli.compose import compose
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.preflight import preflight
 
@@ -28,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
     try:
-        overrides = with_search_path(normalize_overrides(args.overrides, CONF_DIR), CONF_DIR)
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError("--world-size", f"must be 1 or more, got {args.world_size}", "--world-size 8")
+        cfg = compose(args.overrides)
         with contextlib.redirect_stdout(sys.stderr):
             checked = preflight(cfg, world_size=args.world_size, overrides=args.overrides)
     except ConfigError as exc:

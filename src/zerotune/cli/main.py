@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from zerotune import CONF_DIR
+from zerotune.cli.compose import check_command_line
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.launch.job import run_job
@@ -98,6 +99,7 @@ def main() -> None:
     try:
         sys.argv[1:] = agree_across_ranks(strip_local_rank(sys.argv[1:]))
         sys.argv[1:] = with_search_path(normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR), CONF_DIR)
+        check_command_line(sys.argv[1:])  # types and keys, for every job of a sweep, before Hydra starts
     except ConfigError as exc:
         _fail(exc)
     _hydra_main()

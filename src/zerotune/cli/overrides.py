@@ -17,8 +17,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString, ValueType
 from hydra.errors import OverrideParseException
 
+from zerotune import schema
 from zerotune.ds_config.optimizers import normalize
 from zerotune.errors import ConfigError
+
+schema.register()  # conf/config.yaml names the schema; every composition goes through this module
 
 _PARSER = OverridesParser.create()
 _PLAIN = re.compile(r"^[\w./-]+$")  # a value that needs no quotes

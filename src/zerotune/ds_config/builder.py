@@ -13,7 +13,8 @@ from zerotune.models import ModelStats
 
 def optimizer_block(opt: Any) -> dict:
     name = normalize(opt.name)
-    params = {k: (list(v) if k == "betas" else v) for k, v in opt.items() if k != "name"}
+    # The schema gives every optimizer every key; an option's unused ones are null and not DeepSpeed's.
+    params = {k: (list(v) if k == "betas" else v) for k, v in opt.items() if k != "name" and v is not None}
     return {"type": DEEPSPEED_TYPES[name], "params": params}
 
 

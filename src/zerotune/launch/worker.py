@@ -11,6 +11,7 @@ import sys
 
 from omegaconf import OmegaConf
 
+from zerotune import schema
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.rundir import CONFIG
 from zerotune.rundir.spec import JobSpec
@@ -41,7 +42,7 @@ def _main(run_dir: str) -> int:
 
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     spec = JobSpec.load(run_dir)
-    cfg = OmegaConf.load(f"{run_dir}/{CONFIG}")
+    cfg = schema.typed(OmegaConf.load(f"{run_dir}/{CONFIG}"))
     try:
         train(cfg, spec)
     except ConfigError as exc:

@@ -1,0 +1,91 @@
+"""Composing the config as train.py does, with every composition error turned into a ConfigError that names
+the key and the fix (exit 2, no traceback), before Hydra's own runner would print one."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from zerotune import CONF_DIR, schema
+from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
+from zerotune.errors import ConfigError
+
+_PARSER = OverridesParser.create()
+
+
+def compose(overrides: list[str]) -> Any:
+    """conf/config.yaml with `overrides` as a user types them."""
+    args = with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR)
+    check_added_keys(args)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=args)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise as_config_error(exc, args) from None
+
+
+def check_command_line(args: list[str]) -> None:
+    """Every job the command line describes composes: each value of a sweep (`-m zero_stage=1,2,3`) is
+    tried once, the other sweeps at their first value. Hydra options and hydra.* overrides are Hydra's."""
+    overrides = [a for a in args if "=" in a and not a.startswith("-") and not _key(a).startswith("hydra")]
+    parsed = [_PARSER.parse_override(o) for o in overrides]
+    first = [_with_value(o, next(iter(o.sweep_string_iterator()))) if o.is_sweep_override() else o.input_line
+             for o in parsed]
+    compose(first)
+    for i, o in enumerate(parsed):
+        if o.is_sweep_override():
+            for value in list(o.sweep_string_iterator())[1:]:
+                compose([*first[:i], _with_value(o, value), *first[i + 1:]])
+
+
+def check_added_keys(args: list[str]) -> None:
+    """`+key=value` adds a key Hydra does not know; zerotune would then never read it. Config groups
+    (`+experiment=...`) and Hydra's own keys may be added."""
+    groups = set(group_options(CONF_DIR)) | {"experiment"}
+    for arg in args:
+        if "=" not in arg or arg.startswith("-") or _key(arg).startswith("hydra"):
+            continue
+        o = _PARSER.parse_override(arg)
+        if o.type in (OverrideType.ADD, OverrideType.FORCE_ADD) and o.key_or_group not in groups \
+                and not schema.describe(o.key_or_group)[0]:
+            raise unknown_key(o.key_or_group, "`+` would add it, and nothing in zerotune reads it",
+                              o.get_value_element_as_str() if not o.is_sweep_override() else "...")
+
+
+def as_config_error(exc: Exception, args: list[str]) -> ConfigError:
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    key = getattr(cause, "full_key", None) or ""
+    message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    exists, annotation, default = schema.describe(key) if key else (False, None, None)
+    if key and not exists:
+        typed = [a.split("=", 1)[1] for a in args if "=" in a and _key(a) == key]
+        return unknown_key(key, "zerotune has no such key", typed[0] if typed else "...")
+    if key:
+        example = f", e.g. {key}={default}" if default is not None else ""
+        return ConfigError(key, message, f"{key}=<{annotation}>{example}")
+    return ConfigError("command line", str(exc).strip().replace("\n", " "), "see `python train.py --help`")
+
+
+def unknown_key(key: str, why: str, value: str = "...") -> ConfigError:
+    parent, _, leaf = key.rpartition(".")
+    known = schema.keys_under(parent)
+    close = difflib.get_close_matches(leaf, known, n=1)
+    where = f"under {parent}" if parent else "at the top level"
+    fix = f"{parent + '.' if parent else ''}{close[0]}={value}" if close else \
+        f"one of the keys {where}: {', '.join(known)}"
+    return ConfigError(key, f"unknown key ({why})", fix)
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def _with_value(o, value: str) -> str:
+    return f"{o.input_line.split('=', 1)[0]}={value}"

@@ -1,0 +1,282 @@
+"""The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml.
+
+The YAML files stay the options users read and copy; these dataclasses say what each key may hold, so a
+wrong type (`train.batch_size=abc`) or an unknown key (`train.batchsize=4`, also with `+`) fails at
+composition, naming the key. A group whose options differ in their keys (optimizer, scheduler, model,
+data) has one dataclass holding every option's keys; an option leaves the others at their defaults.
+Checks that need the model or DeepSpeed stay in preflight and the validator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+SCHEMA_NAME = "zerotune_schema"
+
+# Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime.
+# ruff: noqa: UP045
+
+
+@dataclass
+class ZeroStage:
+    stage: int = 2
+
+
+@dataclass
+class Offload:
+    device: str = "none"                 # none | cpu | nvme
+    params: Any = False                  # auto | true | false
+    path: Optional[str] = None
+    pin_memory: bool = True
+    buffer_count: int = 5
+    buffer_size: Any = "auto"            # auto | elements
+    max_in_cpu: int = 1_000_000_000
+
+
+@dataclass
+class Optimizer:
+    name: str = "adamw"
+    lr: float = 1e-4
+    betas: Optional[list[float]] = None
+    eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    momentum: Optional[float] = None     # musgd
+
+
+@dataclass
+class Scheduler:
+    name: str = "warmup"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    warmup_type: str = "linear"          # linear | log
+    warmup_min_ratio: float = 0.0
+    cos_min_ratio: float = 0.01
+    div_factor: float = 25.0             # onecycle
+
+
+@dataclass
+class Resolution:
+    size: int = 128
+
+
+@dataclass
+class Model:
+    name: str = MISSING
+    unet: dict[str, Any] = field(default_factory=dict)   # diffusers UNet2DConditionModel's arguments
+    vae_scale_factor: int = 1
+    conditioning: str = "class"          # class | text_time
+    prediction_type: str = "epsilon"     # epsilon | v_prediction
+    attention: str = "default"           # default | sdpa
+    num_classes: int = 10
+    text_seq_len: int = 77
+    pretrained: Optional[str] = None
+    components: Optional[str] = None
+    vae: Optional[str] = None
+    text_encoder: Optional[str] = None
+    text_encoder_2: Optional[str] = None
+    tokenizer: Optional[str] = None
+    tokenizer_2: Optional[str] = None
+
+
+@dataclass
+class Data:
+    name: str = MISSING                  # digits | synthetic | folder
+    num_workers: int = 0
+    num_samples: int = 4096              # synthetic
+    path: Optional[str] = None           # folder
+    repeats: Optional[dict[str, Any]] = None
+    cache_dir: Optional[str] = None
+    random_flip: bool = False
+    upscale_small: bool = False
+    bucket_step: int = 64
+    bucket_max_ratio: float = 4.0
+    cache_batch_size: int = 8
+    cache_device: str = "auto"
+
+
+@dataclass
+class Precision:
+    name: str = "fp32"                   # fp32 | bf16 | fp16
+    initial_scale_power: int = 16        # fp16's loss scaling (DeepSpeed's defaults)
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class Logger:
+    name: str = "none"                   # none | wandb
+    project: str = "zerotune"
+    entity: Optional[str] = None
+    mode: str = "offline"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Train:
+    batch_size: int = 64
+    grad_accum: int = 1
+    max_steps: int = 1500
+    seed: int = 0
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = False
+    log_every: int = 25
+    deterministic: bool = True
+    timeout_s: Optional[float] = None
+
+
+@dataclass
+class Diffusion:
+    num_train_timesteps: int = 1000
+    beta_schedule: str = "scaled_linear"
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+    prediction_type: str = "epsilon"
+    cond_dropout: float = 0.1
+
+
+@dataclass
+class Evaluate:
+    enabled: bool = True
+    per_class: int = 50
+    steps: int = 20
+    guidance_scale: float = 3.0
+
+
+@dataclass
+class Ema:
+    enabled: bool = False
+    decay: float = 0.999
+    warmup: bool = True
+    use_for_samples: bool = True
+
+
+@dataclass
+class Checkpoint:
+    every_n_steps: int = 0
+    keep_last: int = 3
+    dir: Optional[str] = None
+
+
+@dataclass
+class DeepSpeed:
+    enabled: Any = "auto"                # auto | true | false
+    config_file: Optional[str] = None
+    reduce_bucket_size: Any = "auto"     # auto | elements
+    allgather_bucket_size: Any = "auto"
+    stage3_prefetch_bucket_size: Any = "auto"
+    stage3_param_persistence_threshold: int = 100_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    torch_adam: Any = "auto"             # auto | true | false
+    stage3_gather_16bit_weights_on_model_save: bool = True
+
+
+@dataclass
+class Accelerate:
+    config_file: Optional[str] = "auto"
+
+
+@dataclass
+class Launch:
+    num_processes: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Any = "auto"            # auto | port
+    rdzv_timeout_s: float = 900
+    slurm: Any = "auto"                  # auto | true | false
+    run_id: Optional[str] = None         # set inside SLURM jobs
+
+
+@dataclass
+class Debug:
+    fail_at_step: Optional[int] = None
+    fail_rank: Optional[int] = None
+    oom_at_step: Optional[int] = None
+    hang_at_step: Optional[int] = None
+    host_alloc_mib: Optional[int] = None
+
+
+@dataclass
+class Report:
+    budget_mib: float = 24576
+    metric: str = "gpu"
+    where: Optional[dict[str, Any]] = None
+
+
+@dataclass
+class Config:
+    zero_stage: ZeroStage = field(default_factory=ZeroStage)
+    offload: Offload = field(default_factory=Offload)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    scheduler: Scheduler = field(default_factory=Scheduler)
+    resolution: Resolution = field(default_factory=Resolution)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    precision: Precision = field(default_factory=Precision)
+    logger: Logger = field(default_factory=Logger)
+    train: Train = field(default_factory=Train)
+    diffusion: Diffusion = field(default_factory=Diffusion)
+    evaluate: Evaluate = field(default_factory=Evaluate)
+    ema: Ema = field(default_factory=Ema)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    resume: Optional[str] = None
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
+    accelerate: Accelerate = field(default_factory=Accelerate)
+    launch: Launch = field(default_factory=Launch)
+    debug: Debug = field(default_factory=Debug)
+    report: Report = field(default_factory=Report)
+    reference: Optional[dict[str, Any]] = None   # an experiment's reference figures
+
+
+def register() -> None:
+    """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+def typed(cfg: Any) -> Any:
+    """A plain config (a run's config.yaml, read by a worker) with the schema's types again."""
+    return OmegaConf.merge(OmegaConf.structured(Config), cfg)
+
+
+register()
+
+
+def describe(key: str) -> tuple[bool, str | None, Any]:
+    """(key exists, its type as written here, its default). Keys inside a dict-typed field (model.unet.*,
+    reference.*) exist whatever their name."""
+    import dataclasses
+
+    node: Any = Config
+    annotation, default = "Config", None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return annotation.startswith(("dict", "Optional[dict")), None, None
+        found = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if found is None:
+            return False, None, None
+        annotation = str(found.type)
+        default = found.default if found.default is not dataclasses.MISSING else None
+        node = found.default_factory() if found.default_factory is not dataclasses.MISSING else found.default
+        node = type(node) if dataclasses.is_dataclass(node) else node
+    return True, annotation, default
+
+
+def keys_under(key: str) -> list[str]:
+    """The names a dataclass node accepts ('' for the root)."""
+    import dataclasses
+
+    node: Any = Config
+    for part in [p for p in key.split(".") if p]:
+        found = {f.name: f for f in dataclasses.fields(node)}.get(part)
+        if found is None or found.default_factory is dataclasses.MISSING:
+            return []
+        node = type(found.default_factory())
+        if not dataclasses.is_dataclass(node):
+            return []
+    return [f.name for f in dataclasses.fields(node)]
