@@ -127,9 +127,11 @@ def test_long_run_names_are_cut_but_distinct():
     assert a.startswith("key0=value0,key1=value1")
 
 
-def test_null_logger_accepts_everything():
-    with NullLogger() as logger:
-        logger.log_metrics({"loss/train": 1.0}, step=0)
-        logger.log_images("samples", ["/nonexistent.png"], step=0)
-        logger.log_summary({"a": {"b": 1}})
-    logger.finish(1)
+def test_only_rank_0_with_logger_wandb_talks_to_wandb(tmp_path):
+    from tests.helpers.cli import compose_cfg
+    from zerotune.loggers import make_logger
+
+    assert isinstance(make_logger(compose_cfg(), str(tmp_path), "r", None, is_main=True), NullLogger)
+    other_rank = make_logger(compose_cfg("logger=wandb"), str(tmp_path), "r", None, is_main=False)
+    assert isinstance(other_rank, NullLogger)
+    assert not any(tmp_path.iterdir())  # neither wrote anything

@@ -88,7 +88,7 @@ class Data:
     num_workers: int = 0
     num_samples: int = 4096              # synthetic
     path: Optional[str] = None           # folder
-    repeats: Optional[dict[str, Any]] = None
+    repeats: Any = None                  # {subfolder: n}; Any: a free-form map Hydra can assign whole
     cache_dir: Optional[str] = None
     random_flip: bool = False
     upscale_small: bool = False
@@ -206,7 +206,7 @@ class Debug:
 class Report:
     budget_mib: float = 24576
     metric: str = "gpu"
-    where: Optional[dict[str, Any]] = None
+    where: Any = None                    # {key: value}, as repeats
 
 
 @dataclass
@@ -256,7 +256,7 @@ def describe(key: str) -> tuple[bool, str | None, Any]:
     annotation, default = "Config", None
     for part in key.split("."):
         if not dataclasses.is_dataclass(node):
-            return annotation.startswith(("dict", "Optional[dict")), None, None
+            return annotation.startswith(("dict", "Optional[dict", "Any")), None, None
         found = {f.name: f for f in dataclasses.fields(node)}.get(part)
         if found is None:
             return False, None, None
