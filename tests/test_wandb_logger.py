@@ -131,7 +131,9 @@ def test_only_rank_0_with_logger_wandb_talks_to_wandb(tmp_path):
     from tests.helpers.cli import compose_cfg
     from zerotune.loggers import make_logger
 
-    assert isinstance(make_logger(compose_cfg(), str(tmp_path), "r", None, is_main=True), NullLogger)
-    other_rank = make_logger(compose_cfg("logger=wandb"), str(tmp_path), "r", None, is_main=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert isinstance(make_logger(compose_cfg(), str(run), "r", None, is_main=True), NullLogger)
+    other_rank = make_logger(compose_cfg("logger=wandb"), str(run), "r", None, is_main=False)
     assert isinstance(other_rank, NullLogger)
-    assert not any(tmp_path.iterdir())  # neither wrote anything
+    assert not any(run.iterdir())  # neither wrote anything

@@ -44,13 +44,10 @@ def _use_deepspeed(cfg: Any, platform: Platform) -> bool:
 
 
 def _check_train(cfg: Any) -> None:
-    for key in ("batch_size", "grad_accum", "max_steps"):
-        value = cfg.train[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"train.{key}", f"must be a positive integer, got {value!r}", f"train.{key}=1 or more")
-    if cfg.train.grad_clip is None or float(cfg.train.grad_clip) < 0:
-        raise ConfigError("train.grad_clip", f"must be >= 0 (0 disables clipping), got {cfg.train.grad_clip!r}",
-                          "train.grad_clip=1.0")
+    """What the DeepSpeed dict does not carry (its batch and clipping values are checked once, there)."""
+    value = cfg.train.max_steps
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("train.max_steps", f"must be a positive integer, got {value!r}", "train.max_steps=1 or more")
     if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction"):
         raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
                           "diffusion.prediction_type=epsilon or v_prediction")
@@ -93,6 +90,9 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     if user.deepspeed is not None:
         ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
     builder.choose_adam(ds, cfg)
-    ds = validator.validate(ds, platform, world_size)
+    try:
+        ds = validator.validate(ds, platform, world_size)
+    except ConfigError as exc:
+        raise user.attribute(exc) from None  # named where the user set it: a file's key or zerotune's
     return CheckedRun(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
                 config_sources=user.summary(ds))

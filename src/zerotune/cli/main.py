@@ -16,11 +16,9 @@ from zerotune import CONF_DIR
 from zerotune.cli.compose import check_command_line
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.launch.job import run_job
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
 from zerotune.training import distributed
-from zerotune.training.run import train
 
 log = logging.getLogger("zerotune")
 
@@ -40,6 +38,11 @@ def job_spec() -> JobSpec:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    # Imported here, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,
+    # `--cfg job` and a config error never need.
+    from zerotune.launch.job import run_job
+    from zerotune.training.run import train
+
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.

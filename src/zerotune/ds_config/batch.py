@@ -13,10 +13,19 @@ from zerotune.errors import ConfigError
 
 @dataclass(frozen=True)
 class Known:
+    """One of the three batch values, where it came from, and how to change it there. The one check that
+    each is a positive integer (preflight and the validator both build these)."""
+
     value: int
     origin: str              # "ds.json", "command line" or "default"
     key: str                 # where to change it: "train.grad_accum", or the DeepSpeed key in the file
     file: str | None = None  # the file that holds `key`, when it came from one
+
+    def __post_init__(self) -> None:
+        if isinstance(self.value, bool) or not isinstance(self.value, int) or self.value < 1:
+            where = f" ({self.file})" if self.file else ""
+            raise ConfigError(self.key, f"must be a positive integer, got {self.value!r}{where}",
+                              self.change("1 or more" if self.file is None else "a whole number, or \"auto\""))
 
     def change(self, value: int | str) -> str:
         return f"{self.key}={value}" if self.file is None else f"set {self.key} to {value} in {self.file}"

@@ -50,20 +50,12 @@ def _check_platform(platform: Platform, stage: int) -> None:
                           "use zero_stage=0, which trains with plain accelerate here")
 
 
-def _positive_int(ds: dict, key: str, hydra_key: str) -> int:
-    value = ds.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer, got {value!r}", f"{hydra_key}=1 or more")
-    return value
-
-
 def _check_batch(ds: dict, world_size: int) -> None:
-    micro = _positive_int(ds, "train_micro_batch_size_per_gpu", "train.batch_size")
-    accum = _positive_int(ds, "gradient_accumulation_steps", "train.grad_accum")
+    micro = Known(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
+    accum = Known(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
     total = ds.get("train_batch_size")
     given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
-    batch = solve(Known(micro, "micro batch", "train.batch_size"), Known(accum, "accumulation", "train.grad_accum"),
-                  given, world_size, Known(micro, "", ""), Known(accum, "", ""))
+    batch = solve(micro, accum, given, world_size, micro, accum)
     ds["train_batch_size"] = batch.total
 
 

@@ -38,6 +38,10 @@ DS_KEY_SOURCES = {
 }
 
 
+# DeepSpeed keys zerotune generates from one of its own.
+DS_TO_ZEROTUNE = {"gradient_clipping": "train.grad_clip"}
+
+
 @dataclass
 class UserConfig:
     """The user's files, settled against the command line; the composed config already reflects them."""
@@ -56,10 +60,12 @@ class UserConfig:
         return "command line" if pinned_by(self.typed, key) else "default"
 
     def attribute(self, exc: ConfigError) -> ConfigError:
-        """A problem with a value a file gave is reported at the file's key, with the fix made there."""
-        origin = self.origins.get(exc.key)
+        """A problem with a value is reported where the user set it: a file's key (with the fix made there),
+        or the zerotune key behind a generated DeepSpeed value."""
+        key = DS_TO_ZEROTUNE.get(exc.key, exc.key)
+        origin = self.origins.get(key)
         if origin is None or ": " not in origin:
-            return exc
+            return ConfigError(key, exc.problem, exc.fix) if key != exc.key else exc
         name, where = origin.split(": ", 1)
         return ConfigError(where, f"{exc.problem} ({name})", _change(origin))
 
@@ -186,20 +192,19 @@ def _settle_batch(cfg: Any, user: UserConfig, world: int) -> None:
             raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
                               f"drop `{line}` from the command line, or change {ds_key} in {name}")
         if stated(in_file):
-            return Known(_whole(in_file, ds_key, name), f"{name}", ds_key, name)
+            return Known(in_file, f"{name}", ds_key, name)
         if line:
-            return Known(int(typed_value), "command line", cfg_key)
+            return Known(typed_value, "command line", cfg_key)
         if cfg_key in user.origins:  # from an accelerate config
-            return Known(int(OmegaConf.select(cfg, cfg_key)), user.origins[cfg_key], cfg_key)
+            return Known(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
         return None
 
     micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
     accum = known("gradient_accumulation_steps", "train.grad_accum")
     total_in_file = ds.get("train_batch_size")
-    total = Known(_whole(total_in_file, "train_batch_size", name), f"{name}", "train_batch_size", name) \
-        if stated(total_in_file) else None
-    defaults = (Known(_positive(cfg, "train.batch_size"), "default", "train.batch_size"),
-                Known(_positive(cfg, "train.grad_accum"), "default", "train.grad_accum"))
+    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
+    defaults = (Known(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
+                Known(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
     user.batch = solve(micro, accum, total, world, *defaults)
     procs = f"{world} process{'es' if world > 1 else ''}"
     user.batch_origins = {
@@ -217,20 +222,6 @@ def _batch_part_origin(part: Known | None, total: Known | None, cfg_key: str, us
     if total is not None:
         return f"derived: train_batch_size / (the other factor x {procs})"
     return user.origin_of(cfg_key)
-
-
-def _whole(value: Any, key: str, name: str | None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer or \"auto\", got {value!r} ({name})",
-                          f"set {key} to a whole number in {name}, or to \"auto\"")
-    return value
-
-
-def _positive(cfg: Any, key: str) -> int:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer, got {value!r}", f"{key}=1 or more")
-    return value
 
 
 def _has_auto(value: Any) -> bool:
