@@ -29,6 +29,7 @@ from zerotune.data.folder import scan_folder
 from zerotune.data.images import crop_pixels, open_rgb
 from zerotune.data.prepare import prepare_folder_data
 from zerotune.data.sampler import BucketBatchSampler
+from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 
 
@@ -70,9 +71,10 @@ def calls(monkeypatch):
     return counts
 
 
-def folder_cfg(folder, components, tmp_path, *extra):
-    return compose_cfg("model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={components}",
-                       "resolution.size=128", "train.batch_size=2", f"data.cache_dir={tmp_path / 'cache'}", *extra)
+def folder_cfg(folder, components, tmp_path, *extra) -> DataSpec:
+    return DataSpec.from_config(compose_cfg(
+        "model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={components}",
+        "resolution.size=128", "train.batch_size=2", f"data.cache_dir={tmp_path / 'cache'}", *extra))
 
 
 def test_tiny_tokenizer_works_offline(components, monkeypatch):
@@ -283,8 +285,9 @@ def test_build_loader_gives_bucket_batches(folder, components, tmp_path):
 # --- bad input: a ConfigError naming the key, before any model loads ----------------------------------------
 
 def fails_with(key, cfg, calls, run=prepare_folder_data):
+    spec = cfg if isinstance(cfg, DataSpec) else DataSpec.from_config(cfg)
     with pytest.raises(ConfigError) as err:
-        run(cfg)
+        run(spec)
     assert err.value.key == key, str(err.value)
     assert not calls, "no model may load before a data error"
     return err.value

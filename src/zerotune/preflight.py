@@ -8,6 +8,7 @@ from typing import Any
 
 from zerotune import models
 from zerotune.data import check_data
+from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
@@ -34,7 +35,7 @@ def _use_deepspeed(cfg: Any, platform: Platform) -> bool:
     if setting is True and not platform.deepspeed_supported:
         raise ConfigError("deepspeed.enabled", f"DeepSpeed was asked for, but {platform.deepspeed_reason}",
                           "deepspeed.enabled=auto with zero_stage=0 (plain accelerate)")
-    if setting is False and int(cfg.zero_stage.stage) != 0:
+    if setting is False and cfg.zero_stage.stage != 0:
         raise ConfigError("deepspeed.enabled", f"ZeRO stage {cfg.zero_stage.stage} needs DeepSpeed",
                           "deepspeed.enabled=auto, or zero_stage=0")
     if setting not in (True, False):
@@ -56,7 +57,7 @@ def _check_train(cfg: Any) -> None:
 def _fit_default_warmup(cfg: Any, user) -> None:
     """A default warm-up longer than a short run (`train.max_steps=3`) is shortened to a tenth of the run;
     one typed on the command line or given by a file stays, and the scheduler check reports it."""
-    steps, sched = int(cfg.train.max_steps), cfg.scheduler
+    steps, sched = cfg.train.max_steps, cfg.scheduler
     warmup = sched.get("warmup_steps")
     if sched.name not in ("warmup_decay", "cosine") or warmup is None or int(warmup) < steps:
         return
@@ -77,13 +78,13 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     platform = platform or detect()
     user = resolve(cfg, overrides, world_size)
     _fit_default_warmup(cfg, user)
-    world_size = world_size or int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
+    world_size = world_size or cfg.launch.num_processes * cfg.launch.nnodes
     try:
         _check_train(cfg)
     except ConfigError as exc:
         raise user.attribute(exc) from None
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
-    check_data(cfg)
+    check_data(DataSpec.from_config(cfg))
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model)
     ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))

@@ -82,7 +82,7 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
     vae = _config(paths.vae, "model.vae")
     te1, te2 = _config(paths.text_encoder, "model.text_encoder"), _config(paths.text_encoder_2, "model.text_encoder_2")
     vae_factor = 2 ** (len(_field(vae, "block_out_channels", "model.vae", paths.vae)) - 1)
-    if vae_factor != int(model_cfg.vae_scale_factor):
+    if vae_factor != model_cfg.vae_scale_factor:
         raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
                           f"says vae_scale_factor={model_cfg.vae_scale_factor}",
                           f"model.vae_scale_factor={vae_factor}, or the VAE the U-Net was made for")
@@ -108,7 +108,7 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
 
 def check_bucket_step(model_cfg: Any, step: int) -> None:
     """Every bucket side must become a latent side the U-Net can halve down to its bottleneck."""
-    unit = int(model_cfg.vae_scale_factor) * downsample_factor(model_cfg)
+    unit = model_cfg.vae_scale_factor * downsample_factor(model_cfg)
     if step <= 0 or step % unit:
         raise ConfigError("data.bucket_step", f"{step} px is not a multiple of {unit} (model={model_cfg.name} "
                           "encodes by vae_scale_factor and its U-Net halves the rest)",

@@ -1,7 +1,7 @@
 """data=folder from config to DataLoader: check, scan, bucket, cache, report.
 
-`check_folder_data(cfg)` does every check that needs no model and no pixel decoding (seconds), so a
-bad folder or a missing component fails before anything loads; `prepare_folder_data(cfg, run_dir)`
+`check_folder_data(spec)` does every check that needs no model and no pixel decoding (seconds), so a
+bad folder or a missing component fails before anything loads; `prepare_folder_data(spec, run_dir)`
 then fills the cache and writes data_report.json; `folder_loader` wraps it for the trainer.
 """
 
@@ -12,7 +12,6 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -31,6 +30,7 @@ from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
 from zerotune.data.hashing import FileHasher
 from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
 from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
+from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 from zerotune.files import write_json_atomic
 
@@ -53,36 +53,36 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zerotune" / "latents"
 
 
-def cache_dir(cfg: Any) -> Path:
-    configured = cfg.data.get("cache_dir")
+def cache_dir(spec: DataSpec) -> Path:
+    configured = spec.data.get("cache_dir")
     return Path(str(configured)).expanduser() if configured else default_cache_dir()
 
 
-def check_folder_data(cfg: Any) -> CheckedFolder:
+def check_folder_data(spec: DataSpec) -> CheckedFolder:
     """Every check of data=folder that loads no model and decodes no pixels."""
-    if cfg.model.conditioning != "text_time":
-        raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={cfg.model.name} "
-                          f"takes {cfg.model.conditioning!r}", "model=sdxl or model=sdxl_tiny with data=folder")
-    if not cfg.data.get("path"):
+    if spec.model.conditioning != "text_time":
+        raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={spec.model.name} "
+                          f"takes {spec.model.conditioning!r}", "model=sdxl or model=sdxl_tiny with data=folder")
+    if not spec.data.get("path"):
         raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
-    step = int(cfg.data.bucket_step)
-    check_bucket_step(cfg.model, step)
-    size = int(cfg.resolution.size)
+    step = spec.data.bucket_step
+    check_bucket_step(spec.model, step)
+    size = spec.resolution
     if size < step:
         raise ConfigError("resolution.size", f"{size} px is below the smallest bucket side ({step})",
                           f"resolution.size={step * 2} or more")
-    root = Path(str(cfg.data.path)).expanduser().resolve()
-    scan = scan_folder(root, dict(cfg.data.get("repeats") or {}))
+    root = Path(str(spec.data.path)).expanduser().resolve()
+    scan = scan_folder(root, dict(spec.data.get("repeats") or {}))
     if not scan.records:
         found = (f"its {len(scan.skipped)} jpg, png and webp files are all unreadable" if scan.skipped else
                  "no jpg, png or webp file in it or its subfolders (hidden ones are not searched)")
         raise ConfigError("data.path", f"no usable image in {root}: {found}",
                           "data.path=a folder of images, with captions in side-car .txt files or metadata.jsonl")
-    buckets = make_buckets(size, step, float(cfg.data.bucket_max_ratio))
+    buckets = make_buckets(size, step, spec.data.bucket_max_ratio)
     placed, too_small = [], []
     for record in scan.records:
         placement = place(record.width, record.height, closest_bucket(record.width, record.height, buckets))
-        if placement.upscales and not cfg.data.upscale_small:
+        if placement.upscales and not spec.data.upscale_small:
             too_small.append(Skipped(record.rel, f"{record.width}x{record.height} px is smaller than its bucket "
                                      f"{bucket_name(placement.bucket)} (data.upscale_small=true upscales it)"))
         else:
@@ -90,13 +90,13 @@ def check_folder_data(cfg: Any) -> CheckedFolder:
     if not placed:
         raise ConfigError("data.path", f"all {len(too_small)} readable images in {root} are smaller than their "
                           f"bucket at resolution.size={size}", "data.upscale_small=true, or a smaller resolution.size")
-    _check_batches([p.bucket for r, p in placed for _ in range(r.repeats)], int(cfg.train.batch_size))
-    components = resolve_components(cfg.model)
-    check_compatible(cfg.model, components)
+    _check_batches([p.bucket for r, p in placed for _ in range(r.repeats)], spec.batch_size)
+    components = resolve_components(spec.model)
+    check_compatible(spec.model, components)
     return CheckedFolder(root, scan, placed, too_small, components)
 
 
-def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch: int | None = None,
+def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro_batch: int | None = None,
                         device: torch.device | None = None,
                         progress: bool = True) -> tuple[CachedFolderDataset, dict]:
     """The cached dataset and its report; writes <run_dir>/data_report.json when run_dir is given.
@@ -104,14 +104,14 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
     Encoders load only if some entry is missing, on `device` (default: data.cache_device), and are
     released before this returns.
     """
-    folder = check_folder_data(cfg)
-    micro_batch = int(micro_batch or cfg.train.batch_size)
-    cache = LatentCache(cache_dir(cfg))
-    seq_len = int(cfg.model.get("text_seq_len", 77))
-    items, unreadable = _cache_items(cfg, folder, cache, seq_len)
-    encoders = SDXLEncoders(folder.components, device or _device(cfg), seq_len)
+    folder = check_folder_data(spec)
+    micro_batch = int(micro_batch or spec.batch_size)
+    cache = LatentCache(cache_dir(spec))
+    seq_len = int(spec.model.get("text_seq_len", 77))
+    items, unreadable = _cache_items(spec, folder, cache, seq_len)
+    encoders = SDXLEncoders(folder.components, device or _device(spec), seq_len)
     try:
-        ok, stats = build_cache(items, cache, encoders, int(cfg.data.cache_batch_size), progress)
+        ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress)
     finally:
         encoders.release()
     if not ok:
@@ -119,7 +119,7 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
     dataset = CachedFolderDataset(cache, ok)
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
-    full = _report(cfg, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
+    full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
     _warn_untrained_buckets(full, micro_batch)
     if run_dir is not None:
@@ -130,12 +130,12 @@ def prepare_folder_data(cfg: Any, run_dir: str | Path | None = None, micro_batch
     return dataset, dataset.report
 
 
-def _cache_items(cfg: Any, folder: CheckedFolder, cache: LatentCache,
+def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache,
                  seq_len: int) -> tuple[list[CacheItem], list[Skipped]]:
     """Each placed image's cache keys (its content, the components, crop and flip), and what was unreadable."""
     hasher = FileHasher(cache.root / "file_hashes.json")
     ids = component_ids(folder.components, hasher)
-    flips = (False, True) if cfg.data.random_flip else (False,)
+    flips = (False, True) if spec.data.random_flip else (False,)
     items, unreadable = [], []
     for record, placement in folder.placed:
         try:
@@ -157,25 +157,25 @@ def _warn_untrained_buckets(report: dict, micro_batch: int) -> None:
                         name, b["samples"], micro_batch)
 
 
-def folder_loader(cfg: Any, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
+def folder_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
     """The training DataLoader of data=folder; with several processes, each node's first fills the cache
     while the others wait, then finds every entry there (a shared cache_dir is filled once)."""
     from accelerate import PartialState
 
     state = PartialState()
-    device = state.device if str(cfg.data.cache_device) == "auto" else None  # None: data.cache_device
+    device = state.device if spec.data.cache_device == "auto" else None  # None: data.cache_device
     with state.local_main_process_first():
-        dataset, _ = prepare_folder_data(cfg, run_dir if state.is_main_process else None, micro_batch, device,
+        dataset, _ = prepare_folder_data(spec, run_dir if state.is_main_process else None, micro_batch, device,
                                          progress=state.is_local_main_process)
-    sampler = BucketBatchSampler(dataset.buckets, micro_batch, seed, random_flip=bool(cfg.data.random_flip))
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=int(cfg.data.num_workers))
+    sampler = BucketBatchSampler(dataset.buckets, micro_batch, seed, random_flip=spec.data.random_flip)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=spec.data.num_workers)
 
 
 # Per-file lists go to data_report.json only; summary.json gets the counts.
 _LISTS = ("skipped_files", "missing_captions", "upscaled_files", "problem_list")
 
 
-def _report(cfg: Any, folder: CheckedFolder, cache: LatentCache, dataset: CachedFolderDataset,
+def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: CachedFolderDataset,
             skipped: list[Skipped], cache_stats: dict, micro_batch: int) -> dict:
     used = [it.record for it in dataset.items]
     sources = Counter(r.caption_source for r in used)
@@ -189,7 +189,7 @@ def _report(cfg: Any, folder: CheckedFolder, cache: LatentCache, dataset: Cached
         "captions": {"sidecar": sources["sidecar"], "metadata": sources["metadata"],
                      "missing": sources["missing"]},
         "problems": len(folder.scan.problems), "other_files": folder.scan.other_files,
-        "random_flip": bool(cfg.data.random_flip), "micro_batch": micro_batch,
+        "random_flip": spec.data.random_flip, "micro_batch": micro_batch,
         "buckets": batches_per_bucket(dataset.buckets, micro_batch),
         "cache": cache_stats,
         "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *folder.too_small]],
@@ -207,8 +207,8 @@ def _check_batches(buckets: list[Bucket], micro_batch: int) -> None:
                           f"train.batch_size={max(fullest, 1)} or less, more images, or data.repeats")
 
 
-def _device(cfg: Any) -> torch.device:
-    choice = str(cfg.data.cache_device)
+def _device(spec: DataSpec) -> torch.device:
+    choice = spec.data.cache_device
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)

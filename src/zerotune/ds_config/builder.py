@@ -44,7 +44,7 @@ def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
 
 
 def zero_block(cfg: Any, stats: ModelStats) -> dict:
-    stage, ds = int(cfg.zero_stage.stage), cfg.deepspeed
+    stage, ds = cfg.zero_stage.stage, cfg.deepspeed
     zero: dict = {"stage": stage}
     if stage >= 1:
         zero.update({"reduce_bucket_size": bucket_size(ds, "reduce_bucket_size", stats), "reduce_scatter": True,
@@ -83,12 +83,12 @@ def choose_adam(ds: dict, cfg: Any) -> None:
 def build(cfg: Any, world_size: int, stats: ModelStats, given: Collection[str] = ()) -> dict:
     """The DeepSpeed dict for composed config `cfg`. Blocks in `given` (a user file supplies them whole,
     user_config.merge) are not generated: the config values behind them may be the file's, not a group's."""
-    micro, accum = int(cfg.train.batch_size), int(cfg.train.grad_accum)
+    micro, accum = cfg.train.batch_size, cfg.train.grad_accum
     ds: dict = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * world_size,
-        "gradient_clipping": float(cfg.train.grad_clip),
+        "gradient_clipping": cfg.train.grad_clip,
         "steps_per_print": 10**9,             # zerotune logs; DeepSpeed's own step prints are noise
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
@@ -99,7 +99,7 @@ def build(cfg: Any, world_size: int, stats: ModelStats, given: Collection[str] =
     if not {"fp16", "bf16"} & set(given):
         ds.update(precision_blocks(cfg.precision))
     if "scheduler" not in given:
-        sched = scheduler_block(cfg.scheduler, float(cfg.optimizer.lr), int(cfg.train.max_steps))
+        sched = scheduler_block(cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps)
         if sched is not None:
             ds["scheduler"] = sched
     if cfg.offload.device == "nvme":

@@ -25,7 +25,7 @@ log = logging.getLogger("zerotune")
 
 
 def world_size(cfg: Any) -> int:
-    return int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
+    return cfg.launch.num_processes * cfg.launch.nnodes
 
 
 def run_job(cfg: Any, spec: JobSpec) -> dict:
@@ -47,7 +47,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         raise
     run_dir.write_config(cfg)
     base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
-    node_rank = int(cfg.launch.node_rank)
+    node_rank = cfg.launch.node_rank
     run_dir.write_ds_config(checked.ds_config)
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     # The job's own view of memory: every worker on this node, whatever becomes of them.

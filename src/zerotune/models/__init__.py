@@ -31,7 +31,7 @@ def downsample_factor(model_cfg: Any) -> int:
 
 def latent_shape(model_cfg: Any, size: int) -> tuple[int, int, int]:
     """(channels, height, width) of the U-Net's input at pixel side `size`; refuses sizes it cannot take."""
-    vae, down = int(model_cfg.vae_scale_factor), downsample_factor(model_cfg)
+    vae, down = model_cfg.vae_scale_factor, downsample_factor(model_cfg)
     if not isinstance(size, int) or size <= 0:
         raise ConfigError("resolution.size", f"must be a positive integer, got {size!r}", "resolution=1024")
     if size % (vae * down):

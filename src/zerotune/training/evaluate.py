@@ -29,8 +29,8 @@ def evaluate_digits(trainer, cfg: Any, run_dir: RunDir) -> dict | None:
     ev = cfg.evaluate
     labels = torch.arange(10).repeat_interleave(int(ev.per_class))
     images = sample_images(unet, dict(trainer.noise_schedule.config), labels, trainer.checked.input_shape,
-                           int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(int(cfg.train.seed)),
-                           str(cfg.diffusion.prediction_type))
+                           int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(cfg.train.seed),
+                           cfg.diffusion.prediction_type)
     clf = DigitClassifier()
     grid = run_dir.path / SAMPLES / "grid.png"
     if run_dir.is_writer:

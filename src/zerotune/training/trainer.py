@@ -10,6 +10,7 @@ import torch
 from accelerate.utils import set_seed
 
 from zerotune.data import build_loader
+from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
 from zerotune.models import build_unet, conditioning
@@ -34,7 +35,7 @@ class Trainer:
         self.resume_decision = self._decide_resume()  # a refused resume stops here, before anything is built
         self.accelerator = make_accelerator(checked)
         self._clean_stale_swap()
-        seed = int(cfg.train.seed)
+        seed = cfg.train.seed
         set_seed(seed)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
@@ -61,7 +62,7 @@ class Trainer:
         unet = build_unet(self.cfg.model)
         if self.cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
-        loader = build_loader(self.cfg, self.micro_batch, seed, run_dir=self.run_dir.path)
+        loader = build_loader(DataSpec.from_config(self.cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         opt, sched = optimizer_and_scheduler(self.checked, unet.parameters())
         if sched is None:
@@ -188,7 +189,7 @@ class Trainer:
 
     def forward_backward(self, batch: dict) -> float:
         batch = self._to_device(batch)
-        p = float(self.cfg.diffusion.cond_dropout)
+        p = self.cfg.diffusion.cond_dropout
         draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
                                                self.noise_schedule.config.num_train_timesteps, p)
         cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
@@ -238,7 +239,7 @@ class Trainer:
 
     def fit(self, telemetry) -> dict:
         """Train for train.max_steps; returns the loss/perf part of the summary."""
-        max_steps, every = int(self.cfg.train.max_steps), int(self.cfg.train.log_every)
+        max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = faults.step_hook(self.cfg.get("debug"), self.rank)  # None unless debug.* is set
         loss_first = loss_last = None

@@ -23,7 +23,7 @@ def fill(ds: dict, cfg: Any, stats: ModelStats, batch: Batch, source: str) -> di
     """`ds` with every "auto" replaced; `source` names the file in errors."""
     ds = dict(ds)
     top = {"train_batch_size": batch.total, "train_micro_batch_size_per_gpu": batch.micro,
-           "gradient_accumulation_steps": batch.accum, "gradient_clipping": float(cfg.train.grad_clip)}
+           "gradient_accumulation_steps": batch.accum, "gradient_clipping": cfg.train.grad_clip}
     for key, value in top.items():
         if ds.get(key) == AUTO:
             ds[key] = value
@@ -44,7 +44,7 @@ def fill(ds: dict, cfg: Any, stats: ModelStats, batch: Batch, source: str) -> di
 def _zero(zero: dict, cfg: Any, stats: ModelStats) -> dict:
     zero = dict(zero)
     knobs = cfg.deepspeed
-    values = {"stage": int(cfg.zero_stage.stage),
+    values = {"stage": cfg.zero_stage.stage,
               "stage3_param_persistence_threshold": int(knobs.stage3_param_persistence_threshold),
               "stage3_gather_16bit_weights_on_model_save":
                   bool(knobs.get("stage3_gather_16bit_weights_on_model_save", True))}
@@ -66,7 +66,7 @@ def _optimizer_values(cfg: Any) -> dict:
 
 def _scheduler_values(cfg: Any) -> dict:
     """Every scheduler parameter zerotune can derive from its scheduler group, optimizer lr and max_steps."""
-    sched, lr, steps = cfg.scheduler, float(cfg.optimizer.lr), int(cfg.train.max_steps)
+    sched, lr, steps = cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps
     warmup = int(sched.get("warmup_steps", 0) or 0)
     half = max(steps // 2, 1)
     return {"warmup_min_lr": float(sched.get("min_lr", 0.0) or 0.0), "warmup_max_lr": lr,

@@ -132,7 +132,7 @@ def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None 
         for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
             _apply(cfg, s, applied, user)
     if world_size is None:
-        world_size = int(cfg.launch.num_processes) * int(cfg.launch.nnodes)
+        world_size = cfg.launch.num_processes * cfg.launch.nnodes
     _settle_batch(cfg, user, world_size)
     return user
 

@@ -47,9 +47,9 @@ def current_meta(cfg: Any, ds_config: dict, use_deepspeed: bool, world_size: int
     """What this run would record in meta.json."""
     zero = ds_config["zero_optimization"]
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
-            "use_deepspeed": bool(use_deepspeed), "precision": str(cfg.precision.name),
-            "offload": str(cfg.offload.device), "offload_params": bool(zero.get("offload_param")),
-            "model": str(cfg.model.name), "optimizer": ds_config["optimizer"]["type"],
+            "use_deepspeed": bool(use_deepspeed), "precision": cfg.precision.name,
+            "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
+            "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"],
             "zerotune_version": __version__}
 
 
