@@ -13,6 +13,7 @@ from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
 from zerotune.platform import Platform, detect
+from zerotune.schema import launch_world_size
 from zerotune.user_config import autofill, merge, resolve
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     platform = platform or detect()
     user = resolve(cfg, overrides, world_size)
     _fit_default_warmup(cfg, user)
-    world_size = world_size or cfg.launch.num_processes * cfg.launch.nnodes
+    world_size = world_size or launch_world_size(cfg.launch)
     try:
         _check_train(cfg)
     except ConfigError as exc:

@@ -234,6 +234,12 @@ class Config:
     reference: Optional[dict[str, Any]] = None   # an experiment's reference figures
 
 
+def launch_world_size(launch: Any) -> int:
+    """The processes a job will start: per node x nodes. (A running rank reads its launcher's WORLD_SIZE
+    instead: training.distributed.world_size.)"""
+    return launch.num_processes * launch.nnodes
+
+
 def register() -> None:
     """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)

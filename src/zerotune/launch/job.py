@@ -19,13 +19,10 @@ from zerotune.preflight import preflight
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
+from zerotune.schema import launch_world_size
 from zerotune.telemetry import MemorySampler, environment_info
 
 log = logging.getLogger("zerotune")
-
-
-def world_size(cfg: Any) -> int:
-    return cfg.launch.num_processes * cfg.launch.nnodes
 
 
 def run_job(cfg: Any, spec: JobSpec) -> dict:
@@ -71,7 +68,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
 
 def base_summary(cfg: Any, spec: JobSpec) -> dict:
     """What the job's summary says before (or without) the workers' own."""
-    return {"status": "failed", "choices": key_choices(cfg, world_size(cfg)),
+    return {"status": "failed", "choices": key_choices(cfg, launch_world_size(cfg.launch)),
             "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
 
 

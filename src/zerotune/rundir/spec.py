@@ -8,6 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from zerotune.files import write_json_atomic
+
 SPEC_FILE = "launch.json"
 MAX_NAME_LEN = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
@@ -21,7 +23,7 @@ class JobSpec:
     overrides: list[str] = field(default_factory=list)
 
     def save(self) -> None:
-        (Path(self.run_dir) / SPEC_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_json_atomic(Path(self.run_dir) / SPEC_FILE, asdict(self))
 
     @classmethod
     def load(cls, run_dir: str | Path) -> JobSpec:

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.errors import ConfigError
+from zerotune.schema import launch_world_size
 from zerotune.user_config import accelerate_config, deepspeed_file
 from zerotune.user_config.settings import Setting, from_accelerate, from_deepspeed, stated
 
@@ -132,7 +133,7 @@ def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None 
         for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
             _apply(cfg, s, applied, user)
     if world_size is None:
-        world_size = cfg.launch.num_processes * cfg.launch.nnodes
+        world_size = launch_world_size(cfg.launch)
     _settle_batch(cfg, user, world_size)
     return user
 
