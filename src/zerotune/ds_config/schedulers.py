@@ -7,6 +7,27 @@ from typing import Any
 from zerotune.errors import ConfigError
 
 NAMES = ("warmup", "warmup_decay", "cosine", "onecycle", "constant")
+TYPES = {"warmup": "WarmupLR", "warmup_decay": "WarmupDecayLR", "cosine": "WarmupCosineLR", "onecycle": "OneCycle"}
+# The parameters zerotune sets for each DeepSpeed scheduler (OneCycle: momentum cycling off, it would
+# overwrite Adam's betas).
+PARAMS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"),
+    "WarmupCosineLR": ("total_num_steps", "warmup_num_steps", "warmup_min_ratio", "cos_min_ratio", "warmup_type"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "cycle_first_step_size", "cycle_second_step_size",
+                 "cycle_momentum", "decay_lr_rate"),
+}
+
+
+def derived_params(sched: Any, lr: float, max_steps: int) -> dict:
+    """Every scheduler parameter zerotune derives from the scheduler group, the optimizer's lr and
+    train.max_steps: for its own blocks, and for "auto" in a user's."""
+    half = max(max_steps // 2, 1)
+    return {"warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr, "warmup_num_steps": int(sched.warmup_steps),
+            "warmup_type": sched.warmup_type, "total_num_steps": max_steps,
+            "warmup_min_ratio": float(sched.warmup_min_ratio), "cos_min_ratio": float(sched.cos_min_ratio),
+            "cycle_min_lr": lr / float(sched.div_factor), "cycle_max_lr": lr, "cycle_first_step_size": half,
+            "cycle_second_step_size": max(max_steps - half, 1), "cycle_momentum": False, "decay_lr_rate": 0.0}
 
 
 def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
@@ -26,23 +47,8 @@ def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
             fix = f"scheduler.warmup_steps={max(max_steps // 10, 1)}" if max_steps > 1 else "scheduler=constant"
             raise ConfigError("scheduler.warmup_steps", f"{warmup} warm-up steps leave nothing to decay over "
                               f"train.max_steps={max_steps}", fix)
-    if name == "warmup":
-        return {"type": "WarmupLR", "params": {
-            "warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr,
-            "warmup_num_steps": int(sched.warmup_steps), "warmup_type": sched.warmup_type}}
-    if name == "warmup_decay":
-        return {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr, "warmup_num_steps": int(sched.warmup_steps),
-            "warmup_type": sched.warmup_type, "total_num_steps": max_steps}}
-    if name == "cosine":
-        return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max_steps, "warmup_num_steps": int(sched.warmup_steps),
-            "warmup_min_ratio": float(sched.warmup_min_ratio), "cos_min_ratio": float(sched.cos_min_ratio),
-            "warmup_type": sched.warmup_type}}
-    if name == "onecycle":
-        half = max(max_steps // 2, 1)
-        return {"type": "OneCycle", "params": {
-            "cycle_min_lr": lr / float(sched.div_factor), "cycle_max_lr": lr,
-            "cycle_first_step_size": half, "cycle_second_step_size": max(max_steps - half, 1),
-            "cycle_momentum": False, "decay_lr_rate": 0.0}}
+    if name in TYPES:
+        kind = TYPES[name]
+        values = derived_params(sched, lr, max_steps)
+        return {"type": kind, "params": {k: values[k] for k in PARAMS[kind]}}
     raise ConfigError("scheduler.name", f"unknown scheduler {name!r}", f"choose one of: {', '.join(NAMES)}")

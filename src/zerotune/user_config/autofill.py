@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerotune.ds_config.batch import Batch
-from zerotune.ds_config.builder import bucket_size
+from zerotune.ds_config.builder import bucket_size, optimizer_block
+from zerotune.ds_config.schedulers import derived_params
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
 
@@ -34,9 +35,10 @@ def fill(ds: dict, cfg: Any, stats: ModelStats, batch: Batch, source: str) -> di
     if isinstance(ds.get("zero_optimization"), dict):
         ds["zero_optimization"] = _zero(ds["zero_optimization"], cfg, stats)
     if isinstance(ds.get("optimizer"), dict):
-        ds["optimizer"] = _params(ds["optimizer"], _optimizer_values(cfg), "optimizer")
+        ds["optimizer"] = _params(ds["optimizer"], optimizer_block(cfg.optimizer)["params"])
     if isinstance(ds.get("scheduler"), dict):
-        ds["scheduler"] = _params(ds["scheduler"], _scheduler_values(cfg), "scheduler")
+        values = derived_params(cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps)
+        ds["scheduler"] = _params(ds["scheduler"], values)
     _refuse_leftovers(ds, "", source)
     return ds
 
@@ -56,29 +58,7 @@ def _zero(zero: dict, cfg: Any, stats: ModelStats) -> dict:
     return zero
 
 
-def _optimizer_values(cfg: Any) -> dict:
-    opt = cfg.optimizer
-    values = {k: opt.get(k) for k in ("lr", "eps", "weight_decay") if opt.get(k) is not None}
-    if opt.get("betas") is not None:
-        values["betas"] = [float(b) for b in opt.betas]
-    return values
-
-
-def _scheduler_values(cfg: Any) -> dict:
-    """Every scheduler parameter zerotune can derive from its scheduler group, optimizer lr and max_steps."""
-    sched, lr, steps = cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps
-    warmup = int(sched.get("warmup_steps", 0) or 0)
-    half = max(steps // 2, 1)
-    return {"warmup_min_lr": float(sched.get("min_lr", 0.0) or 0.0), "warmup_max_lr": lr,
-            "warmup_num_steps": warmup, "total_num_steps": steps,
-            "warmup_type": sched.get("warmup_type", "linear"),
-            "warmup_min_ratio": float(sched.get("warmup_min_ratio", 0.0)),
-            "cos_min_ratio": float(sched.get("cos_min_ratio", 0.0001)),
-            "cycle_min_lr": lr / float(sched.get("div_factor", 25.0)), "cycle_max_lr": lr,
-            "cycle_first_step_size": half, "cycle_second_step_size": max(steps - half, 1)}
-
-
-def _params(block: dict, values: dict, name: str) -> dict:
+def _params(block: dict, values: dict) -> dict:
     params = dict(block.get("params") or {})
     for key, value in params.items():
         if value == AUTO and key in values:
