@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from zerotune import CONF_DIR
 from zerotune.cli.compose import compose
 from zerotune.cli.overrides import experiments_dir, group_options
@@ -66,8 +68,6 @@ def _comparable(ds: dict) -> dict:
 
 
 def _value(cfg: Any, key: str) -> Any:
-    from omegaconf import OmegaConf
-
     value = OmegaConf.select(cfg, key)
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 

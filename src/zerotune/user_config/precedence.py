@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from zerotune.ds_config.batch import Batch, Known, solve
@@ -97,8 +98,6 @@ class UserConfig:
 
 def typed_keys(overrides: list[str]) -> dict[str, str]:
     """{key or group: the override as typed} for the command line's overrides, parsed by Hydra's own parser."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
     return {o.key_or_group: o.input_line for o in parsed
             if not o.key_or_group.startswith("hydra") and not o.is_delete()}
@@ -119,14 +118,13 @@ def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None 
     """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg`, in place; return what was used."""
     user = UserConfig(typed=typed_keys(list(overrides)))
     applied: dict[str, Setting] = {}
-    setting = (cfg.get("accelerate") or {}).get("config_file", "auto")
-    for acc in accelerate_config.find(setting, environ):
+    for acc in accelerate_config.find(cfg.accelerate.config_file, environ):
         user.accelerate.append({"origin": acc.origin, "how": acc.how, "path": acc.path})
         if acc.how == "default location":
             log.info("read accelerate's default config %s (accelerate.config_file=null to ignore it)", acc.path)
         for s in from_accelerate(acc, launched_externally=acc.how == "environment"):
             _apply(cfg, s, applied, user)
-    path = cfg.deepspeed.get("config_file")
+    path = cfg.deepspeed.config_file
     if path:
         user.deepspeed_path = str(Path(str(path)).expanduser())
         user.deepspeed = deepspeed_file.load(user.deepspeed_path)
