@@ -12,7 +12,10 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from omegaconf import OmegaConf
+
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
+from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.training import checkpoint as ckpt
 
@@ -41,12 +44,16 @@ def exported(checkpoint, out) -> dict:
 
 
 def fake_checkpoint(root, step, complete=True):
-    folder = ckpt.step_dir(root, step)
+    folder = checkpoints.step_dir(root, step)
     folder.mkdir(parents=True)
-    (folder / ckpt.META).write_text(json.dumps({"step": step}))
+    (folder / checkpoints.META).write_text(json.dumps({"step": step}))
     if complete:
-        (folder / ckpt.COMPLETE).write_text(f"{step}\n")
+        (folder / checkpoints.COMPLETE).write_text(f"{step}\n")  # as checkpoints before manifests have it
     return folder
+
+
+def resume_cfg(path, strict=False):
+    return OmegaConf.create({"path": path, "strict": strict})
 
 
 # ---------------------------------------------------------------- fast: rules, no training
@@ -56,8 +63,8 @@ def test_latest_ignores_interrupted_saves(tmp_path):
     fake_checkpoint(tmp_path, 2)
     fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 6, complete=False)        # killed before COMPLETE was written
-    (tmp_path / ".tmp-step-0000008").mkdir()             # killed before the rename
-    assert ckpt.latest(tmp_path) == ckpt.step_dir(tmp_path, 4)
+    (tmp_path / ".tmp-step-0000008-abc").mkdir()         # killed before the rename
+    assert checkpoints.latest(tmp_path) == checkpoints.step_dir(tmp_path, 4)
     ckpt.cleanup(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000004"]
 
@@ -66,15 +73,18 @@ def test_resume_rules(tmp_path):
     run = tmp_path / "run"
     fake_checkpoint(run / "checkpoints", 3)
     fake_checkpoint(run / "checkpoints", 5)
-    assert ckpt.resolve_resume(str(run), None) == ckpt.step_dir(run / "checkpoints", 5)
-    assert ckpt.resolve_resume(str(run / "checkpoints" / "step-0000003"), None) == ckpt.step_dir(run / "checkpoints", 3)
-    assert ckpt.resolve_resume("latest", str(run / "checkpoints")) == ckpt.step_dir(run / "checkpoints", 5)
-    assert ckpt.resolve_resume(None, None) is None
+    resolve, step = checkpoints.resolve_resume, checkpoints.step_dir
+    other = tmp_path / "new_run"
+    assert resolve(resume_cfg(str(run)), None, other) == step(run / "checkpoints", 5)
+    assert resolve(resume_cfg(str(run / "checkpoints" / "step-0000003")), None, other) == step(run / "checkpoints", 3)
+    assert resolve(resume_cfg("latest"), str(run / "checkpoints"), other) == step(run / "checkpoints", 5)
+    assert resolve(resume_cfg("latest"), None, run) == step(run / "checkpoints", 5)  # in place: the run's own
+    assert resolve(resume_cfg(None), None, other) is None
     with pytest.raises(ConfigError) as err:
-        ckpt.resolve_resume("latest", None)
-    assert err.value.key == "resume" and "checkpoint.dir" in err.value.fix
+        resolve(resume_cfg("latest"), None, other)  # a new run dir has no checkpoints yet
+    assert err.value.key == "resume.path" and "hydra.run.dir=<old run dir>" in err.value.fix
     with pytest.raises(ConfigError):
-        ckpt.resolve_resume(str(tmp_path / "nothing"), None)
+        resolve(resume_cfg(str(tmp_path / "nothing")), None, other)
 
 
 @pytest.mark.parametrize(("saved", "now", "mode"), [
@@ -89,10 +99,10 @@ def test_conversion_choice(tmp_path, saved, now, mode):
     base = {"offload": "none", "optimizer": "AdamW", "world_size": 1}
     if mode is ConfigError:
         with pytest.raises(ConfigError) as err:
-            ckpt.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
+            checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
         assert "python -m zerotune.export" in err.value.fix
     else:
-        assert ckpt.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
+        assert checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
 
 
 def test_stale_swap_removed_only_inside_offload_root(tmp_path):
@@ -116,9 +126,11 @@ def test_stale_swap_removed_only_inside_offload_root(tmp_path):
 
 def test_resume_from_a_bad_path_is_a_config_error(tmp_path):
     proc = run_cli(*QUICK, "train.max_steps=2", f"resume={tmp_path / 'nope'}", f"hydra.run.dir={tmp_path / 'r'}")
-    assert proc.returncode == 2  # a config error, though found in the worker
+    assert proc.returncode == 2
     summary = read_summary(tmp_path / "r")
-    assert summary["error"]["type"] == "ConfigError" and summary["error"]["key"] == "resume"
+    assert summary["error"]["type"] == "ConfigError" and summary["error"]["key"] == "resume.path"
+    assert not (tmp_path / "r" / "logs").exists(), "found by the job's parent, before any worker started"
+    assert proc.stderr.count("is not a complete checkpoint") == 1
 
 
 # ---------------------------------------------------------------- slow: real training
@@ -132,7 +144,7 @@ def test_resume_is_exact(tmp_path):
     summary = train_ok(straight, *args)
     saved = summary["checkpoint"]["saved"]
     assert [c["step"] for c in saved] == [2, 4] and all(c["bytes"] > 0 for c in saved)
-    meta = ckpt.read_meta(straight / "checkpoints" / "step-0000002")
+    meta = checkpoints.read_meta(straight / "checkpoints" / "step-0000002")
     assert meta["zero_stage"] == 2 and meta["world_size"] == 1 and meta["use_deepspeed"] is True
     assert meta["precision"] == "fp32" and meta["offload"] == "none" and meta["model"] == "tiny"
     summary = train_ok(resumed, *args, f"resume={straight / 'checkpoints' / 'step-0000002'}")
@@ -160,7 +172,7 @@ def test_kill_9_loses_nothing_before_the_last_checkpoint(tmp_path):
                             start_new_session=True)
     try:
         deadline = time.time() + 400
-        while ckpt.latest(killed / "checkpoints") is None or ckpt.latest(killed / "checkpoints").name < \
+        while checkpoints.latest(killed / "checkpoints") is None or checkpoints.latest(killed / "checkpoints").name < \
                 "step-0000004":
             assert proc.poll() is None and time.time() < deadline, "no checkpoint written"
             time.sleep(0.2)
@@ -168,8 +180,8 @@ def test_kill_9_loses_nothing_before_the_last_checkpoint(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    last = ckpt.latest(killed / "checkpoints")
-    step = ckpt.read_meta(last)["step"]
+    last = checkpoints.latest(killed / "checkpoints")
+    step = checkpoints.read_meta(last)["step"]
     before = losses_by_step(killed)
     summary = train_ok(resumed, "zero_stage=1", f"train.max_steps={step + 2}", "checkpoint.every_n_steps=2",
                        "resume=latest", f"checkpoint.dir={killed / 'checkpoints'}")
@@ -180,7 +192,7 @@ def test_kill_9_loses_nothing_before_the_last_checkpoint(tmp_path):
     for s in after:
         if s in before:  # the killed run got past the checkpoint: the replay matches it
             assert after[s] == pytest.approx(before[s], rel=1e-6)
-    assert ckpt.latest(killed / "checkpoints").name == f"step-{step + 2:07d}"
+    assert checkpoints.latest(killed / "checkpoints").name == f"step-{step + 2:07d}"
 
 
 @pytest.mark.slow

@@ -20,13 +20,18 @@ from pathlib import Path
 
 import torch
 
-from zerotune.training import checkpoint as ckpt
+from zerotune import checkpoints
+from zerotune.checkpoints import manifest
+from zerotune.training.checkpoint import full_state
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    found = ckpt.find(Path(path))
+    found = checkpoints.find(Path(path))
     if found is None:
         raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none")
+    damaged = manifest.problems(found)
+    if damaged:
+        raise SystemExit(f"zerotune.export: checkpoint {found} is damaged: {'; '.join(damaged[:3])}")
     return found
 
 
@@ -44,12 +49,12 @@ def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
 def export(checkpoint: str | Path, out: str | Path) -> dict:
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = ckpt.unet_config(path)
-    weights, _, _ = ckpt.full_state(path, with_optimizer=False)
+    config = checkpoints.unet_config(path)
+    weights, _, _ = full_state(path, with_optimizer=False)
     written = {"checkpoint": str(path), "unet": str(_save(config, {k: v.float() for k, v in weights.items()},
                                                              out, "unet"))}
-    if (path / ckpt.EMA_FILE).is_file():
-        ema = torch.load(path / ckpt.EMA_FILE, map_location="cpu", weights_only=True)
+    if (path / checkpoints.EMA_FILE).is_file():
+        ema = torch.load(path / checkpoints.EMA_FILE, map_location="cpu", weights_only=True)
         written["unet_ema"] = str(_save(config, ema["shadow"], out, "unet_ema"))
     return written
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from zerotune import models
+from zerotune import checkpoints, models
 from zerotune.data import check_data
 from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
@@ -18,6 +19,8 @@ from zerotune.user_config import autofill, merge, resolve
 
 log = logging.getLogger(__name__)
 
+SEED_MAX = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+
 
 @dataclass(frozen=True)
 class CheckedRun:
@@ -27,6 +30,7 @@ class CheckedRun:
     input_shape: tuple[int, int, int]
     platform: Platform
     config_sources: dict = field(default_factory=dict)  # the user's files and where each value came from
+    resume: checkpoints.ResumeDecision | None = None     # the checkpoint to continue (checked), and how
 
 
 def _use_deepspeed(cfg: Any, platform: Platform) -> bool:
@@ -50,6 +54,10 @@ def _check_train(cfg: Any) -> None:
     value = cfg.train.max_steps
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError("train.max_steps", f"must be a positive integer, got {value!r}", "train.max_steps=1 or more")
+    seed = cfg.train.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ConfigError("train.seed", f"must be an integer from 0 to 2**32 - 1 (numpy's seed range), "
+                          f"got {seed!r}", "train.seed=0, or any integer in that range")
     if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction"):
         raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
                           "diffusion.prediction_type=epsilon or v_prediction")
@@ -72,10 +80,13 @@ def _fit_default_warmup(cfg: Any, user) -> None:
 
 
 def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None = None,
-              overrides: list[str] | tuple = ()) -> CheckedRun:
+              overrides: list[str] | tuple = (), run_dir: str | Path | None = None,
+              verified_resume: str | None = None) -> CheckedRun:
     """Check `cfg` and build its DeepSpeed dict. The user's DeepSpeed JSON and accelerate config are folded
     into `cfg` first, in place, so that it describes what will run; `overrides` (as typed on the command
-    line) may not contradict them. `world_size`: None means `launch.num_processes x launch.nnodes`."""
+    line) may not contradict them. `world_size`: None means `launch.num_processes x launch.nnodes`.
+    With the job's `run_dir`, the checkpoint `resume` names is found, checked and judged too
+    (`verified_resume`: a folder the job's parent already checksummed)."""
     platform = platform or detect()
     user = resolve(cfg, overrides, world_size)
     _fit_default_warmup(cfg, user)
@@ -96,5 +107,9 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
         ds = validator.validate(ds, platform, world_size)
     except ConfigError as exc:
         raise user.attribute(exc) from None  # named where the user set it: a file's key or zerotune's
+    resume = None
+    if run_dir is not None:
+        path = checkpoints.resolve_resume(cfg.resume, cfg.checkpoint.dir, Path(run_dir), verified_resume)
+        resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size), ds)
     return CheckedRun(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
-                config_sources=user.summary(ds))
+                      config_sources=user.summary(ds), resume=resume)

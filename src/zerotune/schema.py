@@ -160,6 +160,13 @@ class Checkpoint:
     every_n_steps: int = 0
     keep_last: int = 3
     dir: Optional[str] = None
+    on_signal: bool = False              # SIGTERM/SIGINT/SIGUSR1: save before stopping
+
+
+@dataclass
+class Resume:
+    path: Optional[str] = None           # `resume=<path>` on the command line is short for resume.path
+    strict: bool = False                 # a damaged newest checkpoint: stop (true) or use the previous one
 
 
 @dataclass
@@ -191,6 +198,7 @@ class Launch:
     rdzv_timeout_s: float = 900
     slurm: Any = "auto"                  # auto | true | false
     run_id: Optional[str] = None         # set inside SLURM jobs
+    stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
 
 
 @dataclass
@@ -225,7 +233,7 @@ class Config:
     evaluate: Evaluate = field(default_factory=Evaluate)
     ema: Ema = field(default_factory=Ema)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    resume: Optional[str] = None
+    resume: Resume = field(default_factory=Resume)
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
     accelerate: Accelerate = field(default_factory=Accelerate)
     launch: Launch = field(default_factory=Launch)

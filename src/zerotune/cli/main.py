@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +17,7 @@ from zerotune import CONF_DIR
 from zerotune.cli.compose import check_command_line
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
 from zerotune.training import distributed
@@ -44,10 +46,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     from zerotune.training.run import train
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    spec = job_spec()
+    if distributed.rank() == 0:
+        RunDir(spec.run_dir).archive_previous_attempt()  # a rerun into this folder never overwrites its records
     try:
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
         # Otherwise it is the job's parent, which starts the workers and records what they did.
-        summary = train(cfg, job_spec()) if distributed.launched_externally() else run_job(cfg, job_spec())
+        summary = train(cfg, spec) if distributed.launched_externally() else run_job(cfg, spec)
     except ConfigError as exc:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
@@ -55,9 +60,17 @@ def _hydra_main(cfg: DictConfig) -> None:
         _fail(exc)
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
+    if summary["status"] == "interrupted":
+        sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
     if summary["status"] != "ok" and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
         sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
+
+
+def _interrupted_exit(summary: dict) -> int:
+    """128 + the signal's number, as a shell reports a process a signal ended (130 for Ctrl-C)."""
+    name = (summary.get("interrupted") or {}).get("signal")
+    return 128 + int(getattr(signal, name, signal.SIGTERM)) if isinstance(name, str) else 128 + signal.SIGTERM
 
 
 def agree_across_ranks(args: list[str]) -> list[str]:

@@ -90,8 +90,15 @@ def _parse(arg: str):
         return None
 
 
+# `resume=<path>` named a checkpoint before resume had options of its own (resume.strict): it stays the short form.
+_SHORT_FORMS = {"resume": "resume.path"}
+
+
 def _normalize_one(arg: str, groups: dict[str, list[str]]) -> str:
     parsed = _parse(arg)
+    if parsed is not None and parsed.key_or_group in _SHORT_FORMS and not parsed.is_delete():
+        prefix = arg[: len(arg) - len(arg.lstrip("+"))]
+        return f"{prefix}{_SHORT_FORMS[parsed.key_or_group]}{arg[arg.index('='):]}"
     if parsed is None or parsed.key_or_group not in groups or parsed.is_delete():
         return arg
     if parsed.value_type == ValueType.ELEMENT:
@@ -108,11 +115,19 @@ def _normalize_one(arg: str, groups: dict[str, list[str]]) -> str:
     return f"{arg.split('=', 1)[0]}=" + ",".join(f"'{c}'" for c in choices)
 
 
+# Groups whose options are all there can be: ZeRO has stages 0-3, DeepSpeed offloads to cpu or nvme, and
+# precisions are DeepSpeed's. A YAML of a new name would configure nothing new, so none is suggested.
+CLOSED_GROUPS = frozenset({"zero_stage", "offload", "precision"})
+
+
 def _choose(key: str, value: str, options: list[str]) -> str:
     if key == "optimizer":
         value = normalize(value, key="optimizer")
     if value not in options:
-        custom = f"{key}.size={value}" if key == "resolution" else f"add conf/{key}/{value}.yaml"
-        raise ConfigError(key, f"no option {value!r} in config group {key!r}",
-                          f"choose one of: {', '.join(options)}, or {custom}")
+        fix = f"choose one of: {', '.join(options)}"
+        if key == "resolution":
+            fix += f", or {key}.size={value}"
+        elif key not in CLOSED_GROUPS:
+            fix += f", or add conf/{key}/{value}.yaml"
+        raise ConfigError(key, f"no option {value!r} in config group {key!r}", fix)
     return value

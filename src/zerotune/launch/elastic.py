@@ -8,6 +8,8 @@ timeout by killing the worker tree, which the agent then reports as a failure.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import threading
 import uuid
@@ -18,17 +20,20 @@ from typing import Any
 import psutil
 
 from zerotune.errors import ConfigError
+from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.training.distributed import free_port
+from zerotune.training.stop import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LaunchResult:
-    status: str                  # "ok" | "failed" | "timeout"
+    status: str                  # "ok" | "failed" | "timeout" | "interrupted"
     error: str | None = None
     failed_rank: int | None = None        # the global rank that failed first (the root cause)
     failed_local_rank: int | None = None  # its index on this node: logs/<run>/attempt_0/<local_rank>/
+    signal: str | None = None             # interrupted: the stop signal this process received
 
 
 def _kill_children() -> None:
@@ -73,10 +78,14 @@ def launch_config(launch: Any, run_dir: Path):
         rdzv_configs={"rank": int(launch.node_rank), "timeout": int(launch.rdzv_timeout_s)},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        # The launcher passes these on to the workers (training/stop.py), which finish their step, save when
+        # checkpoint.on_signal is set, and record "interrupted"; after stop_grace_s it kills them.
+        signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=int(launch.stop_grace_s),
     )
 
 
 def launch_workers(launch: Any, run_dir: Path, timeout_s: float | None) -> LaunchResult:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -92,9 +101,13 @@ def launch_workers(launch: Any, run_dir: Path, timeout_s: float | None) -> Launc
         watchdog.daemon = True
         watchdog.start()
     try:
-        elastic_launch(launch_config(launch, run_dir), sys.executable)("-u", "-m", "zerotune.launch.worker",
+        elastic_launch(launch_config(launch, run_dir), sys.executable)("-u", "-c", BOOTSTRAP, str(os.getpid()),
                                                                         str(run_dir))
         return LaunchResult("ok")
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        log.warning("%s: the workers were told to stop", name)
+        return LaunchResult("interrupted", f"stopped by {name}", signal=name)
     except ChildFailedError as exc:
         if timed_out.is_set():
             return LaunchResult("timeout", f"killed after train.timeout_s={timeout_s} s")

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from zerotune import checkpoints
 from zerotune.errors import ConfigError
-from zerotune.launch.elastic import check_launch, launch_workers
+from zerotune.launch.elastic import LaunchResult, check_launch, launch_workers
 from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
-from zerotune.preflight import preflight
+from zerotune.preflight import CheckedRun, preflight
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
@@ -30,35 +32,14 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     apply_slurm_geometry(cfg)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
-    spec.save()
-    try:
-        # Fails in seconds, before any worker starts. The user's DeepSpeed JSON / accelerate config are folded
-        # into cfg here (world size included), so everything below reads what will run.
-        check_launch(cfg.launch)
-        checked = preflight(cfg, overrides=spec.overrides)
-        check_launch(cfg.launch)  # again: an accelerate config may have set it
-    except ConfigError as exc:
-        run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": "ConfigError", "key": exc.key,
-                                                                     "message": str(exc)},
-                               "env": environment_info()})
-        raise
-    run_dir.write_config(cfg)
-    base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
-    node_rank = cfg.launch.node_rank
-    run_dir.write_ds_config(checked.ds_config)
-    nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
-    # The job's own view of memory: every worker on this node, whatever becomes of them.
-    with MemorySampler(nvme_dir=nvme, include_root=False) as sampler:
-        result = launch_workers(cfg.launch, run_dir.path, cfg.train.get("timeout_s"))
-    if node_rank != 0:
-        # Rank 0, on node 0, writes the job's summary.json (over a shared file system, this same folder);
-        # this node records its own ranks' outcome beside it, in summary.node<k>.json.
-        summary = {**base, "status": "ok" if result.status == "ok" else "failed", "node_rank": node_rank,
-                   "note": "the job's summary.json is written by node 0", "env": environment_info()}
-    else:
-        summary = run_dir.read_summary() or {**base, "env": environment_info()}
-    summary = merge_job_view(summary, result.status, result.error, sampler.peaks(), run_dir.path,
-                             failed_rank=result.failed_rank, failed_local_rank=result.failed_local_rank)
+    held = ExitStack()  # the checkpoint dir's lock, from the checks until the workers are done
+    with held:
+        checked = checked_job(cfg, spec, run_dir, held)
+        base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
+        node_rank = cfg.launch.node_rank
+        run_dir.write_ds_config(checked.ds_config)
+        summary, result, peaks = _launch(cfg, run_dir, base)
+    summary = merge_job_view(summary, result, peaks, run_dir.path)
     if node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
     else:
@@ -66,10 +47,64 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     return summary
 
 
+def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> CheckedRun:
+    """Everything that fails in seconds, before any worker starts: the config, the user's files, the checkpoint
+    to resume, the checkpoint dir's lock. A refusal is recorded in summary.json and raised."""
+    try:
+        # The user's DeepSpeed JSON / accelerate config are folded into cfg here (world size included),
+        # so everything below reads what will run.
+        check_launch(cfg.launch)
+        checked = preflight(cfg, overrides=spec.overrides, run_dir=spec.run_dir)
+        check_launch(cfg.launch)  # again: an accelerate config may have set it
+        held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
+    except ConfigError as exc:
+        run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": "ConfigError", "key": exc.key,
+                                                                     "message": str(exc)},
+                               "env": environment_info()})
+        raise
+    # The workers take this process's findings: the checkpoint it chose, its files checksummed once (here,
+    # not once per rank), and that the checkpoint dir's lock is held.
+    spec.from_parent = True
+    if checked.resume is not None:
+        cfg.resume.path = spec.resume_verified = str(checked.resume.path)
+    run_dir.write_config(cfg)
+    spec.save()
+    return checked
+
+
+def _launch(cfg: Any, run_dir: RunDir, base: dict) -> tuple[dict, LaunchResult, dict]:
+    """Start the workers and wait; the summary to complete (rank 0's own, or this node's), the launcher's
+    outcome and the memory peaks of the whole process tree."""
+    nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
+    # The job's own view of memory: every worker on this node, whatever becomes of them.
+    with MemorySampler(nvme_dir=nvme, include_root=False) as sampler:
+        result = launch_workers(cfg.launch, run_dir.path, cfg.train.timeout_s)
+    node_rank = cfg.launch.node_rank
+    if node_rank != 0:
+        # Rank 0, on node 0, writes the job's summary.json (over a shared file system, this same folder);
+        # this node records its own ranks' outcome beside it, in summary.node<k>.json.
+        summary = {**base, "status": "ok" if result.status == "ok" else "failed", "node_rank": node_rank,
+                   "note": "the job's summary.json is written by node 0", "env": environment_info()}
+    else:
+        summary = run_dir.read_summary() or {**base, "env": environment_info()}
+    return summary, result, sampler.peaks()
+
+
 def base_summary(cfg: Any, spec: JobSpec) -> dict:
     """What the job's summary says before (or without) the workers' own."""
     return {"status": "failed", "choices": key_choices(cfg, launch_world_size(cfg.launch)),
-            "run_dir": spec.run_dir, "experiment": experiment_info(cfg)}
+            "run_dir": spec.run_dir, "experiment": experiment_info(cfg),
+            "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec)}
+
+
+def _checkpoint_dir(cfg: Any, spec: JobSpec) -> str:
+    return str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir)))
+
+
+def _last_checkpoint(summary: dict) -> None:
+    """A job whose workers died without a summary still says which checkpoint it can resume from."""
+    found = checkpoints.latest(Path(summary["checkpoint_dir"])) if summary.get("checkpoint_dir") else None
+    summary.setdefault("checkpoint", {}).setdefault("last_complete", str(found) if found else None)
 
 
 def apply_slurm_geometry(cfg: Any) -> None:
@@ -86,22 +121,27 @@ def apply_slurm_geometry(cfg: Any) -> None:
              mapped["num_processes"])
 
 
-def merge_job_view(summary: dict, launch_status: str, launch_error: str | None, peaks: dict,
-                   run_dir: Path, failed_rank: int | None = None, failed_local_rank: int | None = None) -> dict:
+def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Path) -> dict:
     """Fold the launcher's outcome and the whole-tree memory peaks into the workers' summary."""
-    if launch_status != "ok" and summary.get("status") in ("ok", "failed", None):
+    if result.status == "interrupted":
+        # The workers stopped on the signal the launcher passed on (their summary says so), or were killed
+        # before they could write it.
+        summary["status"] = "interrupted"
+        summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
+    elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
         # A worker's own "oom" stays; a timeout or a death the worker could not record is the launcher's.
-        if launch_status == "timeout" or "error" not in summary:
-            summary["status"] = launch_status
-            summary["error"] = {"type": launch_status, "message": launch_error,
-                                "log_tail": log_tail(run_dir, local_rank=failed_local_rank)}
-        elif failed_rank not in (None, 0):
+        if result.status == "timeout" or "error" not in summary:
+            summary["status"] = result.status
+            summary["error"] = {"type": result.status, "message": result.error,
+                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
+        elif result.failed_rank not in (None, 0):
             # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
             # failed first: its error leads, rank 0's stays beside it.
             summary["status"] = "failed"
-            summary["error"] = {"type": "failed", "message": launch_error, "failed_rank": failed_rank,
+            summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
                                 "rank0_error": summary["error"],
-                                "log_tail": log_tail(run_dir, local_rank=failed_local_rank)}
+                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
+    _last_checkpoint(summary)
     memory = summary.setdefault("memory", {})
     memory["host_peak_rss_mib"] = peaks["host_peak_rss_mib"]  # all ranks, not just rank 0
     if peaks["nvme_peak_mib"] is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +11,16 @@ from omegaconf import OmegaConf
 
 from zerotune.files import jsonable, write_json_atomic, write_text_atomic
 
-__all__ = ["RunDir", "write_json_atomic", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
+__all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
 
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 SAMPLES = "samples"
+ATTEMPTS = "attempts"
+# What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
+_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "launch.json", "telemetry.png", "ranks")
 
 
 class RunDir:
@@ -26,6 +30,26 @@ class RunDir:
         if is_writer:
             (self.path / SAMPLES).mkdir(parents=True, exist_ok=True)
         self._metrics = None
+
+    def archive_previous_attempt(self) -> Path | None:
+        """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to
+        attempts/<n>/ before this run writes its own, whatever becomes of this run."""
+        found = [p for p in self.path.iterdir() if p.name in _RECORDS or p.name.startswith("summary.node")]
+        if not any(p.name in (CONFIG, SUMMARY) for p in found):
+            return None
+        dest = self.path / ATTEMPTS / str(len(self.previous_attempts()) + 1)
+        dest.mkdir(parents=True)
+        for p in found:
+            os.replace(p, dest / p.name)
+        if self.is_writer:
+            (self.path / SAMPLES).mkdir(exist_ok=True)
+        return dest
+
+    def previous_attempts(self) -> list[str]:
+        folder = self.path / ATTEMPTS
+        found = sorted((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name)) \
+            if folder.is_dir() else []
+        return [str(p.relative_to(self.path)) for p in found]
 
     def file(self, name: str) -> Path:
         return self.path / name

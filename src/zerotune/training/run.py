@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from contextlib import ExitStack
 from typing import Any
 
+from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.loggers import make_logger
 from zerotune.loggers.base import NullLogger, RunLogger
@@ -19,6 +21,7 @@ from zerotune.telemetry.plot import plot_run
 from zerotune.training import distributed
 from zerotune.training.evaluate import evaluate_digits
 from zerotune.training.measure import RunTelemetry
+from zerotune.training.stop import StopSignals
 from zerotune.training.trainer import Trainer
 
 log = logging.getLogger("zerotune")
@@ -28,6 +31,7 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     """Train as `cfg` says, in `spec.run_dir`; returns the summary rank 0 writes there.
 
     A ConfigError is re-raised after its summary is written: bad input never reaches model building.
+    A stop signal ends training after the current step, with the summary's status "interrupted".
     """
     start = time.time()
     distributed.ensure_single_process_env()
@@ -35,33 +39,42 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
     run_dir.write_config(cfg)
     summary: dict = {"status": "failed", "choices": key_choices(cfg, distributed.world_size()),
-                     "run_dir": str(run_dir.path), "experiment": experiment_info(cfg)}
+                     "run_dir": str(run_dir.path), "experiment": experiment_info(cfg),
+                     "previous_attempts": run_dir.previous_attempts()}
     logger: RunLogger = NullLogger()
-    try:
-        checked = preflight(cfg, distributed.world_size(), overrides=spec.overrides)
-        _record_checked(cfg, checked, run_dir, summary)
-        # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
-        logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
-        distributed.init_accelerate_state(checked.use_deepspeed)
-        summary.update(_train_and_evaluate(cfg, checked, run_dir, logger))
-        summary["status"] = "ok"
-        return summary
-    except ConfigError as exc:
-        summary["error"] = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
-        raise
-    except BaseException as exc:
-        summary["status"] = "oom" if is_oom(exc) else "failed"
-        summary["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000],
-                            "traceback_tail": traceback.format_exc().splitlines()[-12:]}
-        raise
-    finally:
-        summary["wall_time_s"] = time.time() - start
-        summary["env"] = environment_info()
-        run_dir.write_summary(summary)
-        run_dir.close()
-        if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
-            plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
-        _finish_logger(logger, summary, run_dir)
+    with StopSignals() as stop, ExitStack() as held:
+        try:
+            checked = preflight(cfg, distributed.world_size(), overrides=spec.overrides, run_dir=spec.run_dir,
+                                verified_resume=spec.resume_verified)
+            _record_checked(cfg, checked, run_dir, summary)
+            if not spec.from_parent and rank == 0:  # under torchrun & co. no zerotune parent holds it
+                held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
+            # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
+            logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
+            distributed.init_accelerate_state(checked.use_deepspeed)
+            _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary)
+            summary["status"] = "interrupted" if "interrupted" in summary else "ok"
+            return summary
+        except ConfigError as exc:
+            summary["error"] = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
+            raise
+        except BaseException as exc:
+            summary["status"] = "oom" if is_oom(exc) else "failed"
+            summary["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000],
+                                "traceback_tail": traceback.format_exc().splitlines()[-12:]}
+            raise
+        finally:
+            summary["wall_time_s"] = time.time() - start
+            _close(summary, run_dir, logger)
+
+
+def _close(summary: dict, run_dir: RunDir, logger) -> None:
+    summary["env"] = environment_info()
+    run_dir.write_summary(summary)
+    run_dir.close()
+    if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
+        plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
+    _finish_logger(logger, summary, run_dir)
 
 
 def _record_checked(cfg: Any, checked, run_dir: RunDir, summary: dict) -> None:
@@ -81,13 +94,21 @@ def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
     logger.finish(0 if summary["status"] == "ok" else 1)
 
 
-def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger) -> dict:
+def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSignals, summary: dict) -> None:
+    """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
+    through is there even when it fails)."""
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:
         trainer = Trainer(cfg, checked, run_dir, logger)
         telemetry.timer.synchronize = _device_sync(trainer)
-        out.update(trainer.fit(telemetry))
+        try:
+            out.update(trainer.fit(telemetry, stop))
+        finally:
+            summary.update(trainer.progress())
+        if trainer.stopped_by is not None:
+            out["interrupted"] = {"signal": trainer.stopped_by, "after_step": trainer.step,
+                                  "last_checkpoint": out["checkpoint"]["last_complete"]}
         out["optimizer_class"] = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
         out["train_time_s"] = sum(telemetry.timer.durations)
         if trainer.ema is not None:
@@ -96,18 +117,22 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger) -> dict:
     if trainer.data_report:
         out["data"] = trainer.data_report
     out["partition"] = trainer.partition
+    _gather_rank_records(trainer, run_dir, out)
+    if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
+        quality = evaluate_digits(trainer, cfg, run_dir)
+        if quality is not None:
+            out["quality"] = quality
+    trainer.accelerator.end_training()
+    summary.update(out)
+
+
+def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: dict) -> None:
     record = {**out["memory"], "partition": trainer.partition, "losses": trainer.logged_losses}
     record = write_rank_record(run_dir.path, distributed.rank(), record)  # every rank, its own file
     # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
     records = distributed.gather_object(record)
     if records is not None:
         out["memory"].update(per_rank_summary(records))
-    if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits":
-        quality = evaluate_digits(trainer, cfg, run_dir)
-        if quality is not None:
-            out["quality"] = quality
-    trainer.accelerator.end_training()
-    return out
 
 
 def _device_sync(trainer):

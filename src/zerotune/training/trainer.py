@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from accelerate.utils import set_seed
 
+from zerotune import checkpoints
 from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
@@ -32,7 +33,7 @@ class Trainer:
         ds = checked.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
-        self.resume_decision = self._decide_resume()  # a refused resume stops here, before anything is built
+        self.resume_decision = checked.resume  # found, checked and judged in preflight
         self.accelerator = make_accelerator(checked)
         self._clean_stale_swap()
         seed = cfg.train.seed
@@ -51,7 +52,9 @@ class Trainer:
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
         self._batches = self._infinite_batches()
-        self.checkpoints: list[dict] = []
+        self.saved: list[dict] = []  # this run's checkpoints
+        self.loss_first = self.loss_last = None
+        self.stopped_by: str | None = None
         self.partition: dict | None = None
         self.logged_losses: dict[int, float] = {}
         if self.resume_decision is not None:
@@ -137,13 +140,9 @@ class Trainer:
         self.batches_in_epoch = self._skip
 
     def _meta(self, world_size: int) -> dict:
-        return ckpt.current_meta(self.cfg, self.checked.ds_config, self.checked.use_deepspeed, world_size)
+        return checkpoints.current_meta(self.cfg, self.checked.ds_config, self.checked.use_deepspeed, world_size)
 
-    def _decide_resume(self) -> ckpt.ResumeDecision | None:
-        path = ckpt.resolve_resume(self.cfg.get("resume"), self.cfg.checkpoint.get("dir"))
-        return ckpt.decide_resume(path, self._meta(distributed.world_size()), self.checked.ds_config)
-
-    def _restore(self, decision: ckpt.ResumeDecision) -> None:
+    def _restore(self, decision: checkpoints.ResumeDecision) -> None:
         raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         restored = ckpt.load(self.accelerator, decision, self._module(), raw_optimizer, self.raw_scheduler())
         self.load_position_state(restored.position_state, decision.meta["world_size"], self.accelerator.num_processes)
@@ -163,21 +162,29 @@ class Trainer:
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
-    def _maybe_save(self, max_steps: int) -> None:
-        every = int(self.cfg.checkpoint.get("every_n_steps") or 0)
-        if every > 0 and (self.step % every == 0 or self.step == max_steps):
-            request = ckpt.SaveRequest(
-                root=ckpt.checkpoint_root(self.cfg.checkpoint.get("dir"), self.run_dir.path), step=self.step,
-                meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
-                unet=self._module(), ema_state=self.ema.state_dict() if self.ema is not None else None,
-                keep_last=int(self.cfg.checkpoint.get("keep_last") or 0))
-            info = ckpt.save(self.accelerator, request)
-            self.checkpoints.append({"step": self.step, **info})
-            log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
+    def _save_due(self, max_steps: int) -> bool:
+        every = self.cfg.checkpoint.every_n_steps
+        return every > 0 and (self.step % every == 0 or self.step == max_steps)
+
+    def save_checkpoint(self) -> None:
+        if self.saved and self.saved[-1]["step"] == self.step:
+            return  # this step is saved already
+        request = ckpt.SaveRequest(
+            root=checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path), step=self.step,
+            meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
+            unet=self._module(), job=checkpoints.job_token(self.run_dir.path),
+            size_estimate=self.checked.model_stats.num_params * 12,  # fp32 weights + Adam's two moments
+            ema_state=self.ema.state_dict() if self.ema is not None else None,
+            keep_last=self.cfg.checkpoint.keep_last)
+        info = ckpt.save(self.accelerator, request)
+        self.saved.append({"step": self.step, **info})
+        log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
 
     def checkpoint_summary(self) -> dict:
         rp = self.resume_decision
-        out = {"saved": self.checkpoints}
+        root = checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path)
+        last = checkpoints.latest(root)
+        out = {"saved": self.saved, "last_complete": str(last) if last is not None else None}
         if rp is not None:
             out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
                                    "changed": {k: list(v) for k, v in rp.changed.items()}}
@@ -237,29 +244,41 @@ class Trainer:
         self.run_dir.log_metrics(row)
         self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
-    def fit(self, telemetry) -> dict:
-        """Train for train.max_steps; returns the loss/perf part of the summary."""
+    def fit(self, telemetry, stop) -> dict:
+        """Train for train.max_steps, or until a stop signal (`stop`: training/stop.py); returns progress()."""
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
-        inject_faults = faults.step_hook(self.cfg.get("debug"), self.rank)  # None unless debug.* is set
-        loss_first = loss_last = None
+        inject_faults = faults.step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
         try:
             while self.step < max_steps:
+                self.stopped_by = stop.agreed(self.accelerator.device)
+                if self.stopped_by is not None:
+                    if self.cfg.checkpoint.on_signal and self.step > 0:
+                        self.save_checkpoint()
+                    break
                 if inject_faults is not None:
                     inject_faults(self.step)
-                telemetry.timer.start_step()
-                metrics = self.train_step()
-                step_s = telemetry.timer.end_step(self.micro_batch * self.grad_accum * self.accelerator.num_processes)
-                loss_last = metrics["loss/train"]
-                loss_first = loss_last if loss_first is None else loss_first
-                if not math.isfinite(loss_last):
-                    raise FloatingPointError(f"loss is {loss_last} at step {self.step}")
-                row = {"step": self.step, **metrics, "perf/step_time_s": step_s, **telemetry.step_memory()}
+                row = self._timed_step(telemetry)
                 if self.step % every == 0 or self.step in (1, max_steps):
                     self.log_row(row)
                 progress.update(row)
-                self._maybe_save(max_steps)
+                if self._save_due(max_steps):
+                    self.save_checkpoint()
         finally:
             progress.close()
-        return {"steps": self.step, "loss_first": loss_first, "loss_last": loss_last,
+        return self.progress()
+
+    def _timed_step(self, telemetry) -> dict:
+        telemetry.timer.start_step()
+        metrics = self.train_step()
+        step_s = telemetry.timer.end_step(self.micro_batch * self.grad_accum * self.accelerator.num_processes)
+        self.loss_last = metrics["loss/train"]
+        self.loss_first = self.loss_last if self.loss_first is None else self.loss_first
+        if not math.isfinite(self.loss_last):
+            raise FloatingPointError(f"loss is {self.loss_last} at step {self.step}")
+        return {"step": self.step, **metrics, "perf/step_time_s": step_s, **telemetry.step_memory()}
+
+    def progress(self) -> dict:
+        """How far training got: the summary's part, also when it failed or was stopped."""
+        return {"steps": self.step, "loss_first": self.loss_first, "loss_last": self.loss_last,
                 "samples_seen": self.samples_seen, "epochs": self.epoch, "checkpoint": self.checkpoint_summary()}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from zerotune.training.checkpoint.store import LATEST, read_meta
+from zerotune.checkpoints.layout import LATEST, read_meta
 
 DS_TAG = "pytorch_model"  # accelerate's folder name for DeepSpeed's checkpoint (MODEL_NAME)
 UNIVERSAL = "universal"

@@ -1,0 +1,78 @@
+"""Whether this run can continue a checkpoint, and how: natively, or converted across a ZeRO-stage,
+DeepSpeed or process-count change. Needs the config and meta.json only: the job's parent checks it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zerotune import __version__
+from zerotune.checkpoints.layout import read_meta
+from zerotune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# What a checkpoint records about how it was trained; a difference means a conversion.
+_TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload", "offload_params")
+
+
+def current_meta(cfg: Any, ds_config: dict, use_deepspeed: bool, world_size: int) -> dict:
+    """What this run would record in meta.json."""
+    zero = ds_config["zero_optimization"]
+    return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
+            "use_deepspeed": bool(use_deepspeed), "precision": cfg.precision.name,
+            "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
+            "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"],
+            "zerotune_version": __version__}
+
+
+@dataclass
+class ResumeDecision:
+    path: Path
+    mode: str          # native | universal | full
+    meta: dict
+    changed: dict      # key -> (checkpoint's, now)
+
+
+def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecision | None:
+    """How to load checkpoint `path` into a run described by `now` (current_meta), before any model or engine
+    exists; sets DeepSpeed's load_universal in `ds_config` when needed."""
+    if path is None:
+        return None
+    meta = read_meta(path)
+    if meta.get("model") != now["model"]:
+        raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
+                          f"model={now['model']}", f"model={meta.get('model')}")
+    changed = {k: (meta.get(k), now[k]) for k in _TOPOLOGY if meta.get(k) != now[k]}
+    mode = "native" if not changed else conversion_mode(path, meta, now)
+    if mode == "universal":
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    if changed:
+        log.warning("resuming %s across changes %s: %s conversion", path, changed, mode)
+    return ResumeDecision(path=path, mode=mode, meta=meta, changed=changed)
+
+
+def _export_fix(path: Path) -> str:
+    return (f"resume with the checkpoint's own settings, or export the weights and start from them "
+            f"(optimizer state restarts): python -m zerotune.export {path} <out> && train model.pretrained=<out>")
+
+
+def conversion_mode(path: Path, meta: dict, now: dict) -> str:
+    """universal (to ZeRO-1/2/3) or full (to stage 0); refuses what cannot be converted."""
+    src_zero = meta["use_deepspeed"] and meta["zero_stage"] >= 1
+    if "nvme" in (meta["offload"], now["offload"]):
+        raise ConfigError("offload", "resuming across a change of ZeRO stage, DeepSpeed or process count is not "
+                          "supported with NVMe offload on either side (its optimizer states live in swap files)",
+                          _export_fix(path))
+    if now["zero_stage"] >= 1:
+        if not src_zero:
+            raise ConfigError("zero_stage", f"checkpoint {path} was saved at stage 0 "
+                              f"({'DeepSpeed' if meta['use_deepspeed'] else 'plain accelerate'}); continuing it "
+                              f"under ZeRO-{now['zero_stage']} is not supported", _export_fix(path))
+        return "universal"
+    if now["optimizer"] not in ("AdamW", "Adam") or meta.get("optimizer") != now["optimizer"]:
+        raise ConfigError("optimizer", f"converting optimizer state to stage 0 supports Adam/AdamW only "
+                          f"(checkpoint {meta.get('optimizer')}, now {now['optimizer']})", _export_fix(path))
+    return "full"

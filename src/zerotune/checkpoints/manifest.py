@@ -1,0 +1,76 @@
+"""COMPLETE, the marker written last into a checkpoint: the size and sha256 of every file in it.
+
+Resume checks a checkpoint against it before loading, so a truncated or altered file is named up
+front instead of failing deep inside torch.load a minute later. Checkpoints written before the
+manifest existed hold only the step number in COMPLETE; they are checked for readable metadata only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from zerotune.checkpoints.layout import COMPLETE, META
+
+_CHUNK = 8 << 20
+
+
+def file_record(path: Path, durable: bool = False) -> dict:
+    """Size and sha256 of one file (fsynced first when `durable`: the save is published after this)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        if durable:
+            os.fsync(fh.fileno())
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return {"bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+
+
+def build(folder: Path, step: int, durable: bool = True) -> dict:
+    """The manifest of everything under `folder` (COMPLETE itself excluded)."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE)
+    return {"step": step, "files": {p.relative_to(folder).as_posix(): file_record(p, durable) for p in files}}
+
+
+def dumps(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1) + "\n"
+
+
+def read(folder: Path) -> dict | None:
+    """The manifest in `folder`/COMPLETE, or None for a checkpoint that predates manifests."""
+    text = (Path(folder) / COMPLETE).read_text()
+    try:
+        found = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return found if isinstance(found, dict) and "files" in found else None
+
+
+def problems(folder: Path, checksums: bool = True) -> list[str]:
+    """What is wrong with checkpoint `folder`, file by file; [] when every file matches its record."""
+    folder = Path(folder)
+    try:
+        manifest = read(folder)
+    except (OSError, UnicodeDecodeError) as exc:
+        return [f"{COMPLETE}: unreadable ({exc})"]
+    found = [] if manifest is not None else _legacy_problems(folder)
+    for name, want in (manifest or {}).get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            found.append(f"{name}: missing")
+        elif path.stat().st_size != want["bytes"]:
+            found.append(f"{name}: {path.stat().st_size} bytes, {want['bytes']} when saved (truncated or rewritten)")
+        elif checksums and file_record(path)["sha256"] != want["sha256"]:
+            found.append(f"{name}: sha256 differs from the one recorded when saved (the file was altered)")
+    return found
+
+
+def _legacy_problems(folder: Path) -> list[str]:
+    try:
+        json.loads((folder / META).read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{META}: unreadable ({exc})"]
+    return []

@@ -1,0 +1,71 @@
+"""Which checkpoint `resume` names: found, checked against its manifest, and an earlier one when it is damaged."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from zerotune.checkpoints import manifest
+from zerotune.checkpoints.layout import checkpoint_root, checkpoint_roots, is_complete, is_step_dir, list_complete
+from zerotune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_resume(resume: Any, checkpoint_dir: Any, run_dir: Path | None, verified: str | None = None) -> Path | None:
+    """The checkpoint folder `resume` (resume.path, resume.strict) names, or None. The rule (conf/config.yaml):
+    a checkpoint folder, a folder of them or a run dir (its newest), or `latest` (the newest in checkpoint.dir,
+    default <run dir>/checkpoints). `verified`: a folder already checksummed by the job's parent (sizes only)."""
+    setting = resume.path
+    if setting in (None, "", False):
+        return None
+    if str(setting) == "latest":
+        root = checkpoint_root(checkpoint_dir, run_dir)
+        candidates = list_complete(root)[::-1]
+        if not candidates:
+            raise ConfigError("resume.path", f"resume=latest found no complete checkpoint in {root}", _latest_fix(
+                checkpoint_dir))
+        return first_sound(candidates, bool(resume.strict), verified)
+    path = Path(str(setting)).expanduser()
+    if is_complete(path):
+        return first_sound([path], True, verified)  # named exactly: never swapped for another
+    if is_step_dir(path) and path.is_dir():
+        raise ConfigError("resume.path", f"{path} has no COMPLETE marker: its save was interrupted",
+                          f"resume={path.parent} (the newest complete checkpoint in it)")
+    for root in checkpoint_roots(path):
+        candidates = list_complete(root)[::-1]
+        if candidates:
+            return first_sound(candidates, bool(resume.strict), verified)
+    raise ConfigError("resume.path", f"{path} is not a complete checkpoint and holds none (an interrupted save "
+                      "leaves no COMPLETE marker and is ignored)",
+                      "resume=<run dir>, resume=<run dir>/checkpoints/step-NNNNNNN, or resume=latest")
+
+
+def _latest_fix(checkpoint_dir: Any) -> str:
+    if checkpoint_dir:
+        return "point checkpoint.dir at a folder holding step-NNNNNNN/ checkpoints, or resume=null"
+    return ("run in the old run dir (hydra.run.dir=<old run dir>), or resume=<old run dir>, or "
+            "checkpoint.dir=<old run dir>/checkpoints")
+
+
+def first_sound(candidates: list[Path], strict: bool, verified: str | None = None) -> Path:
+    """The first of `candidates` (newest first) whose files match their manifest. A damaged one is skipped
+    with a warning naming the file, unless `strict` (or it was named exactly), which stops with the fix."""
+    for i, folder in enumerate(candidates):
+        found = manifest.problems(folder, checksums=str(folder) != verified)
+        if not found:
+            return folder
+        earlier = candidates[i + 1] if i + 1 < len(candidates) else None
+        detail = "; ".join(found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
+        if strict or len(candidates) == 1:
+            fix = (f"resume={earlier} (the previous complete checkpoint), or resume.strict=false to fall back "
+                   "automatically" if earlier else "resume from an older checkpoint, or start anew with resume=null")
+            if len(candidates) == 1 and not strict:
+                fix = (f"resume={folder.parent} to use the newest sound checkpoint there, or resume=null"
+                       if len(list_complete(folder.parent)) > 1 else "resume=null, or an older checkpoint")
+            raise ConfigError("resume.path", f"checkpoint {folder} is damaged: {detail}", fix)
+        log.warning("checkpoint %s is damaged (%s): resuming from the previous complete one instead",
+                    folder, detail)
+    raise ConfigError("resume.path", f"every complete checkpoint in {candidates[0].parent} is damaged",
+                      "resume=null to start anew, or point resume at a copy of the checkpoints")

@@ -1,0 +1,58 @@
+"""Stop signals end a run between steps: SIGTERM (`timeout`, `kill`, a scheduler), SIGINT (Ctrl-C), SIGHUP,
+and SIGUSR1 (SLURM's `--signal` before pre-emption). The step in progress completes, a last checkpoint is
+saved when checkpoint.on_signal is set, and the summary says "interrupted" with the steps done."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from zerotune.training import distributed
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+
+
+class StopSignals:
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
+            for name in STOP_SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:  # noqa: ARG002 (signal's signature)
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: stopping after the current step", self.received)
+
+    def agreed(self, device) -> str | None:
+        """The stop, as every rank sees it: ranks stop after the same step, since a save is a collective."""
+        stop = self.received is not None
+        if distributed.world_size() > 1:
+            import torch
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                flag = torch.tensor([int(stop)], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = bool(flag.item())
+        if stop and self.received is None:
+            self.received = "a stop signal on another rank"
+        return self.received if stop else None
+
+    @property
+    def signal_number(self) -> int | None:
+        return int(getattr(signal, self.received)) if self.received in STOP_SIGNALS else None
