@@ -29,7 +29,7 @@ def resolve_resume(resume: Any, checkpoint_dir: Any, run_dir: Path | None, verif
         return first_sound(candidates, bool(resume.strict), verified)
     path = Path(str(setting)).expanduser()
     if is_complete(path):
-        return first_sound([path], True, verified)  # named exactly: never swapped for another
+        return first_sound([path], True, verified)  # named exactly: never swapped for another one
     if is_step_dir(path) and path.is_dir():
         raise ConfigError("resume.path", f"{path} has no COMPLETE marker: its save was interrupted",
                           f"resume={path.parent} (the newest complete checkpoint in it)")
@@ -51,19 +51,17 @@ def _latest_fix(checkpoint_dir: Any) -> str:
 
 def first_sound(candidates: list[Path], strict: bool, verified: str | None = None) -> Path:
     """The first of `candidates` (newest first) whose files match their manifest. A damaged one is skipped
-    with a warning naming the file, unless `strict` (or it was named exactly), which stops with the fix."""
-    for i, folder in enumerate(candidates):
+    with a warning naming the file, unless `strict`, which stops with the fix."""
+    for folder in candidates:
         found = manifest.problems(folder, checksums=str(folder) != verified)
         if not found:
             return folder
-        earlier = candidates[i + 1] if i + 1 < len(candidates) else None
         detail = "; ".join(found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
-        if strict or len(candidates) == 1:
-            fix = (f"resume={earlier} (the previous complete checkpoint), or resume.strict=false to fall back "
-                   "automatically" if earlier else "resume from an older checkpoint, or start anew with resume=null")
-            if len(candidates) == 1 and not strict:
-                fix = (f"resume={folder.parent} to use the newest sound checkpoint there, or resume=null"
-                       if len(list_complete(folder.parent)) > 1 else "resume=null, or an older checkpoint")
+        if strict:
+            older = [p for p in list_complete(folder.parent) if p.name < folder.name]
+            fix = (f"resume={older[-1]} (the previous complete checkpoint), or resume.strict=false with "
+                   f"resume={folder.parent} to fall back automatically" if older
+                   else "start anew with resume=null")
             raise ConfigError("resume.path", f"checkpoint {folder} is damaged: {detail}", fix)
         log.warning("checkpoint %s is damaged (%s): resuming from the previous complete one instead",
                     folder, detail)

@@ -23,6 +23,9 @@ class CheckpointSpaceError(OSError):
                          f"{free / MIB:.1f} MiB are free. Fix: free space there, or checkpoint.dir=<a larger "
                          "disk>, or a smaller checkpoint.keep_last")
 
+    def __str__(self) -> str:
+        return self.strerror  # the sentence, without OSError's "[Errno 28]" in front
+
 
 def free_bytes(path: Path) -> int:
     """Free space of the file system holding `path` (its nearest existing ancestor)."""
