@@ -300,3 +300,36 @@ def test_a_failed_rerun_keeps_the_first_runs_records(tmp_path):
     assert (kept / "metrics.jsonl").is_file()
     now = read_summary(run_dir)
     assert now["status"] == "failed" and now["previous_attempts"] == ["attempts/1"]
+
+
+SUBMITIT_LIKE = """
+import signal, sys
+# What submitit does in the job process on SLURM's pre-emption signal (USR2): requeue, then sys.exit(-1).
+signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))
+from zerotune.cli.main import main
+sys.argv = ["train.py", *sys.argv[1:]]
+main()
+"""
+
+
+def test_slurm_preemption_saves_and_the_requeued_job_resumes(tmp_path):
+    """hydra/launcher=slurm: submitit exits the job process on pre-emption; the workers still save
+    (checkpoint.on_signal), and the requeued job (same command, same run dir, resume=auto) continues."""
+    run_dir = tmp_path / "run"
+    args = [*SHORT, "checkpoint.on_signal=true", "resume=auto", f"hydra.run.dir={run_dir}"]
+    job = subprocess.Popen([sys.executable, "-c", SUBMITIT_LIKE, "train.max_steps=100000", *args], cwd=ROOT,
+                           env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: steps_logged(run_dir) >= 3, what="three steps")
+    job.send_signal(signal.SIGUSR2)
+    job.communicate(timeout=120)
+    stopped = read_summary(run_dir)
+    assert stopped["status"] == "interrupted" and stopped["checkpoint"]["last_complete"]
+    proc = run_cli(*args, f"train.max_steps={stopped['steps'] + 2}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_summary(run_dir)["checkpoint"]["resumed_from"]["step"] == stopped["steps"]
+
+
+def test_resume_auto_starts_fresh_when_there_is_nothing_to_continue(tmp_path):
+    proc = run_cli(*SHORT, "train.max_steps=2", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed_from" not in read_summary(tmp_path / "run")["checkpoint"]

@@ -15,14 +15,16 @@ log = logging.getLogger(__name__)
 
 def resolve_resume(resume: Any, checkpoint_dir: Any, run_dir: Path | None, verified: str | None = None) -> Path | None:
     """The checkpoint folder `resume` (resume.path, resume.strict) names, or None. The rule (conf/config.yaml):
-    a checkpoint folder, a folder of them or a run dir (its newest), or `latest` (the newest in checkpoint.dir,
-    default <run dir>/checkpoints). `verified`: a folder already checksummed by the job's parent (sizes only)."""
+    a checkpoint folder, a folder of them or a run dir (its newest), `latest` (the newest in checkpoint.dir,
+    default <run dir>/checkpoints), or `auto` (the same, or a fresh start when there is none). `verified`: a folder already checksummed by the job's parent (sizes only)."""
     setting = resume.path
     if setting in (None, "", False):
         return None
-    if str(setting) == "latest":
+    if str(setting) in ("latest", "auto"):
         root = checkpoint_root(checkpoint_dir, run_dir)
         candidates = list_complete(root)[::-1]
+        if not candidates and str(setting) == "auto":
+            return None  # a first start: nothing to continue yet (a requeued job finds its checkpoints)
         if not candidates:
             raise ConfigError("resume.path", f"resume=latest found no complete checkpoint in {root}", _latest_fix(
                 checkpoint_dir))
