@@ -55,7 +55,8 @@ def steps_logged(run_dir: Path) -> int:
 # ---------------------------------------------------------------------------- 1. orphaned workers
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 1.0, 3.0])
+@pytest.mark.parametrize("delay_s", [pytest.param(0.0, marks=pytest.mark.slow), 1.0,
+                                     pytest.param(3.0, marks=pytest.mark.slow)])
 def test_killing_the_job_kills_its_workers_at_any_moment_of_their_start(tmp_path, delay_s):
     """kill -9 of the job's process group while its worker is still importing: the worker (in a session of
     its own, started by torch's launcher) must not survive its parent."""
@@ -251,8 +252,10 @@ def test_temporary_folders_are_private_to_a_job(tmp_path):
 # ---------------------------------------------------------------------------- 5. stop signals
 
 
-@pytest.mark.parametrize(("sig", "code", "on_signal"), [(signal.SIGTERM, 143, True), (signal.SIGINT, 130, False),
-                                                         (signal.SIGUSR1, 138, True)])
+@pytest.mark.parametrize(("sig", "code", "on_signal"), [
+    (signal.SIGTERM, 143, True),
+    pytest.param(signal.SIGINT, 130, False, marks=pytest.mark.slow),
+    pytest.param(signal.SIGUSR1, 138, True, marks=pytest.mark.slow)])
 def test_a_stop_signal_ends_the_job_cleanly(tmp_path, sig, code, on_signal):
     run_dir = tmp_path / "run"
     job = start_cli("train.max_steps=100000", f"checkpoint.on_signal={str(on_signal).lower()}",
@@ -271,6 +274,7 @@ def test_a_stop_signal_ends_the_job_cleanly(tmp_path, sig, code, on_signal):
     assert not workers_of(run_dir)
 
 
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_in_place_without_loss(tmp_path):
     run_dir = tmp_path / "run"
     job = start_cli("train.max_steps=100000", "checkpoint.on_signal=true", f"hydra.run.dir={run_dir}")
@@ -312,6 +316,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_slurm_preemption_saves_and_the_requeued_job_resumes(tmp_path):
     """hydra/launcher=slurm: submitit exits the job process on pre-emption; the workers still save
     (checkpoint.on_signal), and the requeued job (same command, same run dir, resume=auto) continues."""
