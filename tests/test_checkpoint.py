@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
-
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 from zerotune import checkpoints

@@ -12,6 +12,7 @@ from zerotune.data import check_data
 from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
+from zerotune.loggers import check_logger
 from zerotune.models import ModelStats
 from zerotune.platform import Platform, detect
 from zerotune.schema import launch_world_size
@@ -63,6 +64,13 @@ def _check_train(cfg: Any) -> None:
                           "diffusion.prediction_type=epsilon or v_prediction")
 
 
+def _check_inputs(cfg: Any) -> None:
+    """The weights, data and logger a worker would open: what would fail there (after its start-up) fails here."""
+    models.check_pretrained(cfg.model)
+    check_data(DataSpec.from_config(cfg))
+    check_logger(cfg.logger)
+
+
 def _fit_default_warmup(cfg: Any, user) -> None:
     """A default warm-up longer than a short run (`train.max_steps=3`) is shortened to a tenth of the run;
     one typed on the command line or given by a file stays, and the scheduler check reports it."""
@@ -96,7 +104,7 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     except ConfigError as exc:
         raise user.attribute(exc) from None
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
-    check_data(DataSpec.from_config(cfg))
+    _check_inputs(cfg)
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model)
     ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))

@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.checkpoints import manifest
-from zerotune.checkpoints.layout import checkpoint_root, checkpoint_roots, is_complete, is_step_dir, list_complete
+from zerotune.checkpoints.layout import (
+    checkpoint_root,
+    checkpoint_roots,
+    is_complete,
+    is_step_dir,
+    list_complete,
+)
 from zerotune.errors import ConfigError
 
 log = logging.getLogger(__name__)

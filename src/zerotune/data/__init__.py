@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from zerotune.data.footprint import check_fits_memory
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 from zerotune.models import latent_shape, unet_config
@@ -34,6 +35,7 @@ def build_dataset(spec: DataSpec) -> Dataset:
 
 def check_data(spec: DataSpec) -> None:
     """The data checks that load no model (seconds): for the parent process, before workers start."""
+    check_fits_memory(spec)
     if spec.data.name == "folder":
         from zerotune.data.prepare import check_folder_data
 

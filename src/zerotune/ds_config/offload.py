@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
@@ -55,27 +56,50 @@ def offload_blocks(offload: Any, stage: int, largest_param_numel: int) -> dict:
 
 
 def check_nvme_path(path: str | None, key: str) -> Path:
-    """The NVMe folder must be given, exist (or be creatable inside an existing parent) and be writable."""
+    """The NVMe folder must be given, be a folder (or be creatable inside an existing one), and take files."""
     if not path:
         raise ConfigError(key, "NVMe offload needs a folder to swap to", "offload.path=/path/to/nvme/folder")
     folder = Path(path).expanduser()
-    if not folder.exists():
-        if not folder.parent.is_dir():
-            raise ConfigError(key, f"{folder} does not exist, nor does its parent {folder.parent}",
-                              "create the folder, or point offload.path at an existing one")
-        folder = folder.parent
-    if not folder.is_dir():
+    if folder.exists() and not folder.is_dir():
         raise ConfigError(key, f"{folder} is not a folder", "point offload.path at a folder")
-    probe = folder / f".zerotune-write-test-{uuid.uuid4().hex}"
+    if not folder.exists() and not folder.parent.is_dir():
+        raise ConfigError(key, f"{folder} does not exist, nor does its parent {folder.parent}",
+                          "create the folder, or point offload.path at an existing one")
+    _try_writing(folder, key)
+    return folder
+
+
+def _try_writing(folder: Path, key: str) -> None:
+    """Do what DeepSpeed will (create the folder if missing, then a file in it) and undo it: a permission
+    check alone passes for root on /proc or a read-only mount, where creating still fails."""
+    created = not folder.exists()
     try:
+        if created:
+            folder.mkdir()
+        probe = folder / f".zerotune-write-test-{uuid.uuid4().hex}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise ConfigError(key, f"{folder} is not writable ({exc.strerror})",
-                          "choose a folder you can write to, or fix its permissions") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(key, f"{folder} is not writable", "choose a folder you can write to")
-    return Path(path).expanduser()
+        what = f"{folder} cannot be created in {folder.parent}" if created and not folder.is_dir() \
+            else f"no file can be created in {folder}"
+        where = folder if folder.is_dir() else folder.parent
+        raise ConfigError(key, f"{what}: {exc.strerror} ({where} is on {file_system(where)})",
+                          "point offload.path at a folder you can write to on a local disk (ideally NVMe)") from None
+    finally:
+        if created and folder.is_dir():
+            folder.rmdir()  # made only to find out; DeepSpeed creates it again
+
+
+def file_system(path: Path) -> str:
+    """The file system holding `path`, in words: "a proc file system", "a tmpfs file system, mounted read-only"."""
+    real = os.path.realpath(path)
+    mounts = [m for m in psutil.disk_partitions(all=True)
+              if os.path.commonpath([real, m.mountpoint]) == m.mountpoint]
+    if not mounts:
+        return "an unknown file system"
+    mount = max(mounts, key=lambda m: len(m.mountpoint))
+    read_only = ", mounted read-only" if "ro" in mount.opts.split(",") else ""
+    return f"a {mount.fstype} file system{read_only}"
 
 
 AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,

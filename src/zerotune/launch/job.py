@@ -16,6 +16,7 @@ from typing import Any
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import LaunchResult, check_launch, launch_workers
+from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
 from zerotune.preflight import CheckedRun, preflight
 from zerotune.rundir import RunDir, write_json_atomic
@@ -38,7 +39,14 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
         node_rank = cfg.launch.node_rank
         run_dir.write_ds_config(checked.ds_config)
+        # Before the job's memory sampler: DeepSpeed's one-off JIT compile is not this configuration's cost.
+        try:
+            base["ops_build"] = prebuild_ops(checked.ds_config, checked.use_deepspeed)
+        except ConfigError as exc:
+            record_refusal(cfg, spec, run_dir, exc)
+            raise
         summary, result, peaks = _launch(cfg, run_dir, base)
+        summary["ops_build"] = base["ops_build"]  # rank 0's own summary replaces base
     summary = merge_job_view(summary, result, peaks, run_dir.path)
     if node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
@@ -58,9 +66,7 @@ def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> Ch
         check_launch(cfg.launch)  # again: an accelerate config may have set it
         held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
     except ConfigError as exc:
-        run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": "ConfigError", "key": exc.key,
-                                                                     "message": str(exc)},
-                               "env": environment_info()})
+        record_refusal(cfg, spec, run_dir, exc)
         raise
     # The workers take this process's findings: the checkpoint it chose, its files checksummed once (here,
     # not once per rank), and that the checkpoint dir's lock is held.
@@ -70,6 +76,12 @@ def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> Ch
     run_dir.write_config(cfg)
     spec.save()
     return checked
+
+
+def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError) -> None:
+    """A job refused before any worker started still has its summary.json, naming the key."""
+    run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": type(exc).__name__, "key": exc.key,
+                                                                 "message": str(exc)}, "env": environment_info()})
 
 
 def _launch(cfg: Any, run_dir: RunDir, base: dict) -> tuple[dict, LaunchResult, dict]:

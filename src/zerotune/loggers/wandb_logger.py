@@ -21,6 +21,31 @@ def flatten(d: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str,
     return out
 
 
+# wandb.init modes that never reach the server, so need no API key.
+LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def known_modes() -> tuple[str, ...]:
+    """The modes wandb.init accepts, from its own settings type."""
+    from typing import get_args
+
+    from wandb.sdk.wandb_settings import Settings
+
+    return get_args(Settings.model_fields["mode"].annotation)
+
+
+def api_key_found() -> bool:
+    """Whether wandb.init will find credentials (WANDB_API_KEY or an identity token file, a .netrc entry for
+    the W&B host, wandb's settings), by wandb's own lookup: no prompt, no network. An API key of the wrong
+    form raises wandb's AuthenticationError."""
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    host = wandb_setup.singleton().settings.base_url
+    found = wbauth.authenticate_session(host=host, source="zerotune", prompt=False, update_session=False)
+    return found is not None
+
+
 class WandbLogger(RunLogger):
     def __init__(
         self,

@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
+from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,8 @@ def load_pretrained(model_cfg: Any, path: Path):
 
     key = "model.pretrained"
     if path.is_dir():
-        folder = path / "unet" if (path / "unet" / "config.json").is_file() else path
-        if not (folder / "config.json").is_file():
-            raise ConfigError(key, f"{path} holds no diffusers U-Net (no config.json in it or in unet/)",
-                              "point model.pretrained at a folder saved by UNet2DConditionModel.save_pretrained")
-        return UNet2DConditionModel.from_pretrained(folder, local_files_only=True)
+        read_folder(path)  # refuses a folder without a U-Net config or weights, saying which
+        return UNet2DConditionModel.from_pretrained(unet_folder(path), local_files_only=True)
     if path.suffix == ".safetensors" and path.is_file():
         from safetensors.torch import load_file
 
@@ -92,5 +90,44 @@ def load_pretrained(model_cfg: Any, path: Path):
                               f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})",
                               "choose the model option whose architecture the weights were saved from")
         return unet
-    raise ConfigError(key, f"{path} is neither a diffusers folder nor a .safetensors file",
-                      "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
+    raise _not_weights(path)
+
+
+def _not_weights(path: Path) -> ConfigError:
+    problem = "does not exist" if not path.exists() else "is neither a diffusers folder nor a .safetensors file"
+    return ConfigError("model.pretrained", f"{path} {problem}",
+                       "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
+
+
+def state_dict_shapes(unet_kwargs: dict) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the state dict of the U-Net `unet_kwargs` describes, built on the meta device."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(unet_kwargs)
+    return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
+
+
+def check_pretrained(model_cfg: Any) -> None:
+    """What `load_pretrained` needs, checked in seconds without reading a tensor: the path exists, a folder
+    has a U-Net config and weights, and every safetensors header is whole and names the tensors (and shapes)
+    of the U-Net it loads into: a folder's own config.json, or the model option's for a single file."""
+    if not model_cfg.get("pretrained"):
+        return
+    path = Path(str(model_cfg.pretrained)).expanduser()
+    if path.is_dir():
+        config, files = read_folder(path)
+        model = "the U-Net its config.json describes"
+    elif path.suffix == ".safetensors" and path.is_file():
+        config, files, model = unet_config(model_cfg), [path], f"model={model_cfg.name}"
+    else:
+        raise _not_weights(path)
+    found = {name: shape for file in files for name, shape in read_shapes(file).items()}
+    if files:
+        try:
+            expected = state_dict_shapes(config)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
+                              f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
+        compare_shapes(files[0] if len(files) == 1 else path, found, expected, model)

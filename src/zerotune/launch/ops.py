@@ -1,0 +1,180 @@
+"""Build DeepSpeed's JIT ops in the job's parent, before its memory sampler and its workers start.
+
+DeepSpeed compiles an op (cpu_adam, async_io, its CPU shm comm op, ...) the first time a process loads it,
+into the torch extensions cache. Left to the first worker, the compile (a C++ compiler at ~1 GiB per file)
+lands inside the job's memory sampler and start-up time: the first job of a sweep looked 5x costlier than
+identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from zerotune.errors import ConfigError
+from zerotune.telemetry import MemorySampler
+
+log = logging.getLogger("zerotune")
+
+# What DeepSpeed 0.19's engine loads for each optimizer (engine._configure_basic_optimizer /
+# get_optimizer_configuration): a CPU kernel when the optimizer is offloaded (cpu or nvme), else a fused one.
+OFFLOADED = {"adam": "CPUAdamBuilder", "adamw": "CPUAdamBuilder", "adagrad": "CPUAdagradBuilder",
+             "lion": "CPULionBuilder"}
+ON_DEVICE = {"adam": "FusedAdamBuilder", "adamw": "FusedAdamBuilder", "lamb": "FusedLambBuilder",
+             "lion": "FusedLionBuilder"}
+# comm/torch.py build_shm_op(): every TorchBackend (the one DeepSpeed uses on the CPU accelerator, gloo)
+# loads it, when the accelerator has it and it is compatible. Loading only registers kernels: its shared
+# memory is set up by initialize(), which the workers call, so loading it in the parent is harmless.
+SHM_COMM = "ShareMemCommBuilder"
+
+COMPILER_FIX = ("install a C++ compiler and ninja (apt-get install g++ ninja-build, or pip install ninja) and "
+                "make the torch extensions cache (TORCH_EXTENSIONS_DIR) writable")
+FIXES = {  # builder -> (config key, fix): the worker would fail on the same op the same way
+    "AsyncIOBuilder": ("offload.device", "install libaio (apt-get install libaio-dev, yum install libaio-devel) "
+                                         f"or use offload=cpu; also {COMPILER_FIX}"),
+    "PinMemoryBuilder": ("offload.device", f"{COMPILER_FIX}, or use offload=cpu"),
+    SHM_COMM: ("deepspeed.enabled", f"{COMPILER_FIX}, or run without DeepSpeed (zero_stage=0 "
+                                    "deepspeed.enabled=false)"),
+}
+
+
+class OpBuildError(ConfigError):
+    """DeepSpeed could not build an op this run needs; a ConfigError so that a sweep records it and goes on."""
+
+
+def needed_ops(ds_config: dict, use_deepspeed: bool) -> list[str]:
+    """The DeepSpeed op builders (class names) the workers will load for this DeepSpeed dict, in load order."""
+    if not use_deepspeed:
+        return []  # plain accelerate: torch's own optimizers, no DeepSpeed op
+    zero = ds_config.get("zero_optimization") or {}
+    devices = {(zero.get(block) or {}).get("device", "none") for block in ("offload_optimizer", "offload_param")}
+    offloaded = str((zero.get("offload_optimizer") or {}).get("device", "none")) in ("cpu", "nvme")
+    ops = [SHM_COMM]  # first: init_distributed loads it before the engine is built
+    ops += _optimizer_ops(ds_config.get("optimizer"), offloaded)
+    if "nvme" in devices:
+        ops += ["PinMemoryBuilder", "AsyncIOBuilder"]  # async_io's load() loads pin_memory first
+    elif os.environ.get("DS_PIN_MEMORY_BACKEND", "torch").strip().lower() == "native":
+        ops.append("PinMemoryBuilder")  # utils/pin_memory.py: native pinning through the pin_memory op
+    return ops
+
+
+def _optimizer_ops(block: Any, offloaded: bool) -> list[str]:
+    if not isinstance(block, dict):
+        return []  # no optimizer block: the model code's own (torch) optimizer
+    name = str(block.get("type", "")).lower()  # DeepSpeed matches optimizer names case-insensitively
+    params = block.get("params") or {}
+    if name in ("adam", "adamw") and params.get("torch_adam"):
+        return []  # torch.optim.AdamW, whatever the offload
+    builder = (OFFLOADED if offloaded else ON_DEVICE).get(name)
+    return [builder] if builder else []
+
+
+def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
+    """Build (or load from the cache) every op the workers will load; the record for summary.json."""
+    names = needed_ops(ds_config, use_deepspeed)
+    record: dict = {"ops": [], "skipped": [], "total_seconds": 0.0, "host_peak_mib": None}
+    if not names:
+        return record
+    from deepspeed.accelerator import get_accelerator  # the parent imported DeepSpeed already (preflight)
+
+    accelerator = get_accelerator()
+    start = time.perf_counter()
+    for name in names:
+        builder = _builder(accelerator, name)
+        if builder is None:
+            record["skipped"].append(name)  # the workers skip it too (shm) or preflight refused the run
+            continue
+        one = _build_isolated(name) if _needs_device(builder, accelerator) else _build_here(name, builder)
+        log.info("DeepSpeed op %s: %s in %.1f s, host peak %.0f MiB", one["name"],
+                 "loaded from the cache" if one["was_cached"] else "built", one["seconds"], one["host_peak_mib"])
+        record["ops"].append(one)
+    record["total_seconds"] = time.perf_counter() - start
+    peaks = [op["host_peak_mib"] for op in record["ops"] if op["host_peak_mib"] is not None]
+    record["host_peak_mib"] = max(peaks, default=None)
+    return record
+
+
+def _builder(accelerator: Any, name: str) -> Any | None:
+    """The accelerator's builder for `name`, or None where the workers would not load it."""
+    builder = accelerator.create_op_builder(name)
+    if builder is None or type(builder).__name__ == "NotImplementedBuilder":
+        return None
+    if name == SHM_COMM:
+        from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+        # build_shm_op() loads it only where it is compatible (Linux); elsewhere DeepSpeed uses plain gloo.
+        if not probe_is_compatible(builder):
+            return None
+    return builder
+
+
+def _needs_device(builder: Any, accelerator: Any) -> bool:
+    """A CUDA op's JIT build asks torch.cuda for the GPUs' architectures, which would create a CUDA context
+    in this process for the whole job (memory the workers need, and counted by the GPU sampler)."""
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    return accelerator.device_name() != "cpu" and isinstance(builder, CUDAOpBuilder)
+
+
+def _build_here(name: str, builder: Any) -> dict:
+    """Load one op in this process, sampling this process and its compiler children."""
+    with MemorySampler(include_root=True) as sampler:
+        result = load_op(name, builder)
+    return {**result, "host_peak_mib": sampler.peaks()["host_peak_rss_mib"]}
+
+
+def load_op(name: str, builder: Any) -> dict:
+    """builder.load(), as DeepSpeed's optimizers and swappers call it; timed, with where the op lives."""
+    start_wall, start = time.time(), time.perf_counter()
+    try:
+        module = builder.load()
+    except Exception as exc:
+        raise _build_error(name, builder.NAME, exc) from exc
+    seconds = time.perf_counter() - start
+    path = getattr(module, "__file__", None)
+    # Built now: its .so was (re)written during this call; loaded from the cache: it is older than the call.
+    cached = bool(path) and os.path.getmtime(path) < start_wall
+    return {"name": builder.NAME, "builder": name, "seconds": seconds, "was_cached": cached, "path": path}
+
+
+def _build_error(name: str, op: str, exc: BaseException) -> OpBuildError:
+    key, fix = FIXES.get(name, ("offload.device", f"{COMPILER_FIX}, or choose an optimizer / offload that does "
+                                                  "not need it (offload=none)"))
+    cause = " | ".join(str(exc).strip().splitlines()[-6:])[-1500:]  # the compiler's last words
+    return OpBuildError(key, f"DeepSpeed could not build its {op} op, which this run loads ({cause})", fix)
+
+
+def _build_isolated(name: str) -> dict:
+    """Build one op in a spawned child process (its own interpreter: no CUDA state shared with the parent)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_build, args=(name, send), name=f"zerotune-build-{name}")
+    child.start()
+    send.close()
+    with MemorySampler(pid=child.pid, include_root=True) as sampler:
+        try:
+            outcome = receive.recv()
+        except EOFError:  # it died without a word (killed, out of memory)
+            child.join()
+            outcome = {"error": f"the build process died (exit code {child.exitcode})"}
+        child.join()
+    if "error" in outcome:
+        raise _build_error(name, outcome.get("op", name), RuntimeError(outcome["error"]))
+    return {**outcome, "host_peak_mib": sampler.peaks()["host_peak_rss_mib"]}
+
+
+def _child_build(name: str, send: Any) -> None:
+    """In the spawned child: load the op and send back the record, or the error."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(name)
+    try:
+        send.send(load_op(name, builder))
+    except OpBuildError as exc:
+        send.send({"error": str(exc.__cause__ or exc), "op": builder.NAME})
+    finally:
+        send.close()

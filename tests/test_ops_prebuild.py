@@ -1,0 +1,132 @@
+"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (launch/ops.py): which
+ops a run needs, what a failed build says, and a real job's record of the build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from zerotune.errors import ConfigError
+from zerotune.launch import ops
+from zerotune.preflight import preflight
+
+SHM = "ShareMemCommBuilder"
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    # No offload: torch's AdamW (deepspeed.torch_adam=auto), so no optimizer op; only the comm op.
+    (("zero_stage=2", "offload=none"), [SHM]),
+    (("zero_stage=1", "offload=none", "optimizer=adagrad"), [SHM]),
+    (("zero_stage=2", "offload=cpu"), [SHM, "CPUAdamBuilder"]),
+    (("zero_stage=2", "offload=cpu", "optimizer=adagrad"), [SHM, "CPUAdagradBuilder"]),
+    (("zero_stage=2", "offload=cpu", "optimizer=lion"), [SHM, "CPULionBuilder"]),
+    (("zero_stage=3", "offload=nvme"), [SHM, "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder"]),
+    (("zero_stage=0", "deepspeed.enabled=false"), []),
+])
+def test_ops_a_composed_run_needs(overrides, expected, tmp_path, monkeypatch):
+    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND", raising=False)
+    checked = preflight(compose_cfg(*overrides, f"offload.path={tmp_path}"))
+    assert ops.needed_ops(checked.ds_config, checked.use_deepspeed) == expected
+
+
+def test_ops_from_hand_written_dicts(monkeypatch):
+    monkeypatch.delenv("DS_PIN_MEMORY_BACKEND", raising=False)
+    cpu = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert ops.needed_ops({**cpu, "optimizer": {"type": "ADAMW", "params": {}}}, True) == [SHM, "CPUAdamBuilder"]
+    # torch_adam wins over the offload: the engine builds torch.optim.AdamW.
+    assert ops.needed_ops({**cpu, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, True) == [SHM]
+    # Not offloaded and not torch_adam: DeepSpeed's fused kernel.
+    assert ops.needed_ops({"optimizer": {"type": "AdamW", "params": {}}}, True) == [SHM, "FusedAdamBuilder"]
+    assert ops.needed_ops({"optimizer": {"type": "Lion"}}, True) == [SHM, "FusedLionBuilder"]
+    assert ops.needed_ops({**cpu}, True) == [SHM]  # no optimizer block: the client's own optimizer
+    assert ops.needed_ops({**cpu, "optimizer": {"type": "AdamW"}}, False) == []
+    # Parameters on NVMe alone still swap through async_io.
+    nvme_params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}
+    assert ops.needed_ops(nvme_params, True) == [SHM, "PinMemoryBuilder", "AsyncIOBuilder"]
+    monkeypatch.setenv("DS_PIN_MEMORY_BACKEND", "native")
+    assert ops.needed_ops(cpu, True) == [SHM, "PinMemoryBuilder"]
+
+
+def test_no_deepspeed_builds_nothing():
+    record = ops.prebuild_ops({"optimizer": {"type": "AdamW"}}, use_deepspeed=False)
+    assert record == {"ops": [], "skipped": [], "total_seconds": 0.0, "host_peak_mib": None}
+
+
+class _FailingBuilder:
+    NAME = "async_io"
+
+    def load(self):
+        raise RuntimeError("Error building extension 'async_io':\n[1/2] c++ ...\n"
+                           "deepspeed_aio_common.cpp:19:10: fatal error: libaio.h: No such file or directory")
+
+
+def test_a_failed_build_names_the_op_and_the_fix():
+    with pytest.raises(ConfigError) as info:
+        ops.load_op("AsyncIOBuilder", _FailingBuilder())
+    err = info.value
+    assert isinstance(err, ops.OpBuildError) and err.key == "offload.device"
+    assert "async_io" in err.problem and "libaio.h: No such file" in err.problem
+    assert "libaio-dev" in err.fix
+    assert isinstance(err.__cause__, RuntimeError)  # the compiler's error stays attached
+
+
+def test_a_real_failed_compile_raises(tmp_path):
+    """No working compiler (CXX=false) and an empty cache: the first op DeepSpeed would JIT-build fails
+    here, loudly, before any worker starts."""
+    env = {**cli_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"}
+    code = ("from zerotune.launch.ops import prebuild_ops\n"
+            "prebuild_ops({'zero_optimization': {'stage': 2, 'offload_optimizer': {'device': 'cpu'}},"
+            " 'optimizer': {'type': 'AdamW', 'params': {}}}, True)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "OpBuildError" in proc.stderr and "deepspeed_shm_comm op" in proc.stderr, proc.stderr[-2000:]
+    assert "install a C++ compiler" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cold_job(tmp_path_factory):
+    """A real offload=cpu job, through the CLI, with an empty torch extensions cache."""
+    tex = tmp_path_factory.mktemp("torch_extensions")
+    run_dir = tmp_path_factory.mktemp("job")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tex)  # run_cli's env copies os.environ
+    try:
+        proc = run_cli("zero_stage=2", "offload=cpu", "train.max_steps=2", "evaluate.enabled=false",
+                       f"hydra.run.dir={run_dir}")
+    finally:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_summary(run_dir), tex, run_dir
+
+
+@pytest.mark.slow
+def test_a_cold_job_records_its_op_builds(cold_job):
+    summary, tex, run_dir = cold_job
+    built = {op["name"]: op for op in summary["ops_build"]["ops"]}
+    assert set(built) == {"deepspeed_shm_comm", "cpu_adam"}
+    adam = built["cpu_adam"]
+    assert adam["builder"] == "CPUAdamBuilder" and adam["was_cached"] is False
+    assert adam["path"].startswith(str(tex)) and os.path.exists(adam["path"])
+    assert adam["seconds"] > 1.0  # a real compile, not a cache hit
+    # The parent (hundreds of MiB with torch) plus the compiler it ran.
+    assert adam["host_peak_mib"] > 200
+    assert summary["ops_build"]["total_seconds"] >= sum(op["seconds"] for op in built.values())
+    assert summary["ops_build"]["host_peak_mib"] == max(op["host_peak_mib"] for op in built.values())
+    # The worker found both ops built: no .so was (re)written after it started (its log folder's time).
+    worker_started = min(p.parent.stat().st_mtime for p in (run_dir / "logs").rglob("stdout.log"))
+    assert all(os.path.getmtime(op["path"]) < worker_started for op in built.values())
+
+
+@pytest.mark.slow
+def test_a_build_in_a_child_process_finds_the_cache(cold_job, monkeypatch):
+    """The path used for ops that need a GPU toolchain: a spawned child loads the op; here it is cached."""
+    _, tex, _ = cold_job
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tex))
+    one = ops._build_isolated("CPUAdamBuilder")
+    assert one["name"] == "cpu_adam" and one["was_cached"] is True
+    assert one["path"].startswith(str(tex))
+    assert one["host_peak_mib"] > 50  # a python with torch imported, sampled while it loaded the op
