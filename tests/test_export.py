@@ -30,7 +30,7 @@ TRAIN_AND_PROBE = textwrap.dedent("""
     t = Trainer(cfg, preflight(cfg, 1), RunDir(out), NullLogger())
     for _ in range(2):
         t.train_step()
-    t._maybe_save(2)
+    t.save_checkpoint()
     g = torch.Generator().manual_seed(1)
     x, steps, labels = torch.randn(3, 1, 8, 8, generator=g), torch.tensor([10, 500, 990]), torch.tensor([0, 3, 10])
     t.unet.eval()
