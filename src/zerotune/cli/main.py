@@ -62,7 +62,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         print_result(summary)
     if summary["status"] == "interrupted":
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
-    if summary["status"] != "ok" and not multirun:
+    if summary["status"] not in ("ok", "planned") and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
         sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
+from zerotune.launch import planning
 from zerotune.launch.elastic import LaunchResult, check_launch, launch_workers
 from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
@@ -33,10 +34,15 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     apply_slurm_geometry(cfg)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
+    if cfg.plan.only:
+        return plan_only(cfg, spec, run_dir)
     held = ExitStack()  # the checkpoint dir's lock, from the checks until the workers are done
     with held:
         checked = checked_job(cfg, spec, run_dir, held)
-        base = {**base_summary(cfg, spec), "config_sources": checked.config_sources}
+        base = {**base_summary(cfg, spec), "config_sources": checked.config_sources,
+                "plan": planning.job_plan(cfg, checked, planning.job_gpu(cfg))}
+        if planning.guard(cfg, base["plan"]) == "predicted_oom":
+            return _skipped(run_dir, base)
         node_rank = cfg.launch.node_rank
         run_dir.write_ds_config(checked.ds_config)
         # Before the job's memory sampler: DeepSpeed's one-off JIT compile is not this configuration's cost.
@@ -46,7 +52,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
             record_refusal(cfg, spec, run_dir, exc)
             raise
         summary, result, peaks = _launch(cfg, run_dir, base)
-        summary["ops_build"] = base["ops_build"]  # rank 0's own summary replaces base
+        summary.update({k: base[k] for k in ("ops_build", "plan")})  # rank 0's own summary replaces base
     summary = merge_job_view(summary, result, peaks, run_dir.path)
     if node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
@@ -64,6 +70,7 @@ def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> Ch
         check_launch(cfg.launch)
         checked = preflight(cfg, overrides=spec.overrides, run_dir=spec.run_dir)
         check_launch(cfg.launch)  # again: an accelerate config may have set it
+        planning.job_gpu(cfg)  # a card the planner does not know
         held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
     except ConfigError as exc:
         record_refusal(cfg, spec, run_dir, exc)
@@ -76,6 +83,29 @@ def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> Ch
     run_dir.write_config(cfg)
     spec.save()
     return checked
+
+
+def plan_only(cfg: Any, spec: JobSpec, run_dir: RunDir) -> dict:
+    """plan.only=true: the checks and the prediction, no training; summary.json says "planned"."""
+    try:
+        gpu = planning.job_gpu(cfg)
+        checked = preflight(cfg, overrides=spec.overrides)
+    except ConfigError as exc:
+        record_refusal(cfg, spec, run_dir, exc)
+        raise
+    run_dir.write_config(cfg)
+    run_dir.write_ds_config(checked.ds_config)
+    summary = {**base_summary(cfg, spec), "status": "planned", "config_sources": checked.config_sources,
+               "plan": planning.job_plan(cfg, checked, gpu), "env": environment_info()}
+    run_dir.write_summary(summary)
+    return summary
+
+
+def _skipped(run_dir: RunDir, base: dict) -> dict:
+    """plan.guard=skip: the job is recorded as predicted to run out of GPU memory, and not run."""
+    summary = {**base, "status": "predicted_oom", "env": environment_info()}
+    run_dir.write_summary(summary)
+    return summary
 
 
 def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError) -> None:

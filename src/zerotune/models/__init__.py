@@ -18,6 +18,7 @@ class ModelStats:
 
     num_params: int
     largest_param_numel: int
+    param_numels: tuple[int, ...] = ()   # in model.parameters() order: what DeepSpeed partitions
 
 
 def unet_config(model_cfg: Any) -> dict:
@@ -56,7 +57,7 @@ def model_stats(model_cfg: Any) -> ModelStats:
     with init_empty_weights():
         unet = _from_config(model_cfg)
     numels = [p.numel() for p in unet.parameters()]
-    return ModelStats(num_params=sum(numels), largest_param_numel=max(numels))
+    return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels))
 
 
 def build_unet(model_cfg: Any):

@@ -19,7 +19,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
                    help="a sweep directory (multirun/<date>/<time>) or a single run directory; several merge")
     p.add_argument("--budget-mib", type=float, default=None,
-                   help="memory budget in MiB: report the fastest ok configuration whose peak fits it")
+                   help="memory budget in MiB: report the fastest ok configuration whose peak fits it "
+                        "(measured peaks first; else the planner's predictions, marked as such)")
     p.add_argument("--metric", choices=["gpu", "host"], default="gpu",
                    help="which peak the budget applies to: GPU process memory (default) or host RSS")
     p.add_argument("--where", action="append", default=[], metavar="KEY=VALUE",

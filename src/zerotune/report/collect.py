@@ -16,6 +16,8 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
+from zerotune.report.plan_columns import PLAN_ERROR, plan_figures
+
 SUMMARY = "summary.json"
 OVERRIDES = Path(".hydra") / "overrides.yaml"
 
@@ -25,7 +27,8 @@ PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_
 MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry for multi-process jobs
 TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
 # Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
-# plus every name in MEMORY_KEYS, PERF_KEYS and TOP_KEYS (None when absent).
+# plus every name in MEMORY_KEYS, PERF_KEYS and TOP_KEYS, and the prediction's plan_* keys and plan_error
+# (plan_columns.py) -- all None when absent.
 
 # Statuses a job without a readable summary.json gets.
 MISSING, RUNNING = "missing", "running"
@@ -123,6 +126,8 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     row["gpu_peak_process_mib"] = max(busiest) if busiest else None
     row.update({k: perf.get(k) for k in PERF_KEYS})
     row.update({k: summary.get(k) for k in TOP_KEYS})
+    row.update(plan_figures(summary))
+    row[PLAN_ERROR] = short_error(row[PLAN_ERROR])
     row["params"] = _params(row["choices"], overrides)
     return row
 

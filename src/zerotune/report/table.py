@@ -13,25 +13,60 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.report.collect import sort_key
+from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, ratio
 
+Column = tuple[str, str, Callable[[Any], str]]
+MIB, RATIO = "{:.0f}".format, "{:.2f}".format
 # (row key, Markdown header, Markdown format) for the measured columns, in table order.
-METRIC_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+METRIC_COLUMNS: list[Column] = [
     ("status", "status", str),
-    ("gpu_peak_process_mib", "GPU peak MiB", "{:.0f}".format),
-    ("gpu_peak_allocated_mib", "alloc MiB", "{:.0f}".format),
-    ("gpu_peak_reserved_mib", "reserved MiB", "{:.0f}".format),
-    ("host_peak_rss_mib", "host MiB", "{:.0f}".format),
-    ("nvme_peak_mib", "NVMe MiB", "{:.0f}".format),
+    ("gpu_peak_process_mib", "GPU peak MiB", MIB),
+    ("gpu_peak_allocated_mib", "alloc MiB", MIB),
+    ("gpu_peak_reserved_mib", "reserved MiB", MIB),
+    ("host_peak_rss_mib", "host MiB", MIB),
+    ("nvme_peak_mib", "NVMe MiB", MIB),
     ("step_time_median_s", "s/step (median)", "{:.3g}".format),
     ("samples_per_s", "samples/s", "{:.3g}".format),
     ("startup_s", "startup s", "{:.1f}".format),
     ("loss_last", "final loss", "{:.4f}".format),
     ("error", "error", str),  # blank, not n/a, when there was no error
 ]
+# The planner's columns, each placed after the measured column it predicts (only when some job has a plan).
+PLAN_COLUMNS: dict[str, list[Column]] = {
+    "gpu_peak_process_mib": [("plan_gpu_peak_mib", "pred. GPU MiB", MIB),
+                             ("gpu_peak_measured_over_predicted", "GPU meas/pred", RATIO)],
+    "host_peak_rss_mib": [("plan_host_peak_mib", "pred. host MiB", MIB),
+                          ("host_peak_measured_over_predicted", "host meas/pred", RATIO)],
+    "nvme_peak_mib": [("plan_nvme_mib", "pred. NVMe MiB", MIB)],
+    "step_time_median_s": [("plan_time_floor_s", "floor s/step", "{:.3g}".format),
+                           ("step_time_over_floor", "s/step / floor", RATIO)],
+    "error": [(PLAN_ERROR, "planner error", str)],
+}
 NA = "n/a"
 NA_NOTE = ("n/a: not measured (GPU figures are null where no GPU was present) or the job did not get "
            "that far. GPU peak = the process's peak as the driver saw it; alloc/reserved = PyTorch "
            "allocator peaks.")
+PLAN_NOTE = ("pred. = the planner's prediction made before launch (n/a: no plan, or the planner failed); "
+             "meas/pred = measured / predicted peak; floor s/step = the planner's lower bound on seconds per "
+             "step, so s/step / floor is at least 1 when the plan is right. Ratios are n/a where either side "
+             "is. Jobs with status planned were not run: they have predictions only.")
+RATIO_KEYS = {name: (measured, predicted) for name, measured, predicted in RATIOS}
+
+
+def metric_columns(rows: list[dict]) -> list[Column]:
+    """METRIC_COLUMNS, with the planner's columns beside them when any row carries a plan: a sweep from
+    before the planner gets the table it always had, not a block of empty columns."""
+    if not has_plan(rows):
+        return list(METRIC_COLUMNS)
+    return [col for column in METRIC_COLUMNS for col in (column, *PLAN_COLUMNS.get(column[0], []))]
+
+
+def value(row: dict, key: str) -> Any:
+    """The row's value for a metric column; a ratio column is computed from its two sides."""
+    if key in RATIO_KEYS:
+        computed = ratio(row, *RATIO_KEYS[key])
+        return None if computed is None else round(computed, 4)  # 1.0435, not 1.0434782608695652
+    return row.get(key)
 
 
 def sort_rows(rows: list[dict], keys: list[str]) -> list[dict]:
@@ -43,30 +78,31 @@ def sort_rows(rows: list[dict], keys: list[str]) -> list[dict]:
     return sorted(rows, key=order)
 
 
-def csv_columns(keys: list[str]) -> list[str]:
-    return ["sweep_dir", "job", *keys, *(key for key, _, _ in METRIC_COLUMNS)]
+def csv_columns(keys: list[str], rows: list[dict] | None = None) -> list[str]:
+    return ["sweep_dir", "job", *keys, *(key for key, _, _ in metric_columns(rows or []))]
 
 
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> Path:
-    columns = csv_columns(keys)
+    columns = csv_columns(keys, rows)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
         for row in sort_rows(rows, keys):
-            values = [row["params"].get(c) if c in keys else row.get(c) for c in columns]
+            values = [row["params"].get(c) if c in keys else value(row, c) for c in columns]
             writer.writerow(["" if v is None else v for v in values])
     return path
 
 
 def markdown_table(rows: list[dict], keys: list[str]) -> str:
     several = len({r["sweep_dir"] for r in rows}) > 1
-    headers = [*(["sweep"] if several else []), "job", *keys, *(h for _, h, _ in METRIC_COLUMNS)]
+    columns = metric_columns(rows)
+    headers = [*(["sweep"] if several else []), "job", *keys, *(h for _, h, _ in columns)]
     lines = [_md_row(headers), _md_row(["---"] * len(headers))]
     for row in sort_rows(rows, keys):
         cells = [*([_sweep_label(row["sweep_dir"])] if several else []), row["job"]]
         cells += [_cell(row["params"].get(k), str) for k in keys]
-        cells += [row.get(key) or "" if key == "error" else _cell(row.get(key), fmt)
-                  for key, _, fmt in METRIC_COLUMNS]
+        cells += [row.get(key) or "" if key in ("error", PLAN_ERROR) else _cell(value(row, key), fmt)
+                  for key, _, fmt in columns]
         lines.append(_md_row(cells))
     return "\n".join(lines)
 
@@ -102,7 +138,7 @@ def summary_markdown(rows: list[dict], keys: list[str], sections: list[str]) -> 
     parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {counts}.",
              f"Configuration columns: {', '.join(keys) or 'none'} (the keys that differ across jobs; for "
              "jobs that all agree, the keys that name the configuration).", "",
-             markdown_table(rows, keys), "", NA_NOTE]
+             markdown_table(rows, keys), "", NA_NOTE + (" " + PLAN_NOTE if has_plan(rows) else "")]
     for section in (reference_section(rows), *sections):
         if section:
             parts += ["", section]

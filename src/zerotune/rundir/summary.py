@@ -77,6 +77,10 @@ def print_result(summary: dict) -> None:
         parts.append(f"{perf['step_time_median_s']:.3f} s/step (median)")
     if "digit_accuracy" in q:
         parts.append(f"digit accuracy {100 * q['digit_accuracy']:.1f}%")
+    plan = summary.get("plan") or {}
+    if plan.get("gpu_peak_mib") is not None:
+        card = (plan.get("gpu") or {}).get("name")
+        parts.append(f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB per rank" + (f" on {card}" if card else ""))
     parts.append(f"wall time {summary.get('wall_time_s', 0):.0f} s")
     log.info("result: %s", ", ".join(parts))
     if summary.get("error"):

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume
+
 SCHEMA_NAME = "zerotune_schema"
 
 # Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime.
@@ -156,20 +158,6 @@ class Ema:
 
 
 @dataclass
-class Checkpoint:
-    every_n_steps: int = 0
-    keep_last: int = 3
-    dir: Optional[str] = None
-    on_signal: bool = False              # SIGTERM/SIGINT/SIGUSR1: save before stopping
-
-
-@dataclass
-class Resume:
-    path: Optional[str] = None           # `resume=<path>` on the command line is short for resume.path
-    strict: bool = False                 # a damaged newest checkpoint: stop (true) or use the previous one
-
-
-@dataclass
 class DeepSpeed:
     enabled: Any = "auto"                # auto | true | false
     config_file: Optional[str] = None
@@ -189,35 +177,6 @@ class Accelerate:
 
 
 @dataclass
-class Launch:
-    num_processes: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: Any = "auto"            # auto | port
-    rdzv_timeout_s: float = 900
-    slurm: Any = "auto"                  # auto | true | false
-    run_id: Optional[str] = None         # set inside SLURM jobs
-    stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
-
-
-@dataclass
-class Debug:
-    fail_at_step: Optional[int] = None
-    fail_rank: Optional[int] = None
-    oom_at_step: Optional[int] = None
-    hang_at_step: Optional[int] = None
-    host_alloc_mib: Optional[int] = None
-
-
-@dataclass
-class Report:
-    budget_mib: float = 24576
-    metric: str = "gpu"
-    where: Any = None                    # {key: value}, as repeats
-
-
-@dataclass
 class Config:
     zero_stage: ZeroStage = field(default_factory=ZeroStage)
     offload: Offload = field(default_factory=Offload)
@@ -234,6 +193,7 @@ class Config:
     ema: Ema = field(default_factory=Ema)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     resume: Resume = field(default_factory=Resume)
+    plan: Plan = field(default_factory=Plan)
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed)
     accelerate: Accelerate = field(default_factory=Accelerate)
     launch: Launch = field(default_factory=Launch)

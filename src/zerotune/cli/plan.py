@@ -1,0 +1,73 @@
+"""Will it fit? The planner's command: predicted GPU, host and NVMe peak and the time floor per step,
+before any GPU is rented or any job launched.
+
+    python -m zerotune.plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090
+    python -m zerotune.plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090 --all
+    python -m zerotune.plan zero_stage=3 offload=cpu --gpu-mib 12288 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from zerotune.cli.compose import compose
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.plan import gpus, recommend, render
+from zerotune.plan.predict import predict
+from zerotune.preflight import preflight
+
+# What --all varies: ZeRO stage x offload x gradient checkpointing (NVMe offload is ZeRO-3's only).
+OPTIONS = [(stage, offload, checkpointing) for stage in (0, 1, 2, 3) for offload in ("none", "cpu", "nvme")
+           for checkpointing in (False, True) if offload != "nvme" or stage == 3]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", default=None, help=f"the card: {', '.join(gpus.CATALOG)}")
+    parser.add_argument("--gpu-mib", type=int, default=None, help="or its memory in MiB")
+    parser.add_argument("--all", action="store_true", help="rank every zero_stage x offload x checkpointing")
+    parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    return parser
+
+
+def plan_one(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+    cfg = compose(overrides)
+    gpu = gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
+        checked = preflight(cfg, overrides=overrides)
+    return predict(cfg, checked, gpu)
+
+
+def plan_all(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+    rows = []
+    for stage, offload, checkpointing in OPTIONS:
+        option = [f"zero_stage={stage}", f"offload={offload}", f"train.gradient_checkpointing={checkpointing}"]
+        try:
+            rows.append(recommend.Row(stage, offload, checkpointing, plan_one([*overrides, *option], gpu)))
+        except ConfigError as exc:
+            rows.append(recommend.Row(stage, offload, checkpointing, None, refused=str(exc).splitlines()[0]))
+    return recommend.rank(rows, gpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        gpu = gpus.lookup(args.gpu, args.gpu_mib, key="--gpu") if args.gpu or args.gpu_mib is not None else None
+        answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(render.ranking(answer) if args.all else render.breakdown(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""One job's prediction, per rank, every term named: GPU (CUDA context, model states where they live,
+DeepSpeed's buffers, the traced activation peak, the allocator's rounding), host, NVMe, and the time
+floor per step. Everything comes from the validated DeepSpeed dict the run would use and from a
+fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerotune import models
+from zerotune.plan import allocator, cpu_optimizer, gpus
+from zerotune.plan.activations import trace_step
+from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
+from zerotune.plan.model_states import deepspeed_buffer_bytes, model_state_bytes
+from zerotune.preflight import CheckedRun
+from zerotune.schema import launch_world_size
+
+MIB = 2**20
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _term(name: str, nbytes: float, note: str = "") -> dict:
+    return {"term": name, "mib": nbytes / MIB, "note": note}
+
+
+def _offload(ds: dict) -> tuple[str, str]:
+    zero = ds.get("zero_optimization", {})
+    return ((zero.get("offload_optimizer") or {}).get("device", "none"),
+            (zero.get("offload_param") or {}).get("device", "none"))
+
+
+def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
+    """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only)."""
+    ds, world = checked.ds_config, launch_world_size(cfg.launch)
+    stage = int(ds["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+    precision = cfg.precision.name
+    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
+                       bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")))
+    numels = list(checked.model_stats.param_numels)
+    states = model_state_bytes(numels, ds, world, 0, checked.use_deepspeed)
+    opt_device, param_device = _offload(ds)
+    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision), trace, numels,
+                           stage, precision)
+    host_terms = _host_terms(cfg, checked, states)
+    host_peak, load = _host_peak(cfg, checked, host_terms)
+    nvme_terms = _state_terms(states, "nvme")
+    time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device, int(ds["gradient_accumulation_steps"]))
+    known = [t for t in time_terms if t["seconds"] is not None]
+    bound = max(known, key=lambda t: t["seconds"]) if known else None
+    gpu_peak = sum(t["mib"] for t in gpu_terms)
+    per_node = int(cfg.launch.num_processes)
+    return {
+        "workload": _workload(cfg, ds, world, stage, opt_device),
+        "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
+        "gpu_peak_mib": gpu_peak, "gpu_terms": gpu_terms,
+        "fits": None if gpu is None else gpu_peak <= gpu.memory_mib,
+        "host_peak_mib": per_node * host_peak, "host_terms": [*host_terms, load],
+        "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms), "nvme_terms": nvme_terms,
+        "time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
+        "time_terms": time_terms, "trace": {"key": trace.key, "seconds": trace.seconds},
+    }
+
+
+def _workload(cfg: Any, ds: dict, world: int, stage: int, opt_device: str) -> str:
+    return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
+            f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
+            f"{opt_device}, {cfg.precision.name}, gradient checkpointing "
+            f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
+
+
+_STATES = (("params", "params", "params_bytes"), ("grads", "grads", "grads_bytes"),
+           ("master_weights", "master_weights", "master_weights_bytes"),
+           ("optimizer_states", "optimizer_state", "optimizer_state_bytes"))
+
+
+def _state_terms(states: dict, place: str) -> list[dict]:
+    """The model states that live in `place` (gpu | host | nvme), as model_states.py places them."""
+    terms = []
+    for name, where_key, key in _STATES:
+        if name == "master_weights" and states.get("master_weights_alias_params"):
+            continue  # fp32 ZeRO-3 without offload: the partitions are the parameters themselves
+        if states["where"][where_key] == place and states[key]:
+            terms.append(_term(name, states[key], f"{states['elem_bytes'][where_key]} B/element"))
+    return terms
+
+
+def _gpu_terms(gpu, states: dict, buffers: dict, trace, numels: list[int], stage: int, precision: str) -> list[dict]:
+    family = gpu.family if gpu else "unknown"
+    context = CONTEXT.get(family)
+    terms = [_term("cuda_context", context["bytes"] if context else 0,
+                   context["source"] if context else "unknown card: no CUDA context figure"),
+             _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
+             *_state_terms(states, "gpu")]
+    terms += [_term(f"deepspeed:{name}", nbytes) for name, nbytes in buffers.items()]
+    terms.append(_term("activations", trace.activation_peak_bytes, "fake-tensor trace of forward + backward"))
+    on_gpu = stage < 3 and states["where"]["params"] == "gpu"
+    sizes = [n * _DTYPE_BYTES[precision] for n in numels] if on_gpu else []
+    terms.append(_term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes),
+                       "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"))
+    return terms
+
+
+def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
+    terms = _state_terms(states, "host")
+    if cfg.ema.enabled:
+        terms.append(_term("ema", checked.model_stats.num_params * 4, "fp32 copy, rank 0"))
+    return terms
+
+
+def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict]) -> tuple[float, dict]:
+    """The U-Net is built whole in fp32 on the host and moved to the GPU (no zero.Init) before the offloaded
+    states exist: the host peak is whichever is larger."""
+    load = _term("model_load", checked.model_stats.num_params * 4, "fp32 build before the move (transient)")
+    return max(sum(t["mib"] for t in terms), load["mib"]), load
+
+
+def _time_terms(gpu, trace, states: dict, ds: dict, precision: str, opt_device: str, param_device: str,
+                accum: int) -> list[dict]:
+    flops = (trace.forward_flops + trace.backward_flops) * accum
+    compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
+    terms = [{"term": "compute", "seconds": compute,
+              "note": f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
+              else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops else "fp32 peak in the catalog")}]
+    moved = 0
+    if opt_device != "none":  # gradients down, updated params up, every step
+        moved += states["grads_bytes"] + states["params_bytes"]
+    if param_device != "none":  # params fetched for forward and again for backward
+        moved += 2 * states["params_bytes"]
+    if moved:
+        link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
+        terms.append({"term": "pcie", "seconds": moved / (link * 1e9) if link else None,
+                      "note": f"{moved / MIB:,.0f} MiB per step over the host link"})
+    if opt_device != "none":
+        per_param = cpu_optimizer.seconds_per_param()
+        partition = states["master_weights_bytes"] // 4
+        terms.append({"term": "cpu_optimizer", "seconds": per_param * partition if per_param else None,
+                      "note": "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here"})
+    return terms

@@ -1,0 +1,64 @@
+"""`--all`: every ZeRO stage x offload x gradient checkpointing option for one workload, ranked, and the
+recommendation: the lowest stage that fits, as the reference advises ("the lowest level of DeepSpeed that
+works"): each stage up adds communication, each offload adds PCIe traffic and CPU work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotune.plan.gpus import GPU
+
+_OFFLOAD_COST = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+@dataclass
+class Row:
+    stage: int
+    offload: str
+    checkpointing: bool
+    plan: dict | None
+    refused: str | None = None     # the validator's reason, when the combination is not allowed
+
+    @property
+    def label(self) -> str:
+        return f"zero_stage={self.stage} offload={self.offload} gradient_checkpointing={str(self.checkpointing).lower()}"
+
+    def fits(self, gpu: GPU | None) -> bool | None:
+        if self.plan is None or gpu is None:
+            return None
+        return self.plan["gpu_peak_mib"] <= gpu.memory_mib
+
+
+def _cost(row: Row) -> tuple:
+    """Cheaper first: lower stage, then less offload, then no recomputation."""
+    return row.stage, _OFFLOAD_COST[row.offload], row.checkpointing
+
+
+def rank(rows: list[Row], gpu: GPU | None) -> dict:
+    """The table (fitting options first, cheapest first) and the recommendation with its reason."""
+    ordered = sorted(rows, key=lambda r: (r.fits(gpu) is not True, r.plan is None, _cost(r)))
+    fitting = [r for r in ordered if r.fits(gpu)]
+    table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
+              "fits": r.fits(gpu), "refused": r.refused,
+              **({k: r.plan[k] for k in ("gpu_peak_mib", "host_peak_mib", "nvme_mib", "time_floor_s", "bound")}
+                 if r.plan else {})} for r in ordered]
+    return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
+
+
+def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:
+    if gpu is None:
+        return {"option": None, "why": "no GPU named: give --gpu or --gpu-mib to judge what fits"}
+    if not fitting:
+        least = min((r for r in rows if r.plan), key=lambda r: r.plan["gpu_peak_mib"], default=None)
+        why = f"nothing fits {gpu.name} ({gpu.memory_mib:,} MiB)"
+        if least is not None:
+            why += f"; the smallest is {least.label} at {least.plan['gpu_peak_mib']:,.0f} MiB: lower the batch or resolution"
+        return {"option": None, "why": why}
+    best = fitting[0]
+    below = [r for r in rows if r.plan and r.stage < best.stage]
+    why = (f"the lowest ZeRO stage that fits {gpu.name}: {best.plan['gpu_peak_mib']:,.0f} of {gpu.memory_mib:,} MiB "
+           f"predicted, with the least offload and recomputation at that stage")
+    if below:
+        closest = min(below, key=lambda r: r.plan["gpu_peak_mib"])
+        why += f"; stage {closest.stage} needs at least {closest.plan['gpu_peak_mib']:,.0f} MiB ({closest.label})"
+    return {"option": best.label, "why": why}

@@ -1,0 +1,43 @@
+"""The planner's answers as text: one job's breakdown, or the --all ranking."""
+
+from __future__ import annotations
+
+
+def _terms(terms: list[dict], unit: str = "MiB") -> list[str]:
+    width = max((len(t["term"]) for t in terms), default=0)
+    key = "mib" if unit == "MiB" else "seconds"
+    out = []
+    for t in terms:
+        value = "unmeasured" if t[key] is None else (f"{t[key]:>10,.1f} MiB" if unit == "MiB" else f"{t[key]:>10.4f} s")
+        out.append(f"  {t['term']:<{width}}  {value}  {t.get('note', '')}".rstrip())
+    return out
+
+
+def breakdown(plan: dict) -> str:
+    gpu = plan["gpu"]
+    card = f"{gpu['name']} ({gpu['memory_mib']:,} MiB)" if gpu else "no GPU named (--gpu NAME or --gpu-mib N)"
+    verdict = {True: "fits", False: "does NOT fit", None: "-"}[plan["fits"]]
+    lines = [f"workload: {plan['workload']}",
+             f"GPU peak per rank: {plan['gpu_peak_mib']:,.1f} MiB on {card}: {verdict}", *_terms(plan["gpu_terms"]),
+             f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_terms(plan["host_terms"]),
+             f"NVMe: {plan['nvme_mib']:,.1f} MiB", *_terms(plan["nvme_terms"])]
+    floor = plan["time_floor_s"]
+    lines.append("time per step: " + ("unmeasured (no GPU figures)" if floor is None else
+                                      f"at least {floor:.4f} s ({plan['bound']}-bound floor)"))
+    lines += _terms(plan["time_terms"], unit="s")
+    return "\n".join(lines)
+
+
+def ranking(answer: dict) -> str:
+    rows = [f"{'option':<62} {'fits':>5} {'GPU MiB':>10} {'host MiB':>10} {'NVMe MiB':>9} {'floor s':>8}"]
+    for r in answer["options"]:
+        if r.get("refused"):
+            rows.append(f"{r['option']:<62} {'-':>5}  refused: {r['refused']}")
+            continue
+        floor = "-" if r["time_floor_s"] is None else f"{r['time_floor_s']:.3f}"
+        fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
+        rows.append(f"{r['option']:<62} {fits:>5} {r['gpu_peak_mib']:>10,.0f} {r['host_peak_mib']:>10,.0f} "
+                    f"{r['nvme_mib']:>9,.0f} {floor:>8}")
+    rec = answer["recommended"]
+    rows.append(f"recommended: {rec['option'] or 'none'} ({rec['why']})")
+    return "\n".join(rows)

@@ -1,0 +1,60 @@
+"""The planner's prediction beside the measurement: the `plan` object of summary.json as row keys, and
+measured / predicted ratios.
+
+A predicted figure is None where the job has no plan (runs older than the planner), where the planner
+failed (`plan` is {"error": ...}) or where the plan left that figure out: None means "unpredicted",
+never 0, just as a measured None means "unmeasured".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+# Row key -> key in summary.json's `plan`.
+PLAN_FIELDS = {"plan_gpu_peak_mib": "gpu_peak_mib", "plan_host_peak_mib": "host_peak_mib",
+               "plan_nvme_mib": "nvme_mib", "plan_time_floor_s": "time_floor_s"}
+PLAN_KEYS = tuple(PLAN_FIELDS)
+PLAN_ERROR = "plan_error"
+# Measured memory key -> the predicted figure for the same quantity (what the budget falls back to).
+PREDICTED_FOR = {"gpu_peak_process_mib": "plan_gpu_peak_mib", "host_peak_rss_mib": "plan_host_peak_mib",
+                 "nvme_peak_mib": "plan_nvme_mib"}
+PLAN_TIME_KEY = "plan_time_floor_s"
+# (ratio column, measured key, predicted key): measured / predicted.
+RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu_peak_mib"),
+          ("host_peak_measured_over_predicted", "host_peak_rss_mib", "plan_host_peak_mib"),
+          ("step_time_over_floor", "step_time_median_s", "plan_time_floor_s"))
+
+
+def plan_figures(summary: dict) -> dict[str, Any]:
+    """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary (any of them None when absent)."""
+    plan = summary.get("plan")
+    row: dict[str, Any] = dict.fromkeys(PLAN_KEYS)
+    row[PLAN_ERROR] = None
+    if not isinstance(plan, dict):
+        return row
+    if plan.get("error"):  # the planner failed: its other keys, if any, are not a prediction
+        row[PLAN_ERROR] = plan["error"]  # as written; collect shortens it like a job's error
+        return row
+    row.update({key: _number(plan.get(name)) for key, name in PLAN_FIELDS.items()})
+    return row
+
+
+def ratio(row: dict, measured_key: str, predicted_key: str) -> float | None:
+    """measured / predicted, None where either is missing (or the prediction is not positive)."""
+    measured, predicted = row.get(measured_key), row.get(predicted_key)
+    if measured is None or predicted is None or predicted <= 0:
+        return None
+    return measured / predicted
+
+
+def has_plan(rows: list[dict]) -> bool:
+    """Whether any row carries a plan (figures or a planner error): else the plan columns are left out."""
+    return any(row.get(k) is not None for row in rows for k in (*PLAN_KEYS, PLAN_ERROR))
+
+
+def _number(value: Any) -> float | None:
+    # bool is an int to Python, and a NaN would read as a figure: neither is a prediction.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)

@@ -1,0 +1,61 @@
+"""The types of the keys that steer a job rather than the model it trains: checkpoints, resume, the
+planner, launching, fault injection and sweep reports (the schema's other half: schema/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime.
+# ruff: noqa: UP045
+
+
+@dataclass
+class Checkpoint:
+    every_n_steps: int = 0
+    keep_last: int = 3
+    dir: Optional[str] = None
+    on_signal: bool = False              # SIGTERM/SIGINT/SIGUSR1: save before stopping
+
+
+@dataclass
+class Plan:
+    only: bool = False                   # predict the job's memory and time floor, train nothing
+    gpu: Optional[str] = None            # the card to plan for (plan/gpus.py); null: the one present, if any
+    gpu_mib: Optional[int] = None        # or just its memory
+    guard: str = "warn"                  # on a GPU, a predicted peak above its free memory: warn | refuse | skip
+
+
+@dataclass
+class Resume:
+    path: Optional[str] = None           # `resume=<path>` on the command line is short for resume.path
+    strict: bool = False                 # a damaged newest checkpoint: stop (true) or use the previous one
+
+
+@dataclass
+class Launch:
+    num_processes: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: Any = "auto"            # auto | port
+    rdzv_timeout_s: float = 900
+    slurm: Any = "auto"                  # auto | true | false
+    run_id: Optional[str] = None         # set inside SLURM jobs
+    stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
+
+
+@dataclass
+class Debug:
+    fail_at_step: Optional[int] = None
+    fail_rank: Optional[int] = None
+    oom_at_step: Optional[int] = None
+    hang_at_step: Optional[int] = None
+    host_alloc_mib: Optional[int] = None
+
+
+@dataclass
+class Report:
+    budget_mib: float = 24576
+    metric: str = "gpu"
+    where: Any = None                    # {key: value}, as repeats

@@ -1,0 +1,157 @@
+"""The memory planner's commands and rules: GPU names, the allocator model, the ranking, plan.only jobs,
+the guard on a (faked) CUDA device, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.helpers.cli import read_summary, run_cli
+from zerotune.errors import ConfigError
+from zerotune.launch import planning
+from zerotune.plan import allocator, gpus, recommend
+
+MIB = 2**20
+
+
+# ------------------------------------------------------------------------------------------ GPU names
+
+
+@pytest.mark.parametrize("name", ["rtx3090", "rtx4090", "l4", "l40s", "a100-40", "a100-80", "h100", "h200"])
+def test_every_card_a_user_types_is_known(name):
+    card = gpus.lookup(name.upper())
+    assert card.name == name and card.memory_mib > 20_000 and card.bf16_tflops > 0
+
+
+def test_an_unknown_card_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError) as err:
+        gpus.lookup("rtx5090", key="--gpu")
+    assert err.value.key == "--gpu" and "rtx4090" in err.value.fix and "--gpu-mib" in err.value.fix
+    with pytest.raises(ConfigError) as err:
+        gpus.lookup("rtx5090")
+    assert err.value.key == "plan.gpu"
+
+
+@pytest.mark.parametrize("mib", [-5, 0])
+def test_a_card_memory_must_be_positive(mib):
+    with pytest.raises(ConfigError) as err:
+        gpus.lookup(None, mib, key="--gpu")
+    assert err.value.key == "--gpu-mib"
+
+
+def test_a_budget_alone_is_a_card_without_throughput():
+    card = gpus.lookup(None, 12288)
+    assert card.memory_mib == 12288 and card.bf16_tflops == 0.0
+
+
+# ------------------------------------------------------------------------------------------ allocator
+
+
+@pytest.mark.parametrize(("sizes", "reserved"), [
+    ([1], 2 * MIB),                              # one byte: a 512 B block in a 2 MiB small segment
+    ([600 * 1024] * 3, 2 * MIB),                 # 1.76 MiB of small blocks share one segment
+    ([600 * 1024] * 4, 4 * MIB),                 # 2.34 MiB need two
+    ([5 * MIB], 20 * MIB),                       # 1-10 MiB: cut from a 20 MiB segment
+    ([5 * MIB] * 4, 20 * MIB),                   # four of them fill it
+    ([11 * MIB], 12 * MIB),                      # large: its own segment, rounded to 2 MiB
+    ([11 * MIB + 1], 12 * MIB),
+    ([], 0),
+])
+def test_caching_allocator_rules(sizes, reserved):
+    assert allocator.reserved_bytes(sizes) == reserved
+
+
+# ------------------------------------------------------------------------------------------ ranking
+
+
+def _row(stage, offload, checkpointing, peak):
+    plan = {"gpu_peak_mib": peak, "host_peak_mib": 1.0, "nvme_mib": 0.0, "time_floor_s": 0.1, "bound": "compute"}
+    return recommend.Row(stage, offload, checkpointing, plan)
+
+
+def test_the_lowest_stage_that_fits_is_recommended_and_why():
+    card = gpus.lookup("rtx4090")
+    rows = [_row(0, "none", False, 40_000), _row(1, "none", True, 26_000), _row(2, "cpu", True, 13_000),
+            _row(2, "none", False, 23_000), _row(3, "cpu", False, 9_000),
+            recommend.Row(1, "nvme", False, None, refused="`offload`: NVMe needs stage 3")]
+    answer = recommend.rank(rows, card)
+    assert answer["recommended"]["option"] == "zero_stage=2 offload=none gradient_checkpointing=false"
+    assert "stage 1 needs at least 26,000 MiB" in answer["recommended"]["why"]
+    assert [r["fits"] for r in answer["options"]][:3] == [True, True, True]
+    assert answer["options"][-1]["refused"]
+
+
+def test_nothing_fits_says_so_with_the_smallest():
+    answer = recommend.rank([_row(2, "cpu", True, 30_000), _row(3, "cpu", True, 25_000)], gpus.lookup("rtx4090"))
+    assert answer["recommended"]["option"] is None
+    assert "nothing fits rtx4090" in answer["recommended"]["why"] and "25,000 MiB" in answer["recommended"]["why"]
+
+
+# ------------------------------------------------------------------------------------------ guard (fake CUDA)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA device with 1 GiB free, for the guard's code path on this CPU-only torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1024 * MIB, 24564 * MIB))
+
+
+def _cfg(guard):
+    return OmegaConf.create({"plan": {"guard": guard, "gpu": None, "gpu_mib": None}})
+
+
+def test_guard_on_a_gpu_with_too_little_free_memory(fake_cuda, caplog):
+    plan = {"gpu_peak_mib": 5000.0}
+    assert planning.guard(_cfg("warn"), plan) is None
+    assert "above the 1,024 MiB free" in caplog.text
+    assert planning.guard(_cfg("skip"), plan) == "predicted_oom"
+    with pytest.raises(ConfigError) as err:
+        planning.guard(_cfg("refuse"), plan)
+    assert err.value.key == "plan.guard"
+    assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 900.0}) is None
+
+
+def test_guard_has_nothing_to_do_without_a_gpu():
+    assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 10**9}) is None
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def test_plan_command_json_has_the_per_rank_gpu_peak():
+    proc = run_cli("--gpu", "rtx4090", "--json", "train.batch_size=8", module="zerotune.plan")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    assert plan["gpu_peak_mib"] == pytest.approx(sum(t["mib"] for t in plan["gpu_terms"]))
+    assert plan["gpu"]["name"] == "rtx4090" and plan["fits"] is True
+    names = {t["term"] for t in plan["gpu_terms"]}
+    assert {"cuda_context", "params", "grads", "activations", "allocator_rounding"} <= names
+
+
+@pytest.mark.parametrize(("args", "key"), [(["--gpu", "rtx5090"], "--gpu"), (["--gpu-mib", "-5"], "--gpu-mib"),
+                                           (["plan.gpu=gtx1080"], "plan.gpu")])
+def test_plan_command_bad_gpu_exits_2_naming_the_key(args, key):
+    proc = run_cli(*args, module="zerotune.plan")
+    assert proc.returncode == 2 and f"`{key}`" in proc.stderr
+
+
+def test_plan_only_job_predicts_without_training(tmp_path):
+    proc = run_cli("plan.only=true", "plan.gpu=l4", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "planned" and summary["plan"]["gpu"]["name"] == "l4"
+    assert summary["plan"]["gpu_peak_mib"] > 0 and "steps" not in summary
+    assert not (tmp_path / "run" / "logs").exists(), "no worker was started"
+
+
+def test_plan_only_sweep_plans_every_job(tmp_path):
+    proc = run_cli("-m", "plan.only=true", "zero_stage=1,3", "plan.gpu=rtx4090", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summaries = [read_summary(tmp_path / job) for job in ("0", "1")]
+    assert [s["status"] for s in summaries] == ["planned", "planned"]
+    # ZeRO-3 partitions the parameters too, but with one rank its share is the whole model.
+    assert summaries[0]["plan"]["workload"] != summaries[1]["plan"]["workload"]

@@ -1,0 +1,164 @@
+"""zerotune.plan.model_states: per-rank model-state bytes predicted without weights, checked by hand on small
+cases and against what the real DeepSpeed engine holds after step 1 (`partition_bytes`, ranks/rank<k>.json).
+
+The end-to-end grid (2 models x stages 0-3 x offload none/cpu x world 1/2) is slow: a representative
+pair runs in the fast suite, the rest under `-m slow`. ZEROTUNE_ENGINE_TREE=/path/to/checkout runs the
+engine side from another checkout (benchmarks/bench_plan_model_states.py --tree), e.g. while the working
+tree's CLI is mid-edit.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import product
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
+from tests.helpers.cli import ROOT
+from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
+from zerotune.plan.model_states import (
+    deepspeed_buffer_bytes,
+    model_state_bytes,
+    stage3_partition_numel,
+    stage3_sub_groups,
+    zero12_flat,
+)
+
+ODD = [3, 5, 7]  # 15 elements: padded to 16 at world 2 (stages 1-2), to 2+3+4 per rank at stage 3
+TREE = Path(os.environ.get("ZEROTUNE_ENGINE_TREE", ROOT))
+
+
+def ds(stage: int, offload: str = "none", precision: str = "fp32", optimizer: str = "AdamW", **zero) -> dict:
+    params = {"lr": 1e-3, **({"torch_adam": True} if optimizer == "AdamW" and offload == "none" else {})}
+    block = {"stage": stage, **zero}
+    if offload != "none":
+        block["offload_optimizer"] = {"device": offload}
+    out = {"zero_optimization": block, "optimizer": {"type": optimizer, "params": params}}
+    if precision != "fp32":
+        out[precision] = {"enabled": True}
+    return out
+
+
+def states(numels, config, world=2, rank=0, use_deepspeed=True) -> tuple[int, int, int, int]:
+    got = model_state_bytes(numels, config, world, rank, use_deepspeed)
+    return tuple(got[k] for k in KEYS)
+
+
+# ------------------------------------------------------------------------------------------- by hand
+
+
+def test_stage1_and_2_pad_the_flat_group_to_twice_the_world():
+    assert zero12_flat(ODD, 2, False, 4) == 16 and zero12_flat(ODD, 1, False, 4) == 16
+    assert zero12_flat([3, 5, 6], 2, False, 4) == 16 and zero12_flat([3, 5, 9], 2, False, 4) == 20
+    # stage 1: whole params and grads; an 8-element share of master weights, 2 moments + torch's 4-byte step
+    assert states(ODD, ds(1)) == (60, 60, 32, 2 * 32 + 4)
+    assert states(ODD, ds(2)) == (60, 32, 32, 68)  # stage 2: the gradients' share too
+    assert states(ODD, ds(2), world=1) == (60, 64, 64, 2 * 64 + 4)
+
+
+def test_parameter_alignment_pads_each_tensor_but_the_last():
+    # fp32: 16 // gcd(16, 4) = 4-element alignment: 3 -> 4, 5 -> 8, 7 stays; 19 -> 20 for world 2
+    assert zero12_flat(ODD, 2, True, 4) == 20
+    assert states(ODD, ds(2, parameter_alignment=True))[2] == 40
+
+
+def test_stage3_pads_every_tensor_and_keeps_small_ones_whole():
+    assert [stage3_partition_numel(n, 2) for n in ODD] == [2, 3, 4]
+    assert stage3_partition_numel(7, 3) == 3 and stage3_partition_numel(6, 3) == 2
+    # the 3-element tensor is under the threshold: its 2-element partition and its whole 3 elements
+    config = ds(3, stage3_param_persistence_threshold=4)
+    assert states(ODD, config) == ((9 + 3) * 4, 9 * 4, 9 * 4, 2 * 9 * 4 + 4)
+    got = model_state_bytes(ODD, config, 2, 1, True)
+    assert got["params_persistent_bytes"] == 12 and got["master_weights_alias_params"]  # fp32, no offload
+
+
+def test_stage3_sub_groups_each_keep_a_step():
+    assert stage3_sub_groups([2, 3, 4], 4) == [5, 4] and stage3_sub_groups([2, 3, 4], 10**9) == [9]
+    config = ds(3, stage3_param_persistence_threshold=0, sub_group_size=4)
+    assert states(ODD, config)[3] == 2 * 9 * 4 + 2 * 4
+
+
+def test_offload_moves_master_weights_and_states_to_the_host():
+    got = model_state_bytes(ODD, ds(2, "cpu"), 2, 0, True)
+    assert (got["optimizer"], got["optimizer_state_bytes"]) == ("DeepSpeedCPUAdam", 64)  # int step, no tensor
+    assert got["where"] == {"params": "gpu", "grads": "host", "master_weights": "host", "optimizer_state": "host"}
+    got3 = model_state_bytes(ODD, {**ds(3, "cpu"), "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, 2, 0, True)
+    assert got3["where"]["params"] == "host" and not got3["master_weights_alias_params"]
+
+
+def test_precision_sets_the_element_sizes():
+    # bf16 stage 2 with FusedAdam: 2-byte params and gradient share, fp32 master and moments
+    assert states(ODD, {**ds(2, precision="bf16"), "optimizer": {"type": "AdamW", "params": {}}}) == (30, 16, 32, 64)
+    # stage 0 in bf16: torch's AdamW behind FP16_UnfusedOptimizer, an fp32 copy per tensor
+    assert states(ODD, ds(0, precision="bf16")) == (30, 30, 60, 2 * 60 + 3 * 4)
+    accum = {**ds(3, precision="bf16"), "data_types": {"grad_accum_dtype": "fp32"}}
+    assert model_state_bytes(ODD, accum, 2, 0, True)["grads_bytes"] == 9 * 4
+
+
+def test_stage0_and_plain_partition_nothing():
+    assert states(ODD, ds(0)) == (60, 60, 0, 2 * 60 + 3 * 4)
+    assert states(ODD, ds(0), use_deepspeed=False) == (60, 60, 0, 132)
+    plain_adagrad = {"optimizer": {"type": "Adagrad", "params": {"lr": 0.01}}}
+    assert states(ODD, plain_adagrad, use_deepspeed=False)[3] == 60 + 3 * 4
+
+
+def test_other_optimizers_state_counts():
+    # CPU Lion allocates exp_avg_sq next to exp_avg (unused): two fp32 states; Adagrad keeps one
+    assert states(ODD, ds(2, "cpu", optimizer="Lion"))[3] == 2 * 32
+    assert states(ODD, ds(2, "cpu", optimizer="Adagrad"))[3] == 32
+    assert states(ODD, ds(2, optimizer="Adagrad"))[3] == 32 + 4  # torch's Adagrad, rebuilt on the partition
+    with pytest.raises(ValueError, match="rank 2"):
+        model_state_bytes(ODD, ds(2), 2, 2, True)
+
+
+def test_buffers_name_their_source_and_overlaps():
+    terms = {t["name"]: t for t in buffer_terms(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2)}
+    assert terms["ipg_bucket"]["bytes"] == 2 * 100 * 4 and "setup_buckets" in terms["ipg_bucket"]["source"]
+    assert terms["flat_group_padding"]["bytes"] == 0
+    # partition 8: rank 0 holds params 0-1 (9 elements), rank 1 params 1-2 (13): whole tensors
+    assert terms["contiguous_gradients"]["bytes"] == 13 * 4 and terms["contiguous_gradients"]["overlaps"]
+    gpu = gpu_buffer_bytes(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
+    assert gpu["contiguous_gradients"] == 4 and gpu == deepspeed_buffer_bytes(
+        ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
+    host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), ODD, 2)
+    assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28}
+    z3 = {t["name"]: t for t in buffer_terms(ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
+                                                 stage3_param_persistence_threshold=0), ODD, 2)}
+    assert z3["ipg_bucket"]["bytes"] == 400 and z3["stage3_live_params"]["bytes"] == 10 * 4
+    # gathered tensors are padded: 2 + 3 + 4 partitions x 2 ranks = 18 elements, under the 50M prefetch
+    assert z3["stage3_prefetch_bucket"]["bytes"] == 18 * 4 and z3["stage3_prefetch_bucket"]["overlaps"]
+    assert all(t["source"].startswith("runtime/") for t in z3.values())
+    assert buffer_terms(ds(0), ODD, 2)[0]["bytes"] == 15 * 4  # stage 0: one flat copy of the gradients
+    assert deepspeed_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {}
+    with pytest.raises(ValueError, match="disagrees"):
+        buffer_terms(ds(2), ODD, 2, "bf16")
+
+
+# ------------------------------------------------------------------------------------------- vs the engine
+
+
+def _check(combo, engine) -> None:
+    bad = [r for r in compare(combo, engine) if r["diff"]]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("combo", [("tiny", 2, "cpu", 2), ("sdxl_tiny", 3, "none", 2)])
+def test_prediction_equals_the_engine(combo, tmp_path):
+    _check(combo, engine_partitions([combo], tmp_path, TREE)[combo])
+
+
+GRID = [c for c in product(("tiny", "sdxl_tiny"), (0, 1, 2, 3), ("none", "cpu"), (1, 2)) if not refused(*c)]
+
+
+@pytest.fixture(scope="module")
+def grid_engine(tmp_path_factory) -> dict:
+    return engine_partitions(GRID, tmp_path_factory.mktemp("grid"), TREE)  # two -m sweeps for all 28
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("combo", GRID, ids=lambda c: "-".join(map(str, c)))
+def test_prediction_equals_the_engine_on_the_grid(combo, grid_engine):
+    _check(combo, grid_engine[combo])
