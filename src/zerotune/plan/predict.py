@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerotune import models
 from zerotune.plan import allocator, cpu_optimizer, gpus
 from zerotune.plan.activations import trace_step
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
