@@ -9,6 +9,7 @@ from typing import Any
 
 from zerotune.plan import allocator, cpu_optimizer, gpus
 from zerotune.plan.activations import trace_step
+from zerotune.plan.buffers import host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import deepspeed_buffer_bytes, model_state_bytes
 from zerotune.preflight import CheckedRun
@@ -38,9 +39,12 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     numels = list(checked.model_stats.param_numels)
     states = model_state_bytes(numels, ds, world, 0, checked.use_deepspeed)
     opt_device, param_device = _offload(ds)
-    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision), trace, numels,
-                           stage, precision)
+    use_ds = checked.use_deepspeed
+    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision, 0, use_ds), trace,
+                           numels, stage, precision)
     host_terms = _host_terms(cfg, checked, states)
+    host_terms += [_term(f"deepspeed:{name}", nbytes, "pinned")
+                   for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds).items()]
     host_peak, load = _host_peak(cfg, checked, host_terms)
     nvme_terms = _state_terms(states, "nvme")
     time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device, int(ds["gradient_accumulation_steps"]))
@@ -90,6 +94,8 @@ def _gpu_terms(gpu, states: dict, buffers: dict, trace, numels: list[int], stage
                    context["source"] if context else "unknown card: no CUDA context figure"),
              _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
              *_state_terms(states, "gpu")]
+    if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
+        terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the GPU"))
     terms += [_term(f"deepspeed:{name}", nbytes) for name, nbytes in buffers.items()]
     terms.append(_term("activations", trace.activation_peak_bytes, "fake-tensor trace of forward + backward"))
     on_gpu = stage < 3 and states["where"]["params"] == "gpu"
