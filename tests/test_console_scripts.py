@@ -20,7 +20,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_scripts_tested_here_are_all_the_scripts():
-    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config"}
+    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config", "zerotune-plan"}
 
 
 def test_zerotune_ds_config_prints_the_json():
@@ -28,6 +28,13 @@ def test_zerotune_ds_config_prints_the_json():
     assert proc.returncode == 0, proc.stderr
     ds = json.loads(proc.stdout)
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_zerotune_plan_prints_the_prediction():
+    proc = run_script("zerotune-plan", "--gpu", "rtx4090", "--json", "zero_stage=3")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["gpu_peak_mib"] > 0 and plan["fits"] is True and "ZeRO-3" in plan["workload"]
 
 
 def test_zerotune_import_config_prints_overrides():
