@@ -119,13 +119,31 @@ def test_guard_has_nothing_to_do_without_a_gpu():
     assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 10**9}) is None
 
 
+def test_parameter_blocks_follow_where_zero_keeps_the_parameters():
+    from zerotune.plan.predict import param_blocks
+
+    numels, on_gpu = [15 * MIB, 100, 7], {"where": {"params": "gpu"}, "params_bytes": (15 * MIB + 107) * 2}
+    flat, how = param_blocks(numels, 2, "bf16", True, on_gpu)
+    assert flat == [(15 * MIB + 107) * 2] and "flat" in how  # ZeRO-1/2: one buffer, one 2 MiB rounding
+    assert allocator.reserved_bytes(flat) - flat[0] < 2 * MIB
+    separate, _ = param_blocks(numels, 0, "bf16", True, on_gpu)  # stage 0 and plain DDP: a block each
+    assert separate == [30 * MIB, 200, 14]
+    assert allocator.reserved_bytes(separate) == 30 * MIB + 2 * MIB  # a large block, a small segment
+    assert param_blocks(numels, 2, "bf16", False, on_gpu)[0] == separate
+    assert param_blocks(numels, 3, "bf16", True, on_gpu)[0] == []
+
+
 # ------------------------------------------------------------------------------------------ commands
 
 
 def test_plan_command_json_has_the_per_rank_gpu_peak():
-    proc = run_cli("--gpu", "rtx4090", "--json", "train.batch_size=8", module="zerotune.plan")
+    # overrides before and after the flags, as users type them
+    proc = run_cli("train.batch_size=8", "--gpu", "rtx4090", "--json", "deepspeed.reduce_bucket_size=1000",
+                   module="zerotune.plan")
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)
+    assert "batch 8x1" in plan["workload"]
+    assert {t["term"]: t["mib"] for t in plan["gpu_terms"]}["deepspeed:ipg_bucket"] == pytest.approx(1000 * 4 / MIB)
     assert plan["gpu_peak_mib"] == pytest.approx(sum(t["mib"] for t in plan["gpu_terms"]))
     assert plan["gpu"]["name"] == "rtx4090" and plan["fits"] is True
     names = {t["term"] for t in plan["gpu_terms"]}

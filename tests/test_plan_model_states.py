@@ -125,6 +125,10 @@ def test_buffers_name_their_source_and_overlaps():
         ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
     host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), ODD, 2)
     assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28}
+    offload_gpu = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), ODD, 2)
+    # the largest parameter (7 elements) in the model dtype for staging, and cast to fp64 for its norm
+    assert offload_gpu["offload_temp_grad_gpu"] == 7 * 4 and offload_gpu["offload_grad_norm_fp64"] == 7 * 8
+    assert "offload_grad_norm_fp64" not in gpu_buffer_bytes(ds(2, reduce_bucket_size=100), ODD, 2)
     z3 = {t["name"]: t for t in buffer_terms(ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
                                                  stage3_param_persistence_threshold=0), ODD, 2)}
     assert z3["ipg_bucket"]["bytes"] == 400 and z3["stage3_live_params"]["bytes"] == 10 * 4

@@ -55,7 +55,7 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     try:
         gpu = gpus.lookup(args.gpu, args.gpu_mib, key="--gpu") if args.gpu or args.gpu_mib is not None else None
         answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)

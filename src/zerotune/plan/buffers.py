@@ -23,6 +23,8 @@ from zerotune.plan.model_states import (
     zero_config,
 )
 
+_NORM_BYTES = 8  # zero/utils.py:get_norm_dtype: fp64 on every device that has it (CUDA does)
+
 
 def _term(name: str, nbytes: int, where: str, bound: str, lifetime: str, source: str, overlaps: str = "") -> dict:
     return {"name": name, "bytes": int(nbytes), "where": where, "bound": bound, "lifetime": lifetime,
@@ -88,7 +90,12 @@ def _zero12(ds: dict, numels: list[int], world: int, rank: int | None, prec: Any
                   _term("offload_temp_grad_host", largest * prec.param, "host", "exact", "persistent",
                         src + "__init__ (temp_grad_buffer_for_cpu_offload, pinned)"),
                   _term("offload_temp_grad_gpu", largest * prec.param, "gpu", "exact", "persistent",
-                        src + "__init__ (temp_grad_buffer_for_gpu_offload)")]
+                        src + "__init__ (temp_grad_buffer_for_gpu_offload)"),
+                  # One parameter at a time, so the largest one sets it; `upper` because it may fall where
+                  # the activations are not at their peak.
+                  _term("offload_grad_norm_fp64", largest * _NORM_BYTES, "gpu", "upper", "backward",
+                        src + "set_norm_for_param_grad_in_gpu / copy_grads_in_partition (each gradient "
+                        "cast to fp64, zero/utils.py:get_norm_dtype, for its norm)")]
         return terms
     if stage == 2 and zero.contiguous_gradients:
         terms.append(_zero12_grads(numels, part, world, rank, prec))

@@ -41,7 +41,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     opt_device, param_device = _offload(ds)
     use_ds = checked.use_deepspeed
     gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision, 0, use_ds), trace,
-                           numels, stage, precision)
+                           param_blocks(numels, stage, precision, use_ds, states))
     host_terms = _host_terms(cfg, checked, states)
     host_terms += [_term(f"deepspeed:{name}", nbytes, "pinned")
                    for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds).items()]
@@ -87,7 +87,18 @@ def _state_terms(states: dict, place: str) -> list[dict]:
     return terms
 
 
-def _gpu_terms(gpu, states: dict, buffers: dict, trace, numels: list[int], stage: int, precision: str) -> list[dict]:
+def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, states: dict) -> tuple[list[int], str]:
+    """The allocations that hold the parameters on the GPU, and how: ZeRO-1/2 copy them into one flat
+    buffer per group (stage_1_and_2.py, flatten_dense_tensors_aligned); stage 0 and plain DDP keep each
+    parameter in its own block; stage 3's partitions are counted in its buffers."""
+    if stage >= 3 or states["where"]["params"] != "gpu":
+        return [], "no parameter blocks on the GPU outside ZeRO-3's buffers"
+    if use_ds and stage in (1, 2):
+        return [states["params_bytes"]], "one flat parameter buffer: rounded up to 2 MiB"
+    return [n * _DTYPE_BYTES[precision] for n in numels], "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"
+
+
+def _gpu_terms(gpu, states: dict, buffers: dict, trace, param_blocks: tuple[list[int], str]) -> list[dict]:
     family = gpu.family if gpu else "unknown"
     context = CONTEXT.get(family)
     terms = [_term("cuda_context", context["bytes"] if context else 0,
@@ -98,10 +109,8 @@ def _gpu_terms(gpu, states: dict, buffers: dict, trace, numels: list[int], stage
         terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the GPU"))
     terms += [_term(f"deepspeed:{name}", nbytes) for name, nbytes in buffers.items()]
     terms.append(_term("activations", trace.activation_peak_bytes, "fake-tensor trace of forward + backward"))
-    on_gpu = stage < 3 and states["where"]["params"] == "gpu"
-    sizes = [n * _DTYPE_BYTES[precision] for n in numels] if on_gpu else []
-    terms.append(_term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes),
-                       "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"))
+    sizes, how = param_blocks
+    terms.append(_term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how))
     return terms
 
 
