@@ -1,13 +1,15 @@
 """Predicted vs real model-state bytes per rank: zerotune.plan.model_states against the DeepSpeed engine.
 
 Runs the real CLI (one Hydra -m sweep per group of configurations, 1 step, synthetic data) for
-models x ZeRO stages x offload x world sizes, reads what `partition_bytes` measured on every rank after
+models x ZeRO stages x offload x world sizes x adapters (none: full training; lora: the base U-Net frozen,
+the adapter trained), reads what `partition_bytes` measured on every rank after
 step 1 (`ranks/rank<k>.json`), and prints, per configuration and key, the predicted bytes, the engine's and
 the difference. Stage 0 with offload=cpu is refused by preflight (offload needs a partitioned optimizer):
 those rows say so.
 
     python benchmarks/bench_plan_model_states.py [--models tiny,sdxl_tiny] [--stages 0,1,2,3]
-        [--offloads none,cpu] [--worlds 1,2] [--out /tmp/plan_states] [--tree /path/to/checkout]
+        [--offloads none,cpu] [--worlds 1,2] [--adapters none,lora] [--out /tmp/plan_states]
+        [--tree /path/to/checkout]
         [--extra precision=bf16 optimizer=lion ...]
 
 `--tree`: run the training side from another checkout of zerotune (e.g. `git archive HEAD` unpacked), its
@@ -50,52 +52,64 @@ def _overrides(job: Path) -> dict:
     return {k: v.strip("'\"") for k, v in pairs}
 
 
-def run_sweep(models, stages, offloads, worlds, sweep_dir: Path, tree: Path = ROOT, timeout: int = 3600) -> dict:
-    """One `train.py -m` over the cartesian product; {(model, stage, offload, world): [partition per rank]}."""
+def run_sweep(models, stages, offloads, worlds, adapters, sweep_dir: Path, tree: Path = ROOT,
+              timeout: int = 3600) -> dict:
+    """One `train.py -m` over the cartesian product; {(model, stage, offload, world, adapter): [partition
+    per rank]}."""
     args = [sys.executable, str(tree / "train.py"), "-m", f"model={','.join(models)}",
             f"zero_stage={','.join(map(str, stages))}", f"offload={','.join(offloads)}",
-            f"launch.num_processes={','.join(map(str, worlds))}", *QUICK, *EXTRA, f"hydra.sweep.dir={sweep_dir}"]
+            f"launch.num_processes={','.join(map(str, worlds))}", f"adapter={','.join(adapters)}", *QUICK, *EXTRA,
+            f"hydra.sweep.dir={sweep_dir}"]
     proc = subprocess.run(args, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=timeout)
     found = {}
     for job in sorted(p for p in sweep_dir.iterdir() if (p / ".hydra" / "overrides.yaml").exists()):
         over = _overrides(job)
-        key = (over["model"], int(over["zero_stage"]), over["offload"], int(over["launch.num_processes"]))
+        key = (over["model"], int(over["zero_stage"]), over["offload"], int(over["launch.num_processes"]),
+               over["adapter"])
         ranks = sorted((job / "ranks").glob("rank*.json"), key=lambda p: int(p.stem[4:]))
         found[key] = [json.loads(p.read_text())["partition"] for p in ranks] or None
-    missing = [k for k in product(models, stages, offloads, worlds) if not found.get(k)]
+    missing = [k for k in product(models, stages, offloads, worlds, adapters) if not found.get(k)]
     if missing:
         raise RuntimeError(f"no engine figures for {missing}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return found
 
 
+def combo(model: str, stage: int, offload: str, world: int, adapter: str = "none") -> tuple:
+    """(model, stage, offload, world, adapter): a configuration of the grid (adapter none by default)."""
+    return model, int(stage), offload, int(world), adapter
+
+
 def engine_partitions(combos, out: Path, tree: Path = ROOT) -> dict:
-    """Engine figures for (model, stage, offload, world) combos, grouped into as few sweeps as possible."""
+    """Engine figures for (model, stage, offload, world[, adapter]) combos, grouped into as few sweeps as
+    possible; keyed by the combos as given."""
     combos = [c for c in combos if not refused(*c)]
     groups: dict = {}
-    for model, stage, offload, world in combos:  # stage 0 only takes offload=none: its own sweep
-        groups.setdefault((stage == 0,), set()).add((model, stage, offload, world))
+    for c in combos:  # stage 0 only takes offload=none: its own sweep
+        groups.setdefault((c[1] == 0,), set()).add(combo(*c))
     found = {}
     for i, members in enumerate(groups.values()):
-        axes = [sorted({m[j] for m in members}) for j in range(4)]
+        axes = [sorted({m[j] for m in members}) for j in range(5)]
         found.update(run_sweep(*axes, Path(tempfile.mkdtemp(prefix=f"sweep{i}-", dir=out)), tree))
-    return {c: found[c] for c in combos}
+    return {c: found[combo(*c)] for c in combos}
 
 
-def refused(model: str, stage: int, offload: str, world: int) -> bool:
+def refused(model: str, stage: int, offload: str, world: int, adapter: str = "none") -> bool:
     return stage == 0 and offload != "none"
 
 
-def predicted(model: str, stage: int, offload: str, world: int) -> list[dict]:
-    """What the planner predicts for every rank of that job, from a meta-device build and preflight's dict."""
+def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "none") -> list[dict]:
+    """What the planner predicts for every rank of that job, from a meta-device build (with the adapter)
+    and preflight's dict."""
     from tests.helpers.cli import compose_cfg
     from zerotune.plan.model_states import model_state_bytes, param_numels
     from zerotune.preflight import preflight
 
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
-                      f"launch.num_processes={world}", *QUICK, *EXTRA)
+                      f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
     checked = preflight(cfg, world_size=world)
-    numels = param_numels(cfg.model)
-    return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed) for r in range(world)]
+    numels, trainable = param_numels(cfg.model, cfg.adapter)
+    return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable)
+            for r in range(world)]
 
 
 def compare(combo, engine: list[dict]) -> list[dict]:
@@ -108,20 +122,24 @@ def compare(combo, engine: list[dict]) -> list[dict]:
     return rows
 
 
+def _label(c: tuple) -> str:
+    model, stage, offload, world, adapter = combo(*c)
+    return f"{model:<10}{stage:>6}{offload:>8}{world:>6}{adapter:>8}"
+
+
 def table(combos, engine: dict) -> list[str]:
-    head = f"{'model':<10}{'stage':>6}{'offload':>8}{'world':>6}{'rank':>5}  " + "".join(
+    head = f"{'model':<10}{'stage':>6}{'offload':>8}{'world':>6}{'adapter':>8}{'rank':>5}  " + "".join(
         f"{k.replace('_bytes', ''):>34}" for k in KEYS)
-    lines = [head, " " * 37 + "".join(f"{'predicted / engine (diff)':>34}" for _ in KEYS)]
-    for combo in combos:
-        if refused(*combo):
-            lines.append(f"{combo[0]:<10}{combo[1]:>6}{combo[2]:>8}{combo[3]:>6}    -  refused by preflight: "
-                         "offload needs ZeRO stage 1 or more")
+    lines = [head, " " * 45 + "".join(f"{'predicted / engine (diff)':>34}" for _ in KEYS)]
+    for c in combos:
+        if refused(*c):
+            lines.append(f"{_label(c)}    -  refused by preflight: offload needs ZeRO stage 1 or more")
             continue
-        rows = compare(combo, engine[combo])
-        for rank in range(combo[3]):
+        rows = compare(c, engine[c])
+        for rank in range(c[3]):
             cells = [r for r in rows if r["rank"] == rank]
-            lines.append(f"{combo[0]:<10}{combo[1]:>6}{combo[2]:>8}{combo[3]:>6}{rank:>5}  " + "".join(
-                f"{c['predicted']:>13,} / {c['engine']:>11,} ({c['diff']:+d})" for c in cells))
+            lines.append(f"{_label(c)}{rank:>5}  " + "".join(
+                f"{x['predicted']:>13,} / {x['engine']:>11,} ({x['diff']:+d})" for x in cells))
     return lines
 
 
@@ -131,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--offloads", default="none,cpu")
     ap.add_argument("--worlds", default="1,2")
+    ap.add_argument("--adapters", default="none", help="none (full training), lora, or both: none,lora")
     ap.add_argument("--out", default=None, help="folder for the sweeps' run directories (default: a temp dir)")
     ap.add_argument("--tree", default=str(ROOT), help="checkout whose train.py runs the engine side")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every job, e.g. precision=bf16")
     a = ap.parse_args(argv)
     EXTRA[:] = a.extra
     combos = list(product(a.models.split(","), map(int, a.stages.split(",")), a.offloads.split(","),
-                          map(int, a.worlds.split(","))))
+                          map(int, a.worlds.split(",")), a.adapters.split(",")))
     out = Path(a.out or tempfile.mkdtemp(prefix="plan_states-"))
     out.mkdir(parents=True, exist_ok=True)
     engine = engine_partitions(combos, out, Path(a.tree))

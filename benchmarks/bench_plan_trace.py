@@ -7,7 +7,10 @@ as a table: the traced activation peak against the same step run for real on thi
 between ops (what the trace measures; the test's criterion, 0.9-1.1) and with the CPU kernels' scratch
 buffers (informational).
 
-    python benchmarks/bench_plan_trace.py [--skip-sdxl] [--skip-accuracy]
+`--adapter lora` traces and runs every step with the LoRA adapter (conf/adapter/lora.yaml, the model's
+`lora_targets`): the base U-Net frozen, the adapter's branches added.
+
+    python benchmarks/bench_plan_trace.py [--skip-sdxl] [--skip-accuracy] [--adapter lora]
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32))
          for size in sizes for checkpointing in (False, True)]
 
 
-def model_cfg(name: str, size: int | None = None):
-    return compose([f"model={name}", "data=synthetic"] + ([f"resolution={size}"] if size else [])).model
+def model_cfg(name: str, size: int | None = None, adapter: str = "none"):
+    """The model's config and the adapter's (interpolations resolved against the whole config)."""
+    cfg = compose([f"model={name}", "data=synthetic", f"adapter={adapter}"] + ([f"resolution={size}"] if size else []))
+    return cfg.model, cfg.adapter
 
 
-def bench_sdxl() -> None:
+def bench_sdxl(adapter: str) -> None:
     from zerotune.plan import activations
 
-    cfg = model_cfg("sdxl", 1024)
-    args = (cfg, latent_shape(cfg, 1024), 8, "bf16", True, str(cfg.attention))
+    cfg, tuned = model_cfg("sdxl", 1024, adapter)
+    args = (cfg, latent_shape(cfg, 1024), 8, "bf16", True, str(cfg.attention), tuned)
     timings = {}
     for label in ("cold", "cached in process", "cached on disk"):
         if label == "cached on disk":
@@ -48,16 +53,16 @@ def bench_sdxl() -> None:
           f"forward {trace.forward_flops / 1e12:.1f} TFLOP, backward {trace.backward_flops / 1e12:.1f} TFLOP")
 
 
-def bench_accuracy() -> None:
+def bench_accuracy(adapter: str) -> None:
     from zerotune.plan.activations import measure_step_on_cpu, trace_step
 
     print(f"\n{'model':10s} {'px':>4s} {'latent':>9s} {'ckpt':>4s} {'traced B':>13s} {'real B':>13s} "
           f"{'ratio':>6s} {'real+ws B':>13s} {'ratio':>6s}")
     for name, size, checkpointing in CASES:
-        cfg = model_cfg(name)
+        cfg, tuned = model_cfg(name, adapter=adapter)
         shape = latent_shape(cfg, size)
-        traced = trace_step(cfg, shape, 2, "fp32", checkpointing, str(cfg.attention)).activation_peak_bytes
-        real = measure_step_on_cpu(cfg, shape, 2, checkpointing, str(cfg.attention))
+        traced = trace_step(cfg, shape, 2, "fp32", checkpointing, str(cfg.attention), tuned).activation_peak_bytes
+        real = measure_step_on_cpu(cfg, shape, 2, checkpointing, str(cfg.attention), adapter_cfg=tuned)
         print(f"{name:10s} {size:4d} {'x'.join(map(str, shape)):>9s} {'yes' if checkpointing else 'no':>4s} "
               f"{traced:13,d} {real.between_ops:13,d} {traced / real.between_ops:6.3f} "
               f"{real.with_workspaces:13,d} {traced / real.with_workspaces:6.3f}")
@@ -67,13 +72,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-sdxl", action="store_true")
     parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--adapter", default="none", help="none (full training) or lora")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         os.environ["ZEROTUNE_CACHE_DIR"] = cache  # cold: nothing traced before
         if not opts.skip_sdxl:
-            bench_sdxl()
+            bench_sdxl(opts.adapter)
         if not opts.skip_accuracy:
-            bench_accuracy()
+            bench_accuracy(opts.adapter)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,8 @@ def test_resume_rules(tmp_path):
     ({"zero_stage": 0, "use_deepspeed": False}, {"zero_stage": 2, "use_deepspeed": True}, ConfigError),
     ({"zero_stage": 2, "use_deepspeed": True, "offload": "nvme"}, {"zero_stage": 3, "use_deepspeed": True},
      ConfigError),
+    ({"zero_stage": 3, "use_deepspeed": True}, {"zero_stage": 2, "use_deepspeed": True}, ConfigError),
+    ({"zero_stage": 3, "use_deepspeed": True, "world_size": 2}, {"zero_stage": 3, "use_deepspeed": True}, "universal"),
 ])
 def test_conversion_choice(tmp_path, saved, now, mode):
     base = {"offload": "none", "optimizer": "AdamW", "world_size": 1}

@@ -133,6 +133,19 @@ def test_parameter_blocks_follow_where_zero_keeps_the_parameters():
     assert param_blocks(numels, 3, "bf16", True, on_gpu)[0] == []
 
 
+def test_frozen_parameters_are_blocks_of_their_own_beside_the_flat_buffer():
+    from zerotune.plan.predict import param_blocks
+
+    # an adapter's base: the 15 MiB and the 7 frozen, the two 100s trained (ZeRO-1/2 flatten those only)
+    numels, trained, on_gpu = [15 * MIB, 100, 7, 100], [100, 100], {"where": {"params": "gpu"}}
+    blocks, how = param_blocks(numels, 1, "bf16", True, on_gpu, trained)
+    assert sorted(blocks) == sorted([200 * 2, 30 * MIB, 14]) and "frozen" in how
+    # the flat 400 B and the frozen 14 B share a small segment; the 30 MiB block is one of its own
+    assert allocator.reserved_bytes(blocks) == 30 * MIB + 2 * MIB
+    assert param_blocks(numels, 0, "bf16", True, on_gpu, trained)[0] == [30 * MIB, 200, 14, 200]
+    assert param_blocks(numels, 2, "bf16", True, on_gpu, numels)[0] == [(15 * MIB + 207) * 2]  # nothing frozen
+
+
 # ------------------------------------------------------------------------------------------ commands
 
 
@@ -148,6 +161,26 @@ def test_plan_command_json_has_the_per_rank_gpu_peak():
     assert plan["gpu"]["name"] == "rtx4090" and plan["fits"] is True
     names = {t["term"] for t in plan["gpu_terms"]}
     assert {"cuda_context", "params", "grads", "activations", "allocator_rounding"} <= names
+
+
+def test_plan_with_an_adapter_trains_and_averages_the_adapter_only():
+    def plan(*args):
+        proc = run_cli("ema.enabled=true", "--json", *args, module="zerotune.plan")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        answer = json.loads(proc.stdout)
+        return answer, {t["term"]: t["mib"] * MIB for t in answer["gpu_terms"] + answer["host_terms"]}
+
+    (full, full_terms), (lora, lora_terms) = plan(), plan("adapter=lora")
+    assert full["frozen_params"] == 0 and lora["frozen_params"] == full["trainable_params"]
+    assert "adapter lora rank 16" in lora["workload"] and "adapter" not in full["workload"]
+    # ZeRO-2 in fp32: every parameter (base + adapter) on the GPU; gradients and EMA of the adapter only
+    elements = lora["trainable_params"] + lora["frozen_params"]
+    assert lora_terms["params"] == pytest.approx(elements * 4) and full_terms["params"] < lora_terms["params"]
+    assert lora_terms["grads"] == pytest.approx(lora["trainable_params"] * 4)
+    assert lora_terms["ema"] == pytest.approx(lora["trainable_params"] * 4)
+    assert full_terms["ema"] == pytest.approx(full["trainable_params"] * 4)
+    assert lora_terms["model_load"] == pytest.approx(elements * 4)  # the fp32 build is the whole U-Net
+    assert lora["trace"]["key"] != full["trace"]["key"] and "lora-r16" in lora["trace"]["key"]
 
 
 @pytest.mark.parametrize(("args", "key"), [(["--gpu", "rtx5090"], "--gpu"), (["--gpu-mib", "-5"], "--gpu-mib"),

@@ -45,6 +45,24 @@ def test_traced_activation_peak_is_the_real_steps(model, size, checkpointing):
     assert 0.9 <= ratio <= 1.1, f"traced {traced.activation_peak_bytes:,} B, real {real.between_ops:,} B"
 
 
+# LoRA: the base U-Net frozen (no weight gradients, only what its ops save for the input gradients), the
+# adapter's branches on the targets (tiny: the resnets' convolutions; sdxl_tiny: attention projections).
+LORA_CASES = [("tiny", 16, False), ("sdxl_tiny", 128, False), ("sdxl_tiny", 128, True)]
+
+
+@pytest.mark.parametrize("model,size,checkpointing", LORA_CASES,
+                         ids=[f"{m}-{s}px-{'gc' if c else 'nogc'}-lora" for m, s, c in LORA_CASES])
+def test_traced_activation_peak_is_the_real_steps_with_lora(model, size, checkpointing):
+    cfg = compose_cfg(f"model={model}", "data=synthetic", "adapter=lora")
+    shape = latent_shape(cfg.model, size)
+    traced = trace_step(cfg.model, shape, 2, "fp32", checkpointing, str(cfg.model.attention), cfg.adapter)
+    real = measure_step_on_cpu(cfg.model, shape, 2, checkpointing, str(cfg.model.attention), adapter_cfg=cfg.adapter)
+    ratio = traced.activation_peak_bytes / real.between_ops
+    assert 0.9 <= ratio <= 1.1, f"traced {traced.activation_peak_bytes:,} B, real {real.between_ops:,} B"
+    stats = model_stats(cfg.model, cfg.adapter)
+    assert traced.param_bytes == stats.num_params * 4 and traced.grad_bytes == stats.num_trainable * 4
+
+
 def test_checkpointing_lowers_the_peak_and_adds_recomputation():
     cfg = _model("sdxl_tiny")
     full, checkpointed = (trace_step(cfg, (4, 32, 32), 2, "fp32", gc, "sdpa") for gc in (False, True))
@@ -84,6 +102,13 @@ def test_every_setting_has_its_own_key():
     keys = {activations.trace_key(cfg, *settings) for settings in [base, *variants]}
     assert len(keys) == 1 + len(variants)
     assert activations.trace_key(_model("sdxl_tiny"), *base) not in keys
+    # the adapter and each of its settings; adapter=none is full training's key
+    adapters = [compose_cfg("model=tiny", *extra).adapter for extra in (
+        ["adapter=lora"], ["adapter=lora", "adapter.rank=4"], ["adapter=lora", "adapter.dropout=0.1"],
+        ["adapter=lora", "adapter.target_modules=[conv1]"])]
+    tuned = {activations.trace_key(cfg, *base, a) for a in adapters}
+    assert len(tuned) == len(adapters) and not tuned & keys
+    assert activations.trace_key(cfg, *base, compose_cfg("model=tiny").adapter) == activations.trace_key(cfg, *base)
 
 
 def test_a_corrupt_cache_file_is_traced_again():

@@ -1,8 +1,9 @@
 """zerotune.plan.model_states: per-rank model-state bytes predicted without weights, checked by hand on small
 cases and against what the real DeepSpeed engine holds after step 1 (`partition_bytes`, ranks/rank<k>.json).
 
-The end-to-end grid (2 models x stages 0-3 x offload none/cpu x world 1/2) is slow: a representative
-pair runs in the fast suite, the rest under `-m slow`. ZEROTUNE_ENGINE_TREE=/path/to/checkout runs the
+The end-to-end grid (2 models x stages 0-3 x offload none/cpu x world 1/2 x adapter none/lora) is slow:
+representative pairs (full training; LoRA with its frozen base) run in the fast suite, the rest under
+`-m slow`. ZEROTUNE_ENGINE_TREE=/path/to/checkout runs the
 engine side from another checkout (benchmarks/bench_plan_model_states.py --tree), e.g. while the working
 tree's CLI is mid-edit.
 """
@@ -16,11 +17,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
-from tests.helpers.cli import ROOT
+from tests.helpers.cli import ROOT, compose_cfg
+from zerotune.models import _from_config, model_stats
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.model_states import (
     deepspeed_buffer_bytes,
     model_state_bytes,
+    param_numels,
     stage3_partition_numel,
     stage3_sub_groups,
     zero12_flat,
@@ -41,8 +44,8 @@ def ds(stage: int, offload: str = "none", precision: str = "fp32", optimizer: st
     return out
 
 
-def states(numels, config, world=2, rank=0, use_deepspeed=True) -> tuple[int, int, int, int]:
-    got = model_state_bytes(numels, config, world, rank, use_deepspeed)
+def states(numels, config, world=2, rank=0, use_deepspeed=True, trainable=None) -> tuple[int, int, int, int]:
+    got = model_state_bytes(numels, config, world, rank, use_deepspeed, trainable)
     return tuple(got[k] for k in KEYS)
 
 
@@ -141,6 +144,66 @@ def test_buffers_name_their_source_and_overlaps():
         buffer_terms(ds(2), ODD, 2, "bf16")
 
 
+# ------------------------------------------------------------------------------------------- with an adapter
+
+MIXED, TRAINED = [3, 5, 7, 4], [5, 4]  # 19 elements, of which the 5 and the 4 train (an adapter's); 10 frozen
+
+
+def test_zero12_flatten_only_the_trained_parameters():
+    # the frozen 3 and 7 stay whole module parameters: params count all 19 elements, in the model dtype
+    assert states(MIXED, ds(2), trainable=TRAINED) == (76, 6 * 4, 6 * 4, 2 * 6 * 4 + 4)  # flat 9 -> 12: 6 a rank
+    assert states(MIXED, ds(1), trainable=TRAINED) == (76, 9 * 4, 6 * 4, 2 * 6 * 4 + 4)  # whole trained grads
+    bf16 = {**ds(1, precision="bf16"), "data_types": {"grad_accum_dtype": "fp32"}}  # BF16_Optimizer
+    assert states(MIXED, bf16, trainable=TRAINED)[:2] == (38, 12 * 4)
+    got = model_state_bytes(MIXED, ds(2), 2, 0, True, TRAINED)
+    assert got["partition_numel"] == 6 and got["trainable_params_bytes"] == 9 * 4
+
+
+def test_stage3_partitions_frozen_parameters_without_their_states():
+    config = ds(3, stage3_param_persistence_threshold=3)  # the frozen 3 also stays whole
+    # every parameter's partition (2+3+4+2) and the whole 3; gradients, master, states: the trained 3+2
+    assert states(MIXED, config, trainable=TRAINED) == ((11 + 3) * 4, 5 * 4, 5 * 4, 2 * 5 * 4 + 4)
+    assert model_state_bytes(MIXED, config, 2, 1, True, TRAINED)["params_persistent_bytes"] == 12
+
+
+def test_stage0_and_plain_keep_gradients_and_states_of_the_trained_only():
+    assert states(MIXED, ds(0), trainable=TRAINED) == (76, 36, 0, 2 * 36 + 2 * 4)
+    assert states(MIXED, ds(0), use_deepspeed=False, trainable=TRAINED) == (76, 36, 0, 2 * 36 + 2 * 4)
+    assert states(MIXED, ds(0, precision="bf16"), trainable=TRAINED) == (38, 18, 36, 2 * 36 + 2 * 4)
+
+
+def test_buffers_follow_the_optimizers_parameters():
+    offload = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
+    # the largest trained parameter (5), not the frozen 7, sizes the staging and norm buffers
+    assert offload["offload_temp_grad_gpu"] == 5 * 4 and offload["offload_grad_norm_fp64"] == 5 * 8
+    host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
+    assert host == {"offload_fp32_grad_partition": 24, "offload_bit16_param_partition": 24,
+                    "offload_temp_grad_host": 20}
+    assert buffer_terms(ds(0), MIXED, 2, trainable_numels=TRAINED)[0]["bytes"] == 9 * 4
+    z3 = {t["name"]: t for t in buffer_terms(ds(3, "cpu", reduce_bucket_size=100,
+                                                 stage3_param_persistence_threshold=0), MIXED, 2,
+                                             trainable_numels=TRAINED)}
+    # forward and backward gather every parameter, frozen ones too: (2+3+4+2) x 2 ranks
+    assert z3["stage3_prefetch_bucket"]["bytes"] == 22 * 4
+    assert z3["offload_fp32_grad_partition"]["bytes"] == 5 * 4  # the trained partitions only
+
+
+def test_the_meta_build_counts_the_adapter():
+    from accelerate import init_empty_weights
+
+    cfg = compose_cfg("model=sdxl_tiny", "adapter=lora", "adapter.rank=4")
+    numels, trained = param_numels(cfg.model, cfg.adapter)
+    stats = model_stats(cfg.model)
+    assert sum(numels) == stats.num_params + sum(trained) and list(stats.param_numels) == param_numels(cfg.model)[0]
+    # LoRA on each targeted linear layer: an (r x in) A and an (out x r) B
+    with init_empty_weights():
+        base = _from_config(cfg.model)
+    targets = tuple(str(t) for t in cfg.adapter.target_modules)
+    layers = [m for name, m in base.named_modules() if name.endswith(targets)]
+    assert layers and sum(trained) == sum(4 * (m.in_features + m.out_features) for m in layers)
+    assert len(trained) == 2 * len(layers)
+
+
 # ------------------------------------------------------------------------------------------- vs the engine
 
 
@@ -154,12 +217,27 @@ def test_prediction_equals_the_engine(combo, tmp_path):
     _check(combo, engine_partitions([combo], tmp_path, TREE)[combo])
 
 
-GRID = [c for c in product(("tiny", "sdxl_tiny"), (0, 1, 2, 3), ("none", "cpu"), (1, 2)) if not refused(*c)]
+# LoRA: ZeRO-2 flattens only the adapter, ZeRO-3 partitions the frozen base too; offload stages the adapter's.
+LORA = [("sdxl_tiny", 2, "cpu", 2, "lora"), ("sdxl_tiny", 3, "cpu", 2, "lora")]
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tmp_path_factory) -> dict:
+    return engine_partitions(LORA, tmp_path_factory.mktemp("lora"), TREE)  # one -m sweep of the two
+
+
+@pytest.mark.parametrize("combo", LORA, ids=lambda c: "-".join(map(str, c)))
+def test_prediction_equals_the_engine_with_lora(combo, lora_engine):
+    _check(combo, lora_engine[combo])
+
+
+GRID = [c for c in product(("tiny", "sdxl_tiny"), (0, 1, 2, 3), ("none", "cpu"), (1, 2), ("none", "lora"))
+        if not refused(*c)]
 
 
 @pytest.fixture(scope="module")
 def grid_engine(tmp_path_factory) -> dict:
-    return engine_partitions(GRID, tmp_path_factory.mktemp("grid"), TREE)  # two -m sweeps for all 28
+    return engine_partitions(GRID, tmp_path_factory.mktemp("grid"), TREE)  # two -m sweeps for all 56
 
 
 @pytest.mark.slow

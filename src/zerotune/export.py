@@ -7,6 +7,12 @@ DeepSpeed's zero_to_fp32), as a diffusers folder and a .safetensors file:
     <out>/unet.safetensors
     <out>/unet_ema/, <out>/unet_ema.safetensors   when the run kept an EMA
 
+With adapter=lora, the adapter in diffusers' LoRA format (pipeline.load_lora_weights(<out>/lora),
+unet.load_lora_adapter(<out>/lora, prefix="unet")), and with --merge the U-Net with it merged in:
+
+    <out>/lora/pytorch_lora_weights.safetensors     (<out>/lora_ema/ for the EMA)
+    <out>/unet/, <out>/unet.safetensors             --merge only (<out>/unet_ema* for the EMA)
+
 `model.pretrained=<out>` starts a new run from <out>/unet. <checkpoint> may also be a run dir or a
 checkpoint dir: the newest complete checkpoint in it is exported.
 """
@@ -22,6 +28,8 @@ import torch
 
 from zerotune import checkpoints
 from zerotune.checkpoints import manifest
+from zerotune.checkpoints.layout import read_meta
+from zerotune.models import lora_export
 from zerotune.training.checkpoint import full_state
 
 
@@ -46,25 +54,38 @@ def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
     return out / name
 
 
-def export(checkpoint: str | Path, out: str | Path) -> dict:
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict:
+    """Write the checkpoint's weights into `out`: the U-Net, or with an adapter the adapter (and with `merge`
+    the U-Net with the adapter merged in); the same for the EMA when the run kept one."""
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = checkpoints.unet_config(path)
+    config, adapter_cfg = checkpoints.unet_config(path), read_meta(path).get("adapter_config")
     weights, _, _ = full_state(path, with_optimizer=False)
-    written = {"checkpoint": str(path), "unet": str(_save(config, {k: v.float() for k, v in weights.items()},
-                                                             out, "unet"))}
+    weights = {k: v.float() for k, v in weights.items()}
+    ema = None
     if (path / checkpoints.EMA_FILE).is_file():
-        ema = torch.load(path / checkpoints.EMA_FILE, map_location="cpu", weights_only=True)
-        written["unet_ema"] = str(_save(config, ema["shadow"], out, "unet_ema"))
+        ema = torch.load(path / checkpoints.EMA_FILE, map_location="cpu", weights_only=True)["shadow"]
+    written = {"checkpoint": str(path)}
+    if adapter_cfg is None:
+        written["unet"] = str(_save(config, weights, out, "unet"))
+        if ema is not None:
+            written["unet_ema"] = str(_save(config, ema, out, "unet_ema"))
+        return written
+    written.update(lora_export.save(config, adapter_cfg, weights, out, "", merge))
+    if ema is not None:  # the averaged adapter weights over the same frozen base
+        written.update(lora_export.save(config, adapter_cfg, {**weights, **ema}, out, "_ema", merge))
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerotune.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step-NNNNNNN checkpoint folder, a checkpoint dir or a run dir")
-    parser.add_argument("out", help="folder to write unet/, unet.safetensors (and unet_ema*) into")
+    parser.add_argument("out", help="folder to write unet/, unet.safetensors (and unet_ema*) into; with an "
+                        "adapter, lora/pytorch_lora_weights.safetensors (and lora_ema/)")
+    parser.add_argument("--merge", action="store_true", help="with an adapter: also write the U-Net with the "
+                        "adapter merged into its weights, as unet/ and unet.safetensors")
     args = parser.parse_args(argv)
-    written = export(args.checkpoint, args.out)
+    written = export(args.checkpoint, args.out, merge=args.merge)
     print(json.dumps(written, indent=2))
     return 0
 

@@ -13,7 +13,7 @@ from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
 from zerotune.loggers import check_logger
-from zerotune.models import ModelStats
+from zerotune.models import ModelStats, adapter
 from zerotune.platform import Platform, detect
 from zerotune.schema import launch_world_size
 from zerotune.user_config import autofill, merge, resolve
@@ -106,11 +106,12 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
     _check_inputs(cfg)
     use_ds = _use_deepspeed(cfg, platform)
-    stats = models.model_stats(cfg.model)
+    stats = models.model_stats(cfg.model, cfg.get("adapter"))
     ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))
     if user.deepspeed is not None:
         ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
     builder.choose_adam(ds, cfg)
+    adapter.check_optimizer(cfg.get("adapter"), ds["optimizer"]["type"])
     try:
         ds = validator.validate(ds, platform, world_size)
     except ConfigError as exc:

@@ -1,4 +1,5 @@
-"""Scoring generated digits: a classifier fitted on the real sklearn digits, and a PNG grid writer."""
+"""Scoring generated digits: a classifier fitted on the real sklearn digits (drawn as they are, or inverted),
+the ink polarity of samples, and a PNG grid writer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from sklearn.svm import SVC
 
-from zerotune.data.digits import split_indices, unit_range_to_digits
+from zerotune.data.digits import DIGITS_MAX, invert_digits, split_indices, unit_range_to_digits
 
 
 def to_digit_features(images: torch.Tensor) -> np.ndarray:
@@ -29,11 +30,16 @@ class DigitClassifier:
     With holdout_fraction > 0 it first fits on the stratified train part and records the accuracy on
     the held-out real digits in `holdout_accuracy`; then, if `refit_on_all`, it refits on all 1797
     images so that generated samples are scored by the strongest classifier.
+    `invert`: fitted on the real digits drawn inverted (raw x -> 16 - x, as data.invert=true trains on); it
+    judges normal digits as one class (~10%, chance), as the normal classifier judges inverted ones.
     """
 
-    def __init__(self, holdout_fraction: float = 0.2, seed: int = 0, refit_on_all: bool = True) -> None:
+    def __init__(self, holdout_fraction: float = 0.2, seed: int = 0, refit_on_all: bool = True,
+                 invert: bool = False) -> None:
         digits = load_digits()
         x, y = digits.data.astype(np.float64), digits.target.astype(np.int64)
+        if invert:
+            x = invert_digits(x)
         self.holdout_accuracy: float | None = None
         if holdout_fraction > 0:
             train, holdout = split_indices(y, holdout_fraction, seed)
@@ -58,6 +64,21 @@ class DigitClassifier:
         labels = _as_numpy(labels)
         correct = self.predict(images) == labels
         return {int(c): float(correct[labels == c].mean()) for c in np.unique(labels)}
+
+
+def border_brightness(images: torch.Tensor) -> np.ndarray:
+    """Per image, the mean of the 28 border pixels of its 8x8 digit (raw units 0..16): the paper's shade.
+    Real digits: 1.1 to 4.8 (ink touches the edges a little); drawn inverted: 11.2 to 14.9."""
+    small = to_digit_features(images).reshape(len(images), 8, 8)
+    border = np.ones((8, 8), dtype=bool)
+    border[1:-1, 1:-1] = False
+    return small[:, border].mean(axis=1)
+
+
+def inverted_fraction(images: torch.Tensor) -> float:
+    """The fraction of images drawn on bright paper (border brighter than mid-grey): ~0 for real digits,
+    ~1 for inverted ones."""
+    return float((border_brightness(images) > DIGITS_MAX / 2).mean())
 
 
 def _as_numpy(labels: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:

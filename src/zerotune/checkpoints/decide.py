@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from zerotune import __version__
 from zerotune.checkpoints.layout import read_meta
 from zerotune.errors import ConfigError
@@ -24,8 +26,31 @@ def current_meta(cfg: Any, ds_config: dict, use_deepspeed: bool, world_size: int
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
             "use_deepspeed": bool(use_deepspeed), "precision": cfg.precision.name,
             "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
-            "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"],
-            "zerotune_version": __version__}
+            "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"], "adapter": _adapter(cfg),
+            "adapter_config": _adapter_config(cfg), "zerotune_version": __version__}
+
+
+def _adapter(cfg: Any) -> str:
+    adapter = cfg.get("adapter")
+    if adapter is None or adapter.get("name", "none") == "none":
+        return "none"
+    targets = ",".join(str(m) for m in adapter.target_modules)
+    return f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
+
+
+def _adapter_config(cfg: Any) -> dict | None:
+    """The adapter's keys, for export to rebuild it (models/adapter.py reads them)."""
+    adapter = cfg.get("adapter")
+    if adapter is None or adapter.get("name", "none") == "none":
+        return None
+    return OmegaConf.to_container(adapter, resolve=True)
+
+
+def _adapter_fix(path: Path, meta: dict) -> str:
+    if meta.get("adapter", "none") == "none":
+        return (f"to train an adapter on these weights: python -m zerotune.export {path} <out>, then "
+                "model.pretrained=<out> adapter=lora")
+    return "resume with the checkpoint's adapter settings, or start a new run without resume"
 
 
 @dataclass
@@ -42,6 +67,9 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
     if path is None:
         return None
     meta = read_meta(path)
+    if meta.get("adapter", "none") != now["adapter"]:
+        raise ConfigError("adapter", f"checkpoint {path} trained adapter {meta.get('adapter', 'none')}, this run "
+                          f"is adapter {now['adapter']}: the trained weights differ", _adapter_fix(path, meta))
     if meta.get("model") != now["model"]:
         raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
                           f"model={now['model']}", f"model={meta.get('model')}")
@@ -66,6 +94,11 @@ def conversion_mode(path: Path, meta: dict, now: dict) -> str:
         raise ConfigError("offload", "resuming across a change of ZeRO stage, DeepSpeed or process count is not "
                           "supported with NVMe offload on either side (its optimizer states live in swap files)",
                           _export_fix(path))
+    if now["zero_stage"] in (1, 2) and meta["use_deepspeed"] and meta["zero_stage"] == 3:
+        # ds_to_universal writes ZeRO-3's tensors flat and without a ds_version; ZeRO-1/2's loader needs both.
+        raise ConfigError("zero_stage", f"checkpoint {path} was saved under ZeRO-3; DeepSpeed's universal checkpoint "
+                          f"does not load it into ZeRO-{now['zero_stage']}", "resume it at zero_stage=3 (any "
+                          f"process count) or at zero_stage=0; or {_export_fix(path)}")
     if now["zero_stage"] >= 1:
         if not src_zero:
             raise ConfigError("zero_stage", f"checkpoint {path} was saved at stage 0 "

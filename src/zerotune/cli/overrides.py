@@ -117,7 +117,7 @@ def _normalize_one(arg: str, groups: dict[str, list[str]]) -> str:
 
 # Groups whose options are all there can be: ZeRO has stages 0-3, DeepSpeed offloads to cpu or nvme, and
 # precisions are DeepSpeed's. A YAML of a new name would configure nothing new, so none is suggested.
-CLOSED_GROUPS = frozenset({"zero_stage", "offload", "precision"})
+CLOSED_GROUPS = frozenset({"zero_stage", "offload", "precision", "adapter"})
 
 
 def _choose(key: str, value: str, options: list[str]) -> str:

@@ -16,6 +16,7 @@ from zerotune.models import latent_shape, unet_config
 
 def build_dataset(spec: DataSpec) -> Dataset:
     name, model = spec.data.name, spec.model
+    check_invert(spec)
     shape = latent_shape(model, spec.resolution)
     if name == "digits":
         if model.conditioning != "class" or int(model.vae_scale_factor) != 1 or shape[0] != 1:
@@ -23,7 +24,7 @@ def build_dataset(spec: DataSpec) -> Dataset:
                               "does not take those", "model=tiny with data=digits, or data=synthetic")
         from zerotune.data.digits import DigitsDataset
 
-        return DigitsDataset(size=spec.resolution, split="train", seed=spec.seed)
+        return DigitsDataset(size=spec.resolution, split="train", seed=spec.seed, invert=bool(spec.data.invert))
     if name == "synthetic":
         return _synthetic(spec, shape)
     if name == "folder":
@@ -35,11 +36,19 @@ def build_dataset(spec: DataSpec) -> Dataset:
 
 def check_data(spec: DataSpec) -> None:
     """The data checks that load no model (seconds): for the parent process, before workers start."""
+    check_invert(spec)
     check_fits_memory(spec)
     if spec.data.name == "folder":
         from zerotune.data.prepare import check_folder_data
 
         check_folder_data(spec)
+
+
+def check_invert(spec: DataSpec) -> None:
+    """data.invert draws the digits inverted; no other data set has an ink and a paper to swap."""
+    if spec.data.get("invert", False) and spec.data.name != "digits":
+        raise ConfigError("data.invert", f"inverts the digits (ink <-> paper); data={spec.data.name} has no "
+                          "such images to invert", "data.invert=false, or data=digits data.invert=true")
 
 
 def _synthetic(spec: DataSpec, shape: tuple[int, int, int]) -> Dataset:

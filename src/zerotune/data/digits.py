@@ -22,6 +22,11 @@ def unit_range_to_digits(images: torch.Tensor) -> torch.Tensor:
     return ((images.clamp(-1, 1) + 1.0) * (DIGITS_MAX / 2)).clamp(0, DIGITS_MAX)
 
 
+def invert_digits(pixels: torch.Tensor | np.ndarray):
+    """Raw digit intensities with ink and paper swapped: x -> 16 - x, inside the same 0..16 range."""
+    return DIGITS_MAX - pixels
+
+
 def split_indices(labels: np.ndarray, holdout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Stratified (train, holdout) index split, so both parts keep the 10 classes balanced."""
     if not 0.0 <= holdout_fraction < 1.0:
@@ -44,11 +49,13 @@ class DigitsDataset(Dataset):
     2x2 area-averaging of a 16x16 image recovers the 8x8 digit closely, which is what the scorer does.
 
     `split` is "train" (the default, with holdout_fraction=0 that is all 1797 images), "holdout" or
-    "all"; the split is stratified by class and fixed by `seed`.
+    "all"; the split is stratified by class and fixed by `seed`. `invert`: every digit drawn inverted
+    (raw x -> 16 - x before the mapping, so paper is 1 and ink -1).
     Items: {"x0": FloatTensor[1, size, size] in [-1, 1], "class_labels": LongTensor scalar}.
     """
 
-    def __init__(self, size: int, split: str = "train", holdout_fraction: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, size: int, split: str = "train", holdout_fraction: float = 0.0, seed: int = 0,
+                 invert: bool = False) -> None:
         digits = load_digits()
         labels = digits.target.astype(np.int64)
         train_idx, holdout_idx = split_indices(labels, holdout_fraction, seed)
@@ -57,7 +64,8 @@ class DigitsDataset(Dataset):
             raise ValueError(f"split must be one of {sorted(indices)}, got {split!r}")
         idx = indices[split]
 
-        images = digits_to_unit_range(torch.from_numpy(digits.images[idx]).float()).unsqueeze(1)
+        raw = torch.from_numpy(digits.images[idx]).float()
+        images = digits_to_unit_range(invert_digits(raw) if invert else raw).unsqueeze(1)
         if size != images.shape[-1]:
             images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
         # One contiguous tensor each: indexing is all __getitem__ does.

@@ -36,11 +36,13 @@ DEFAULT_BUCKETS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 5
 
 
 def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
-    """A configured size, or for `auto` DeepSpeed's default capped at the parameter count (rounded up to 1M)."""
+    """A configured size, or for `auto` DeepSpeed's default capped at what the bucket can hold (rounded up
+    to 1M): gradients and updated weights of the trained parameters, or any parameter for stage 3's prefetch."""
     value = ds[key]
     if value != "auto":
         return int(value)
-    return min(DEFAULT_BUCKETS[key], -(-stats.num_params // 1_000_000) * 1_000_000)
+    count = stats.num_params if key == "stage3_prefetch_bucket_size" else stats.num_trainable
+    return min(DEFAULT_BUCKETS[key], -(-count // 1_000_000) * 1_000_000)
 
 
 def zero_block(cfg: Any, stats: ModelStats) -> dict:

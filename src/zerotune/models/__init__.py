@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
+from zerotune.models import adapter
 from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
 
 
@@ -19,6 +20,15 @@ class ModelStats:
     num_params: int
     largest_param_numel: int
     param_numels: tuple[int, ...] = ()   # in model.parameters() order: what DeepSpeed partitions
+    trainable_numels: tuple[int, ...] = ()  # those the optimizer gets, in the same order (all without an adapter)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.trainable_numels) if self.trainable_numels else self.num_params
+
+    @property
+    def num_frozen(self) -> int:
+        return self.num_params - self.num_trainable
 
 
 def unet_config(model_cfg: Any) -> dict:
@@ -50,14 +60,16 @@ def _from_config(model_cfg: Any):
     return UNet2DConditionModel(**unet_config(model_cfg))
 
 
-def model_stats(model_cfg: Any) -> ModelStats:
-    """Parameter counts from a meta-device build: no memory, no weights."""
+def model_stats(model_cfg: Any, adapter_cfg: Any = None) -> ModelStats:
+    """Parameter counts from a meta-device build, with its adapter if any: no memory, no weights."""
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        unet = _from_config(model_cfg)
+        unet = adapter.add_adapter(_from_config(model_cfg), adapter_cfg)
     numels = [p.numel() for p in unet.parameters()]
-    return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels))
+    trainable = [p.numel() for p in unet.parameters() if p.requires_grad]
+    return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels),
+                      trainable_numels=tuple(trainable))
 
 
 def build_unet(model_cfg: Any):

@@ -1,13 +1,13 @@
 """The training step's activation memory and FLOPs, traced on fake tensors: no weights, no GPU.
 
-The U-Net is built as training builds it (models.build_unet: attention processor, gradient checkpointing,
-DeepSpeed's bf16/fp16 cast of the parameters), its parameters are fake tensors (shapes, dtypes, no
-storage), and the trainer's step runs on them: diffusion.diffusion_loss on inputs of the trainer's shapes
-and dtypes, then backward. torch's MemTracker follows every storage the step creates and frees;
-FlopCounterMode's formulas count forward and backward FLOPs. SDXL (2.6 B parameters) traces in seconds
-(8 s at 1024 px, batch 8, on 2 cores), holding no tensor memory. The traced activation peak is within 3%
-of the allocator's for the same step run for real on the CPU (measure_step_on_cpu,
-tests/test_plan_activations.py).
+The U-Net is built as training builds it (models.build_unet: attention processor, adapter (base frozen,
+LoRA branches added), gradient checkpointing, DeepSpeed's bf16/fp16 cast of the parameters), its
+parameters are fake tensors (shapes, dtypes, no storage), and the trainer's step runs on them:
+diffusion.diffusion_loss on inputs of the trainer's shapes and dtypes, then backward. torch's MemTracker
+follows every storage the step creates and frees; FlopCounterMode's formulas count forward and backward
+FLOPs. SDXL (2.6 B parameters) traces in seconds (8 s at 1024 px, batch 8, on 2 cores), holding no
+tensor memory. The traced activation peak is within 4% of the allocator's for the same step run for
+real on the CPU, with or without an adapter (measure_step_on_cpu, tests/test_plan_activations.py).
 
 The fake tensors are CPU tensors, not CUDA ones: on a CPU-only torch build the autograd engine aborts the
 process on the first fake CUDA tensor that requires grad (it asks the absent CUDA runtime for a stream).
@@ -35,16 +35,15 @@ from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _MemRefType
 
 from zerotune.diffusion import diffusion_loss
 from zerotune.errors import ConfigError
-from zerotune.models import build_unet, conditioning, unet_config
-from zerotune.plan.flops import op_flops
+from zerotune.models import adapter, build_unet, conditioning, unet_config
+from zerotune.plan.step_tracker import StepTracker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TRACE_FORMAT = 1  # bump when what a trace measures changes: older cache entries then miss
-_MODEL_STATES = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD)
+TRACE_FORMAT = 2  # bump when what a trace measures changes: older cache entries then miss
 _TRACES: dict[str, Trace] = {}  # this process's traces, by key
 
 
@@ -59,7 +58,7 @@ class Trace:
     parameter). Sampled after every op, so each op's outputs count while its inputs are still alive.
     Kernel-internal workspaces (cuDNN, cuBLAS) and allocator caching/fragmentation are not included.
     param_bytes, grad_bytes: the parameters and the parameter gradients at the end of backward, at the
-    traced precision (DeepSpeed's fp32 master copies and gradient buckets are not part of the step).
+    traced precision (with an adapter, gradients of the adapter's parameters only) (DeepSpeed's fp32 master copies and gradient buckets are not part of the step).
     forward_flops: the forward pass and the loss; backward_flops: the backward pass, including the
     forward recomputed under gradient checkpointing. Matmuls, convolutions and attention only.
     seconds: how long the trace took when it was made (not the cache lookup); key: what it is cached under.
@@ -75,32 +74,45 @@ class Trace:
 
 
 def trace_step(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-               gradient_checkpointing: bool, attention: str) -> Trace:
+               gradient_checkpointing: bool, attention: str, adapter_cfg: Any = None) -> Trace:
     """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape`
     ((channels, height, width): models.latent_shape), from this process's or the disk cache if it holds it.
 
     precision: fp32 | bf16 | fp16 (the parameters' dtype under DeepSpeed); attention: the model option's
-    `attention` (sdpa | default).
+    `attention` (sdpa | default); adapter_cfg: the run's `adapter` (None or adapter=none: full training).
     """
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
-    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention)
+    fields = adapter_fields(adapter_cfg)
+    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, fields)
     if key not in _TRACES:
         _TRACES[key] = _read_cached(key) or _write_cached(
-            _trace(model_cfg, tuple(latent_shape), batch, precision, gradient_checkpointing, attention, key))
+            _trace(model_cfg, tuple(latent_shape), batch, precision, gradient_checkpointing, attention, key, fields))
     return _TRACES[key]
 
 
+def adapter_fields(adapter_cfg: Any) -> dict | None:
+    """The adapter's settings as a plain dict (interpolations such as ${model.lora_targets} resolved), or
+    None for full training."""
+    if not adapter.enabled(adapter_cfg):
+        return None
+    return dict(adapter_cfg) if isinstance(adapter_cfg, dict) else OmegaConf.to_container(adapter_cfg, resolve=True)
+
+
 def trace_key(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-              gradient_checkpointing: bool, attention: str) -> str:
+              gradient_checkpointing: bool, attention: str, adapter_cfg: Any = None) -> str:
     """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
-    its conditioning inputs and objective), then the step's own settings and the torch version."""
+    its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
+    adapter and its rank: `full` without one) and the torch version."""
+    fields = adapter_fields(adapter_cfg)
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.get("conditioning"),
-             "text_seq_len": model_cfg.get("text_seq_len"), "prediction_type": model_cfg.get("prediction_type")}
+             "text_seq_len": model_cfg.get("text_seq_len"), "prediction_type": model_cfg.get("prediction_type"),
+             "adapter": fields}
     digest = hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()[:12]
     shape = "x".join(str(int(n)) for n in latent_shape)
+    tuned = f"{fields['name']}-r{fields.get('rank')}" if fields else "full"
     key = (f"{model_cfg.get('name', 'model')}-{digest}-{shape}-b{int(batch)}-{precision}-"
-           f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-torch{torch.__version__}-v{TRACE_FORMAT}")
+           f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-{tuned}-torch{torch.__version__}-v{TRACE_FORMAT}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
 
 
@@ -125,44 +137,16 @@ def _write_cached(trace: Trace) -> Trace:
     return trace
 
 
-class _StepTracker(MemTracker):
-    """MemTracker keeping the peak of what the step holds beyond the model states, and the FLOPs of the
-    ops it sees, forward and backward (torch's formulas: flops.py).
-
-    MemTracker's own peak update walks every module it has seen on every op, to keep per-module peaks
-    this planner does not use: for SDXL, 1,500 modules x 77,000 ops made a 256 px trace take 185 s
-    (95% of it that walk); without it SDXL at 1024 px, batch 8, takes 8 s."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.activation_peak = 0
-        self.flops = {"forward": 0, "backward": 0}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        # is_bw: inside autograd's backward, recomputation under gradient checkpointing included.
-        self.flops["backward" if self._mod_tracker.is_bw else "forward"] += op_flops(func, args, kwargs, out)
-        return out
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        for snapshot in self._curr_mem_snap.values():
-            held = snapshot[_TOTAL_KEY] - sum(snapshot[kind] for kind in _MODEL_STATES)
-            self.activation_peak = max(self.activation_peak, held)
-
-    def held(self, kind: _MemRefType) -> int:
-        return sum(snapshot[kind] for snapshot in self._curr_mem_snap.values())
-
-
 def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-           gradient_checkpointing: bool, attention: str, key: str) -> Trace:
+           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: dict | None = None) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     start = time.perf_counter()
-    unet = _meta_unet(model_cfg, precision, gradient_checkpointing, attention)
+    unet = _meta_unet(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
     # Non-fake inputs allowed: the noise scheduler's small constant tables are real tensors.
     with FakeTensorMode(allow_non_fake_inputs=True):
         unet.to_empty(device="cpu")
-        tracker = _StepTracker()
+        tracker = StepTracker()
         tracker.track_external(unet)
         with tracker, torch.enable_grad():
             inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[precision])
@@ -173,23 +157,27 @@ def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, preci
                  seconds=round(time.perf_counter() - start, 3), key=key)
 
 
-def _unet_as_trained(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str):
+def _unet_as_trained(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str,
+                     adapter_cfg: Any = None):
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
-    cast as DeepSpeed's bf16/fp16 engine casts it, with the trainer's gradient checkpointing switch."""
+    with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
+    (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
     fields = model_cfg if isinstance(model_cfg, dict) else OmegaConf.to_container(model_cfg, resolve=True)
     cfg = OmegaConf.create({**fields, "pretrained": None, "attention": attention})
-    unet = build_unet(cfg)
+    tuned = adapter_fields(adapter_cfg)
+    unet = adapter.add_adapter(build_unet(cfg), OmegaConf.create(tuned) if tuned else None)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     return unet.train()
 
 
-def _meta_unet(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str):
+def _meta_unet(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str,
+               adapter_cfg: Any = None):
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        return _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention)
+        return _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
 
 
 def _inputs(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
@@ -225,7 +213,8 @@ class MeasuredPeaks(NamedTuple):
 
 
 def measure_step_on_cpu(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int,
-                        gradient_checkpointing: bool, attention: str, precision: str = "fp32") -> MeasuredPeaks:
+                        gradient_checkpointing: bool, attention: str, precision: str = "fp32",
+                        adapter_cfg: Any = None) -> MeasuredPeaks:
     """The same step run for real on this CPU, its activation peak measured by the allocator: the check on
     trace_step, independent of MemTracker.
 
@@ -240,9 +229,10 @@ def measure_step_on_cpu(model_cfg: Any, latent_shape: tuple[int, int, int], batc
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    unet = _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention)
+    unet = _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
     for p in unet.parameters():
-        p.register_post_accumulate_grad_hook(_drop_grad)
+        if p.requires_grad:  # frozen parameters (an adapter's base) get no gradient
+            p.register_post_accumulate_grad_hook(_drop_grad)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.enable_grad():
         inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[precision])
         _loss(unet, model_cfg, inputs).backward()

@@ -4,7 +4,9 @@ place in DeepSpeed's source that allocates it.
 Each term says where it lives (gpu | host: pinned host memory), whether the figure is exact or an upper
 bound (`bound`), when it exists (`lifetime`: persistent | backward | step | forward+backward), and, where
 the same memory is already counted as a model state, which one (`overlaps`): a planner adds only the
-terms without `overlaps`. Nothing here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator
+terms without `overlaps`. Sizes follow DeepSpeed's: only the optimizer's (trainable) parameters are
+flattened, bucketed, staged and stepped; with an adapter the frozen base U-Net counts only where stage 3
+gathers every module parameter for forward and backward. Nothing here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator
 allocates the "GPU" buffers in host memory too); the rules are read from the source.
 """
 
@@ -19,6 +21,7 @@ from zerotune.plan.model_states import (
     stage3_partition_numel,
     stage3_persistent,
     stage3_sub_groups,
+    trainable_or_all,
     zero12_flat,
     zero_config,
 )
@@ -41,7 +44,7 @@ def _stage0(ds: dict, numels: list[int], prec: Any) -> list[dict]:
     from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
     # A bucket closes once it passes MEMORY_OPT_ALLREDUCE_SIZE elements; it is cast when the comm dtype differs.
-    bucket = min(sum(numels), MEMORY_OPT_ALLREDUCE_SIZE + max(numels))
+    bucket = min(sum(numels), MEMORY_OPT_ALLREDUCE_SIZE + max(numels, default=0))
     comm = _comm_elem(ds, prec.param)
     return [_term("allreduce_flat_bucket", bucket * (prec.param + (comm if comm != prec.param else 0)), "gpu",
                   "upper", "backward", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
@@ -72,7 +75,7 @@ def _zero12_grads(numels: list[int], part: int, world: int, rank: int | None, pr
 def _zero12(ds: dict, numels: list[int], world: int, rank: int | None, prec: Any, zero: Any) -> list[dict]:
     stage, offload = int(zero.stage), offload_device(zero.offload_optimizer) != "none"
     flat = zero12_flat(numels, world, zero.parameter_alignment, prec.param)
-    part, largest, src = flat // world, max(numels), "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer."
+    part, largest, src = flat // world, max(numels, default=0), "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer."
     accum_attr = stage == 1 and prec.grad_accum != prec.param  # use_grad_accum_attribute
     terms = [_term("flat_group_padding", (flat - sum(numels)) * prec.param, "gpu", "exact", "persistent",
                    src + "__init__ (flatten_dense_tensors_aligned)"),
@@ -135,11 +138,13 @@ def _stage3_offload(ds: dict, parts: list[int], prec: Any, zero: Any) -> list[di
     return terms
 
 
-def _stage3(ds: dict, numels: list[int], world: int, prec: Any, zero: Any) -> list[dict]:
+def _stage3(ds: dict, numels: list[int], train: list[int], world: int, prec: Any, zero: Any) -> list[dict]:
     src = "runtime/zero/stage3.py:DeepSpeedZeroOptimizer_Stage3."
-    parts = [stage3_partition_numel(n, world) for n in numels]
+    parts = [stage3_partition_numel(n, world) for n in train]  # the optimizer's partitions
     persist = stage3_persistent(numels, zero)
-    gathered = sum(p * world for p, keep in zip(parts, persist, strict=True) if not keep)  # all-gathered at padded size
+    # every module parameter (frozen ones too) is all-gathered for forward and backward, at padded size
+    gathered = sum(stage3_partition_numel(n, world) * world for n, keep in zip(numels, persist, strict=True)
+                   if not keep)
     coord = "runtime/zero/partitioned_param_coordinator.py:PartitionedParameterCoordinator.fetch_sub_module"
     terms = [_term("stage3_live_params", min(zero.max_live_parameters, gathered) * prec.param, "gpu", "upper",
                    "forward+backward", coord + " (cap on gathered parameters; the running module is fetched "
@@ -158,38 +163,43 @@ def _stage3(ds: dict, numels: list[int], world: int, prec: Any, zero: Any) -> li
 
 
 def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
-                 rank: int | None = None, use_deepspeed: bool = True) -> list[dict]:
+                 rank: int | None = None, use_deepspeed: bool = True,
+                 trainable_numels: list[int] | None = None) -> list[dict]:
     """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
-    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's (torch DDP's are its own)."""
+    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's (torch DDP's are its own).
+    `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
     if not use_deepspeed:
         return []
     prec, zero = precision_of(ds_config), zero_config(ds_config)
     if precision is not None and precision != prec.name:
         raise ValueError(f"precision {precision!r} disagrees with the DeepSpeed dict's {prec.name!r}")
     numels, stage = [int(n) for n in param_numels], int(zero.stage)
+    train = trainable_or_all(numels, trainable_numels)
     if stage == 0:
-        return _stage0(ds_config, numels, prec)
+        return _stage0(ds_config, train, prec)
     if stage in (1, 2):
-        return _zero12(ds_config, numels, world_size, rank, prec, zero)
-    return _stage3(ds_config, numels, world_size, prec, zero)
+        return _zero12(ds_config, train, world_size, rank, prec, zero)
+    return _stage3(ds_config, numels, train, world_size, prec, zero)
 
 
 def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
-                     rank: int | None = None, use_deepspeed: bool = True) -> dict:
+                     rank: int | None = None, use_deepspeed: bool = True,
+                     trainable_numels: list[int] | None = None) -> dict:
     """{name: bytes} of the GPU buffers a planner adds to the model states (overlapping terms left out;
     the stage-2 contiguous-gradients buffer counts only what it holds beyond the gradient partition)."""
-    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed)
+    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
     out = {t["name"]: t["bytes"] for t in terms if t["where"] == "gpu" and not t["overlaps"]}
     for t in terms:
         if t["name"] == "contiguous_gradients":
-            part = zero12_flat([int(n) for n in param_numels], world_size, zero_config(ds_config).parameter_alignment,
-                               precision_of(ds_config).param) // world_size
+            part = zero12_flat(trainable_or_all(param_numels, trainable_numels), world_size,
+                               zero_config(ds_config).parameter_alignment, precision_of(ds_config).param) // world_size
             out[t["name"]] = max(0, t["bytes"] - part * precision_of(ds_config).param)
     return out
 
 
 def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
-                      rank: int | None = None, use_deepspeed: bool = True) -> dict:
+                      rank: int | None = None, use_deepspeed: bool = True,
+                      trainable_numels: list[int] | None = None) -> dict:
     """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
-    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed)
+    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
     return {t["name"]: t["bytes"] for t in terms if t["where"] == "host" and not t["overlaps"]}

@@ -5,13 +5,18 @@ The keys are the ones `training/partition.py::partition_bytes` reads from the li
 and the rules are DeepSpeed 0.19.8's own (runtime/zero/stage_1_and_2.py, stage3.py,
 partition_parameters.py, parameter_offload.py), padding included:
 
-- stages 1-2: all trainable parameters form one flat group padded to a multiple of
+- stages 1-2: the optimizer's (trainable) parameters form one flat group padded to a multiple of
   nccl_start_alignment_factor (2) x world size; each rank owns `flat // world` elements of it
-  (master weights, optimizer states and, at stage 2, gradients).
-- stage 3: each parameter is padded to a multiple of the world size and split evenly (`ds_tensor`);
-  parameters of at most `stage3_param_persistence_threshold` elements are also kept whole. Gradients
-  live in one flat buffer of the partitions; master weights and optimizer states per sub-group.
-- stage 0 / plain accelerate: nothing is partitioned.
+  (master weights, optimizer states and, at stage 2, gradients). Frozen parameters (an adapter's base
+  U-Net) are no part of it: ordinary module parameters, whole on every rank, in the engine's dtype.
+- stage 3: each module parameter, frozen ones included, is padded to a multiple of the world size and
+  split evenly (`ds_tensor`); parameters of at most `stage3_param_persistence_threshold` elements are also
+  kept whole. Gradients of the trainable ones live in one flat buffer of their partitions; master weights
+  and optimizer states per sub-group of the trainable partitions.
+- stage 0 / plain accelerate: nothing is partitioned; gradients and optimizer of the trainable ones.
+
+Every function takes `param_numels` (all of `unet.parameters()`, in order) and `trainable_numels` (those
+the optimizer gets, in the same order; None: all of them, as without an adapter).
 
 `deepspeed_buffer_bytes` (DeepSpeed's own buffers on top of these) lives in buffers.py.
 """
@@ -162,54 +167,64 @@ def _result(stage: int, world: int, rank: int, params: int, grads: int, master: 
             "grads_on_gpu": where["grads"] == "gpu", **extra}
 
 
-def _plain(numels: list[int], ds: dict, world: int, rank: int) -> dict:
+def _plain(numels: list[int], train: list[int], ds: dict, world: int, rank: int) -> dict:
     # Plain accelerate keeps fp32 weights (autocast for bf16/fp16) and builds torch's optimizer on them.
     prec = Precision("fp32", 4, 4, 4, False)
-    kind, total = optimizer_kind(ds, False, prec, plain=True), sum(numels)
-    return _result(0, world, rank, total * 4, total * 4, 0, _state(kind, total, len(numels)),
+    kind, trained = optimizer_kind(ds, False, prec, plain=True), sum(train)
+    return _result(0, world, rank, sum(numels) * 4, trained * 4, 0, _state(kind, trained, len(train)),
                    where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
                    elem_bytes={"params": 4, "grads": 4, "master_weights": 4, "optimizer_state": kind.state_elem},
-                   optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False)
+                   optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
+                   trainable_params_bytes=trained * 4)
 
 
-def _stage0(numels: list[int], ds: dict, world: int, rank: int, prec: Precision) -> dict:
-    kind, total = optimizer_kind(ds, False, prec), sum(numels)
+def _stage0(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision) -> dict:
+    kind, trained = optimizer_kind(ds, False, prec), sum(train)
     if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
-        master, tensors = 0, len(numels)
+        master, tensors = 0, len(train)
     else:  # FP16_Optimizer (FusedAdam: one flat fp32 copy) or FP16_UnfusedOptimizer (an fp32 copy per tensor)
-        master, tensors = total * 4, 1 if kind.name == "FusedAdam" else len(numels)
+        master, tensors = trained * 4, 1 if kind.name == "FusedAdam" else len(train)
     kind = OptimizerKind(kind.name, kind.tensors, 4, kind.torch_step)  # the updated tensors are fp32 here
-    return _result(0, world, rank, total * prec.param, total * prec.param, master, _state(kind, total, tensors),
+    return _result(0, world, rank, sum(numels) * prec.param, trained * prec.param, master,
+                   _state(kind, trained, tensors),
                    where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
                    elem_bytes={"params": prec.param, "grads": prec.param, "master_weights": 4,
                                "optimizer_state": kind.state_elem},
-                   optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False)
+                   optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
+                   trainable_params_bytes=trained * prec.param)
 
 
-def _zero12(numels: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: Any) -> dict:
-    stage, total = int(zero.stage), sum(numels)
+def _zero12(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
+            zero: Any) -> dict:
+    stage, trained = int(zero.stage), sum(train)
     opt_dev = offload_device(zero.offload_optimizer)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
-    part = zero12_flat(numels, world, zero.parameter_alignment, prec.param) // world
-    grads = part * prec.param if stage == 2 else total * prec.param
+    part = zero12_flat(train, world, zero.parameter_alignment, prec.param) // world
+    grads = part * prec.param if stage == 2 else trained * prec.param
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
-    return _result(stage, world, rank, total * prec.param, grads, part * prec.master, _state(kind, part, 1),
+    # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
+    # flattens the optimizer's param_groups)
+    return _result(stage, world, rank, sum(numels) * prec.param, grads, part * prec.master, _state(kind, part, 1),
                    where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
                           "optimizer_state": host},
                    elem_bytes={"params": prec.param, "grads": prec.param, "master_weights": prec.master,
                                "optimizer_state": kind.state_elem},
                    optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
-                   partition_numel=part)
+                   partition_numel=part, trainable_params_bytes=trained * prec.param)
 
 
-def _stage3(numels: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: Any) -> dict:
+def _stage3(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
+            zero: Any) -> dict:
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
-    parts = [stage3_partition_numel(n, world) for n in numels]
+    # zero.Init partitions every module parameter (parameter_offload.py:_convert_to_zero_parameters) and
+    # marks persistence over all of them; the optimizer's partitions are the trainable ones'.
+    every = sum(stage3_partition_numel(n, world) for n in numels)
     persist = sum(n for n, keep in zip(numels, stage3_persistent(numels, zero), strict=True) if keep)
+    parts = [stage3_partition_numel(n, world) for n in train]
     part, groups = sum(parts), stage3_sub_groups(parts, zero.sub_group_size)
     host = _place(opt_dev)
-    return _result(3, world, rank, (part + persist) * prec.param, part * prec.grad_accum, part * prec.master,
+    return _result(3, world, rank, (every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
                    _state(kind, part, len(groups)),
                    # the gradient partitions sit on the optimizer's device: host memory even for NVMe
                    where={"params": _place(param_dev), "grads": "gpu" if opt_dev == "none" else "host",
@@ -219,48 +234,53 @@ def _stage3(numels: list[int], ds: dict, world: int, rank: int, prec: Precision,
                    optimizer=kind.name, params_persistent_bytes=persist * prec.param,
                    # fp32 without offload: the "master" partitions are the parameter partitions themselves
                    master_weights_alias_params=opt_dev == "none" and param_dev == "none" and prec.param == prec.master,
-                   partition_numel=part, sub_groups=len(groups))
+                   partition_numel=part, sub_groups=len(groups), trainable_params_bytes=part * prec.param)
+
+
+def trainable_or_all(param_numels: list[int], trainable_numels: list[int] | None) -> list[int]:
+    return [int(n) for n in (param_numels if trainable_numels is None else trainable_numels)]
 
 
 def model_state_bytes(param_numels: list[int], ds_config: dict, world_size: int, rank: int,
-                      use_deepspeed: bool) -> dict:
+                      use_deepspeed: bool, trainable_numels: list[int] | None = None) -> dict:
     """This rank's bytes of parameters, gradients, master weights and optimizer states, as
     `partition_bytes` will read them after step 1, with where each lives (`where`: gpu | host) and the
-    element sizes. `param_numels`: the trainable parameters' sizes in model.parameters() order."""
+    element sizes. `param_numels`: every parameter's size in model.parameters() order; `trainable_numels`:
+    the optimizer's (same order; None: all). `trainable_params_bytes`: what of `params_bytes` the
+    optimizer updates (whole at stages 0-2, this rank's partitions at stage 3)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    numels = [int(n) for n in param_numels]
+    numels, train = [int(n) for n in param_numels], trainable_or_all(param_numels, trainable_numels)
     if not use_deepspeed:
-        return _plain(numels, ds_config, world_size, rank)
+        return _plain(numels, train, ds_config, world_size, rank)
     zero, prec = zero_config(ds_config), precision_of(ds_config)
     stage = int(zero.stage)
     if stage == 0:
-        return _stage0(numels, ds_config, world_size, rank, prec)
+        return _stage0(numels, train, ds_config, world_size, rank, prec)
     if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and offload_device(zero.offload_optimizer) == "none":
         # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
         # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer).
-        out = _zero12(numels, ds_config, world_size, rank, prec, zero)
-        return {**out, "grads_bytes": zero12_flat(numels, world_size, False, 2) * 4}
+        out = _zero12(numels, train, ds_config, world_size, rank, prec, zero)
+        return {**out, "grads_bytes": zero12_flat(train, world_size, False, 2) * 4}
     if stage in (1, 2):
-        return _zero12(numels, ds_config, world_size, rank, prec, zero)
-    return _stage3(numels, ds_config, world_size, rank, prec, zero)
+        return _zero12(numels, train, ds_config, world_size, rank, prec, zero)
+    return _stage3(numels, train, ds_config, world_size, rank, prec, zero)
 
 
 def deepspeed_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
-                           rank: int | None = None, use_deepspeed: bool = True) -> dict:
+                           rank: int | None = None, use_deepspeed: bool = True,
+                           trainable_numels: list[int] | None = None) -> dict:
     """DeepSpeed's own GPU buffers on top of the model states, {name: bytes} ({} without DeepSpeed); the
     named terms with sources, host buffers and bounds are in plan/buffers.py (`buffer_terms`)."""
     from zerotune.plan.buffers import gpu_buffer_bytes  # buffers.py builds on this module's rules
 
-    return gpu_buffer_bytes(ds_config, param_numels, world_size, precision, rank, use_deepspeed)
+    return gpu_buffer_bytes(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
 
 
-def param_numels(model_cfg: Any) -> list[int]:
-    """The trainable parameters' sizes, in model.parameters() order, from a meta-device build."""
-    from accelerate import init_empty_weights
+def param_numels(model_cfg: Any, adapter_cfg: Any = None) -> tuple[list[int], list[int]]:
+    """Every parameter's size and the trainable ones' (adapter_cfg: the run's `adapter`), in
+    model.parameters() order, from a meta-device build."""
+    from zerotune.models import model_stats
 
-    from zerotune.models import _from_config
-
-    with init_empty_weights():
-        unet = _from_config(model_cfg)
-    return [p.numel() for p in unet.parameters() if p.requires_grad]
+    stats = model_stats(model_cfg, adapter_cfg)
+    return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)

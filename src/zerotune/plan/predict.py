@@ -5,6 +5,7 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from zerotune.plan import allocator, cpu_optimizer, gpus
@@ -35,16 +36,17 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     stage = int(ds["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
     precision = cfg.precision.name
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
-                       bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")))
-    numels = list(checked.model_stats.param_numels)
-    states = model_state_bytes(numels, ds, world, 0, checked.use_deepspeed)
-    opt_device, param_device = _offload(ds)
+                       bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")),
+                       cfg.get("adapter"))
+    numels, train = _numels(checked)
     use_ds = checked.use_deepspeed
-    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision, 0, use_ds), trace,
-                           param_blocks(numels, stage, precision, use_ds, states))
+    states = model_state_bytes(numels, ds, world, 0, use_ds, train)
+    opt_device, param_device = _offload(ds)
+    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision, 0, use_ds, train),
+                           trace, param_blocks(numels, stage, precision, use_ds, states, train))
     host_terms = _host_terms(cfg, checked, states)
     host_terms += [_term(f"deepspeed:{name}", nbytes, "pinned")
-                   for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds).items()]
+                   for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train).items()]
     host_peak, load = _host_peak(cfg, checked, host_terms)
     nvme_terms = _state_terms(states, "nvme")
     time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device, int(ds["gradient_accumulation_steps"]))
@@ -53,7 +55,8 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     gpu_peak = sum(t["mib"] for t in gpu_terms)
     per_node = int(cfg.launch.num_processes)
     return {
-        "workload": _workload(cfg, ds, world, stage, opt_device),
+        "workload": _workload(cfg, ds, world, stage, opt_device) + _adapter_words(cfg.get("adapter"), checked),
+        "trainable_params": checked.model_stats.num_trainable, "frozen_params": checked.model_stats.num_frozen,
         "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
         "gpu_peak_mib": gpu_peak, "gpu_terms": gpu_terms,
         "fits": None if gpu is None else gpu_peak <= gpu.memory_mib,
@@ -64,11 +67,25 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     }
 
 
+def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
+    """Every module parameter's size and the optimizer's, in unet.parameters() order (models.model_stats)."""
+    stats = checked.model_stats
+    return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
+
+
 def _workload(cfg: Any, ds: dict, world: int, stage: int, opt_device: str) -> str:
     return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
             f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
             f"{opt_device}, {cfg.precision.name}, gradient checkpointing "
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
+
+
+def _adapter_words(adapter_cfg: Any, checked: CheckedRun) -> str:
+    if adapter_cfg is None or adapter_cfg.get("name", "none") == "none":
+        return ""
+    stats = checked.model_stats
+    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.get('rank')}: {stats.num_trainable:,} parameters "
+            f"trained, {stats.num_frozen:,} frozen")
 
 
 _STATES = (("params", "params", "params_bytes"), ("grads", "grads", "grads_bytes"),
@@ -87,15 +104,38 @@ def _state_terms(states: dict, place: str) -> list[dict]:
     return terms
 
 
-def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, states: dict) -> tuple[list[int], str]:
-    """The allocations that hold the parameters on the GPU, and how: ZeRO-1/2 copy them into one flat
-    buffer per group (stage_1_and_2.py, flatten_dense_tensors_aligned); stage 0 and plain DDP keep each
-    parameter in its own block; stage 3's partitions are counted in its buffers."""
+def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, states: dict,
+                 trainable: list[int] | None = None) -> tuple[list[int], str]:
+    """The allocations that hold the parameters on the GPU, and how: ZeRO-1/2 copy the optimizer's
+    parameters into one flat buffer per group (stage_1_and_2.py, flatten_dense_tensors_aligned) and leave
+    frozen ones (an adapter's base U-Net) in their own blocks; stage 0 and plain DDP keep each parameter in
+    its own block; stage 3's partitions are counted in its buffers. `trainable`: the optimizer's sizes
+    (None: all)."""
     if stage >= 3 or states["where"]["params"] != "gpu":
         return [], "no parameter blocks on the GPU outside ZeRO-3's buffers"
-    if use_ds and stage in (1, 2):
-        return [states["params_bytes"]], "one flat parameter buffer: rounded up to 2 MiB"
-    return [n * _DTYPE_BYTES[precision] for n in numels], "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"
+    elem = _DTYPE_BYTES[precision]
+    separate = "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"
+    if not (use_ds and stage in (1, 2)):
+        return [n * elem for n in numels], separate
+    train = numels if trainable is None else trainable
+    flat = [sum(train) * elem]
+    frozen = _frozen(numels, train)
+    if not frozen:
+        return flat, "one flat parameter buffer: rounded up to 2 MiB"
+    return flat + [n * elem for n in frozen], "the trainable parameters' flat buffer (rounded up to 2 MiB); the " \
+        "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
+
+
+def _frozen(numels: list[int], trainable: list[int]) -> list[int]:
+    """The sizes of the parameters the optimizer does not get (as a multiset: order does not matter here)."""
+    left = Counter(trainable)
+    frozen = []
+    for n in numels:
+        if left[n]:
+            left[n] -= 1
+        else:
+            frozen.append(n)
+    return frozen
 
 
 def _gpu_terms(gpu, states: dict, buffers: dict, trace, param_blocks: tuple[list[int], str]) -> list[dict]:
@@ -116,8 +156,8 @@ def _gpu_terms(gpu, states: dict, buffers: dict, trace, param_blocks: tuple[list
 
 def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
-    if cfg.ema.enabled:
-        terms.append(_term("ema", checked.model_stats.num_params * 4, "fp32 copy, rank 0"))
+    if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
+        terms.append(_term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
@@ -136,8 +176,8 @@ def _time_terms(gpu, trace, states: dict, ds: dict, precision: str, opt_device: 
               "note": f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
               else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops else "fp32 peak in the catalog")}]
     moved = 0
-    if opt_device != "none":  # gradients down, updated params up, every step
-        moved += states["grads_bytes"] + states["params_bytes"]
+    if opt_device != "none":  # gradients down, updated (trainable) params up, every step
+        moved += states["grads_bytes"] + states["trainable_params_bytes"]
     if param_device != "none":  # params fetched for forward and again for backward
         moved += 2 * states["params_bytes"]
     if moved:

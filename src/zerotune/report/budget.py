@@ -21,8 +21,9 @@ METRICS = {"gpu": "gpu_peak_process_mib", "host": "host_peak_rss_mib"}
 # Median step times within this fraction of the fastest count as a tie: run-to-run noise is about that big.
 TIE_REL = 0.02
 TIME_KEY = "step_time_median_s"
-# Keys that change the work a step does: seconds per step only compare between jobs that agree on them.
-WORKLOAD_KEYS = ("resolution", "batch_size", "grad_accum", "model", "data")
+# Keys that change the work a step does: seconds per step only compare between jobs that agree on them
+# (an adapter's step computes no weight gradients for the frozen base).
+WORKLOAD_KEYS = ("resolution", "batch_size", "grad_accum", "model", "adapter", "data")
 
 
 @dataclass(frozen=True)

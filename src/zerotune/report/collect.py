@@ -26,9 +26,11 @@ MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocate
 PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_s")
 MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry for multi-process jobs
 TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
+# The U-Net's parameters the optimizer trains and those it leaves frozen (an adapter's base).
+PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
 # Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
-# plus every name in MEMORY_KEYS, PERF_KEYS and TOP_KEYS, and the prediction's plan_* keys and plan_error
-# (plan_columns.py) -- all None when absent.
+# plus every name in MEMORY_KEYS, PERF_KEYS, TOP_KEYS and PARAM_COUNT_KEYS, and the prediction's plan_*
+# keys and plan_error (plan_columns.py) -- all None when absent.
 
 # Statuses a job without a readable summary.json gets.
 MISSING, RUNNING = "missing", "running"
@@ -37,7 +39,9 @@ RUNNING_WINDOW_S = 300.0
 
 # The summary's `choices` in their report order; they name a configuration.
 CHOICE_ORDER = ("zero_stage", "offload", "resolution", "batch_size", "grad_accum", "optimizer", "scheduler",
-                "precision", "model", "data", "gradient_checkpointing", "world_size")
+                "precision", "model", "adapter", "data", "gradient_checkpointing", "world_size")
+# What summaries written before adapters existed trained: the whole U-Net (their choices have no `adapter`).
+NO_ADAPTER = "none"
 # Override keys that set one of the `choices`: a sweep over `train.batch_size` is a sweep over batch_size.
 OVERRIDE_TO_CHOICE = {
     "zero_stage.stage": "zero_stage", "offload.device": "offload", "resolution.size": "resolution",
@@ -118,7 +122,7 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
         row["error"] = short_error(summary.get("error"))
         row["experiment"] = summary.get("experiment")
         row["device"] = (summary.get("env") or {}).get("device_name")
-        row["choices"] = dict(summary.get("choices") or {})
+        row["choices"] = _choices(summary)
     memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
     row.update({k: memory.get(k) for k in MEMORY_KEYS})
     # With several ranks the top-level figure is rank 0's; what has to fit a GPU is the busiest rank's.
@@ -126,10 +130,31 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     row["gpu_peak_process_mib"] = max(busiest) if busiest else None
     row.update({k: perf.get(k) for k in PERF_KEYS})
     row.update({k: summary.get(k) for k in TOP_KEYS})
+    row.update(_param_counts(summary, row["choices"]))
     row.update(plan_figures(summary))
     row[PLAN_ERROR] = short_error(row[PLAN_ERROR])
     row["params"] = _params(row["choices"], overrides)
     return row
+
+
+def _choices(summary: dict) -> dict[str, Any]:
+    choices = dict(summary.get("choices") or {})
+    if choices and "adapter" not in choices:  # a summary from before adapters: full training
+        choices["adapter"] = NO_ADAPTER
+    return choices
+
+
+def _param_counts(summary: dict, choices: dict) -> dict[str, int | None]:
+    """Trainable and frozen parameters; a summary from before adapters trained all `num_params`."""
+    counts = {k: _count(summary.get(k)) for k in PARAM_COUNT_KEYS}
+    total = _count(summary.get("num_params"))
+    if counts["trainable_params"] is None and total is not None and choices.get("adapter") == NO_ADAPTER:
+        counts = {"trainable_params": total, "frozen_params": 0}
+    return counts
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def read_overrides(job: Path) -> dict[str, Any]:

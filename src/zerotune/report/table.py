@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import sort_key
+from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key
 from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
@@ -31,6 +31,20 @@ METRIC_COLUMNS: list[Column] = [
     ("loss_last", "final loss", "{:.4f}".format),
     ("error", "error", str),  # blank, not n/a, when there was no error
 ]
+
+
+def _count(n: int) -> str:
+    """2.57B, 23.2M, 512: parameter counts at a glance (summary.csv keeps the exact figure)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+# Parameter counts, beside the configuration columns (only when some job recorded them: older sweeps keep
+# their table). With an adapter, trainable = the adapter's, frozen = the base U-Net's.
+COUNT_COLUMNS: list[Column] = [("trainable_params", "trainable params", _count),
+                               ("frozen_params", "frozen params", _count)]
 # The planner's columns, each placed after the measured column it predicts (only when some job has a plan).
 PLAN_COLUMNS: dict[str, list[Column]] = {
     "gpu_peak_process_mib": [("plan_gpu_peak_mib", "pred. GPU MiB", MIB),
@@ -54,11 +68,13 @@ RATIO_KEYS = {name: (measured, predicted) for name, measured, predicted in RATIO
 
 
 def metric_columns(rows: list[dict]) -> list[Column]:
-    """METRIC_COLUMNS, with the planner's columns beside them when any row carries a plan: a sweep from
-    before the planner gets the table it always had, not a block of empty columns."""
+    """The parameter counts (when any row has them), then METRIC_COLUMNS, with the planner's columns beside
+    them when any row carries a plan: a sweep from before the planner gets the table it always had, not a
+    block of empty columns."""
+    counts = COUNT_COLUMNS if any(row.get(k) is not None for row in rows for k in PARAM_COUNT_KEYS) else []
     if not has_plan(rows):
-        return list(METRIC_COLUMNS)
-    return [col for column in METRIC_COLUMNS for col in (column, *PLAN_COLUMNS.get(column[0], []))]
+        return [*counts, *METRIC_COLUMNS]
+    return [*counts, *(col for column in METRIC_COLUMNS for col in (column, *PLAN_COLUMNS.get(column[0], [])))]
 
 
 def value(row: dict, key: str) -> Any:

@@ -23,6 +23,9 @@ SCHEMA_NAME = "zerotune_schema"
 # ruff: noqa: UP045
 
 
+ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
 @dataclass
 class ZeroStage:
     stage: int = 2
@@ -76,6 +79,8 @@ class Model:
     num_classes: int = 10
     text_seq_len: int = 77
     pretrained: Optional[str] = None
+    # the modules adapter=lora targets unless adapter.target_modules says otherwise: the attention projections
+    lora_targets: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
     components: Optional[str] = None
     vae: Optional[str] = None
     text_encoder: Optional[str] = None
@@ -87,6 +92,7 @@ class Model:
 @dataclass
 class Data:
     name: str = MISSING                  # digits | synthetic | folder
+    invert: bool = False                 # digits: ink and paper swapped (x -> 16 - x); others refuse it
     num_workers: int = 0
     num_samples: int = 4096              # synthetic
     path: Optional[str] = None           # folder
@@ -150,6 +156,16 @@ class Evaluate:
 
 
 @dataclass
+class Adapter:
+    name: str = "none"                   # none | lora
+    rank: int = 16
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
+    init: str = "gaussian"               # gaussian | default
+
+
+@dataclass
 class Ema:
     enabled: bool = False
     decay: float = 0.999
@@ -190,6 +206,7 @@ class Config:
     train: Train = field(default_factory=Train)
     diffusion: Diffusion = field(default_factory=Diffusion)
     evaluate: Evaluate = field(default_factory=Evaluate)
+    adapter: Adapter = field(default_factory=Adapter)
     ema: Ema = field(default_factory=Ema)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     resume: Resume = field(default_factory=Resume)

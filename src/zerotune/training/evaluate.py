@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from zerotune.models import build_unet
+from zerotune.models import adapter, build_unet
 from zerotune.quality import DigitClassifier, save_grid
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.sampling import sample_images
@@ -23,7 +23,7 @@ def evaluate_digits(trainer, cfg: Any, run_dir: RunDir) -> dict | None:
     if not trainer.accelerator.is_main_process:
         return None
     t0 = time.perf_counter()
-    unet = build_unet(cfg.model).float()
+    unet = adapter.add_adapter(build_unet(cfg.model), cfg.adapter).float()
     unet.load_state_dict(state)
     unet.eval()
     ev = cfg.evaluate

@@ -83,7 +83,9 @@ def _record_checked(cfg: Any, checked, run_dir: RunDir, summary: dict) -> None:
     run_dir.write_config(cfg)
     run_dir.write_ds_config(checked.ds_config)
     summary.update({"choices": key_choices(cfg, distributed.world_size()), "config_sources": checked.config_sources,
-                    "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params})
+                    "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params,
+                    "trainable_params": checked.model_stats.num_trainable,
+                    "frozen_params": checked.model_stats.num_frozen})
 
 
 def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:

@@ -14,7 +14,7 @@ from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
-from zerotune.models import build_unet, conditioning
+from zerotune.models import adapter, build_unet, conditioning
 from zerotune.preflight import CheckedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
@@ -62,12 +62,12 @@ class Trainer:
 
     def _prepare(self, seed: int) -> None:
         """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
-        unet = build_unet(self.cfg.model)
+        unet = adapter.add_adapter(build_unet(self.cfg.model), self.cfg.adapter)  # adapter=none: unchanged
         if self.cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         loader = build_loader(DataSpec.from_config(self.cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
-        opt, sched = optimizer_and_scheduler(self.checked, unet.parameters())
+        opt, sched = optimizer_and_scheduler(self.checked, adapter.trainable_parameters(unet))
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
             self.scheduler = None
@@ -80,7 +80,11 @@ class Trainer:
         ema = self.cfg.ema
         if not ema.enabled:
             return None
-        return HostEMA(list(self._module().named_parameters()), ema.decay, ema.warmup, zero3=self.zero_stage == 3)
+        return HostEMA(self._trained_named_parameters(), ema.decay, ema.warmup, zero3=self.zero_stage == 3)
+
+    def _trained_named_parameters(self) -> list:
+        """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora."""
+        return [(n, p) for n, p in self._module().named_parameters() if p.requires_grad]
 
     @property
     def zero_stage(self) -> int:
@@ -173,7 +177,8 @@ class Trainer:
             root=checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path), step=self.step,
             meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
             unet=self._module(), job=checkpoints.job_token(self.run_dir.path),
-            size_estimate=self.checked.model_stats.num_params * 12,  # fp32 weights + Adam's two moments
+            # fp32 weights, and Adam's two moments of the trained ones
+            size_estimate=self.checked.model_stats.num_params * 4 + self.checked.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             keep_last=self.cfg.checkpoint.keep_last)
         info = ckpt.save(self.accelerator, request)
@@ -219,7 +224,7 @@ class Trainer:
                     self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
-            self.ema.update(self._module().named_parameters())
+            self.ema.update(self._trained_named_parameters())
         self.step += 1
         self.samples_seen += self.micro_batch * self.grad_accum * self.accelerator.num_processes
         return {"loss/train": sum(losses) / len(losses), "train/lr": self.current_lr(),
@@ -230,10 +235,11 @@ class Trainer:
 
     def full_state_dict(self, use_ema: bool) -> dict:
         """Whole fp32 weights on the CPU; a collective under ZeRO-3, so every rank calls it."""
-        if use_ema and self.ema is not None:
-            return {k: v.clone() for k, v in self.ema.shadow.items()}
         state = self.accelerator.get_state_dict(self.unet)
-        return {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
+        state = {k: v.detach().to("cpu", torch.float32) for k, v in state.items()}
+        if use_ema and self.ema is not None:  # the averaged weights: all of them, or the adapter's over the base
+            state.update({k: v.clone() for k, v in self.ema.shadow.items()})
+        return state
 
     def log_row(self, row: dict) -> None:
         """One logged step: to metrics.jsonl and to the logger, under the same keys."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from zerotune.checkpoints.layout import LATEST, read_meta
+from zerotune.models import adapter
 
 DS_TAG = "pytorch_model"  # accelerate's folder name for DeepSpeed's checkpoint (MODEL_NAME)
 UNIVERSAL = "universal"
@@ -73,12 +74,17 @@ def full_state(path: Path, with_optimizer: bool = True) -> tuple[dict, dict | No
     sched = model_states.get("lr_scheduler")
     if meta["zero_stage"] == 0:
         weights = {k: v.float() for k, v in model_states["module"].items()}
-        return weights, _by_name(weights, model_states["optimizer"]) if with_optimizer else None, sched
+        return weights, _by_name(weights, model_states["optimizer"], meta) if with_optimizer else None, sched
     if not with_optimizer:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)), None, sched
     weights, opt = _universal_state(path)
+    if meta.get("adapter_config") is not None and meta["zero_stage"] == 3:
+        # A ZeRO-3 conversion holds what the optimizer held: the frozen base comes from the checkpoint itself.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = {**get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG), **weights}
     return weights, opt, sched
 
 
@@ -89,7 +95,7 @@ def _plain_state(path: Path, with_optimizer: bool) -> tuple[dict, dict | None, d
     weights = {k.removeprefix("module."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     if not with_optimizer:
         return weights, None, None
-    opt = _by_name(weights, torch.load(path / "optimizer.bin", weights_only=False))
+    opt = _by_name(weights, torch.load(path / "optimizer.bin", weights_only=False), read_meta(path))
     sched_file = path / "scheduler.bin"
     return weights, opt, torch.load(sched_file, weights_only=False) if sched_file.is_file() else None
 
@@ -106,8 +112,9 @@ def _universal_state(path: Path) -> tuple[dict, dict]:
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
         step = _step(folder) if (folder / "step.pt").is_file() else float(global_step)
         weights[folder.name] = _part(folder, "fp32").float()
-        opt[folder.name] = {"step": torch.tensor(step), "exp_avg": _part(folder, "exp_avg"),
-                            "exp_avg_sq": _part(folder, "exp_avg_sq")}
+        if (folder / "exp_avg.pt").is_file():  # frozen parameters (under an adapter) have weights only
+            opt[folder.name] = {"step": torch.tensor(step), "exp_avg": _part(folder, "exp_avg"),
+                                "exp_avg_sq": _part(folder, "exp_avg_sq")}
     return weights, opt
 
 
@@ -125,9 +132,14 @@ def _step(folder: Path) -> float:
     return float(value)
 
 
-def _by_name(weights: dict, torch_opt_state: dict) -> dict:
-    """A torch optimizer state_dict (indexed by parameter order) as {parameter name: state}."""
-    names = list(weights)
+def _trained(names, meta: dict) -> list[str]:
+    """The parameters the optimizer held, in order: all of them, or under an adapter the adapter's."""
+    return [n for n in names if meta.get("adapter_config") is None or adapter.is_adapter_weight(n)]
+
+
+def _by_name(weights: dict, torch_opt_state: dict, meta: dict) -> dict:
+    """A torch optimizer state_dict (indexed by the trained parameters' order) as {parameter name: state}."""
+    names = _trained(weights, meta)
     order = [i for g in torch_opt_state["param_groups"] for i in g["params"]]
     return {names[pos]: torch_opt_state["state"][i] for pos, i in enumerate(order) if i in torch_opt_state["state"]}
 
@@ -141,7 +153,7 @@ def load_full(acc, path: Path, meta: dict, module, optimizer, scheduler) -> None
     shapes = {n: p.shape for n, p in module.named_parameters()}
     module.load_state_dict({n: w.reshape(shapes[n]) if n in shapes else w for n, w in weights.items()})
     state = optimizer.state_dict()
-    index = {name: i for i, name in enumerate(shapes)}
+    index = {name: i for i, name in enumerate(n for n, p in module.named_parameters() if p.requires_grad)}
     state["state"] = {index[n]: {k: (v.clone() if k == "step" else v.reshape(shapes[n]).clone()) for k, v in s.items()}
                       for n, s in opt_by_name.items()}
     optimizer.load_state_dict(state)

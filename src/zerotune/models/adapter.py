@@ -1,0 +1,103 @@
+"""LoRA on the U-Net with peft, as diffusers adds it (`unet.add_adapter`): the base weights frozen, only the
+adapters trainable. The layers, their names and their saving are peft's and diffusers' own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotune.errors import ConfigError
+
+ADAPTER_NAME = "default"  # peft's name for a model's first adapter; the exported keys carry no name
+INITS = {"gaussian": "gaussian", "default": True}  # adapter.init -> peft's init_lora_weights
+
+
+def enabled(adapter_cfg: Any) -> bool:
+    return adapter_cfg is not None and adapter_cfg.get("name", "none") != "none"
+
+
+def check(adapter_cfg: Any) -> None:
+    """The adapter's own keys, before any model is built."""
+    if not enabled(adapter_cfg):
+        return
+    if adapter_cfg.name != "lora":
+        raise ConfigError("adapter", f"unknown adapter {adapter_cfg.name!r}", "adapter=lora or adapter=none")
+    if int(adapter_cfg.rank) < 1:
+        raise ConfigError("adapter.rank", f"must be at least 1, got {adapter_cfg.rank}", "adapter.rank=16")
+    if float(adapter_cfg.alpha) <= 0:
+        raise ConfigError("adapter.alpha", f"must be positive, got {adapter_cfg.alpha}", "adapter.alpha=16")
+    if not 0.0 <= float(adapter_cfg.dropout) < 1.0:
+        raise ConfigError("adapter.dropout", f"must be in [0, 1), got {adapter_cfg.dropout}", "adapter.dropout=0.0")
+    if str(adapter_cfg.init) not in INITS:
+        raise ConfigError("adapter.init", f"unknown init {adapter_cfg.init!r}", f"adapter.init={' or '.join(INITS)}")
+    if not list(adapter_cfg.target_modules):
+        raise ConfigError("adapter.target_modules", "is empty", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
+
+
+def lora_config(adapter_cfg: Any):
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
+                      lora_dropout=float(adapter_cfg.dropout), init_lora_weights=INITS[str(adapter_cfg.init)],
+                      target_modules=[str(m) for m in adapter_cfg.target_modules])
+
+
+def _matches(name: str, target: str) -> bool:
+    # peft's rule for a list of names: the module's full name is the target or ends with "." + target.
+    return name == target or name.endswith("." + target)
+
+
+def _check_targets(unet: torch.nn.Module, targets: list[str]) -> None:
+    """Every target must name at least one module: peft's own error for an unmatched one comes only when
+    none matches, and lists nothing."""
+    names = [n for n, _ in unet.named_modules() if n]
+    for target in targets:
+        if not any(_matches(n, target) for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in unet.named_modules()
+                             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))})
+            raise ConfigError("adapter.target_modules", f"{target!r} matches no module of this U-Net; its "
+                              f"linear and conv modules are named {', '.join(leaves)} (and to_out.0 etc. by "
+                              "their full suffix)", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
+
+
+def add_adapter(unet: torch.nn.Module, adapter_cfg: Any) -> torch.nn.Module:
+    """Freeze `unet` and add the LoRA adapter `adapter_cfg` describes (in place; returns it)."""
+    if not enabled(adapter_cfg):
+        return unet
+    check(adapter_cfg)
+    _check_targets(unet, [str(m) for m in adapter_cfg.target_modules])
+    unet.requires_grad_(False)
+    unet.add_adapter(lora_config(adapter_cfg), adapter_name=ADAPTER_NAME)
+    return unet
+
+
+def is_adapter_weight(name: str) -> bool:
+    """peft names an adapter's weights <module>.lora_A.<adapter>.weight / lora_B (and lora_embedding_*)."""
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer gets: every parameter without an adapter, the adapter's with one."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def adapter_state_dict(unet: torch.nn.Module, state: dict | None = None) -> dict:
+    """The adapter's weights under diffusers' LoRA key names (`...to_q.lora_A.weight`), as
+    `save_lora_weights` / `load_lora_adapter` read them. `state`: the U-Net's full state dict, when the
+    module's own tensors are ZeRO-3 partitions."""
+    from peft.utils import get_peft_model_state_dict
+
+    return dict(get_peft_model_state_dict(unet, state_dict=state, adapter_name=ADAPTER_NAME))
+
+
+# DeepSpeed's muP optimizers need every parameter's base shape (mup.set_base_shapes on the whole model),
+# which adapter weights added afterwards do not have; the others step any subset of parameters.
+_WHOLE_MODEL_OPTIMIZERS = {"MuAdam", "MuAdamW", "MuSGD"}
+
+
+def check_optimizer(adapter_cfg: Any, optimizer_type: str) -> None:
+    if enabled(adapter_cfg) and optimizer_type in _WHOLE_MODEL_OPTIMIZERS:
+        raise ConfigError("optimizer", f"{optimizer_type} (muP) scales each parameter by its base shape, which the "
+                          f"LoRA weights do not have: it cannot train adapter={adapter_cfg.name}",
+                          "optimizer=adamw (or adam, adagrad, lion) with the adapter, or adapter=none")
