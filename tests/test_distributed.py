@@ -265,6 +265,10 @@ def test_two_processes_compute_what_one_computes_with_twice_the_batch(zero2_pair
     assert [r["rank"] for r in mem["per_rank"]] == [0, 1]
     assert mem["host_peak_rss_mib_max_rank"] == max(r["host_peak_rss_mib"] for r in mem["per_rank"]) > 50
     assert mem["gpu_peak_process_mib_max_rank"] is None  # no GPU: unmeasured, not 0
+    # Threads: the cores shared by the node's workers (launch.threads=auto), unless OMP_NUM_THREADS says
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0))
+        assert one["threads"]["intra_op"] == cores and two["threads"]["intra_op"] == max(1, cores // 2)
 
 
 @pytest.mark.slow

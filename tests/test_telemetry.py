@@ -339,6 +339,8 @@ def test_step_timer_startup_defaults_to_process_create_time():
     timer.end_step(samples=1)
     age = time.time() - psutil.Process().create_time()
     assert 0 < timer.startup_s <= age + 0.05
+    # The absolute end of the first step, for a caller timing from its own start (benchmarks/)
+    assert abs(timer.summary(0)["first_step_end_unix"] - (psutil.Process().create_time() + timer.startup_s)) < 0.05
 
 
 # ------------------------------------------------------------------ plot

@@ -40,11 +40,6 @@ def job_spec() -> JobSpec:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    # Imported here, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,
-    # `--cfg job` and a config error never need.
-    from zerotune.launch.job import run_job
-    from zerotune.training.run import train
-
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
     if distributed.rank() == 0:
@@ -52,7 +47,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
         # Otherwise it is the job's parent, which starts the workers and records what they did.
-        summary = train(cfg, spec) if distributed.launched_externally() else run_job(cfg, spec)
+        summary = _train_here(cfg, spec) if distributed.launched_externally() else _run_job(cfg, spec)
     except ConfigError as exc:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
@@ -65,6 +60,21 @@ def _hydra_main(cfg: DictConfig) -> None:
     if summary["status"] not in ("ok", "planned") and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
         sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
+
+
+# Imported when called, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,
+# `--cfg job` and a config error never need; and the job's parent never imports the trainer (its evaluation
+# brings scikit-learn): its workers do.
+def _run_job(cfg: DictConfig, spec: JobSpec) -> dict:
+    from zerotune.launch.job import run_job
+
+    return run_job(cfg, spec)
+
+
+def _train_here(cfg: DictConfig, spec: JobSpec) -> dict:
+    from zerotune.training.run import train
+
+    return train(cfg, spec)
 
 
 def _interrupted_exit(summary: dict) -> int:

@@ -23,6 +23,7 @@ from zerotune.errors import ConfigError
 from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
+from zerotune.training.threads import check_threads
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def _kill_children() -> None:
 def check_launch(launch: Any) -> None:
     """The launch block's own rules (seconds, before any worker starts)."""
     nnodes, node_rank = int(launch.nnodes), int(launch.node_rank)
+    check_threads(launch.get("threads", "auto"))
     if int(launch.num_processes) < 1 or nnodes < 1:
         raise ConfigError("launch.num_processes", "a job needs at least one process on one node",
                           "launch.num_processes=1 launch.nnodes=1")

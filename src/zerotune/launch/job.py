@@ -25,12 +25,15 @@ from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
 from zerotune.schema import launch_world_size
 from zerotune.telemetry import MemorySampler, environment_info
+from zerotune.telemetry.startup import ParentMarks, startup_view
 
 log = logging.getLogger("zerotune")
 
 
 def run_job(cfg: Any, spec: JobSpec) -> dict:
     """The parent side of a job: its workers train (launch/worker.py); this process watches and records."""
+    marks = ParentMarks()
+    marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
     apply_slurm_geometry(cfg)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
@@ -39,8 +42,10 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     held = ExitStack()  # the checkpoint dir's lock, from the checks until the workers are done
     with held:
         checked = checked_job(cfg, spec, run_dir, held)
+        marks.mark("checks")
         base = {**base_summary(cfg, spec), "config_sources": checked.config_sources,
                 "plan": planning.job_plan(cfg, checked, planning.job_gpu(cfg))}
+        marks.mark("plan")
         if planning.guard(cfg, base["plan"]) == "predicted_oom":
             return _skipped(run_dir, base)
         node_rank = cfg.launch.node_rank
@@ -51,8 +56,10 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         except ConfigError as exc:
             record_refusal(cfg, spec, run_dir, exc)
             raise
+        marks.mark("ops_build")
         summary, result, peaks = _launch(cfg, run_dir, base)
         summary.update({k: base[k] for k in ("ops_build", "plan")})  # rank 0's own summary replaces base
+        summary["startup"] = startup_view(marks, summary.get("startup_marks"))
     summary = merge_job_view(summary, result, peaks, run_dir.path)
     if node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)

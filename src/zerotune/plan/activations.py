@@ -35,12 +35,10 @@ from typing import Any, NamedTuple
 
 import torch
 from omegaconf import OmegaConf
-from torch.distributed._tools.mem_tracker import _MemRefType
 
 from zerotune.diffusion import diffusion_loss
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, build_unet, conditioning, unet_config
-from zerotune.plan.step_tracker import StepTracker
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 2  # bump when what a trace measures changes: older cache entries then miss
@@ -139,7 +137,11 @@ def _write_cached(trace: Trace) -> Trace:
 
 def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
            gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: dict | None = None) -> Trace:
+    # Here, on a cache miss only: importing torch's MemTracker takes ~1 s, which every job start would pay.
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    from zerotune.plan.step_tracker import StepTracker
 
     start = time.perf_counter()
     unet = _meta_unet(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)

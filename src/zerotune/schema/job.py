@@ -43,6 +43,7 @@ class Launch:
     slurm: Any = "auto"                  # auto | true | false
     run_id: Optional[str] = None         # set inside SLURM jobs
     stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
+    threads: Any = "auto"                # auto | N: torch intra-op threads per worker (training/threads.py)
 
 
 @dataclass

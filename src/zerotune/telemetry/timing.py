@@ -62,6 +62,7 @@ class StepTimer:
         self.durations: list[float] = []
         self.samples: list[int] = []
         self.startup_s: float | None = None
+        self.first_step_end_unix: float | None = None  # when the first step ended (epoch s): for the caller's clock
 
     def start_step(self) -> None:
         self.synchronize()
@@ -83,7 +84,8 @@ class StepTimer:
     def first_step_done(self) -> None:
         """Records startup_s (called by end_step on the first step)."""
         start = self._process_start if self._process_start is not None else process_start_time()
-        self.startup_s = self.wall_clock() - start
+        self.first_step_end_unix = self.wall_clock()
+        self.startup_s = self.first_step_end_unix - start
 
     def summary(self, warmup_steps: int) -> dict[str, float | int | None]:
         """Statistics over the steps after the first `warmup_steps` (compilation, allocator growth, caches).
@@ -102,4 +104,5 @@ class StepTimer:
             "steps_timed": len(durations),
             "warmup_steps": min(warmup_steps, len(self.durations)),
             "startup_s": self.startup_s,
+            "first_step_end_unix": self.first_step_end_unix,
         }

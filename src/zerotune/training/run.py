@@ -18,10 +18,12 @@ from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
 from zerotune.telemetry import environment_info
 from zerotune.telemetry.plot import plot_run
+from zerotune.telemetry.startup import startup_view
+from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
-from zerotune.training.evaluate import evaluate_digits
 from zerotune.training.measure import RunTelemetry
 from zerotune.training.stop import StopSignals
+from zerotune.training.threads import apply_threads
 from zerotune.training.trainer import Trainer
 
 log = logging.getLogger("zerotune")
@@ -34,6 +36,7 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     A stop signal ends training after the current step, with the summary's status "interrupted".
     """
     start = time.time()
+    marks = {"process_start": process_start_time(), "train_start": start}  # telemetry/startup.py
     distributed.ensure_single_process_env()
     rank = distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
@@ -47,12 +50,13 @@ def train(cfg: Any, spec: JobSpec) -> dict:
             checked = preflight(cfg, distributed.world_size(), overrides=spec.overrides, run_dir=spec.run_dir,
                                 verified_resume=spec.resume_verified)
             _record_checked(cfg, checked, run_dir, summary)
+            summary["threads"] = apply_threads(cfg.launch)
             if not spec.from_parent and rank == 0:  # under torchrun & co. no zerotune parent holds it
                 held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
             # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
             distributed.init_accelerate_state(checked.use_deepspeed)
-            _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary)
+            _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary, marks)
             summary["status"] = "interrupted" if "interrupted" in summary else "ok"
             return summary
         except ConfigError as exc:
@@ -65,6 +69,7 @@ def train(cfg: Any, spec: JobSpec) -> dict:
             raise
         finally:
             summary["wall_time_s"] = time.time() - start
+            summary["startup_marks"], summary["startup"] = marks, startup_view(None, marks)
             _close(summary, run_dir, logger)
 
 
@@ -96,18 +101,21 @@ def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
     logger.finish(0 if summary["status"] == "ok" else 1)
 
 
-def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSignals, summary: dict) -> None:
+def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSignals, summary: dict,
+                        marks: dict) -> None:
     """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
     through is there even when it fails)."""
     nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
     out: dict = {}
     with RunTelemetry(nvme_dir=nvme) as telemetry:
         trainer = Trainer(cfg, checked, run_dir, logger)
+        marks["ready"] = time.time()
         telemetry.timer.synchronize = _device_sync(trainer)
         try:
             out.update(trainer.fit(telemetry, stop))
         finally:
             summary.update(trainer.progress())
+            marks["first_step_end"] = telemetry.timer.first_step_end_unix
         if trainer.stopped_by is not None:
             out["interrupted"] = {"signal": trainer.stopped_by, "after_step": trainer.step,
                                   "last_checkpoint": out["checkpoint"]["last_complete"]}
@@ -121,6 +129,9 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
     out["partition"] = trainer.partition
     _gather_rank_records(trainer, run_dir, out)
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
+        # Imported when evaluating only: it brings scikit-learn's classifier.
+        from zerotune.training.evaluate import evaluate_digits
+
         quality = evaluate_digits(trainer, cfg, run_dir)
         if quality is not None:
             out["quality"] = quality
