@@ -363,3 +363,37 @@ def test_plot_run_writes_png(tmp_path, with_gpu):
     assert plot_run(metrics, out) == os.fspath(out)
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# ------------------------------------------------------------------ start-up phases
+def test_startup_view_splits_the_time_to_the_first_step(monkeypatch):
+    from zerotune.telemetry import startup
+
+    clock = iter([101.0, 103.5, 103.5, 104.0])
+    monkeypatch.setattr(startup.time, "time", lambda: next(clock))
+    monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
+    marks = startup.ParentMarks()
+    marks.start, marks.marks[0] = 100.0, ("start", 100.0)  # the process's creation
+    for name in ("compose_and_imports", "checks", "plan", "ops_build"):
+        marks.mark(name)
+    worker = {"process_start": 104.2, "train_start": 108.0, "ready": 110.0, "first_step_end": 110.5}
+    view = startup.startup_view(marks, worker)
+    assert view["parent"] == {"compose_and_imports": 1.0, "checks": 2.5, "plan": 0.0, "ops_build": 0.5}
+    assert view["worker"] == {"start_and_imports_s": 4.0, "setup_s": 2.0, "first_step_s": 0.5}
+    assert view["to_first_step_s"] == 10.5 and view["ops_build_s"] == 0.5
+    # Under an external launcher (torchrun) there is no parent: the worker's own process start counts.
+    alone = startup.startup_view(None, worker)
+    assert alone["worker"]["start_and_imports_s"] == pytest.approx(3.8) and alone["to_first_step_s"] == pytest.approx(6.3)
+    assert "parent" not in alone
+    # A worker that died before its first step: unmeasured, not zero.
+    assert startup.startup_view(None, {**worker, "first_step_end": None})["to_first_step_s"] is None
+
+
+def test_a_sweeps_later_jobs_start_when_the_sweep_reaches_them(monkeypatch):
+    from zerotune.telemetry import startup
+
+    monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
+    first = startup.ParentMarks()
+    assert first.start == psutil.Process().create_time()
+    later = startup.ParentMarks()
+    assert later.start > first.start and abs(later.start - time.time()) < 1
