@@ -20,7 +20,7 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_scripts_tested_here_are_all_the_scripts():
-    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config", "zerotune-plan"}
+    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config", "zerotune-plan", "zerotune-doctor"}
 
 
 def test_zerotune_ds_config_prints_the_json():
@@ -41,3 +41,12 @@ def test_zerotune_import_config_prints_overrides():
     proc = run_script("zerotune-import-config", str(ROOT / "tests/data/ds_configs/accelerate_reference.yaml"))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[:2] == ["zero_stage=1", "precision=bf16"]
+
+
+def test_zerotune_doctor_checks_this_machine(tmp_path):
+    proc = run_script("zerotune-doctor", "--json", "--offload-path", str(tmp_path))
+    assert proc.returncode in (0, 1), proc.stderr
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert checks["offload path"]["status"] == "OK" and checks["offload path"]["details"]["path"] == str(tmp_path)
+    assert checks["platform"]["details"]["accelerator"]
+    assert proc.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)

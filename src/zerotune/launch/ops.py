@@ -4,6 +4,7 @@ DeepSpeed compiles an op (cpu_adam, async_io, its CPU shm comm op, ...) the firs
 into the torch extensions cache. Left to the first worker, the compile (a C++ compiler at ~1 GiB per file)
 lands inside the job's memory sampler and start-up time: the first job of a sweep looked 5x costlier than
 identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
+A lock a killed build left in the cache is dealt with first (ext_lock.py): no job waits on one forever.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from typing import Any
 
 from zerotune.errors import ConfigError
+from zerotune.launch import ext_lock
 from zerotune.telemetry import MemorySampler
 
 log = logging.getLogger("zerotune")
@@ -38,6 +40,12 @@ FIXES = {  # builder -> (config key, fix): the worker would fail on the same op 
     SHM_COMM: ("deepspeed.enabled", f"{COMPILER_FIX}, or run without DeepSpeed (zero_stage=0 "
                                     "deepspeed.enabled=false)"),
 }
+
+
+# A lock held by a live process is another job's build (or load) of the same op: worth waiting for, as long as
+# a cold build takes on a slow machine (cpu_adam: about 3 minutes on 2 cores), and no longer.
+LOCK_WAIT_ENV, LOCK_WAIT_S = "ZEROTUNE_OP_LOCK_WAIT_S", 900.0
+LOCK_KEY = "TORCH_EXTENSIONS_DIR"
 
 
 class OpBuildError(ConfigError):
@@ -86,6 +94,7 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
         if builder is None:
             record["skipped"].append(name)  # the workers skip it too (shm) or preflight refused the run
             continue
+        clear_lock(builder.name)
         one = _build_isolated(name) if _needs_device(builder, accelerator) else _build_here(name, builder)
         log.info("DeepSpeed op %s: %s in %.1f s, host peak %.0f MiB", one["name"],
                  "loaded from the cache" if one["was_cached"] else "built", one["seconds"], one["host_peak_mib"])
@@ -94,6 +103,22 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
     peaks = [op["host_peak_mib"] for op in record["ops"] if op["host_peak_mib"] is not None]
     record["host_peak_mib"] = max(peaks, default=None)
     return record
+
+
+def clear_lock(op: str) -> None:
+    """torch's loader waits with no limit while <extensions root>/<op>/lock exists: remove it when provably
+    stale, wait a bounded time while a live process holds it, else stop here naming the file."""
+    wait_s = float(os.environ.get(LOCK_WAIT_ENV, LOCK_WAIT_S))
+    state = ext_lock.settle(ext_lock.lock_path(op), wait_s)
+    if state.state == "held":
+        pids = " ".join(map(str, state.pids)) or "<pid>"
+        raise OpBuildError(LOCK_KEY, f"{state.describe()}; it was still held after {wait_s:.0f} s",
+                           f"let that build finish and start again; if it is stuck, stop it (kill {pids}) and its "
+                           f"lock is removed at the next start; or wait longer ({LOCK_WAIT_ENV}=<seconds>), or "
+                           f"give this job its own cache ({LOCK_KEY}=<another folder>)")
+    if state.state == "undecided":
+        raise OpBuildError(LOCK_KEY, state.describe(),
+                           f"it is safe to delete when no DeepSpeed op build is running: rm {state.path}")
 
 
 def _builder(accelerator: Any, name: str) -> Any | None:

@@ -41,9 +41,7 @@ def train(cfg: Any, spec: JobSpec) -> dict:
     rank = distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
     run_dir.write_config(cfg)
-    summary: dict = {"status": "failed", "choices": key_choices(cfg, distributed.world_size()),
-                     "run_dir": str(run_dir.path), "experiment": experiment_info(cfg),
-                     "previous_attempts": run_dir.previous_attempts()}
+    summary = _initial_summary(cfg, run_dir)
     logger: RunLogger = NullLogger()
     with StopSignals() as stop, ExitStack() as held:
         try:
@@ -69,11 +67,17 @@ def train(cfg: Any, spec: JobSpec) -> dict:
             raise
         finally:
             summary["wall_time_s"] = time.time() - start
-            summary["startup_marks"], summary["startup"] = marks, startup_view(None, marks)
-            _close(summary, run_dir, logger)
+            _close(summary, run_dir, logger, marks)
 
 
-def _close(summary: dict, run_dir: RunDir, logger) -> None:
+def _initial_summary(cfg: Any, run_dir: RunDir) -> dict:
+    """What the summary says before training: failed until it is known otherwise."""
+    return {"status": "failed", "choices": key_choices(cfg, distributed.world_size()), "run_dir": str(run_dir.path),
+            "experiment": experiment_info(cfg), "previous_attempts": run_dir.previous_attempts()}
+
+
+def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
+    summary["startup_marks"], summary["startup"] = marks, startup_view(None, marks)  # the parent adds its own
     summary["env"] = environment_info()
     run_dir.write_summary(summary)
     run_dir.close()

@@ -1,0 +1,8 @@
+"""`python -m zerotune.doctor` (also installed as `zerotune-doctor`)."""
+
+import sys
+
+from zerotune.doctor.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

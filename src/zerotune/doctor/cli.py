@@ -1,0 +1,89 @@
+"""Check what DeepSpeed training needs on this machine, one line per check, each problem with its fix:
+
+    python -m zerotune.doctor
+    python -m zerotune.doctor --offload-path /mnt/nvme/zerotune --json
+    python -m zerotune.doctor zero_stage=3 offload=nvme offload.path=/mnt/nvme/zerotune
+
+Exit code 0 when nothing failed, 1 when a check failed, 2 for a config error in the overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from zerotune.cli.compose import compose
+from zerotune.doctor import files, system
+from zerotune.doctor.check import FAIL, Check, as_json, as_text, exit_code
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument("--offload-path", default=None, help="the NVMe offload folder to check (default: the "
+                        "composed config's offload.path)")
+    parser.add_argument("--fix", action="store_true", help="remove torch extensions locks that are provably stale")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    return parser
+
+
+def run_checks(cfg: Any, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
+    nvme_wanted = cfg.offload.device == "nvme"
+    checks = [_guarded("platform", system.platform_check)]
+    table = _guarded_table()
+    built = {n for n, op in table.items() if op["installed"] or op["cached"]}
+    checks.append(_guarded("build tools", lambda: system.build_tools_check(built)))
+    checks.append(_guarded("ops", lambda: system.ops_check(table)))
+    checks.append(_guarded("libaio", lambda: system.libaio_check(table, nvme_wanted)))
+    checks.append(_guarded("offload path", lambda: files.offload_path_check(offload_path, cfg, overrides)))
+    checks.append(_guarded("locks", lambda: files.locks_check(remove=fix)))
+    checks.append(_guarded("gpus", system.gpus_check))
+    checks.append(_guarded("accelerate", files.accelerate_check))
+    return checks
+
+
+def _guarded(name: str, check: Callable[[], Check]) -> Check:
+    """One check that breaks is reported as such; the others still run."""
+    try:
+        return check()
+    except Exception as exc:
+        return Check(name, FAIL, f"the check could not run: {type(exc).__name__}: {exc}".replace("\n", " "),
+                     "run `ds_report` for DeepSpeed's own view of this machine")
+
+
+def _guarded_table() -> dict[str, dict]:
+    try:
+        return system.op_table()
+    except Exception:
+        return {}  # no DeepSpeed: the platform check says so
+
+
+def configured_offload_path(cfg: Any) -> str | None:
+    if OmegaConf.is_missing(cfg.offload, "path") or cfg.offload.path is None:
+        return None
+    return str(cfg.offload.path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    try:
+        cfg = compose(args.overrides)
+        offload_path = args.offload_path or configured_offload_path(cfg)
+    except ConfigError as exc:
+        print(f"zerotune: config error at {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the report
+        checks = run_checks(cfg, args.overrides, offload_path, args.fix)
+    print(as_json(checks) if args.json else as_text(checks))
+    return exit_code(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
