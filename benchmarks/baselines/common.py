@@ -7,16 +7,24 @@ launcher parent, checks, telemetry, metrics files, progress), which is the overh
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
 WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's training/measure.py does
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """Both baselines take the zerotune run directory to copy, and the number of steps."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("run_dir")
+    parser.add_argument("--steps", type=int, default=200)
+    return parser.parse_args()
 
 
 def load_job(run_dir: str):
@@ -91,13 +99,14 @@ def report(clock: Clock, first_loss: float, steps: int, rank: int) -> None:
     """Rank 0 prints one JSON line, the last of its output, for benchmarks/bench_vs_baselines.py."""
     if rank != 0:
         return
+    import torch
+
     timed = clock.durations[WARMUP_STEPS:]
     print(json.dumps({"first_loss": first_loss, "steps": steps,
                       "step_time_median_s": statistics.median(timed) if timed else None,
                       "first_step_end_unix": clock.first_step_end_unix,
                       "process_start_unix": psutil.Process().create_time(),
-                      "threads": __import__("torch").get_num_threads()}), flush=True)
-    sys.stdout.flush()
+                      "threads": torch.get_num_threads()}), flush=True)
 
 
 def lone_process_env() -> None:

@@ -8,16 +8,11 @@ Rank 0 prints one JSON line (first loss, step-time median, when the first step e
 
 from __future__ import annotations
 
-import argparse
-
-from common import Clock, build_work, load_job, lone_process_env, loss_of, rank_and_world, report
+from common import Clock, build_work, load_job, lone_process_env, loss_of, parse_args, rank_and_world, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("run_dir")
-    parser.add_argument("--steps", type=int, default=200)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     lone_process_env()
     import deepspeed
 
