@@ -46,3 +46,21 @@ def jsonable(value: Any) -> Any:
 
 def write_json_atomic(path: str | Path, data: Any, durable: bool = False) -> None:
     write_text_atomic(path, json.dumps(jsonable(data), indent=2) + "\n", durable)
+
+
+def cache_dir(kind: str) -> Path:
+    """zerotune's own cache (model counts, planner traces): $ZEROTUNE_CACHE_DIR or ~/.cache/zerotune."""
+    return Path(os.environ.get("ZEROTUNE_CACHE_DIR", Path.home() / ".cache" / "zerotune")) / kind
+
+
+def read_cached_json(path: Path) -> Any | None:
+    """A cache entry, or None when it is absent or unreadable (a partial write from a killed process)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)  # a concurrent reader sees the whole entry or none

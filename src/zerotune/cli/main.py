@@ -17,6 +17,7 @@ from zerotune import CONF_DIR
 from zerotune.cli.compose import check_command_line
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.exiting import exit_now
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
@@ -121,6 +122,16 @@ def pin_hydra_clock(moment: datetime) -> None:
 
 
 def main() -> None:
+    """train.py's entry point. It ends through exit_now: the status is the one Hydra and zerotune chose, without
+    the interpreter's second or so of teardown (see zerotune/exiting.py)."""
+    try:
+        _main()
+    except SystemExit as exc:
+        exit_now(exc.code)
+    exit_now(0)
+
+
+def _main() -> None:
     # Hydra options (--cfg job, -m, --help) pass through untouched; only key=value overrides are rewritten.
     try:
         sys.argv[1:] = agree_across_ranks(strip_local_rank(sys.argv[1:]))

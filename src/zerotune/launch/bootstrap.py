@@ -15,5 +15,6 @@ BOOTSTRAP = (
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('zerotune worker: the job process that started this worker is gone')\n"
     "from zerotune.launch.worker import main\n"
-    "sys.exit(main(sys.argv[2]))\n"
+    "from zerotune.exiting import exit_now\n"
+    "exit_now(main(sys.argv[2]))\n"
 )

@@ -78,7 +78,8 @@ def launch_config(launch: Any, run_dir: Path):
         # "static" is torchrun's default: node ranks are given, the master hosts the store.
         rdzv_backend="static", rdzv_endpoint=f"{launch.master_addr}:{port}",
         rdzv_configs={"rank": int(launch.node_rank), "timeout": int(launch.rdzv_timeout_s)},
-        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        # The agent polls its workers this often: a job's end (or a worker's death) is noticed within it.
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         # The launcher passes these on to the workers (training/stop.py), which finish their step, save when
         # checkpoint.on_signal is set, and record "interrupted"; after stop_grace_s it kills them.

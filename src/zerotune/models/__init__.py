@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter
 from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
@@ -61,7 +64,35 @@ def _from_config(model_cfg: Any):
 
 
 def model_stats(model_cfg: Any, adapter_cfg: Any = None) -> ModelStats:
-    """Parameter counts from a meta-device build, with its adapter if any: no memory, no weights."""
+    """Parameter counts from a meta-device build, with its adapter if any: no memory, no weights.
+
+    Cached per architecture: building it imports diffusers' whole model zoo (about 2 s and 300 MiB), which
+    the job's parent would otherwise pay at every start just to count."""
+    file = files.cache_dir("models") / f"stats-{_stats_key(model_cfg, adapter_cfg)}.json"
+    cached = files.read_cached_json(file)
+    if isinstance(cached, dict) and set(cached) == {f.name for f in fields(ModelStats)}:
+        return ModelStats(**{k: tuple(v) if isinstance(v, list) else v for k, v in cached.items()})
+    stats = _measure_stats(model_cfg, adapter_cfg)
+    files.write_cached_json(file, asdict(stats))
+    return stats
+
+
+def _stats_key(model_cfg: Any, adapter_cfg: Any) -> str:
+    """The architecture, the adapter, and the versions of the libraries that build them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    what = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
+            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 1}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _measure_stats(model_cfg: Any, adapter_cfg: Any) -> ModelStats:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -130,17 +161,17 @@ def check_pretrained(model_cfg: Any) -> None:
         return
     path = Path(str(model_cfg.pretrained)).expanduser()
     if path.is_dir():
-        config, files = read_folder(path)
+        config, weight_files = read_folder(path)
         model = "the U-Net its config.json describes"
     elif path.suffix == ".safetensors" and path.is_file():
-        config, files, model = unet_config(model_cfg), [path], f"model={model_cfg.name}"
+        config, weight_files, model = unet_config(model_cfg), [path], f"model={model_cfg.name}"
     else:
         raise _not_weights(path)
-    found = {name: shape for file in files for name, shape in read_shapes(file).items()}
-    if files:
+    found = {name: shape for file in weight_files for name, shape in read_shapes(file).items()}
+    if weight_files:
         try:
             expected = state_dict_shapes(config)
         except (TypeError, ValueError) as exc:
             raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
                               f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
-        compare_shapes(files[0] if len(files) == 1 else path, found, expected, model)
+        compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, expected, model)

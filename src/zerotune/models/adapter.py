@@ -17,6 +17,16 @@ def enabled(adapter_cfg: Any) -> bool:
     return adapter_cfg is not None and adapter_cfg.get("name", "none") != "none"
 
 
+def settings(adapter_cfg: Any) -> dict | None:
+    """The adapter's settings as a plain dict (interpolations such as ${model.lora_targets} resolved), or
+    None for full training."""
+    if not enabled(adapter_cfg):
+        return None
+    from omegaconf import OmegaConf
+
+    return dict(adapter_cfg) if isinstance(adapter_cfg, dict) else OmegaConf.to_container(adapter_cfg, resolve=True)
+
+
 def check(adapter_cfg: Any) -> None:
     """The adapter's own keys, before any model is built."""
     if not enabled(adapter_cfg):

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 from omegaconf import OmegaConf
 
-from zerotune.diffusion import diffusion_loss
+from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, build_unet, conditioning, unet_config
 
@@ -81,7 +81,7 @@ def trace_step(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, p
     """
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
-    fields = adapter_fields(adapter_cfg)
+    fields = adapter.settings(adapter_cfg)
     key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, fields)
     if key not in _TRACES:
         _TRACES[key] = _read_cached(key) or _write_cached(
@@ -89,20 +89,12 @@ def trace_step(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, p
     return _TRACES[key]
 
 
-def adapter_fields(adapter_cfg: Any) -> dict | None:
-    """The adapter's settings as a plain dict (interpolations such as ${model.lora_targets} resolved), or
-    None for full training."""
-    if not adapter.enabled(adapter_cfg):
-        return None
-    return dict(adapter_cfg) if isinstance(adapter_cfg, dict) else OmegaConf.to_container(adapter_cfg, resolve=True)
-
-
 def trace_key(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
               gradient_checkpointing: bool, attention: str, adapter_cfg: Any = None) -> str:
     """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
     its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
     adapter and its rank: `full` without one) and the torch version."""
-    fields = adapter_fields(adapter_cfg)
+    fields = adapter.settings(adapter_cfg)
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.get("conditioning"),
              "text_seq_len": model_cfg.get("text_seq_len"), "prediction_type": model_cfg.get("prediction_type"),
              "adapter": fields}
@@ -115,7 +107,7 @@ def trace_key(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, pr
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ZEROTUNE_CACHE_DIR", Path.home() / ".cache" / "zerotune")) / "plan"
+    return files.cache_dir("plan")
 
 
 def _read_cached(key: str) -> Trace | None:
@@ -166,7 +158,7 @@ def _unet_as_trained(model_cfg: Any, precision: str, gradient_checkpointing: boo
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
     fields = model_cfg if isinstance(model_cfg, dict) else OmegaConf.to_container(model_cfg, resolve=True)
     cfg = OmegaConf.create({**fields, "pretrained": None, "attention": attention})
-    tuned = adapter_fields(adapter_cfg)
+    tuned = adapter.settings(adapter_cfg)
     unet = adapter.add_adapter(build_unet(cfg), OmegaConf.create(tuned) if tuned else None)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
@@ -201,6 +193,8 @@ def _inputs(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, dtyp
 
 def _loss(unet, model_cfg: Any, inputs: dict) -> torch.Tensor:
     from diffusers import DDPMScheduler
+
+    from zerotune.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
 
     # A fresh scheduler: add_noise caches its tables on the device of the samples it last saw.
     sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(model_cfg.get("prediction_type", "epsilon")))

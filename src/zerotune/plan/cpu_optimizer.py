@@ -8,19 +8,20 @@ host and thread count in the planner's cache folder; a host where the op cannot 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
 
 import torch
 
+from zerotune import files
+
 PROBE_PARAMS = 4_000_000   # large enough that per-call overhead is a small share
 REPEATS = 5
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ZEROTUNE_CACHE_DIR", Path.home() / ".cache" / "zerotune")) / "plan"
+    return files.cache_dir("plan")
 
 
 def _host_key() -> str:

@@ -17,7 +17,6 @@ from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
 from zerotune.telemetry import environment_info
-from zerotune.telemetry.plot import plot_run
 from zerotune.telemetry.startup import startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
@@ -82,6 +81,9 @@ def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
     run_dir.write_summary(summary)
     run_dir.close()
     if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
+        # Imported here: matplotlib is half a second that no worker's start should wait on.
+        from zerotune.telemetry.plot import plot_run
+
         plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
     _finish_logger(logger, summary, run_dir)
 

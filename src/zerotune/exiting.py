@@ -1,0 +1,43 @@
+"""Ending a process without Python's interpreter teardown.
+
+A process that imported torch, DeepSpeed and diffusers spends about 1.2 s at exit freeing its modules one
+object at a time, after its work is done; a job paid it twice in a row (its worker, then its parent).
+`exit_now` does what the interpreter's exit does first (join the non-daemon threads, run the exit
+handlers, which flush and close the logs, flush stdout and stderr), then ends the process without the
+teardown. Nothing the run writes is left unwritten: every file zerotune writes is closed (or renamed into
+place) before the command returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_status(code: object) -> int:
+    """SystemExit's code as the interpreter turns it into a status: None is 0, a message is 1 (printed)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_now(code: object = 0) -> NoReturn:
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(code)  # under a profiler or debugger (python -m cProfile): it writes its output after return
+    status = exit_status(code)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the interpreter's own call: logging.shutdown, wandb, tempfile cleanup, ...
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: as the interpreter, carry on to exit
+            pass
+    os._exit(status)
