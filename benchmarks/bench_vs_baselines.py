@@ -7,8 +7,9 @@ For each offload x process count: one zerotune job (`python train.py`, the defau
 batch 64), then the two baselines (benchmarks/baselines/) reading that job's config.yaml and ds_config.json,
 in interleaved rounds (the order rotates each round, so drift hits every program alike). Each round asserts
 the three first losses equal. Printed per program: medians of the step time, whole-process wall time, time
-from the command's start to the end of its first step, CPU time of the process tree, and peak RSS (the whole
-tree, and its largest process); then the ratios zerotune/raw and zerotune/accelerate.
+from the command's start to the end of its first step, CPU time of the process tree, and peak memory (RSS of
+the whole tree and of its largest process; PSS of the whole tree, which counts shared pages once); then the
+ratios zerotune/raw and zerotune/accelerate.
 
 Run it on a quiet machine: torch's intra-op threads spin, so one other busy process slows a step 5-10x.
 """
@@ -35,36 +36,44 @@ BASELINES = ROOT / "benchmarks" / "baselines"
 PROGRAMS = ("zerotune", "raw", "accelerate")
 METRICS = (("step_s", "step time, median (s)"), ("wall_s", "whole process, wall (s)"),
            ("first_step_s", "command start -> first step done (s)"), ("cpu_s", "CPU time, process tree (s)"),
-           ("rss_tree_mib", "peak RSS, process tree (MiB)"), ("rss_max_mib", "peak RSS, largest process (MiB)"))
+           ("rss_tree_mib", "peak RSS, process tree (MiB)"), ("rss_max_mib", "peak RSS, largest process (MiB)"),
+           ("pss_tree_mib", "peak PSS, process tree (MiB)"))
 
 
 class TreeMemory:
-    """Peak RSS of a process tree, summed and per process, sampled at 20 Hz."""
+    """Peak memory of a process tree, sampled at 20 Hz: RSS summed and per process, and every 4th sample PSS
+    summed (each shared page counted once across the tree: torch's libraries, mapped by every process, are
+    not counted twice; reading it costs ~4 ms a process, hence the lower rate)."""
 
     def __init__(self, pid: int) -> None:
-        self.root, self.tree_peak, self.proc_peak = psutil.Process(pid), 0, 0
+        self.root, self.tree_peak, self.proc_peak, self.pss_peak = psutil.Process(pid), 0, 0, 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        tick = 0
         while not self._done.wait(0.05):
             try:
                 procs = [self.root, *self.root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            rss = []
+            rss, pss = [], []
             for proc in procs:
                 try:
                     rss.append(proc.memory_info().rss)
-                except psutil.NoSuchProcess:
+                    if tick % 4 == 0:
+                        pss.append(proc.memory_full_info().pss)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
                     pass
+            tick += 1
             self.tree_peak, self.proc_peak = max(self.tree_peak, sum(rss)), max([self.proc_peak, *rss])
+            self.pss_peak = max(self.pss_peak, sum(pss))
 
-    def stop(self) -> tuple[float, float]:
+    def stop(self) -> tuple[float, float, float]:
         self._done.set()
         self._thread.join()
-        return self.tree_peak / 2**20, self.proc_peak / 2**20
+        return self.tree_peak / 2**20, self.proc_peak / 2**20, self.pss_peak / 2**20
 
 
 def measure(cmd: list[str], env: dict, log: Path) -> dict:
@@ -76,12 +85,13 @@ def measure(cmd: list[str], env: dict, log: Path) -> dict:
         memory = TreeMemory(proc.pid)
         code = proc.wait()
     wall = time.time() - start
-    rss_tree, rss_max = memory.stop()
+    rss_tree, rss_max, pss_tree = memory.stop()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if code != 0:
         sys.exit(f"{' '.join(cmd)} exited {code}; its output: {log}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"start": start, "wall_s": wall, "cpu_s": cpu, "rss_tree_mib": rss_tree, "rss_max_mib": rss_max}
+    return {"start": start, "wall_s": wall, "cpu_s": cpu, "rss_tree_mib": rss_tree, "rss_max_mib": rss_max,
+            "pss_tree_mib": pss_tree}
 
 
 def run_zerotune(run_dir: Path, args, offload: str, procs: int, env: dict) -> dict:

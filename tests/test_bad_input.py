@@ -1,12 +1,15 @@
-"""Bad inputs that used to reach a worker (and a traceback there, 10-40 s in) stop in the job's parent, in
-seconds: exit 2, one message naming the key and the fix, and no worker started."""
+"""Bad inputs that used to reach a worker (and a traceback there, 10-40 s in) stop in the job's parent's checks,
+in seconds: exit 2, one message naming the key and the fix, and no training. The workers, started beside the
+checks (launch/gate.py), are turned away at the gate, mid-import: they leave nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -31,14 +34,23 @@ def plan_error(*overrides: str) -> ConfigError:
 
 
 def refused_before_workers(key: str, *overrides: str, run_dir: Path) -> str:
-    """Run the CLI; it must exit 2 naming `key`, without a traceback or a worker (no logs/, no rank0 line)."""
+    """Run the CLI; it must exit 2 naming `key`, without a traceback, and without training: no worker got past
+    the gate (no step, no metrics, no rank record, no checkpoint), none is left running, and summary.json
+    names the key."""
     start = time.monotonic()
     proc = run_cli(*overrides, *FAST, f"hydra.run.dir={run_dir}", timeout=120)
     took = time.monotonic() - start
     assert proc.returncode == CONFIG_ERROR_EXIT, proc.stderr[-2000:]
     assert f"config error at `{key}" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (run_dir / "logs").exists() and "rank0" not in proc.stdout + proc.stderr
-    assert took < 60, took  # composition and preflight only; a worker's start-up alone took 10-40 s
+    output = proc.stdout + proc.stderr
+    assert "step 1/" not in output and "ChildFailedError" not in output and "exitcode" not in output
+    for trained in ("metrics.jsonl", "ranks", "checkpoints", "ds_config.json"):
+        assert not (run_dir / trained).exists(), trained
+    assert not list(run_dir.glob(".gate-*")), "the gate's file is removed with the job"
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["error"]["key"].startswith(key) and summary["status"] == "failed"
+    assert took < 60, took  # composition and checks only; a worker's start-up alone took 10-40 s
     return proc.stderr
 
 

@@ -130,7 +130,8 @@ def test_resume_from_a_bad_path_is_a_config_error(tmp_path):
     assert proc.returncode == 2
     summary = read_summary(tmp_path / "r")
     assert summary["error"]["type"] == "ConfigError" and summary["error"]["key"] == "resume.path"
-    assert not (tmp_path / "r" / "logs").exists(), "found by the job's parent, before any worker started"
+    # Found by the job's checks: its workers were turned away at the gate, before training.
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "r" / "ranks").exists()
     assert proc.stderr.count("is not a complete checkpoint") == 1
 
 

@@ -200,10 +200,12 @@ def test_resume_falls_back_past_a_truncated_newest_checkpoint(two_checkpoints, t
 def test_strict_resume_stops_on_a_damaged_checkpoint_with_the_fix(two_checkpoints, tmp_path):
     run_dir = copy_of(two_checkpoints, tmp_path)
     (run_dir / "checkpoints" / "step-0000004" / "meta.json").write_text('{"step": 4')
-    launches_before = sorted((run_dir / "logs").iterdir())
+    saves_before = sorted((run_dir / "checkpoints").iterdir())
     proc = run_cli(*SHORT, "train.max_steps=5", "resume=latest", "resume.strict=true", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 2
-    assert sorted((run_dir / "logs").iterdir()) == launches_before, "refused before any worker started"
+    # Refused by the job's checks: the workers were turned away at the gate, before training or saving.
+    assert "step 5/" not in proc.stdout + proc.stderr and not (run_dir / "metrics.jsonl").exists()
+    assert sorted((run_dir / "checkpoints").iterdir()) == saves_before
     assert "`resume.path`" in proc.stderr and "meta.json" in proc.stderr
     assert f"resume={run_dir / 'checkpoints' / 'step-0000002'}" in proc.stderr
 

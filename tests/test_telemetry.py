@@ -369,22 +369,34 @@ def test_plot_run_writes_png(tmp_path, with_gpu):
 def test_startup_view_splits_the_time_to_the_first_step(monkeypatch):
     from zerotune.telemetry import startup
 
-    clock = iter([101.0, 103.5, 103.5, 104.0])
+    clock = iter([101.0, 101.5, 102.5, 103.0, 103.4, 103.4, 104.9])
     monkeypatch.setattr(startup.time, "time", lambda: next(clock))
     monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
     marks = startup.ParentMarks()
     marks.start, marks.marks[0] = 100.0, ("start", 100.0)  # the process's creation
-    for name in ("compose_and_imports", "checks", "plan", "ops_build"):
+    for name in ("compose_and_imports", "launch_checks", "launcher_imports"):
         marks.mark(name)
-    worker = {"process_start": 104.2, "train_start": 108.0, "ready": 110.0, "first_step_end": 110.5}
-    view = startup.startup_view(marks, worker)
-    assert view["parent"] == {"compose_and_imports": 1.0, "checks": 2.5, "plan": 0.0, "ops_build": 0.5}
-    assert view["worker"] == {"start_and_imports_s": 4.0, "setup_s": 2.0, "first_step_s": 0.5}
-    assert view["to_first_step_s"] == 10.5 and view["ops_build_s"] == 0.5
-    # Under an external launcher (torchrun) there is no parent: the worker's own process start counts.
-    alone = startup.startup_view(None, worker)
-    assert alone["worker"]["start_and_imports_s"] == pytest.approx(3.8) and alone["to_first_step_s"] == pytest.approx(6.3)
-    assert "parent" not in alone
+    checks = startup.Marks()  # 103.0: beside the workers' start
+    for name in ("checks", "plan", "ops_build"):
+        checks.mark(name)
+    worker = {"process_start": 102.6, "gate_reached": 106.0, "gate_open": 106.0, "train_start": 106.1,
+              "ready": 108.0, "first_step_end": 108.5}
+    view = startup.startup_view(marks, worker, checks)
+    assert view["parent"] == {"compose_and_imports": 1.0, "launch_checks": 0.5, "launcher_imports": 1.0}
+    assert view["checks"] == {"checks": 0.4, "plan": 0.0, "ops_build": 1.5}
+    assert view["worker"] == {"start_and_imports_s": 3.5, "waiting_for_checks_s": 0.0, "setup_s": 2.0,
+                              "first_step_s": 0.5}
+    assert view["to_first_step_s"] == 8.5 and view["ops_build_s"] == 1.5
+    assert view["to_first_step_without_ops_build_s"] == 8.5  # the build ended before the imports: nothing waited
+    # A cold build the workers waited on: the wait (at most the build) comes off the job's own start-up.
+    cold = startup.startup_view(marks, {**worker, "gate_open": 107.2, "ready": 109.2, "first_step_end": 109.7},
+                                checks)
+    assert cold["worker"]["waiting_for_checks_s"] == 1.2 and cold["to_first_step_s"] == 9.7
+    assert cold["to_first_step_without_ops_build_s"] == 8.5
+    # Under an external launcher (torchrun) there is no parent and no gate: the worker's own process start counts.
+    alone = startup.startup_view(None, {k: v for k, v in worker.items() if not k.startswith("gate")})
+    assert alone["worker"] == {"start_and_imports_s": 3.5, "setup_s": 1.9, "first_step_s": 0.5}
+    assert alone["to_first_step_s"] == pytest.approx(5.9) and "parent" not in alone and "ops_build_s" not in alone
     # A worker that died before its first step: unmeasured, not zero.
     assert startup.startup_view(None, {**worker, "first_step_end": None})["to_first_step_s"] is None
 

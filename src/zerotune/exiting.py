@@ -2,9 +2,9 @@
 
 A process that imported torch, DeepSpeed and diffusers spends about 1.2 s at exit freeing its modules one
 object at a time, after its work is done; a job paid it twice in a row (its worker, then its parent).
-`exit_now` does what the interpreter's exit does first (join the non-daemon threads, run the exit
-handlers, which flush and close the logs, flush stdout and stderr), then ends the process without the
-teardown. Nothing the run writes is left unwritten: every file zerotune writes is closed (or renamed into
+`exit_now` runs the exit handlers (which flush and close the logs), flushes stdout and stderr, then ends
+the process without the teardown. A process with a non-daemon thread still running (a joblib sweep's
+executor, say) exits the normal way: the interpreter's shutdown is what tells such threads to finish. Nothing the run writes is left unwritten: every file zerotune writes is closed (or renamed into
 place) before the command returns.
 """
 
@@ -28,12 +28,11 @@ def exit_status(code: object) -> int:
 
 
 def exit_now(code: object = 0) -> NoReturn:
-    if sys.getprofile() is not None or sys.gettrace() is not None:
-        sys.exit(code)  # under a profiler or debugger (python -m cProfile): it writes its output after return
+    # Under a profiler or debugger (python -m cProfile), which writes its output after the script returns.
+    traced = sys.getprofile() is not None or sys.gettrace() is not None
+    if traced or any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
     status = exit_status(code)
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
     atexit._run_exitfuncs()  # the interpreter's own call: logging.shutdown, wandb, tempfile cleanup, ...
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -2,7 +2,8 @@
 
 The launcher's agent watches the workers: when one dies it stops the others, so no peer is left
 hanging in a collective. A watchdog thread turns a job that outlives `timeout_s` into a recorded
-timeout by killing the worker tree, which the agent then reports as a failure.
+timeout by killing the worker tree, which the agent then reports as a failure. The workers wait at
+the job's gate (launch/gate.py) until the parent's checks let them train.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import psutil
 
 from zerotune.errors import ConfigError
 from zerotune.launch.bootstrap import BOOTSTRAP
+from zerotune.launch.gate import Gate
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
 from zerotune.training.threads import check_threads
@@ -87,40 +89,53 @@ def launch_config(launch: Any, run_dir: Path):
     )
 
 
-def launch_workers(launch: Any, run_dir: Path, timeout_s: float | None) -> LaunchResult:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+class Launcher:
+    """Torch's elastic launch of this node's workers, in two steps: build it (importing torch's launcher takes
+    a second), then `run()` it to the end. The job's time limit counts from the gate's go: the checks, and a
+    one-off op build, are not the job's time."""
 
-    timed_out = threading.Event()
+    def __init__(self, launch: Any, run_dir: Path, timeout_s: float | None, gate: Gate) -> None:
+        from torch.distributed.launcher.api import elastic_launch
 
-    def on_timeout() -> None:
-        timed_out.set()
-        log.error("job exceeded train.timeout_s=%s: stopping its workers", timeout_s)
-        _kill_children()
+        self.timeout_s, self.gate = timeout_s, gate
+        self._launch = elastic_launch(launch_config(launch, run_dir), sys.executable)
+        self._args = ("-u", "-c", BOOTSTRAP, str(os.getpid()), str(run_dir), gate.token)
+        self._finished, self._timed_out = threading.Event(), threading.Event()
 
-    watchdog = threading.Timer(timeout_s, on_timeout) if timeout_s else None
-    if watchdog:
-        watchdog.daemon = True
-        watchdog.start()
-    try:
-        elastic_launch(launch_config(launch, run_dir), sys.executable)("-u", "-c", BOOTSTRAP, str(os.getpid()),
-                                                                        str(run_dir))
-        return LaunchResult("ok")
-    except SignalException as exc:
-        name = signal.Signals(exc.sigval).name
-        log.warning("%s: the workers were told to stop", name)
-        return LaunchResult("interrupted", f"stopped by {name}", signal=name)
-    except ChildFailedError as exc:
-        if timed_out.is_set():
-            return LaunchResult("timeout", f"killed after train.timeout_s={timeout_s} s")
-        rank, first = exc.get_first_failure()
-        detail = first.message.get("message", "") if isinstance(first.message, dict) else first.message
-        detail = "" if not isinstance(detail, str) or detail.startswith("To enable traceback") else detail
-        detail = detail.strip().splitlines()[0][:2000] if detail.strip() else ""
-        return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
-                            + (f": {detail}" if detail else ""), failed_rank=rank,
-                            failed_local_rank=first.local_rank)
-    finally:
-        if watchdog:
-            watchdog.cancel()
+    def run(self) -> LaunchResult:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if self.timeout_s:
+            threading.Thread(target=self._watchdog, name="zerotune-timeout", daemon=True).start()
+        try:
+            self._launch(*self._args)
+            return LaunchResult("ok")
+        except SignalException as exc:
+            self.gate.decide("abort")  # workers still at the gate leave at once
+            name = signal.Signals(exc.sigval).name
+            log.warning("%s: the workers were told to stop", name)
+            return LaunchResult("interrupted", f"stopped by {name}", signal=name)
+        except ChildFailedError as exc:
+            if self._timed_out.is_set():
+                return LaunchResult("timeout", f"killed after train.timeout_s={self.timeout_s} s")
+            return _failure(exc)
+        finally:
+            self._finished.set()
+
+    def _watchdog(self) -> None:
+        while not (self.gate.decided.wait(0.2) or self._finished.is_set()):
+            pass
+        if self.gate.decision == "go" and not self._finished.wait(self.timeout_s):
+            self._timed_out.set()
+            log.error("job exceeded train.timeout_s=%s: stopping its workers", self.timeout_s)
+            _kill_children()
+
+
+def _failure(exc) -> LaunchResult:
+    rank, first = exc.get_first_failure()
+    detail = first.message.get("message", "") if isinstance(first.message, dict) else first.message
+    detail = "" if not isinstance(detail, str) or detail.startswith("To enable traceback") else detail
+    detail = detail.strip().splitlines()[0][:2000] if detail.strip() else ""
+    return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
+                        + (f": {detail}" if detail else ""), failed_rank=rank, failed_local_rank=first.local_rank)

@@ -1,7 +1,8 @@
 """One training process of a job, started by the launcher through launch/bootstrap.py.
 
-It reads the config the parent resolved (so every rank trains the same thing, in the same folder)
-and trains with the rank torch.distributed's environment gives it.
+It imports while the parent checks the job, waits at the job's gate, then reads the config the parent
+resolved (so every rank trains the same thing, in the same folder) and trains with the rank
+torch.distributed's environment gives it.
 """
 
 from __future__ import annotations
@@ -9,26 +10,31 @@ from __future__ import annotations
 import logging
 import sys
 
+# The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
+# pass while the parent checks the job.
+from diffusers import UNet2DConditionModel  # noqa: F401
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zerotune import schema
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.launch.gate import GateWatch
 from zerotune.rundir import CONFIG
 from zerotune.rundir.spec import JobSpec
 from zerotune.training.run import train
 
 
-def main(run_dir: str) -> int:
-    return record(_main)(run_dir)  # an exception reaches the launcher's report (error.message in the summary)
+def main(run_dir: str, gate: GateWatch) -> int:
+    return record(_main)(run_dir, gate)  # an exception reaches the launcher's report (error.message in the summary)
 
 
-def _main(run_dir: str) -> int:
+def _main(run_dir: str, gate: GateWatch) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    waited = gate.wait_for_go()  # a refused job ends this process in there
     spec = JobSpec.load(run_dir)
     cfg = schema.typed(OmegaConf.load(f"{run_dir}/{CONFIG}"))
     try:
-        train(cfg, spec)
+        train(cfg, spec, waited)
     except ConfigError as exc:
         print(f"zerotune: config error at {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT

@@ -28,14 +28,15 @@ from zerotune.training.trainer import Trainer
 log = logging.getLogger("zerotune")
 
 
-def train(cfg: Any, spec: JobSpec) -> dict:
+def train(cfg: Any, spec: JobSpec, startup: dict | None = None) -> dict:
     """Train as `cfg` says, in `spec.run_dir`; returns the summary rank 0 writes there.
 
     A ConfigError is re-raised after its summary is written: bad input never reaches model building.
     A stop signal ends training after the current step, with the summary's status "interrupted".
     """
     start = time.time()
-    marks = {"process_start": process_start_time(), "train_start": start}  # telemetry/startup.py
+    # telemetry/startup.py; `startup`: when this worker reached the job's gate and when it opened (launch/gate.py)
+    marks = {"process_start": process_start_time(), **(startup or {}), "train_start": start}
     distributed.ensure_single_process_env()
     rank = distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)

@@ -1,0 +1,85 @@
+"""What a job's summary.json says from the parent's side: before the workers (or without them), and the
+launcher's outcome and the whole tree's memory folded into the workers' own summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zerotune import checkpoints
+from zerotune.errors import ConfigError
+from zerotune.launch.elastic import LaunchResult
+from zerotune.rundir import RunDir
+from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
+from zerotune.schema import launch_world_size
+from zerotune.telemetry import environment_info
+
+
+def base_summary(cfg: Any, spec: JobSpec) -> dict:
+    """What the job's summary says before (or without) the workers' own."""
+    return {"status": "failed", "choices": key_choices(cfg, launch_world_size(cfg.launch)),
+            "run_dir": spec.run_dir, "experiment": experiment_info(cfg),
+            "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec)}
+
+
+def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError) -> None:
+    """A job refused before training still has its summary.json, naming the key."""
+    run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": type(exc).__name__, "key": exc.key,
+                                                                 "message": str(exc)}, "env": environment_info()})
+
+
+def _checkpoint_dir(cfg: Any, spec: JobSpec) -> str:
+    return str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir)))
+
+
+def _last_checkpoint(summary: dict) -> None:
+    """A job whose workers died without a summary still says which checkpoint it can resume from."""
+    found = checkpoints.latest(Path(summary["checkpoint_dir"])) if summary.get("checkpoint_dir") else None
+    summary.setdefault("checkpoint", {}).setdefault("last_complete", str(found) if found else None)
+
+
+def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Path) -> dict:
+    """Fold the launcher's outcome and the whole-tree memory peaks into the workers' summary."""
+    if result.status == "interrupted":
+        # The workers stopped on the signal the launcher passed on (their summary says so), or were killed
+        # before they could write it.
+        summary["status"] = "interrupted"
+        summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
+    elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
+        # A worker's own "oom" stays; a timeout or a death the worker could not record is the launcher's.
+        if result.status == "timeout" or "error" not in summary:
+            summary["status"] = result.status
+            summary["error"] = {"type": result.status, "message": result.error,
+                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
+        elif result.failed_rank not in (None, 0):
+            # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
+            # failed first: its error leads, rank 0's stays beside it.
+            summary["status"] = "failed"
+            summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
+                                "rank0_error": summary["error"],
+                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
+    _last_checkpoint(summary)
+    memory = summary.setdefault("memory", {})
+    memory["host_peak_rss_mib"] = peaks["host_peak_rss_mib"]  # all ranks, not just rank 0
+    if peaks["nvme_peak_mib"] is not None:
+        memory["nvme_peak_mib"] = max(peaks["nvme_peak_mib"], memory.get("nvme_peak_mib") or 0.0)
+    for key in ("gpu_peak_process_mib", "gpu_peak_device_mib"):
+        if memory.get(key) is None and peaks[key] is not None:
+            memory[key] = peaks[key]  # the worker died before writing its own figures
+    files = per_rank_summary(read_rank_records(run_dir))
+    # Rank 0 gathered every rank's record over torch.distributed (all nodes); this node's files are a
+    # subset, and the only record when the job failed before the gather.
+    if len(files.get("per_rank", [])) >= len(memory.get("per_rank") or []):
+        memory.update(files)
+    return summary
+
+
+def log_tail(run_dir: Path, lines: int = 30, local_rank: int | None = None) -> list[str]:
+    """The last lines a worker wrote to stderr (the launcher keeps one log per rank): the failed rank's
+    when known, else the latest written."""
+    pattern = f"**/{local_rank}/stderr.log" if local_rank is not None else "**/stderr.log"
+    logs = sorted((run_dir / "logs").glob(pattern), key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return []
+    return logs[-1].read_text(errors="replace").splitlines()[-lines:]
