@@ -279,6 +279,29 @@ def test_cli_zero_stage_5():
     assert "fix: choose one of: 0, 1, 2, 3\n" in proc.stderr and "conf/zero_stage" not in proc.stderr
 
 
+@pytest.mark.parametrize("sweep", [(), ("-m",)])
+def test_cli_override_hydra_cannot_read(tmp_path, sweep):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*sweep, "train.max_steps=[1", f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={run_dir}", timeout=60)
+    assert proc.returncode == CONFIG_ERROR_EXIT, proc.stderr
+    assert "config error at `train.max_steps`: Hydra cannot read `train.max_steps=[1`" in proc.stderr
+    assert "Traceback" not in proc.stderr and not run_dir.exists()
+
+
+def test_a_single_runs_composition_errors_are_raised_until_its_task_starts(monkeypatch):
+    from zerotune.cli import main
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with main._composition_errors_raised():
+        assert os.environ["HYDRA_FULL_ERROR"] == "1"  # Hydra raises what it cannot compose, for _main to report
+        main._task_started()
+        assert "HYDRA_FULL_ERROR" not in os.environ  # the job's own failures are Hydra's to report; no worker sees it
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the user's own setting is left alone
+    with main._composition_errors_raised():
+        main._task_started()
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
 # 6. the NVMe folder: the real reason it cannot be used
 
 

@@ -18,7 +18,7 @@ from zerotune.telemetry import memory
 from zerotune.telemetry.env import environment_info
 from zerotune.telemetry.memory import MemorySampler
 from zerotune.telemetry.plot import plot_run
-from zerotune.telemetry.timing import StepTimer
+from zerotune.telemetry.timing import StepTimer, process_start_time
 from zerotune.telemetry.torch_memory import pinned_memory_mib, torch_cuda_memory_stats
 
 MIB = 1 << 20
@@ -337,10 +337,25 @@ def test_step_timer_startup_defaults_to_process_create_time():
     timer = StepTimer(synchronize=lambda: None)
     timer.start_step()
     timer.end_step(samples=1)
-    age = time.time() - psutil.Process().create_time()
+    age = time.time() - process_start_time()
     assert 0 < timer.startup_s <= age + 0.05
     # The absolute end of the first step, for a caller timing from its own start (benchmarks/)
-    assert abs(timer.summary(0)["first_step_end_unix"] - (psutil.Process().create_time() + timer.startup_s)) < 0.05
+    assert abs(timer.summary(0)["first_step_end_unix"] - (process_start_time() + timer.startup_s)) < 0.05
+
+
+def test_process_start_time_is_when_the_process_was_started():
+    # psutil's create_time is off by the boot time's rounding to whole seconds (up to 1 s); this must not be.
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    after = time.time()
+    try:
+        started = process_start_time(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= started <= after + 2 * tick, (before, started, after)
+    assert abs(process_start_time() - psutil.Process().create_time()) < 1.0  # the same clock, give or take rounding
 
 
 # ------------------------------------------------------------------ plot
@@ -372,8 +387,8 @@ def test_startup_view_splits_the_time_to_the_first_step(monkeypatch):
     clock = iter([101.0, 101.5, 102.5, 103.0, 103.4, 103.4, 104.9])
     monkeypatch.setattr(startup.time, "time", lambda: next(clock))
     monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
+    monkeypatch.setattr(startup, "process_start_time", lambda: 100.0)  # the process's creation
     marks = startup.ParentMarks()
-    marks.start, marks.marks[0] = 100.0, ("start", 100.0)  # the process's creation
     for name in ("compose_and_imports", "launch_checks", "launcher_imports"):
         marks.mark(name)
     checks = startup.Marks()  # 103.0: beside the workers' start
@@ -406,6 +421,6 @@ def test_a_sweeps_later_jobs_start_when_the_sweep_reaches_them(monkeypatch):
 
     monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
     first = startup.ParentMarks()
-    assert first.start == psutil.Process().create_time()
+    assert first.start == pytest.approx(process_start_time(), abs=0.01)
     later = startup.ParentMarks()
     assert later.start > first.start and abs(later.start - time.time()) < 1

@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-import psutil
+from zerotune.telemetry.timing import process_start_time
 
 WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's training/measure.py does
 
@@ -105,7 +105,7 @@ def report(clock: Clock, first_loss: float, steps: int, rank: int) -> None:
     print(json.dumps({"first_loss": first_loss, "steps": steps,
                       "step_time_median_s": statistics.median(timed) if timed else None,
                       "first_step_end_unix": clock.first_step_end_unix,
-                      "process_start_unix": psutil.Process().create_time(),
+                      "process_start_unix": process_start_time(),
                       "threads": torch.get_num_threads()}), flush=True)
 
 

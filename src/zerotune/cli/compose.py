@@ -31,11 +31,20 @@ def compose(overrides: list[str]) -> Any:
         raise as_config_error(exc, args) from None
 
 
+def is_multirun(args: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") or a.replace(" ", "") == "hydra.mode=MULTIRUN" for a in args)
+
+
 def check_command_line(args: list[str]) -> None:
     """Every job the command line describes composes: each value of a sweep (`-m zero_stage=1,2,3`) is
-    tried once, the other sweeps at their first value. Hydra options and hydra.* overrides are Hydra's."""
+    tried once, the other sweeps at their first value, before the first job starts. A single run is
+    composed once, by Hydra (cli/main.py turns its errors into config errors). Hydra options and hydra.*
+    overrides are Hydra's."""
     overrides = [a for a in args if "=" in a and not a.startswith("-") and not _key(a).startswith("hydra")]
-    parsed = [_PARSER.parse_override(o) for o in overrides]
+    check_added_keys(overrides)
+    if not is_multirun(args):
+        return
+    parsed = [parse_typed(o) for o in overrides]
     first = [_with_value(o, next(iter(o.sweep_string_iterator()))) if o.is_sweep_override() else o.input_line
              for o in parsed]
     compose(first)
@@ -52,11 +61,21 @@ def check_added_keys(args: list[str]) -> None:
     for arg in args:
         if "=" not in arg or arg.startswith("-") or _key(arg).startswith("hydra"):
             continue
-        o = _PARSER.parse_override(arg)
+        o = parse_typed(arg)
         if o.type in (OverrideType.ADD, OverrideType.FORCE_ADD) and o.key_or_group not in groups \
                 and not schema.describe(o.key_or_group)[0]:
             raise unknown_key(o.key_or_group, "`+` would add it, and nothing in zerotune reads it",
                               o.get_value_element_as_str() if not o.is_sweep_override() else "...")
+
+
+def parse_typed(arg: str):
+    """Hydra's reading of one override as typed; what Hydra cannot read is a config error naming its key."""
+    try:
+        return _PARSER.parse_override(arg)
+    except HydraException as exc:
+        key, _, value = arg.partition("=")
+        raise ConfigError(key.lstrip("+~"), f"Hydra cannot read `{arg}`: {exc}",
+                          f"quote the value ({key}='{value}') or fix its brackets") from None
 
 
 def as_config_error(exc: Exception, args: list[str]) -> ConfigError:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 from datetime import datetime
@@ -10,11 +12,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import CONF_DIR
-from zerotune.cli.compose import check_command_line
+from zerotune.cli.compose import as_config_error, check_command_line, is_multirun
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.exiting import exit_now
@@ -41,6 +45,7 @@ def job_spec() -> JobSpec:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    _task_started()
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
     if distributed.rank() == 0:
@@ -136,7 +141,40 @@ def _main() -> None:
     try:
         sys.argv[1:] = agree_across_ranks(strip_local_rank(sys.argv[1:]))
         sys.argv[1:] = with_search_path(normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR), CONF_DIR)
-        check_command_line(sys.argv[1:])  # types and keys, for every job of a sweep, before Hydra starts
+        check_command_line(sys.argv[1:])  # added keys; and for a sweep, every job's types and keys, before Hydra starts
+        if is_multirun(sys.argv[1:]):
+            _hydra_main()
+            return
+        with _composition_errors_raised():
+            _hydra_main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        _fail(as_config_error(exc, sys.argv[1:]))
     except ConfigError as exc:
         _fail(exc)
-    _hydra_main()
+
+
+_FULL_ERROR = "HYDRA_FULL_ERROR"
+_full_error_set_here = False
+
+
+@contextlib.contextmanager
+def _composition_errors_raised():
+    """Hydra prints a composition error in its own words and exits 1. With HYDRA_FULL_ERROR set it raises it
+    instead, and _main reports it as a config error (exit 2, the key and the fix), so a single run is composed
+    once rather than once more beforehand. The task function unsets it at once (`_task_started`): what
+    fails in the job itself is reported as Hydra reports it, and no worker inherits it."""
+    global _full_error_set_here
+    _full_error_set_here = _FULL_ERROR not in os.environ
+    if _full_error_set_here:
+        os.environ[_FULL_ERROR] = "1"
+    try:
+        yield
+    finally:
+        _task_started()
+
+
+def _task_started() -> None:
+    global _full_error_set_here
+    if _full_error_set_here:
+        os.environ.pop(_FULL_ERROR, None)
+        _full_error_set_here = False

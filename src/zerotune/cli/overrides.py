@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString, ValueType
-from hydra.errors import OverrideParseException
+from hydra.errors import HydraException
 
 from zerotune import schema
 from zerotune.ds_config.optimizers import normalize
@@ -86,7 +86,7 @@ def _parse(arg: str):
         return None
     try:
         return _PARSER.parse_override(arg)
-    except OverrideParseException:
+    except HydraException:  # OverrideParseException, or the HydraException its syntax errors raise
         return None
 
 

@@ -5,14 +5,14 @@ checkpoint dir's lock, the launcher's imports). Its checks (the user's files, th
 plan, DeepSpeed's ops) then run while the workers import (launch/gate.py): they are marked apart. Each
 worker marks its own phases (start and imports, waiting for the checks, setup, first step).
 summary.json's `startup` gives them all as seconds, so a slow start points at its phase. All marks are
-epoch seconds (time.time(), the clock of psutil's process create_time), so the processes' marks compare.
+epoch seconds (time.time(), the clock of timing.process_start_time), so the processes' marks compare.
 """
 
 from __future__ import annotations
 
 import time
 
-import psutil
+from zerotune.telemetry.timing import process_start_time
 
 _jobs_in_this_process = 0
 
@@ -43,7 +43,7 @@ class ParentMarks(Marks):
 
     def __init__(self) -> None:
         global _jobs_in_this_process
-        super().__init__(psutil.Process().create_time() if _jobs_in_this_process == 0 else None)
+        super().__init__(process_start_time() if _jobs_in_this_process == 0 else None)
         _jobs_in_this_process += 1
 
 
