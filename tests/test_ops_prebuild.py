@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune.errors import ConfigError
 from zerotune.launch import ops
+from zerotune.launch.gate import Gate, GateWatch
 from zerotune.preflight import preflight
 
 SHM = "ShareMemCommBuilder"
@@ -116,9 +119,10 @@ def test_a_cold_job_records_its_op_builds(cold_job):
     assert adam["host_peak_mib"] > 200
     assert summary["ops_build"]["total_seconds"] >= sum(op["seconds"] for op in built.values())
     assert summary["ops_build"]["host_peak_mib"] == max(op["host_peak_mib"] for op in built.values())
-    # The worker found both ops built: no .so was (re)written after it started (its log folder's time).
-    worker_started = min(p.parent.stat().st_mtime for p in (run_dir / "logs").rglob("stdout.log"))
-    assert all(os.path.getmtime(op["path"]) < worker_started for op in built.values())
+    # The worker found both ops built: no .so was (re)written after the job's gate let it train.
+    assert all(os.path.getmtime(op["path"]) < summary["startup_marks"]["gate_open"] for op in built.values())
+    # The wait on the build is reported apart, not as the run's start-up.
+    assert summary["startup"]["ops_build_s"] > 1.0 and summary["perf"]["startup_s"] < summary["startup"]["to_first_step_s"]
 
 
 @pytest.mark.slow
@@ -130,3 +134,47 @@ def test_a_build_in_a_child_process_finds_the_cache(cold_job, monkeypatch):
     assert one["name"] == "cpu_adam" and one["was_cached"] is True
     assert one["path"].startswith(str(tex))
     assert one["host_peak_mib"] > 50  # a python with torch imported, sampled while it loaded the op
+
+
+
+def _prebuild_with_fake_loads(monkeypatch, tmp_path) -> list[str]:
+    """prebuild_ops for an offload=cpu dict, the loads faked; what happened, in order."""
+    events: list[str] = []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(ops, "clear_lock", lambda op: None)
+    monkeypatch.setattr(ops, "_build_here", lambda name, builder: events.append(f"load {builder.NAME}") or {
+        "name": builder.NAME, "builder": name, "seconds": 0.0, "was_cached": True, "path": None, "host_peak_mib": 1.0})
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "AdamW"}}
+    ops.prebuild_ops(ds, use_deepspeed=True, before_compiling=lambda: events.append("wait for the workers"))
+    return events
+
+
+def test_a_cold_build_waits_for_the_workers_imports_once(monkeypatch, tmp_path):
+    events = _prebuild_with_fake_loads(monkeypatch, tmp_path)
+    assert events[0] == "wait for the workers" and events.count("wait for the workers") == 1
+    assert "load cpu_adam" in events
+    for op in ("cpu_adam", "deepspeed_shm_comm"):  # both in the cache now: nothing to wait for
+        (tmp_path / op).mkdir()
+        (tmp_path / op / f"{op}.so").write_bytes(b"")
+    assert ops.is_cached("cpu_adam")
+    assert "wait for the workers" not in _prebuild_with_fake_loads(monkeypatch, tmp_path)
+
+
+def test_the_gate_counts_the_workers_waiting_at_it(tmp_path):
+    gate = Gate(tmp_path)
+    watches = [GateWatch(tmp_path, gate.token) for _ in range(2)]
+    assert gate.wait_for_arrivals(2, timeout_s=0.2) == 0  # none has finished importing: the wait is bounded
+    ready = threading.Thread(target=watches[0].wait_for_go)
+    ready.start()
+    deadline = time.monotonic() + 5
+    while not list(tmp_path.glob(".gate-*.arrived.*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gate.wait_for_arrivals(1, timeout_s=5) == 1
+    gate.workers_gone.set()  # the launcher returned: nobody else will come
+    started = time.monotonic()
+    assert gate.wait_for_arrivals(2, timeout_s=30) == 1 and time.monotonic() - started < 1
+    gate.decide("go")
+    ready.join(5)
+    assert not ready.is_alive()
+    gate.remove()
+    assert list(tmp_path.iterdir()) == []  # the decision and the arrivals go with the job

@@ -424,3 +424,16 @@ def test_a_sweeps_later_jobs_start_when_the_sweep_reaches_them(monkeypatch):
     assert first.start == pytest.approx(process_start_time(), abs=0.01)
     later = startup.ParentMarks()
     assert later.start > first.start and abs(later.start - time.time()) < 1
+
+
+def test_perf_startup_leaves_out_the_wait_at_the_gate():
+    from zerotune.telemetry.startup import gate_wait_s
+    from zerotune.training.measure import RunTelemetry
+
+    assert gate_wait_s({"gate_reached": 10.0, "gate_open": 80.5}) == 70.5  # a cold op build the worker waited on
+    assert gate_wait_s({"gate_reached": 10.0}) == 0.0 and gate_wait_s({}) == 0.0  # no gate (torchrun & co.)
+    started = time.time() - 72.0  # created 72 s ago, 70 s of which were spent at the gate
+    telemetry = RunTelemetry(nvme_dir=None, synchronize=lambda: None, started=started + 70.0)
+    telemetry.timer.start_step()
+    telemetry.timer.end_step(samples=1)
+    assert 1.9 < telemetry.timer.startup_s < 2.5

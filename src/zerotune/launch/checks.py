@@ -8,6 +8,7 @@ A refusal is recorded in summary.json, the gate turns the workers away, and the 
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -22,6 +23,12 @@ from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.telemetry import MemorySampler
 from zerotune.telemetry.startup import Marks
+
+log = logging.getLogger("zerotune")
+
+
+# A worker imports in seconds; one that takes longer does not hold a build back for good.
+ARRIVAL_TIMEOUT_S = 120.0
 
 
 class JobChecks:
@@ -72,7 +79,7 @@ class JobChecks:
             return base
         run_dir.write_ds_config(checked.ds_config)
         try:
-            base["ops_build"] = prebuild_ops(checked.ds_config, checked.use_deepspeed)
+            base["ops_build"] = prebuild_ops(checked.ds_config, checked.use_deepspeed, self._workers_imported)
         except ConfigError as exc:
             record_refusal(cfg, spec, run_dir, exc)
             raise
@@ -80,6 +87,12 @@ class JobChecks:
         self.sampler.start()  # the job's memory: its workers from here on
         self.gate.decide("go")
         return base
+
+
+    def _workers_imported(self) -> None:
+        """A cold op build takes every core: it starts once this node's workers wait at the gate (a bounded wait)."""
+        arrived = self.gate.wait_for_arrivals(int(self.cfg.launch.num_processes), ARRIVAL_TIMEOUT_S)
+        log.info("%d worker(s) done importing; building DeepSpeed's ops", arrived)
 
 
 def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir) -> CheckedRun:

@@ -11,6 +11,9 @@ the same run directory, or a second node sharing it, never reads another launch'
 - `abort` (a refused job) or `skip` (predicted to run out of GPU memory): each worker ends at once, with
   status 0 and nothing written, even in the middle of its imports; the parent reports the job.
 
+A worker at the gate says so (`<gate file>.arrived.<pid>`): a cold DeepSpeed op build, which takes every core
+for minutes, waits for the workers' imports to end rather than slowing them.
+
 Standard library only: a worker starts watching before it imports anything (launch/bootstrap.py).
 """
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 DECISIONS = ("go", "abort", "skip")
 POLL_S = 0.01  # a stat() per poll: nothing next to a worker's imports, and the decision is seen at once
+ARRIVAL_POLL_S = 0.05
 
 
 def gate_file(run_dir: str | Path, token: str) -> Path:
@@ -40,6 +44,7 @@ class Gate:
         self.decision: str | None = None
         self.decided_at: float | None = None
         self.decided = threading.Event()
+        self.workers_gone = threading.Event()
 
     def decide(self, decision: str) -> None:
         if decision not in DECISIONS:
@@ -52,8 +57,19 @@ class Gate:
         self.decision, self.decided_at = decision, time.time()
         self.decided.set()
 
+    def wait_for_arrivals(self, workers: int, timeout_s: float) -> int:
+        """Until `workers` workers wait at the gate (their imports done), the workers are gone
+        (`workers_gone`, set by the job when its launcher returns), or `timeout_s`; how many arrived."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            arrived = len(list(self.path.parent.glob(f"{self.path.name}.arrived.*")))
+            if arrived >= workers or self.workers_gone.is_set() or time.monotonic() >= deadline:
+                return arrived
+            self.workers_gone.wait(ARRIVAL_POLL_S)
+
     def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for path in [self.path, *self.path.parent.glob(f"{self.path.name}.arrived.*")]:
+            path.unlink(missing_ok=True)
 
 
 class GateWatch:
@@ -87,5 +103,6 @@ class GateWatch:
     def wait_for_go(self) -> dict:
         """Block until the parent says go; the worker's marks: imports done (reached the gate), gate open."""
         reached = time.time()
+        self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (launch/ops.py)
         self._go.wait()
         return {"gate_reached": reached, "gate_open": max(self.opened_at or reached, reached)}

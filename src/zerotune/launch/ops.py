@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from zerotune.errors import ConfigError
@@ -79,8 +80,9 @@ def _optimizer_ops(block: Any, offloaded: bool) -> list[str]:
     return [builder] if builder else []
 
 
-def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
-    """Build (or load from the cache) every op the workers will load; the record for summary.json."""
+def prebuild_ops(ds_config: dict, use_deepspeed: bool, before_compiling: Callable[[], Any] | None = None) -> dict:
+    """Build (or load from the cache) every op the workers will load; the record for summary.json.
+    `before_compiling` is called once, before the first op that is not in the cache is compiled."""
     names = needed_ops(ds_config, use_deepspeed)
     record: dict = {"ops": [], "skipped": [], "total_seconds": 0.0, "host_peak_mib": None}
     if not names:
@@ -95,6 +97,9 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
             record["skipped"].append(name)  # the workers skip it too (shm) or preflight refused the run
             continue
         clear_lock(builder.name)
+        if before_compiling is not None and not is_cached(builder.name):
+            before_compiling()
+            before_compiling = None
         one = _build_isolated(name) if _needs_device(builder, accelerator) else _build_here(name, builder)
         log.info("DeepSpeed op %s: %s in %.1f s, host peak %.0f MiB", one["name"],
                  "loaded from the cache" if one["was_cached"] else "built", one["seconds"], one["host_peak_mib"])
@@ -103,6 +108,12 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool) -> dict:
     peaks = [op["host_peak_mib"] for op in record["ops"] if op["host_peak_mib"] is not None]
     record["host_peak_mib"] = max(peaks, default=None)
     return record
+
+
+def is_cached(op: str) -> bool:
+    """Whether the op's library is in the torch extensions cache (a stale one, after an upgrade, is rebuilt
+    anyway: only the first build of an op is foreseen)."""
+    return ext_lock.lock_path(op).with_name(f"{op}.so").exists()
 
 
 def clear_lock(op: str) -> None:

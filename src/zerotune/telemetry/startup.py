@@ -72,6 +72,12 @@ def startup_view(parent: ParentMarks | None, worker: dict | None, checks: Marks 
     return view
 
 
+def gate_wait_s(worker: dict) -> float:
+    """What a worker waited at the job's gate (the parent's checks and op builds); 0 without a gate."""
+    reached, opened = worker.get("gate_reached"), worker.get("gate_open")
+    return 0.0 if reached is None or opened is None else max(0.0, opened - reached)
+
+
 def _worker_phases(launched: float, worker: dict) -> dict:
     reached = worker.get("gate_reached")
     if reached is None:  # started by torchrun & co.: no gate, its imports run up to train()

@@ -11,9 +11,10 @@ WARMUP_STEPS = 5
 
 
 class RunTelemetry:
-    def __init__(self, nvme_dir: str | None, synchronize=None):
+    def __init__(self, nvme_dir: str | None, synchronize=None, started: float | None = None):
+        """`started`: when this process's start-up began (epoch s; default: the process's creation)."""
         self.sampler = MemorySampler(nvme_dir=nvme_dir)
-        self.timer = StepTimer(synchronize=synchronize)
+        self.timer = StepTimer(synchronize=synchronize, process_start=started)
 
     def __enter__(self) -> RunTelemetry:
         self.sampler.start()
