@@ -122,6 +122,7 @@ class Launcher:
             return _failure(exc)
         finally:
             self._finished.set()
+            self.gate.workers_gone.set()  # a cold op build waiting for their imports waits no more
 
     def _watchdog(self) -> None:
         while not (self.gate.decided.wait(0.2) or self._finished.is_set()):

@@ -54,7 +54,6 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         marks.mark("launcher_imports")
         checks = _start_checks(cfg, spec, run_dir, gate, sampler)
         result = launcher.run()
-        gate.workers_gone.set()  # a cold op build waiting for their imports waits no more
         # Stopped by a signal mid-check (an op build, say): the workers are gone, the build is not waited for.
         base = checks.join(timeout=0 if result.status == "interrupted" else None) or base_summary(cfg, spec)
         if checks.skipped:

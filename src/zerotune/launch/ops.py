@@ -1,9 +1,11 @@
-"""Build DeepSpeed's JIT ops in the job's parent, before its memory sampler and its workers start.
+"""Build DeepSpeed's JIT ops in the job's parent, before its memory sampler starts and its workers train.
 
 DeepSpeed compiles an op (cpu_adam, async_io, its CPU shm comm op, ...) the first time a process loads it,
 into the torch extensions cache. Left to the first worker, the compile (a C++ compiler at ~1 GiB per file)
 lands inside the job's memory sampler and start-up time: the first job of a sweep looked 5x costlier than
 identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
+A cold build starts once the workers wait at the job's gate (launch/gate.py): it takes every core for minutes,
+and their imports would otherwise run beside it.
 A lock a killed build left in the cache is dealt with first (ext_lock.py): no job waits on one forever.
 """
 
