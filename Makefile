@@ -5,17 +5,24 @@ PIP     := $(PY) -m pip
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup train test test-all lint clean
+.PHONY: setup debs train test test-all lint clean
 
-setup: $(STAMP)
+# libaio-dev: what DeepSpeed's async_io op (NVMe offload) links against. chromium: the browser the builder
+# page's tests drive through Playwright (Playwright's own browser download is not used).
+DEBS    := libaio-dev chromium
+
+setup: debs $(STAMP)
+
+# Checked on every run (dpkg is quick): a venv kept from before still gets a package added since.
+debs:
+	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:" $$missing; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
 
 $(STAMP): pyproject.toml
-	@# libaio is what DeepSpeed's async_io op (NVMe offload) links against.
-	@if ! dpkg -s libaio-dev >/dev/null 2>&1; then \
-		echo "installing Debian package libaio-dev"; \
-		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libaio-dev; \
-	fi
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@# torch first and pinned, so nothing below drags in a CUDA build.

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
+import urllib.request
 from pathlib import Path
 
 from tests.helpers.cli import ROOT, cli_env
@@ -20,7 +22,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_scripts_tested_here_are_all_the_scripts():
-    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config", "zerotune-plan", "zerotune-doctor"}
+    assert set(SCRIPTS) == {"zerotune-ds-config", "zerotune-import-config", "zerotune-plan", "zerotune-doctor",
+                            "zerotune-builder"}
 
 
 def test_zerotune_ds_config_prints_the_json():
@@ -50,3 +53,19 @@ def test_zerotune_doctor_checks_this_machine(tmp_path):
     assert checks["offload path"]["status"] == "OK" and checks["offload path"]["details"]["path"] == str(tmp_path)
     assert checks["platform"]["details"]["accelerator"]
     assert proc.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)
+
+
+def test_zerotune_builder_serves_the_page_and_a_taken_port_is_a_clear_error():
+    server = subprocess.Popen([str(BIN / "zerotune-builder"), "--port", "0"], cwd=ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = server.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
+        assert found, first
+        with urllib.request.urlopen(found.group(0), timeout=60) as page:
+            assert page.status == 200 and b"zerotune config builder" in page.read()
+        taken = run_script("zerotune-builder", "--port", found.group(1))
+        assert taken.returncode == 2 and "cannot listen on 127.0.0.1:" in taken.stderr and "--port 0" in taken.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -19,8 +19,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune import CONF_DIR
+from zerotune.cli import experiment_file
 from zerotune.cli.compose import compose
-from zerotune.cli.overrides import experiments_dir, group_options
+from zerotune.cli.overrides import group_options
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform
 from zerotune.preflight import preflight
@@ -89,35 +90,10 @@ def _override(key: str, value: Any) -> str:
 
 
 def experiment_yaml(source: Path, overrides: list[str], differ: list[str]) -> str:
-    """The overrides as an experiment file: group choices as `override /group:`, the rest as nested keys."""
-    groups = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in GROUP_KEYS.values()]
-    values = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] not in GROUP_KEYS.values()]
-    lines = ["# @package _global_", f"# Imported from {source.resolve()}",
-             f"# (python -m zerotune.import_config {source.name} --save ...).",]
+    comments = [f"Imported from {source.resolve()}", f"(python -m zerotune.import_config {source.name} --save ...)."]
     if differ:
-        lines.append(f"# The file itself stays in use for: {', '.join(differ)}.")
-    lines.append("defaults:")
-    lines += [f"  - override /{g}: \"{v}\"" for g, v in groups]
-    nested: dict = {}
-    for key, value in values:
-        node = nested
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    lines += _yaml_lines(nested, 0)
-    return "\n".join(lines) + "\n"
-
-
-def _yaml_lines(node: dict, depth: int) -> list[str]:
-    out = []
-    for key, value in node.items():
-        if isinstance(value, dict):
-            out.append("  " * depth + f"{key}:")
-            out += _yaml_lines(value, depth + 1)
-        else:
-            out.append("  " * depth + f"{key}: {value}")
-    return out
+        comments.append(f"The file itself stays in use for: {', '.join(differ)}.")
+    return experiment_file.experiment_yaml(overrides, comments)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
     args = parser.parse_args(argv)
     try:
+        target = experiment_file.experiment_path(args.save, key="--save") if args.save else None
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the answer
             overrides, differ = overrides_for(args.file)
     except ConfigError as exc:
@@ -136,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(" ".join(overrides))
     if differ:
         print(f"# kept as deepspeed.config_file for: {', '.join(differ)}", file=sys.stderr)
-    if args.save:
-        target = experiments_dir(CONF_DIR) / "experiment" / f"{args.save}.yaml"
+    if target is not None:
         if target.exists() and not args.force:
             print(f"zerotune: {target} exists; choose another name or add --force", file=sys.stderr)
             return CONFIG_ERROR_EXIT

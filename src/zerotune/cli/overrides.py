@@ -77,7 +77,10 @@ def with_search_path(args: list[str], conf_dir: Path) -> list[str]:
     """Add experiments/ to Hydra's search path, unless the user set their own."""
     if any(a.lstrip("+").startswith("hydra.searchpath=") for a in args):
         return args
-    return [*args, f"hydra.searchpath=[file://{experiments_dir(conf_dir)}]"]
+    # Beside the last override, not after a flag: Hydra's argparse takes its overrides as one run of
+    # words, so `a=1 --cfg job hydra.searchpath=...` would be refused.
+    last = max((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), default=len(args) - 1)
+    return [*args[:last + 1], f"hydra.searchpath=[file://{experiments_dir(conf_dir)}]", *args[last + 1:]]
 
 
 def _parse(arg: str):

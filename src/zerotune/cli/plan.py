@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 
 from zerotune.cli.compose import compose
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
@@ -43,12 +44,14 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None) -> dict:
     return predict(cfg, checked, gpu)
 
 
-def plan_all(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[str], gpus.GPU | None], dict] = plan_one
+             ) -> dict:
+    """Every option in OPTIONS ranked; `plan` predicts one job (the builder page's takes its locks)."""
     rows = []
     for stage, offload, checkpointing in OPTIONS:
         option = [f"zero_stage={stage}", f"offload={offload}", f"train.gradient_checkpointing={checkpointing}"]
         try:
-            rows.append(recommend.Row(stage, offload, checkpointing, plan_one([*overrides, *option], gpu)))
+            rows.append(recommend.Row(stage, offload, checkpointing, plan([*overrides, *option], gpu)))
         except ConfigError as exc:
             rows.append(recommend.Row(stage, offload, checkpointing, None, refused=str(exc).splitlines()[0]))
     return recommend.rank(rows, gpu)

@@ -36,12 +36,18 @@ CATALOG: dict[str, GPU] = {g.name: g for g in (
 )}
 
 
+# The memory setting beside each card setting.
+_MIB_KEYS = {"plan.gpu": "plan.gpu_mib", "--gpu": "--gpu-mib"}
+
+
 def lookup(name: str | None, memory_mib: int | None = None, key: str = "plan.gpu") -> GPU | None:
-    """The named card, or a card of `memory_mib` (a user's own budget) with no throughput figures."""
+    """The named card, or a card of `memory_mib` (a user's own budget) with no throughput figures.
+    `key` names the card's setting where the user gave it (plan.gpu, --gpu, the builder page's gpu)."""
+    mib_key = _MIB_KEYS.get(key, f"{key}_mib")
     if memory_mib is not None:
         if isinstance(memory_mib, bool) or not isinstance(memory_mib, int) or memory_mib < 1:
-            raise ConfigError("plan.gpu_mib" if key == "plan.gpu" else "--gpu-mib",
-                              f"must be a positive number of MiB, got {memory_mib!r}", "e.g. --gpu-mib 24576")
+            raise ConfigError(mib_key, f"must be a positive number of MiB, got {memory_mib!r}",
+                              f"e.g. {mib_key}{' ' if mib_key.startswith('--') else '='}24576")
         base = CATALOG.get(str(name).lower()) if name else None
         return GPU(base.name if base else f"{memory_mib} MiB", base.family if base else "unknown", memory_mib,
                    base.bf16_tflops if base else 0.0, base.host_link_gbps if base else 0.0)
@@ -50,5 +56,5 @@ def lookup(name: str | None, memory_mib: int | None = None, key: str = "plan.gpu
     found = CATALOG.get(str(name).lower())
     if found is None:
         raise ConfigError(key, f"unknown GPU {name!r}", f"one of: {', '.join(CATALOG)}, or give its memory with "
-                          f"{'plan.gpu_mib' if key == 'plan.gpu' else '--gpu-mib'}=<MiB>")
+                          f"{mib_key}=<MiB>")
     return found

@@ -109,18 +109,24 @@ def write_csv(rows: list[dict], keys: list[str], path: Path) -> Path:
     return path
 
 
-def markdown_table(rows: list[dict], keys: list[str]) -> str:
+def table_cells(rows: list[dict], keys: list[str]) -> tuple[list[str], list[list[str]]]:
+    """The table's headers and cells as text, formatted as the Markdown table shows them."""
     several = len({r["sweep_dir"] for r in rows}) > 1
     columns = metric_columns(rows)
     headers = [*(["sweep"] if several else []), "job", *keys, *(h for _, h, _ in columns)]
-    lines = [_md_row(headers), _md_row(["---"] * len(headers))]
+    body = []
     for row in sort_rows(rows, keys):
         cells = [*([_sweep_label(row["sweep_dir"])] if several else []), row["job"]]
         cells += [_cell(row["params"].get(k), str) for k in keys]
         cells += [row.get(key) or "" if key in ("error", PLAN_ERROR) else _cell(value(row, key), fmt)
                   for key, _, fmt in columns]
-        lines.append(_md_row(cells))
-    return "\n".join(lines)
+        body.append(cells)
+    return headers, body
+
+
+def markdown_table(rows: list[dict], keys: list[str]) -> str:
+    headers, body = table_cells(rows, keys)
+    return "\n".join([_md_row(headers), _md_row(["---"] * len(headers)), *(_md_row(cells) for cells in body)])
 
 
 def reference_section(rows: list[dict]) -> str:

@@ -1,0 +1,135 @@
+"""The builder page's web app (FastAPI + Jinja2): the page, and the JSON calls behind its panels."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from pydantic import BaseModel, Field
+
+from zerotune.builder import experiments, fit, form, importing, preview, results
+from zerotune.builder.limits import BodyLimit
+from zerotune.errors import ConfigError
+from zerotune.plan import gpus
+from zerotune.platform import detect
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).parent
+
+
+class FormState(BaseModel):
+    choices: dict[str, str] = Field(default_factory=dict)
+    values: dict[str, Any] = Field(default_factory=dict)    # the fields the user typed in
+    extra: list[str] = Field(default_factory=list)          # overrides the form has no field for
+
+
+class FitRequest(FormState):
+    gpu: str | None = None
+    gpu_mib: Any = None
+
+
+class SaveRequest(FormState):
+    name: Any = None             # checked by experiments.save: the body, not the URL, so no path is normalised away
+    overwrite: bool = False
+
+
+class ImportRequest(BaseModel):
+    text: str
+
+
+api = APIRouter(prefix="/api")
+
+
+@api.post("/preview")
+def api_preview(state: FormState):
+    return preview.preview(state.choices, state.values, state.extra)
+
+
+@api.post("/fit")
+def api_fit(req: FitRequest):
+    return fit.fit(req.choices, req.values, req.extra, req.gpu, req.gpu_mib)
+
+
+@api.post("/cheapest")
+def api_cheapest(req: FitRequest):
+    return fit.cheapest(req.choices, req.values, req.extra, req.gpu, req.gpu_mib)
+
+
+@api.get("/experiments")
+def api_experiments():
+    return {"names": experiments.names()}
+
+
+@api.get("/experiment")
+def api_load(name: str):
+    return experiments.load(name)
+
+
+@api.post("/experiment")
+def api_save(req: SaveRequest):
+    return experiments.save(req.name, req.choices, req.values, req.extra, req.overwrite)
+
+
+@api.post("/import")
+def api_import(req: ImportRequest):
+    return importing.import_text(req.text)
+
+
+@api.get("/sweeps")
+def api_sweeps():
+    return {"sweeps": results.sweeps()}
+
+
+@api.get("/sweep")
+def api_sweep(folder: str, budget_mib: float | None = None):
+    return results.open_sweep(folder, budget_mib)
+
+
+@api.get("/file")
+def api_file(path: str):
+    return FileResponse(results.served_file(path))
+
+
+def create_app():
+    """The page and its JSON calls, behind the 1 MiB request limit."""
+    app = FastAPI(title="zerotune config builder", docs_url=None, redoc_url=None)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.include_router(api)
+    templates = Jinja2Templates(directory=HERE / "templates")
+    platform = detect()
+    _errors(app)
+
+    @app.get("/", response_class=HTMLResponse)
+    def page(request: Request):
+        choices, values = form.defaults()
+        return templates.TemplateResponse(request, "index.html", {
+            "fields": form.fields(platform), "choices": choices, "values": values, "platform": platform,
+            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names()})
+
+    return BodyLimit(app)
+
+
+def _errors(app: FastAPI) -> None:
+    """Bad input is a 4xx naming the key and the fix; anything else a 500 the page shows. Either way the
+    server goes on serving."""
+
+    @app.exception_handler(ConfigError)
+    def config_error(_: Request, exc: ConfigError):
+        return JSONResponse({"error": preview.error_entry(exc)}, status_code=400)
+
+    @app.exception_handler(experiments.ExperimentExists)
+    def exists(_: Request, exc: experiments.ExperimentExists):
+        return JSONResponse({"error": {"key": "name", "problem": str(exc), "fix": "confirm, or choose another name",
+                                       "field": "name"}, "exists": True}, status_code=409)
+
+    @app.exception_handler(Exception)
+    def unexpected(_: Request, exc: Exception):
+        log.exception("builder request failed")
+        return JSONResponse({"error": {"key": "server", "problem": f"{type(exc).__name__}: {exc}",
+                                       "fix": "the server's log has the traceback; the page keeps working",
+                                       "field": None}}, status_code=500)

@@ -1,0 +1,63 @@
+"""Templates: a filled form saved as experiments/experiment/<name>.yaml (only what differs from the
+default job), which `python train.py experiment=<name>` runs, and any experiment loaded back into the form."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from zerotune.builder import form
+from zerotune.cli.experiment_file import experiment_names, experiment_path, experiment_yaml
+from zerotune.errors import ConfigError
+
+SAVED_BY = "Saved from the config builder page (python -m zerotune.builder)."
+
+
+class ExperimentExists(FileExistsError):
+    """Saving over an existing experiment needs the user's confirmation."""
+
+
+def names() -> list[str]:
+    return experiment_names()
+
+
+def load(name: str) -> dict:
+    """The form that gives experiment `name`: its group choices, the form's keys, and the rest as extra."""
+    if not experiment_path(name).exists():
+        raise ConfigError("name", f"no experiment {name!r}", f"one of: {', '.join(names()) or '(none saved yet)'}")
+    choices, cfg = form.composed([f"experiment={name}"])
+    return {"name": name, "choices": choices, "values": form.knob_values(cfg),
+            "extra": form.extra_overrides(cfg, choices)}
+
+
+def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list[str], overwrite: bool) -> dict:
+    path = experiment_path(name)
+    if path.exists() and not overwrite:
+        raise ExperimentExists(f"experiment {name!r} exists ({path.name}); confirm to overwrite it")
+    overrides = form.overrides(choices, values, extra)
+    text = experiment_yaml(overrides, [SAVED_BY])
+    previous = path.read_text() if path.exists() else None
+    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees half a file
+    try:
+        _check_round_trip(name, overrides)
+    except ConfigError:
+        if previous is None:
+            path.unlink()
+        else:
+            path.write_text(previous)
+        raise
+    return {"name": name, "path": str(path), "overrides": overrides, "command": f"python train.py experiment={name}"}
+
+
+def _check_round_trip(name: str, overrides: list[str]) -> None:
+    """The saved file must compose to the config the form composes; a file that does not is not kept."""
+    from_file = OmegaConf.to_container(form.composed([f"experiment={name}"])[1], resolve=False)
+    from_form = OmegaConf.to_container(form.composed(overrides)[1], resolve=False)
+    differ = sorted(k for k in set(from_file) | set(from_form) if k != "hydra" and from_file.get(k) != from_form.get(k))
+    if differ:
+        raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "
+                          f"differ from `python train.py {' '.join(overrides)}`", "report this; the file was not kept")

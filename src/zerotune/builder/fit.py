@@ -1,0 +1,85 @@
+"""Will it fit: the planner's prediction for the page (per-rank GPU peak as a stacked bar by kind of
+memory, host and NVMe peaks, the time floor), and "find the cheapest that fits" (the planner's --all
+ranking), whose recommendation the page puts back into its form."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from zerotune.builder import form
+from zerotune.builder.preview import HYDRA_LOCK
+from zerotune.cli.compose import compose
+from zerotune.cli.plan import plan_all
+from zerotune.plan import gpus
+from zerotune.plan.predict import predict
+from zerotune.preflight import preflight
+
+# One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
+TRACE_LOCK = threading.Lock()
+# The bar's segments, in stacking order, and which planner terms each holds.
+CATEGORIES = {
+    "context": ("cuda_context", "cublas_workspace"),
+    "parameters": ("params", "params_persistent", "allocator_rounding"),
+    "gradients and buckets": ("grads",),
+    "optimizer states": ("master_weights", "optimizer_states"),
+    "activations": ("activations",),
+}
+
+
+def card(name: str | None, mib: Any) -> gpus.GPU | None:
+    """The card picked on the page: a catalog name, or typed MiB (with no throughput figures)."""
+    memory = None if mib in (None, "") else _int(mib)
+    return gpus.lookup(name or None, memory, key="gpu")
+
+
+def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+    with HYDRA_LOCK:
+        cfg = compose(overrides)
+        checked = preflight(cfg, overrides=overrides)
+    with TRACE_LOCK:
+        return predict(cfg, checked, gpu)
+
+
+def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
+        gpu_mib: Any) -> dict:
+    gpu = card(gpu_name, gpu_mib)
+    with HYDRA_LOCK:
+        overrides = form.overrides(choices, values, extra)
+    plan = plan_job(overrides, gpu)
+    return {**plan, "bar": bar(plan["gpu_terms"])}
+
+
+def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
+             gpu_mib: Any) -> dict:
+    """The --all ranking for this workload; `form` is the recommendation as the page's form (None: nothing fits)."""
+    gpu = card(gpu_name, gpu_mib)
+    stripped = {k: v for k, v in values.items() if k != "train.gradient_checkpointing"}
+    with HYDRA_LOCK:
+        overrides = [o for o in form.overrides(choices, stripped, extra) if o.split("=")[0] not in ("zero_stage", "offload")]
+    answer = plan_all(overrides, gpu, plan_job)
+    best = next((o for o in answer["options"] if o["fits"]), None)
+    answer["form"] = None if best is None else {
+        "choices": {**choices, "zero_stage": str(best["zero_stage"]), "offload": best["offload"]},
+        "values": {**values, "train.gradient_checkpointing": best["gradient_checkpointing"]}}
+    return answer
+
+
+def bar(terms: list[dict]) -> list[dict]:
+    """The GPU terms summed per segment; a DeepSpeed buffer counts with the gradients and buckets."""
+    segments = {name: {"segment": name, "mib": 0.0, "terms": []} for name in CATEGORIES}
+    for term in terms:
+        name = next((seg for seg, members in CATEGORIES.items() if term["term"] in members),
+                    "gradients and buckets" if term["term"].startswith("deepspeed:") else None)
+        if name is None:
+            raise KeyError(f"planner term {term['term']!r} has no segment in the builder's bar")
+        segments[name]["mib"] += term["mib"]
+        segments[name]["terms"].append(term["term"])
+    return list(segments.values())
+
+
+def _int(value: Any) -> int | Any:
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return value  # gpus.lookup names the key and the fix

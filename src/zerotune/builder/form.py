@@ -1,0 +1,222 @@
+"""The page's form, read from conf/ itself: one field per config group (a YAML file added to a group is a
+new option, with no code change), the train knobs from the schema, and the few keys a group option needs
+typed in (an NVMe folder, a data folder). Also how a filled form becomes overrides, and back."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from zerotune import CONF_DIR, schema
+from zerotune.cli.compose import as_config_error
+from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
+from zerotune.platform import Platform
+
+# Groups the page leaves out: they name services or output, not what is trained or what it costs.
+HIDDEN_GROUPS = ("logger",)
+# Keys of a group's options that a user types in, shown beside their group's field.
+TYPED_KEYS = {"offload": ("offload.path",), "data": ("data.path",), "optimizer": ("optimizer.lr",),
+              "launch": ("launch.num_processes",)}
+_PLAIN = re.compile(r"^[\w./:@+-]+$")  # a value Hydra reads as typed, without quotes
+_BEFORE_QUOTE = re.compile(r"(\\*)('|$)")
+
+
+@dataclass
+class Option:
+    name: str
+    title: str = ""                     # the option file's first comment line
+    disabled: str | None = None         # why this platform cannot run it
+
+
+@dataclass
+class Field:
+    key: str                            # a group name, or a dotted config key
+    kind: str                           # group | int | float | bool | text
+    label: str
+    options: list[Option] = field(default_factory=list)
+    group: str = ""                     # the group a typed key belongs to (its field sits beside it)
+    optional: bool = False              # empty means null
+
+
+@lru_cache(maxsize=1)
+def defaults() -> tuple[dict[str, str], dict[str, Any]]:
+    """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
+    groups in conf/config.yaml's order, which is the order overrides are written in."""
+    choices, cfg = composed([])
+    listed = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+    order = [next(iter(d)) for d in listed if isinstance(d, dict)]
+    return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
+        knob_values(cfg)
+
+
+def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
+    """Hydra's composition with its runtime choices (the options the defaults list picked)."""
+    args = with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR)
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=args, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise as_config_error(exc, args) from None
+    choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in group_options(CONF_DIR)}
+    return choices, cfg
+
+
+def fields(platform: Platform) -> list[Field]:
+    groups = [_group_field(g, opts, platform) for g, opts in group_options(CONF_DIR).items() if g not in HIDDEN_GROUPS]
+    knobs = [_knob_field(key, _annotation(key)) for key in _train_keys()]
+    typed = [_knob_field(key, _annotation(key), group) for group, keys in TYPED_KEYS.items() for key in keys]
+    return [*groups, *typed, *knobs]
+
+
+def knob_keys() -> list[str]:
+    return _train_keys() + [k for keys in TYPED_KEYS.values() for k in keys]
+
+
+def _train_keys() -> list[str]:
+    return [f"train.{f.name}" for f in dataclasses.fields(schema.Train)]
+
+
+def knob_values(cfg: Any) -> dict[str, Any]:
+    return {key: OmegaConf.select(cfg, key, throw_on_missing=False) for key in knob_keys()}
+
+
+def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> list[str]:
+    """What differs from the default job, as `python train.py` takes it: group choices first, then keys,
+    then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
+    the user set; each is compared with what the rest of the composition gives it."""
+    groups = group_overrides(choices)
+    extra = [e.strip() for e in extra if e.strip()]
+    if not values:
+        return groups + extra
+    given = composition(tuple(groups))[1]
+    return groups + [override(k, v) for k, v in values.items() if k in given and not _same(v, given[k])] + extra
+
+
+def group_overrides(choices: dict[str, str]) -> list[str]:
+    """The fewest `group=option` overrides that compose to `choices`. An option may choose others (data=digits
+    picks resolution 8): a choice equal to the default can still be needed, and one that differs can be
+    implied by another."""
+    order = [g for g in defaults()[0] if g in choices]
+    emitted = [g for g in order if choices[g] != defaults()[0][g]]
+    implied = composition(tuple(f"{g}={choices[g]}" for g in emitted))[0]
+    emitted += [g for g in order if g not in emitted and implied[g] != choices[g]]
+    for g in list(emitted):
+        rest = [h for h in emitted if h != g]
+        if all(composition(tuple(f"{h}={choices[h]}" for h in rest))[0][k] == choices[k] for k in order):
+            emitted = rest
+    return [f"{g}={choices[g]}" for g in order if g in emitted]
+
+
+@lru_cache(maxsize=512)
+def composition(overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
+    """(group choices, field values) of a composition, cached: the page asks for the same ones again and again."""
+    choices, cfg = composed(list(overrides))
+    return choices, knob_values(cfg)
+
+
+def extra_overrides(cfg: Any, choices: dict[str, str]) -> list[str]:
+    """The keys `cfg` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
+    say), as overrides, so that loading and saving an experiment keeps them."""
+    _, plain = composed([f"{g}={o}" for g, o in choices.items()])
+    ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
+    skip = {*knob_keys(), "hydra"}
+    return [override(k, v) for k, v in _differences(ours, theirs) if k not in skip]
+
+
+def _differences(ours: Any, theirs: Any, prefix: str = ""):
+    """(dotted key, value) where `ours` differs; a map `theirs` lacks is one value."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key, value in ours.items():
+            if f"{prefix}{key}" != "hydra":
+                yield from _differences(value, theirs.get(key, _ABSENT), f"{prefix}{key}.")
+    elif ours != theirs:
+        yield prefix[:-1], ours
+
+
+_ABSENT = object()
+
+
+def override(key: str, value: Any) -> str:
+    return f"{key}={'null' if value == '' else hydra_value(value)}"
+
+
+def hydra_value(value: Any) -> str:
+    """A value in Hydra's override grammar (not JSON: Hydra's map keys are bare, its strings single-quoted)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN.match(text):
+        return text
+    # Hydra keeps a backslash literal unless quotes or the end follow it: only those runs are doubled.
+    return "'" + _BEFORE_QUOTE.sub(lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text) + "'"
+
+
+def _same(typed: Any, current: Any) -> bool:
+    if typed in ("", None):
+        return current is None
+    if isinstance(typed, bool) or isinstance(current, bool):
+        return str(typed).lower() == str(current).lower()
+    if isinstance(current, int | float) and not isinstance(current, bool):
+        try:
+            return float(typed) == float(current)
+        except ValueError:
+            return False
+    return str(typed) == str(current)
+
+
+def _group_field(group: str, names: list[str], platform: Platform) -> Field:
+    folder = CONF_DIR / group
+    options = [Option(n, _title(folder / f"{n}.yaml"), _why_not(group, n, platform)) for n in _ordered(names)]
+    return Field(group, "group", group.replace("_", " "), options)
+
+
+def _ordered(names: list[str]) -> list[str]:
+    """Numbers by value (resolution 8 < 16 < 1024), then names."""
+    return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
+
+
+def _title(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("#") and not line.startswith("# @package"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def _why_not(group: str, option: str, platform: Platform) -> str | None:
+    if not platform.deepspeed_supported and ((group == "zero_stage" and option != "0") or
+                                             (group == "offload" and option != "none")):
+        return f"needs DeepSpeed: {platform.deepspeed_reason}"
+    if group == "precision" and option in ("fp32", "bf16", "fp16") and not platform.supports(option):
+        return f"this {platform.device_type} device cannot train in {option}"
+    return None
+
+
+def _annotation(key: str) -> Any:
+    """The schema's type for a dotted key (e.g. Optional[str] for offload.path)."""
+    group, _, leaf = key.partition(".")
+    return typing.get_type_hints(typing.get_type_hints(schema.Config)[group])[leaf]
+
+
+def _knob_field(key: str, annotation: Any, group: str = "") -> Field:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = type(None) in typing.get_args(annotation)
+    base = args[0] if optional and args else annotation
+    kind = {bool: "bool", int: "int", float: "float"}.get(base, "text")
+    return Field(key, kind, key.split(".", 1)[1].replace("_", " "), group=group, optional=optional)

@@ -1,0 +1,62 @@
+"""Import on the page: a pasted DeepSpeed JSON or accelerate config YAML becomes the zerotune overrides that
+give the same DeepSpeed dict (zerotune.import_config does the work), plus the keys only the file expresses.
+The text is parsed as data (json / yaml.safe_load), never run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import yaml
+
+from zerotune.builder import form
+from zerotune.builder.paths import imports_dir
+from zerotune.builder.preview import HYDRA_LOCK
+from zerotune.errors import ConfigError
+from zerotune.import_config import overrides_for
+
+
+def import_text(text: str) -> dict:
+    kind, suffix = _kind(text)
+    # import_config reads files, and a DeepSpeed JSON it cannot fully express stays in the overrides as
+    # deepspeed.config_file=<path>: the text is kept under outputs/, named by its content.
+    folder = imports_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{suffix}"
+    path.write_text(text)
+    with HYDRA_LOCK:
+        overrides, differ = overrides_for(path)
+        loaded = _as_form(overrides)
+    return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **loaded}
+
+
+def _kind(text: str) -> tuple[str, str]:
+    stripped = text.lstrip()
+    if not stripped:
+        raise ConfigError("import", "nothing was pasted", "paste a DeepSpeed JSON or an accelerate config YAML")
+    if stripped.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("import", f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                              "fix the JSON there (a trailing comma or a missing quote, often)") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError("import", "the JSON is not an object", "paste a DeepSpeed config: {\"zero_optimization\": ...}")
+        return "deepspeed", ".json"
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError("import", f"malformed YAML{where}: {getattr(exc, 'problem', None) or exc}",
+                          "fix the YAML there") from None
+    if not isinstance(parsed, dict) or not ({"compute_environment", "distributed_type", "deepspeed_config"} & set(parsed)):
+        raise ConfigError("import", "neither a DeepSpeed JSON nor an accelerate config YAML",
+                          "paste a DeepSpeed JSON ({...}) or what `accelerate config` wrote (default_config.yaml)")
+    return "accelerate", ".yaml"
+
+
+def _as_form(overrides: list[str]) -> dict:
+    """The imported overrides as the page's form: group choices and fields, the rest kept as extra."""
+    choices, cfg = form.composed(overrides)
+    return {"choices": choices, "values": form.knob_values(cfg), "extra": form.extra_overrides(cfg, choices)}

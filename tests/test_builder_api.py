@@ -1,0 +1,297 @@
+"""The builder page's server, called as the page calls it (FastAPI's TestClient): fields from conf/, the
+preview and its errors, will-it-fit, experiments, import, results, and every bad request it must refuse."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers.cli import ROOT, run_cli
+from zerotune.builder import app as builder_app
+from zerotune.builder import form, paths, preview
+from zerotune.plan.predict import predict
+from zerotune.platform import Platform
+
+EXPERIMENTS = ROOT / "experiments" / "experiment"
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(builder_app.create_app(), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture
+def experiment_name(request):
+    name = f"builder_test_{request.node.name[:20].strip('_')}".replace("[", "_").replace("]", "")
+    yield name
+    (EXPERIMENTS / f"{name}.yaml").unlink(missing_ok=True)
+
+
+def _preview(client, choices=None, values=None, extra=None) -> dict:
+    answer = client.post("/api/preview", json={"choices": choices or {}, "values": values or {}, "extra": extra or []})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_the_page_lists_every_group_option_and_knob_from_conf(client):
+    html = client.get("/").text
+    for group, options in form.group_options(form.CONF_DIR).items():
+        if group in form.HIDDEN_GROUPS:
+            assert f'name="{group}"' not in html
+            continue
+        assert f'name="{group}"' in html
+        for option in options:
+            assert f'value="{option}"' in html
+    for key in ("train.batch_size", "train.gradient_checkpointing", "offload.path", "launch.num_processes"):
+        assert f'name="{key}"' in html
+
+
+def test_a_yaml_file_added_to_a_group_appears_without_code_changes(client):
+    added = ROOT / "conf" / "resolution" / "40.yaml"
+    added.write_text("# 40x40 pixels, added by a test\nsize: 40\n")
+    try:
+        form.defaults.cache_clear()
+        assert 'value="40"' in client.get("/").text
+        answer = _preview(client, {"resolution": "40", "data": "synthetic"})
+        assert "resolution=40" in answer["command"] and "size: 40" in answer["composed"], answer
+    finally:
+        added.unlink()
+        form.defaults.cache_clear()
+
+
+def test_options_the_platform_cannot_run_are_disabled_with_the_reason():
+    mac = Platform("mps", False, "DeepSpeed does not support macOS/MPS", bf16=False, fp16=True)
+    fields = {f.key: f for f in form.fields(mac)}
+    stages = {o.name: o.disabled for o in fields["zero_stage"].options}
+    assert stages["0"] is None and all("macOS" in stages[s] for s in ("1", "2", "3"))
+    offload = {o.name: o.disabled for o in fields["offload"].options}
+    assert offload["none"] is None and "DeepSpeed" in offload["nvme"]
+    precision = {o.name: o.disabled for o in fields["precision"].options}
+    assert precision["bf16"] and precision["fp16"] is None and precision["fp32"] is None
+
+
+def test_nvme_without_a_path_is_an_error_at_the_path_field_and_a_path_fixes_it(client):
+    answer = _preview(client, {"zero_stage": "3", "offload": "nvme"})
+    assert [e["field"] for e in answer["errors"]] == ["offload.path"]
+    assert "offload.path=" in answer["errors"][0]["fix"] and "ds_config" not in answer
+    fixed = _preview(client, {"zero_stage": "3", "offload": "nvme"}, {"offload.path": "/tmp/zt nvme"})
+    assert fixed["errors"] == []
+    assert fixed["ds_config"]["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/tmp/zt nvme"
+    assert fixed["command"] == "python train.py zero_stage=3 offload=nvme \"offload.path='/tmp/zt nvme'\""
+
+
+def test_the_preview_command_is_what_train_py_composes(client):
+    answer = _preview(client, {"zero_stage": "1", "optimizer": "lion", "data": "synthetic"},
+                      {"train.batch_size": "4", "train.gradient_checkpointing": True, "train.seed": "0"})
+    assert answer["overrides"] == ["zero_stage=1", "optimizer=lion", "data=synthetic", "train.batch_size=4",
+                                   "train.gradient_checkpointing=true"]  # seed 0 is the default: left out
+    shown = run_cli(*answer["overrides"], "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == answer["composed"].strip()
+
+
+@pytest.mark.parametrize(("values", "field"), [({"train.batch_size": "abc"}, "train.batch_size"),
+                                               ({"train.max_steps": "0"}, "train.max_steps"),
+                                               ({"optimizer.lr": "fast"}, "optimizer.lr")])
+def test_a_bad_value_is_shown_at_its_field(client, values, field):
+    answer = _preview(client, values=values)
+    assert [e["field"] for e in answer["errors"]] == [field], answer["errors"]
+
+
+def test_a_deepspeed_error_is_shown_at_the_group_that_sets_it(client):
+    answer = _preview(client, {"precision": "fp16"})
+    if answer["errors"]:  # this CPU cannot train in fp16
+        assert answer["errors"][0]["field"] == "precision"
+    assert preview.field_for("zero_optimization.stage") == "zero_stage"
+    assert preview.field_for("train_micro_batch_size_per_gpu") == "train.batch_size"
+    assert preview.field_for("something.unknown") is None
+
+
+def test_an_unexpected_failure_is_shown_and_the_server_keeps_serving(client, monkeypatch):
+    def broken(*_, **__):
+        raise RuntimeError("validator exploded")
+
+    monkeypatch.setattr(preview, "preflight", broken)
+    answer = client.post("/api/preview", json={"choices": {}, "values": {}})
+    assert answer.status_code == 500 and "validator exploded" in answer.json()["error"]["problem"]
+    monkeypatch.undo()
+    assert _preview(client)["errors"] == []
+
+
+def test_requests_over_one_mib_are_refused(client):
+    answer = client.post("/api/import", content=b'{"text": "' + b"x" * (1 << 20) + b'"}',
+                         headers={"content-type": "application/json"})
+    assert answer.status_code == 413 and "1 MiB" in answer.json()["error"]["problem"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"text": "'
+        for _ in range(300):
+            yield b"y" * 4096
+        yield b'"}'
+
+    assert client.post("/api/import", content=chunks(), headers={"content-type": "application/json"}).status_code == 413
+    assert client.get("/api/experiments").status_code == 200
+
+
+def test_the_fit_bar_adds_up_to_the_planners_peak(client):
+    answer = client.post("/api/fit", json={"choices": {}, "values": {}, "gpu": "rtx4090"})
+    assert answer.status_code == 200, answer.text
+    plan = answer.json()
+    assert plan["fits"] is True and plan["gpu"]["name"] == "rtx4090"
+    assert sum(s["mib"] for s in plan["bar"]) == pytest.approx(plan["gpu_peak_mib"], rel=1e-12)
+    assert {s["segment"] for s in plan["bar"]} == set(form_segments())
+    cfg = preview.compose([])
+    expected = predict(cfg, preview.preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
+    assert plan["gpu_peak_mib"] == pytest.approx(expected)
+
+
+def form_segments():
+    from zerotune.builder.fit import CATEGORIES
+    return CATEGORIES
+
+
+def form_gpu(name):
+    from zerotune.plan import gpus
+    return gpus.lookup(name)
+
+
+@pytest.mark.parametrize(("card", "key"), [({"gpu": "rtx5090"}, "gpu"), ({"gpu_mib": "-5"}, "gpu_mib"),
+                                           ({"gpu_mib": "lots"}, "gpu_mib")])
+def test_a_bad_card_names_its_field(client, card, key):
+    answer = client.post("/api/fit", json={"choices": {}, "values": {}, **card})
+    assert answer.status_code == 400 and answer.json()["error"]["key"] == key, answer.text
+    assert answer.json()["error"]["field"] is None or answer.json()["error"]["key"] == key
+
+
+def test_cheapest_fills_the_form_with_the_lowest_stage_that_fits(client):
+    state = {"choices": {"model": "sdxl_tiny", "data": "synthetic", "resolution": "64"}, "values": {}}
+    answer = client.post("/api/cheapest", json={**state, "gpu_mib": "24000"}).json()
+    assert answer["recommended"]["option"].startswith("zero_stage=0 offload=none"), answer["recommended"]
+    assert answer["form"]["choices"]["zero_stage"] == "0" and answer["form"]["choices"]["model"] == "sdxl_tiny"
+    tight = client.post("/api/cheapest", json={**state, "gpu_mib": "1"}).json()
+    assert tight["form"] is None and "nothing fits" in tight["recommended"]["why"]
+
+
+def test_save_then_load_an_experiment_and_train_py_runs_it(client, experiment_name):
+    state = {"choices": {"zero_stage": "3", "offload": "cpu", "data": "synthetic"},
+             "values": {"train.batch_size": "4", "train.max_steps": "7"},
+             "extra": ["deepspeed.reduce_bucket_size=1000000"]}
+    saved = client.post("/api/experiment", json={**state, "name": experiment_name})
+    assert saved.status_code == 200, saved.text
+    text = (EXPERIMENTS / f"{experiment_name}.yaml").read_text()
+    assert text.startswith("# @package _global_") and "override /zero_stage: '3'" in text
+    assert "batch_size: 4" in text and "lr:" not in text  # only what differs from the defaults
+    loaded = client.get("/api/experiment", params={"name": experiment_name}).json()
+    assert loaded["choices"]["zero_stage"] == "3" and loaded["values"]["train.max_steps"] == 7
+    assert loaded["extra"] == ["deepspeed.reduce_bucket_size=1000000"]
+    again = client.post("/api/experiment", json={**state, "name": experiment_name})
+    assert again.status_code == 409 and again.json()["exists"] is True
+    assert client.post("/api/experiment", json={**state, "name": experiment_name, "overwrite": True}).status_code == 200
+    shown = run_cli(f"experiment={experiment_name}", "--cfg", "job")
+    assert shown.returncode == 0, shown.stderr
+    assert "stage: 3" in shown.stdout and "batch_size: 4" in shown.stdout and "reduce_bucket_size: 1000000" in shown.stdout
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "x" * 65, "name with space", "a\\b", "/etc/x",
+                                  "", None, 7, "ok\x00", "ok\n"])
+def test_an_experiment_name_that_could_leave_its_folder_is_refused(client, name):
+    before = sorted(p.name for p in EXPERIMENTS.parent.rglob("*"))
+    answer = client.post("/api/experiment", json={"name": name, "choices": {"zero_stage": "1"}})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["key"] == "name" and "path separators" in answer.json()["error"]["problem"]
+    assert sorted(p.name for p in EXPERIMENTS.parent.rglob("*")) == before
+    assert not (ROOT / "escape.yaml").exists() and not (ROOT / "experiments" / "escape.yaml").exists()
+
+
+def test_loading_an_unknown_experiment_lists_the_known_ones(client):
+    answer = client.get("/api/experiment", params={"name": "no_such_one"})
+    assert answer.status_code == 400 and "sdxl_4090_1024_bs8" in answer.json()["error"]["fix"]
+
+
+DS_JSON = """{
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 2,
+  "bf16": {"enabled": true},
+  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 200000000}
+}"""
+
+
+def test_a_pasted_deepspeed_json_becomes_overrides(client):
+    answer = client.post("/api/import", json={"text": DS_JSON})
+    assert answer.status_code == 200, answer.text
+    imported = answer.json()
+    assert imported["kind"] == "deepspeed"
+    assert {"zero_stage=3", "offload=cpu", "precision=bf16", "train.batch_size=4", "train.grad_accum=2"} <= set(
+        imported["overrides"]), imported["overrides"]
+    assert imported["choices"]["zero_stage"] == "3" and imported["values"]["train.batch_size"] == 4
+    assert Path(imported["file"]).parent == paths.imports_dir()
+
+
+def test_a_pasted_accelerate_yaml_becomes_overrides(client):
+    text = ("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: bf16\n"
+            "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n  gradient_accumulation_steps: 4\n"
+            "num_processes: 1\n")
+    answer = client.post("/api/import", json={"text": text})
+    assert answer.status_code == 200, answer.text
+    assert {"zero_stage=2", "offload=cpu", "precision=bf16"} <= set(answer.json()["overrides"])
+
+
+@pytest.mark.parametrize(("text", "where"), [('{\n  "zero_optimization": {\n    "stage": 3,\n  }\n}', "line 4, column 3"),
+                                             ("compute_environment: LOCAL\n  bad: [1,\n", "line 2"),
+                                             ("[1, 2]", "neither"), ("", "nothing was pasted")])
+def test_a_malformed_paste_names_the_line_and_column(client, text, where):
+    answer = client.post("/api/import", json={"text": text})
+    assert answer.status_code == 400 and where in answer.json()["error"]["problem"], answer.text
+
+
+@pytest.mark.parametrize("folder", ["../conf", "/etc", "multirun/../../conf", "experiments", "multirun/\x00"])
+def test_a_results_folder_outside_multirun_and_outputs_is_refused(client, folder):
+    answer = client.get("/api/sweep", params={"folder": folder})
+    assert answer.status_code == 400 and answer.json()["error"]["key"] == "folder", answer.text
+
+
+def test_a_symlink_out_of_multirun_is_refused(client, tmp_path):
+    link = ROOT / "multirun" / "builder-test-link"
+    link.symlink_to(tmp_path, target_is_directory=True)
+    try:
+        assert client.get("/api/sweep", params={"folder": "multirun/builder-test-link"}).status_code == 400
+        assert client.get("/api/file", params={"path": "multirun/README.md"}).status_code == 200
+        assert client.get("/api/file", params={"path": "pyproject.toml"}).status_code == 400
+        assert client.get("/api/file", params={"path": "../pyproject.toml"}).status_code == 400
+    finally:
+        link.unlink()
+
+
+def test_a_planned_sweep_opens_with_predicted_columns_and_plots(client):
+    sweep = ROOT / "multirun" / "builder-test-sweep"
+    shutil.rmtree(sweep, ignore_errors=True)
+    try:
+        run = run_cli("-m", "plan.only=true", "plan.gpu=rtx4090", "zero_stage=1,2", f"hydra.sweep.dir={sweep}")
+        assert run.returncode == 0, run.stderr[-2000:]
+        listed = [s["folder"] for s in client.get("/api/sweeps").json()["sweeps"]]
+        assert "multirun/builder-test-sweep" in listed
+        opened = client.get("/api/sweep", params={"folder": "multirun/builder-test-sweep", "budget_mib": 24000}).json()
+        assert "pred. GPU MiB" in opened["headers"] and len(opened["rows"]) == 2
+        predicted = [json.loads((sweep / j / "summary.json").read_text())["plan"]["gpu_peak_mib"] for j in ("0", "1")]
+        column = opened["headers"].index("pred. GPU MiB")
+        assert sorted(r[column] for r in opened["rows"]) == sorted(f"{p:.0f}" for p in predicted)
+        assert opened["budget"] and opened["plots"]
+        png = client.get("/api/file", params={"path": opened["plots"][0]["file"]})
+        assert png.status_code == 200 and png.content[:4] == b"\x89PNG"
+    finally:
+        shutil.rmtree(sweep, ignore_errors=True)
+
+
+@pytest.mark.parametrize("value", ["/tmp/zt nvme", "it's", 'say "hi"', "$HOME/x", "a\\b", "back`tick`"])
+def test_the_command_line_survives_the_shell(value):
+    import subprocess
+
+    word = preview.shell_word(form.override("offload.path", value))
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {word}"], capture_output=True, text=True, check=True)
+    assert echoed.stdout == form.override("offload.path", value) + "\n"
+    assert preview.parse_typed(echoed.stdout.strip()).value() == value

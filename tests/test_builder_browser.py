@@ -1,0 +1,176 @@
+"""The builder page in a real browser: Debian's Chromium, headless, driven by Playwright, against
+`python -m zerotune.builder` as a user starts it. Each main state is saved as a screenshot
+(into $ZEROTUNE_SCREENSHOTS when set, else the test's temporary folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from tests.helpers.cli import ROOT, cli_env, run_cli
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's package (make setup installs it); Playwright downloads no browser
+# Chromium's own network traffic is refused on these machines: these flags keep it from trying.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+EXPERIMENTS = ROOT / "experiments" / "experiment"
+SDXL_TRACE_S = 180_000  # ms: a cold SDXL 1024^2 batch-8 trace is ~20 s on 2 cores; a loaded machine is slower
+expect.set_options(timeout=20_000)  # ms: the server composes and validates; a busy 2-core machine is slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    env = {**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))}
+    proc = subprocess.Popen([sys.executable, "-m", "zerotune.builder", "--port", "0"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = None
+    for line in proc.stdout:
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
+        if found:
+            url = found.group(1)
+            break
+    assert url, "the builder did not print its URL"
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.goto(server)
+    expect(page.locator("#command")).to_have_text("python train.py")
+    yield page
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory) -> Path:
+    folder = Path(os.environ.get("ZEROTUNE_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_nvme_without_a_path_shows_the_error_at_the_path_field_and_a_path_changes_the_json(page, shots):
+    page.select_option('select[name="zero_stage"]', "3")
+    page.select_option('select[name="offload"]', "nvme")
+    error = page.locator('[data-error-for="offload.path"]')
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("NVMe offload needs a folder")
+    expect(error).to_contain_text("offload.path=")
+    expect(page.locator("#ds-json")).to_contain_text("no DeepSpeed JSON until the errors are fixed")
+    page.screenshot(path=shots / "builder-nvme-error.png", full_page=True)
+
+    page.fill('input[name="offload.path"]', "/tmp/zerotune-nvme")
+    expect(error).to_be_hidden()
+    expect(page.locator("#ds-json")).to_contain_text('"nvme_path": "/tmp/zerotune-nvme"')
+    expect(page.locator("#command")).to_have_text("python train.py zero_stage=3 offload=nvme offload.path=/tmp/zerotune-nvme")
+    page.screenshot(path=shots / "builder-nvme-fixed.png", full_page=True)
+
+
+def test_rtx4090_sdxl_1024_batch_8_shows_the_planners_figure(page, shots):
+    page.select_option('select[name="model"]', "sdxl")
+    page.select_option('select[name="data"]', "synthetic")
+    page.select_option('select[name="resolution"]', "1024")
+    page.select_option('select[name="precision"]', "bf16")
+    page.fill('input[name="train.batch_size"]', "8")
+    expect(page.locator("#command")).to_contain_text("train.batch_size=8")
+    expect(page.locator("body")).to_have_attribute("data-valid", "true")
+    page.select_option("#gpu", "rtx4090")
+    status = page.locator("#fit-status")
+    expect(status).to_have_attribute("data-gpu-peak-mib", re.compile(r"^\d"), timeout=SDXL_TRACE_S)
+    shown = float(status.get_attribute("data-gpu-peak-mib"))
+    expect(status).to_contain_text("of 24,564 MiB (rtx4090)")
+    expect(status).to_contain_text("does not fit")  # full SDXL at ZeRO-2 without offload: ~57 GiB
+    command = page.locator("#command").text_content().split()[2:]
+    planned = run_cli(*command, "--gpu", "rtx4090", "--json", module="zerotune.plan")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert shown == pytest.approx(json.loads(planned.stdout)["gpu_peak_mib"])
+    expect(page.locator("#bar > div")).to_have_count(6)  # five segments and the card's line
+    page.screenshot(path=shots / "builder-fit.png", full_page=True)
+
+
+def test_a_saved_experiment_runs_with_train_py(page, shots):
+    name = "builder_browser_saved"
+    target = EXPERIMENTS / f"{name}.yaml"
+    target.unlink(missing_ok=True)
+    try:
+        page.select_option('select[name="zero_stage"]', "1")
+        page.select_option('select[name="optimizer"]', "lion")
+        page.fill('input[name="train.max_steps"]', "5")
+        expect(page.locator("#command")).to_have_text("python train.py zero_stage=1 optimizer=lion train.max_steps=5")
+        page.fill("#experiment-name", name)
+        page.click("#save")
+        expect(page.locator("#saved")).to_contain_text(f"python train.py experiment={name}")
+        shown = run_cli(f"experiment={name}", "--cfg", "job")
+        assert shown.returncode == 0, shown.stderr
+        assert "name: lion" in shown.stdout and "stage: 1" in shown.stdout and "max_steps: 5" in shown.stdout
+        page.screenshot(path=shots / "builder-saved.png", full_page=True)
+
+        answers, asked = [False, True], []  # "exists: overwrite?" -- no, then yes
+
+        def confirm(dialog):
+            asked.append(dialog.message)
+            dialog.accept() if answers[len(asked) - 1] else dialog.dismiss()
+
+        page.on("dialog", confirm)
+        page.fill('input[name="train.max_steps"]', "6")
+        page.click("#save")
+        _wait_until(page, lambda: asked)
+        expect(page.locator("#saved")).to_be_hidden()
+        assert len(asked) == 1 and "exists" in asked[0] and "max_steps: 5" in target.read_text()
+        page.click("#save")
+        expect(page.locator("#saved")).to_be_visible()
+        assert len(asked) == 2 and "max_steps: 6" in target.read_text()
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def _wait_until(page, condition, timeout_s: float = 30) -> None:
+    for _ in range(int(timeout_s * 20)):
+        if condition():
+            return
+        page.wait_for_timeout(50)  # lets Playwright deliver the page's events meanwhile
+    raise AssertionError("the page never got there")
+
+
+def test_a_traversal_name_is_refused_next_to_the_name_field(page):
+    before = sorted(p.name for p in EXPERIMENTS.parent.rglob("*"))
+    page.fill("#experiment-name", "../../outside")
+    page.click("#save")
+    error = page.locator('[data-error-for="name"]')
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("path separators")
+    assert sorted(p.name for p in EXPERIMENTS.parent.rglob("*")) == before
+    assert not (ROOT.parent / "outside.yaml").exists()
+
+
+def test_an_imported_deepspeed_json_fills_the_form(page, shots):
+    page.fill("#import-text", '{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},'
+              ' "bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": 2}')
+    page.click("#import")
+    expect(page.locator("#import-overrides")).to_contain_text("zero_stage=3")
+    expect(page.locator('select[name="zero_stage"]')).to_have_value("3")
+    expect(page.locator('select[name="precision"]')).to_have_value("bf16")
+    expect(page.locator('input[name="train.batch_size"]')).to_have_value("2")
+    expect(page.locator("#command")).to_contain_text("zero_stage=3")
+    page.screenshot(path=shots / "builder-import.png", full_page=True)
+    page.fill("#import-text", '{"zero_optimization": {"stage": 3,}}')
+    page.click("#import")
+    expect(page.locator('[data-error-for="import"]')).to_contain_text("line 1, column 35")
