@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from tests.helpers.cli import ROOT, run_cli
 from zerotune.builder import app as builder_app
 from zerotune.builder import form, paths, preview
+from zerotune.cli.compose import compose, parse_typed
 from zerotune.plan.predict import predict
 from zerotune.platform import Platform
 
@@ -145,7 +146,7 @@ def test_the_fit_bar_adds_up_to_the_planners_peak(client):
     assert plan["fits"] is True and plan["gpu"]["name"] == "rtx4090"
     assert sum(s["mib"] for s in plan["bar"]) == pytest.approx(plan["gpu_peak_mib"], rel=1e-12)
     assert {s["segment"] for s in plan["bar"]} == set(form_segments())
-    cfg = preview.compose([])
+    cfg = compose([])
     expected = predict(cfg, preview.preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
     assert plan["gpu_peak_mib"] == pytest.approx(expected)
 
@@ -294,4 +295,18 @@ def test_the_command_line_survives_the_shell(value):
     word = preview.shell_word(form.override("offload.path", value))
     echoed = subprocess.run(["bash", "-c", f"printf '%s\\n' {word}"], capture_output=True, text=True, check=True)
     assert echoed.stdout == form.override("offload.path", value) + "\n"
-    assert preview.parse_typed(echoed.stdout.strip()).value() == value
+    assert parse_typed(echoed.stdout.strip()).value() == value
+
+
+def test_concurrent_requests_each_compose_alone(client, experiment_name):
+    """The page sends previews, plans and saves at once; Hydra's compose state is one per process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls = [lambda i=i: client.post("/api/preview", json={"choices": {"zero_stage": str(i % 4)}}) for i in range(8)]
+    calls += [lambda: client.post("/api/fit", json={"gpu": "rtx4090"}),
+              lambda: client.post("/api/experiment", json={"name": experiment_name, "choices": {"zero_stage": "1"}}),
+              lambda: client.get("/api/experiment", params={"name": "sdxl_4090_1024_bs8"})]
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        answers = list(pool.map(lambda call: call(), calls))
+    assert [a.status_code for a in answers] == [200] * len(calls), [a.text[:200] for a in answers if a.status_code != 200]
+    assert [a.json()["errors"] for a in answers[:8]] == [[]] * 8

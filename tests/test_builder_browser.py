@@ -117,6 +117,8 @@ def test_a_saved_experiment_runs_with_train_py(page, shots):
         expect(page.locator("#command")).to_have_text("python train.py zero_stage=1 optimizer=lion train.max_steps=5")
         page.fill("#experiment-name", name)
         page.click("#save")
+        page.wait_for_selector('#saved:not([hidden]), [data-error-for="name"]:not([hidden])')
+        assert page.locator('[data-error-for="name"]').is_hidden(), page.locator('[data-error-for="name"]').text_content()
         expect(page.locator("#saved")).to_contain_text(f"python train.py experiment={name}")
         shown = run_cli(f"experiment={name}", "--cfg", "job")
         assert shown.returncode == 0, shown.stderr

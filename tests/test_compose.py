@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import compose_cfg, run_cli
 from zerotune import CONF_DIR
-from zerotune.cli.overrides import group_options, normalize_overrides
+from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
 from zerotune.errors import ConfigError
 
 GROUPS = group_options(CONF_DIR)
@@ -62,6 +62,22 @@ def test_unknown_group_choice_names_options():
 def test_hydra_functions_and_quoted_values_pass_through():
     args = ["zero_stage=choice('1','2')", "zero_stage='3'", "+foo=1", "--cfg", "job"]
     assert normalize_overrides(args, CONF_DIR) == args
+
+
+@pytest.mark.parametrize("args", [["zero_stage=3", "offload=cpu", "--cfg", "job"], ["--cfg", "job", "zero_stage=3", "offload=cpu"]])
+def test_cfg_job_prints_composed_config_with_the_overrides_before_or_after_it(args):
+    proc = run_cli(*args, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    printed = OmegaConf.create(proc.stdout)
+    assert printed.zero_stage.stage == 3 and printed.offload.device == "cpu"
+
+
+def test_the_experiments_search_path_joins_the_overrides_not_a_flag():
+    path = f"hydra.searchpath=[file://{CONF_DIR.parent / 'experiments'}]"
+    assert with_search_path(["a=1", "--cfg", "job"], CONF_DIR) == ["a=1", path, "--cfg", "job"]
+    assert with_search_path(["-m", "a=1,2"], CONF_DIR) == ["-m", "a=1,2", path]
+    assert with_search_path(["--cfg", "job"], CONF_DIR) == ["--cfg", "job", path]
+    assert with_search_path(["a=1", "hydra.searchpath=[x]"], CONF_DIR) == ["a=1", "hydra.searchpath=[x]"]
 
 
 def test_cfg_job_prints_composed_config():

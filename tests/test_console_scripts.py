@@ -55,17 +55,19 @@ def test_zerotune_doctor_checks_this_machine(tmp_path):
     assert proc.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)
 
 
-def test_zerotune_builder_serves_the_page_and_a_taken_port_is_a_clear_error():
+def test_zerotune_builder_serves_the_page_and_a_taken_port_is_a_clear_error(tmp_path):
+    log = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115  (closed with the server)
     server = subprocess.Popen([str(BIN / "zerotune-builder"), "--port", "0"], cwd=ROOT, env=cli_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        first = server.stdout.readline()
-        found = re.search(r"http://127\.0\.0\.1:(\d+)/", first)
-        assert found, first
-        with urllib.request.urlopen(found.group(0), timeout=60) as page:
+        first = server.stdout.readline()  # stdout is the URL alone (DeepSpeed's logs go to stderr)
+        found = re.search(r"^zerotune config builder: http://127\.0\.0\.1:(\d+)/$", first.strip())
+        assert found, first + (tmp_path / "stderr.txt").read_text()
+        with urllib.request.urlopen(first.split()[-1], timeout=60) as page:
             assert page.status == 200 and b"zerotune config builder" in page.read()
         taken = run_script("zerotune-builder", "--port", found.group(1))
         assert taken.returncode == 2 and "cannot listen on 127.0.0.1:" in taken.stderr and "--port 0" in taken.stderr
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()

@@ -354,6 +354,14 @@ def test_import_config_cli_saves_an_experiment(tmp_path):
         target.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("name", ["../outside", "a/b", ".hidden"])
+def test_import_config_refuses_a_save_name_that_leaves_the_experiments_folder(name):
+    proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+                   timeout=180)
+    assert proc.returncode == CONFIG_ERROR_EXIT and "`--save`" in proc.stderr and "path separators" in proc.stderr
+    assert not (ROOT / "experiments" / "outside.yaml").exists() and not (ROOT / "experiments" / "experiment" / "a").exists()
+
+
 def test_import_config_refuses_what_zerotune_refuses():
     proc = run_cli(str(CORPUS / "removed_amp.json"), module="zerotune.import_config", timeout=180)
     assert proc.returncode == CONFIG_ERROR_EXIT and "`amp`" in proc.stderr and "Traceback" not in proc.stderr

@@ -103,6 +103,9 @@ def create_app():
     templates = Jinja2Templates(directory=HERE / "templates")
     platform = detect()
     _errors(app)
+    # One preview before serving: the validator's first use imports DeepSpeed, and concurrent first imports
+    # of it fail half-initialised; it also makes the page's first preview as quick as the next.
+    preview.preview({}, {})
 
     @app.get("/", response_class=HTMLResponse)
     def page(request: Request):

@@ -8,7 +8,6 @@ import threading
 from typing import Any
 
 from zerotune.builder import form
-from zerotune.builder.preview import HYDRA_LOCK
 from zerotune.cli.compose import compose
 from zerotune.cli.plan import plan_all
 from zerotune.plan import gpus
@@ -34,9 +33,8 @@ def card(name: str | None, mib: Any) -> gpus.GPU | None:
 
 
 def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
-    with HYDRA_LOCK:
-        cfg = compose(overrides)
-        checked = preflight(cfg, overrides=overrides)
+    cfg = compose(overrides)
+    checked = preflight(cfg, overrides=overrides)
     with TRACE_LOCK:
         return predict(cfg, checked, gpu)
 
@@ -44,8 +42,7 @@ def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
 def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
         gpu_mib: Any) -> dict:
     gpu = card(gpu_name, gpu_mib)
-    with HYDRA_LOCK:
-        overrides = form.overrides(choices, values, extra)
+    overrides = form.overrides(choices, values, extra)
     plan = plan_job(overrides, gpu)
     return {**plan, "bar": bar(plan["gpu_terms"])}
 
@@ -55,8 +52,7 @@ def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], 
     """The --all ranking for this workload; `form` is the recommendation as the page's form (None: nothing fits)."""
     gpu = card(gpu_name, gpu_mib)
     stripped = {k: v for k, v in values.items() if k != "train.gradient_checkpointing"}
-    with HYDRA_LOCK:
-        overrides = [o for o in form.overrides(choices, stripped, extra) if o.split("=")[0] not in ("zero_stage", "offload")]
+    overrides = [o for o in form.overrides(choices, stripped, extra) if o.split("=")[0] not in ("zero_stage", "offload")]
     answer = plan_all(overrides, gpu, plan_job)
     best = next((o for o in answer["options"] if o["fits"]), None)
     answer["form"] = None if best is None else {

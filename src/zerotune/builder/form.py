@@ -8,19 +8,15 @@ import dataclasses
 import re
 import typing
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import CONF_DIR, schema
-from zerotune.cli.compose import as_config_error
-from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
+from zerotune.cli.compose import compose_with_choices
+from zerotune.cli.overrides import group_options
 from zerotune.platform import Platform
 
 # Groups the page leaves out: they name services or output, not what is trained or what it costs.
@@ -61,15 +57,9 @@ def defaults() -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
-    """Hydra's composition with its runtime choices (the options the defaults list picked)."""
-    args = with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR)
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=args, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise as_config_error(exc, args) from None
-    choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in group_options(CONF_DIR)}
-    return choices, cfg
+    """(the option each group got, the config), as `python train.py` composes them."""
+    cfg, choices = compose_with_choices(overrides)
+    return {g: o for g, o in choices.items() if g != "experiment"}, cfg
 
 
 def fields(platform: Platform) -> list[Field]:
@@ -104,18 +94,32 @@ def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] 
 
 
 def group_overrides(choices: dict[str, str]) -> list[str]:
-    """The fewest `group=option` overrides that compose to `choices`. An option may choose others (data=digits
-    picks resolution 8): a choice equal to the default can still be needed, and one that differs can be
-    implied by another."""
-    order = [g for g in defaults()[0] if g in choices]
-    emitted = [g for g in order if choices[g] != defaults()[0][g]]
-    implied = composition(tuple(f"{g}={choices[g]}" for g in emitted))[0]
-    emitted += [g for g in order if g not in emitted and implied[g] != choices[g]]
-    for g in list(emitted):
-        rest = [h for h in emitted if h != g]
-        if all(composition(tuple(f"{h}={choices[h]}" for h in rest))[0][k] == choices[k] for k in order):
-            emitted = rest
-    return [f"{g}={choices[g]}" for g in order if g in emitted]
+    """The fewest `group=option` overrides that compose to `choices`. An option may choose others
+    (data=digits picks resolution 8): a choice equal to the default can still be needed, and one that
+    differs can be implied by another option. What each option implies is learnt once per option; one
+    composition then checks the answer, and where it disagrees every choice is written out."""
+    default = defaults()[0]
+    order = [g for g in default if g in choices]
+    picked = {g: choices[g] for g in order if choices[g] != default[g]}
+    emitted = [g for g in order if choices[g] != _implied({h: o for h, o in picked.items() if h != g})[g]]
+    if any(composition(tuple(f"{g}={choices[g]}" for g in emitted))[0][g] != choices[g] for g in order):
+        emitted = order
+    return [f"{g}={choices[g]}" for g in emitted]
+
+
+def _implied(picked: dict[str, str]) -> dict[str, str]:
+    """The choices the default job gets with `picked` chosen, by what each of them implies on its own."""
+    out = dict(defaults()[0])
+    for group, option in picked.items():
+        out |= option_implies(group, option)
+    return out
+
+
+@cache
+def option_implies(group: str, option: str) -> dict[str, str]:
+    """The other groups' options that choosing `group=option` alone changes from the default job's."""
+    chosen, default = composition((f"{group}={option}",))[0], defaults()[0]
+    return {g: o for g, o in chosen.items() if g != group and o != default[g]}
 
 
 @lru_cache(maxsize=512)

@@ -11,7 +11,6 @@ import yaml
 
 from zerotune.builder import form
 from zerotune.builder.paths import imports_dir
-from zerotune.builder.preview import HYDRA_LOCK
 from zerotune.errors import ConfigError
 from zerotune.import_config import overrides_for
 
@@ -24,9 +23,8 @@ def import_text(text: str) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{suffix}"
     path.write_text(text)
-    with HYDRA_LOCK:
-        overrides, differ = overrides_for(path)
-        loaded = _as_form(overrides)
+    overrides, differ = overrides_for(path)
+    loaded = _as_form(overrides)
     return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **loaded}
 
 

@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import re
 import shlex
-import threading
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from zerotune.builder import form
-from zerotune.cli.compose import (
-    compose,
-    parse_typed,  # noqa: F401  (tests read overrides back)
-)
 from zerotune.errors import ConfigError
 from zerotune.preflight import preflight
 from zerotune.user_config.precedence import DS_KEY_SOURCES
 
-# Hydra's global state (GlobalHydra) is one per process: compositions take turns.
-HYDRA_LOCK = threading.RLock()
 # DeepSpeed's batch keys, by the zerotune key that sets each.
 _BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.batch_size", "train_batch_size": "train.batch_size",
                "gradient_accumulation_steps": "train.grad_accum"}
@@ -30,19 +23,18 @@ _EXPANDS = re.compile(r'["$`\\!]')  # what a shell still reads inside double quo
 
 
 def preview(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> dict:
-    with HYDRA_LOCK:
-        try:
-            overrides = form.overrides(choices, values, extra)
-        except ConfigError as exc:  # a value Hydra cannot read
-            return {"overrides": [], "command": None, "errors": [error_entry(exc)]}
-        answer: dict[str, Any] = {"overrides": overrides, "command": command_line(overrides), "errors": []}
-        try:
-            cfg = compose(overrides)
-            answer["composed"] = OmegaConf.to_yaml(cfg)
-            answer["choices"], answer["values"] = form.composition(tuple(overrides))
-            answer["ds_config"] = preflight(cfg, overrides=overrides).ds_config
-        except ConfigError as exc:
-            answer["errors"].append(error_entry(exc))
+    try:
+        overrides = form.overrides(choices, values, extra)
+    except ConfigError as exc:  # a value Hydra cannot read
+        return {"overrides": [], "command": None, "errors": [error_entry(exc)]}
+    answer: dict[str, Any] = {"overrides": overrides, "command": command_line(overrides), "errors": []}
+    try:
+        answer["choices"], cfg = form.composed(overrides)
+        answer["composed"] = OmegaConf.to_yaml(cfg)
+        answer["values"] = form.knob_values(cfg)
+        answer["ds_config"] = preflight(cfg, overrides=overrides).ds_config
+    except ConfigError as exc:
+        answer["errors"].append(error_entry(exc))
     return answer
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
 
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"zerotune: cannot listen on {args.host}:{args.port}: {exc.strerror}; try --port 0", file=sys.stderr)
         return 2
-    app = create_app()
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: it stays the URL's
+        app = create_app()
     host, port = sock.getsockname()[:2]
     print(f"zerotune config builder: http://{'[' + host + ']' if ':' in host else host}:{port}/", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

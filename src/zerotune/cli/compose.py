@@ -4,6 +4,7 @@ the key and the fix (exit 2, no traceback), before Hydra's own runner would prin
 from __future__ import annotations
 
 import difflib
+import threading
 from typing import Any
 
 from hydra import compose as hydra_compose
@@ -11,6 +12,7 @@ from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
+from omegaconf import open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import CONF_DIR, schema
@@ -18,17 +20,31 @@ from zerotune.cli.overrides import group_options, normalize_overrides, with_sear
 from zerotune.errors import ConfigError
 
 _PARSER = OverridesParser.create()
+# Hydra's compose API keeps one global state per process (GlobalHydra): threads (the builder page's
+# requests) compose one at a time.
+_HYDRA_STATE = threading.Lock()
 
 
 def compose(overrides: list[str]) -> Any:
     """conf/config.yaml with `overrides` as a user types them."""
+    return compose_with_choices(overrides)[0]
+
+
+def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
+    """compose(), and the option each config group ended up with (Hydra's runtime choices: an option may
+    choose others, as data=digits picks resolution 8)."""
     args = with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR)
     check_added_keys(args)
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=args)
+        with _HYDRA_STATE, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=args, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
         raise as_config_error(exc, args) from None
+    groups = group_options(CONF_DIR)
+    choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in groups or g == "experiment"}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
 
 
 def is_multirun(args: list[str]) -> bool:
