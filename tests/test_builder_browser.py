@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from tests.helpers.browser import launch
 from tests.helpers.cli import ROOT, cli_env, run_cli
 
-CHROMIUM = "/usr/bin/chromium"  # Debian's package (make setup installs it); Playwright downloads no browser
-# Chromium's own network traffic is refused on these machines: these flags keep it from trying.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
 EXPERIMENTS = ROOT / "experiments" / "experiment"
 SDXL_TRACE_S = 180_000  # ms: a cold SDXL 1024^2 batch-8 trace is ~20 s on 2 cores; a loaded machine is slower
 expect.set_options(timeout=20_000)  # ms: the server composes and validates; a busy 2-core machine is slow
@@ -45,7 +42,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        chromium = launch(p)
         yield chromium
         chromium.close()
 

@@ -206,3 +206,14 @@ def test_plan_only_sweep_plans_every_job(tmp_path):
     assert [s["status"] for s in summaries] == ["planned", "planned"]
     # ZeRO-3 partitions the parameters too, but with one rank its share is the whole model.
     assert summaries[0]["plan"]["workload"] != summaries[1]["plan"]["workload"]
+
+
+def test_a_plan_for_a_named_card_is_checked_as_a_config_for_that_card():
+    """Lion without offload needs DeepSpeed's fused CUDA kernel: this CPU machine cannot run it, a card can."""
+    from zerotune.cli.plan import plan_one
+
+    plan = plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], gpus.lookup("rtx4090"))
+    assert plan["gpu_peak_mib"] > 0 and plan["fits"] is True
+    with pytest.raises(ConfigError) as err:
+        plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], None)
+    assert err.value.key == "optimizer.type" and "FusedLion" in err.value.problem

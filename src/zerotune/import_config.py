@@ -23,11 +23,11 @@ from zerotune.cli import experiment_file
 from zerotune.cli.compose import compose
 from zerotune.cli.overrides import group_options
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.platform import Platform
+from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
 
-# A platform that can do everything a GPU can: the file is usually meant for a GPU machine, not this one.
-ANY_GPU = Platform("cuda", True, "", bf16=True, fp16=True)
+# The file is usually meant for a GPU machine, not this one.
+ANY_GPU = ANY_CUDA_GPU
 # Keys zerotune sets for itself (logging, DeepSpeed's optimizer gate); a file's values for them change nothing.
 OWN_KEYS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"}
 # zerotune key -> the config group whose option it names.

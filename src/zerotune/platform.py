@@ -21,6 +21,11 @@ class Platform:
         return {"fp32": True, "bf16": self.bf16, "fp16": self.fp16}[precision]
 
 
+# A CUDA card that can do what a GPU can: configurations meant for a card (an imported file, a plan for a
+# named GPU) are checked against it, not against the machine that reads them.
+ANY_CUDA_GPU = Platform("cuda", True, "", bf16=True, fp16=True)
+
+
 def _is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from zerotune.builder import form
 from zerotune.cli.compose import compose
-from zerotune.cli.plan import plan_all
+from zerotune.cli.plan import plan_all, platform_for
 from zerotune.plan import gpus
 from zerotune.plan.predict import predict
 from zerotune.preflight import preflight
@@ -34,7 +34,7 @@ def card(name: str | None, mib: Any) -> gpus.GPU | None:
 
 def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
     cfg = compose(overrides)
-    checked = preflight(cfg, overrides=overrides)
+    checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
     with TRACE_LOCK:
         return predict(cfg, checked, gpu)
 

@@ -18,6 +18,7 @@ from zerotune.cli.compose import compose
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.plan import gpus, recommend, render
 from zerotune.plan.predict import predict
+from zerotune.platform import ANY_CUDA_GPU, Platform
 from zerotune.preflight import preflight
 
 # What --all varies: ZeRO stage x offload x gradient checkpointing (NVMe offload is ZeRO-3's only).
@@ -40,8 +41,14 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None) -> dict:
     cfg = compose(overrides)
     gpu = gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
-        checked = preflight(cfg, overrides=overrides)
+        checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
     return predict(cfg, checked, gpu)
+
+
+def platform_for(gpu: gpus.GPU | None) -> Platform | None:
+    """A plan for a named card is checked as a config for a CUDA card (Lion without offload needs its fused
+    kernel, which this CPU machine lacks and the card has); with no card named, against this machine."""
+    return ANY_CUDA_GPU if gpu is not None else None
 
 
 def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[str], gpus.GPU | None], dict] = plan_one
