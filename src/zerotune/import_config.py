@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from zerotune import CONF_DIR
 from zerotune.cli import experiment_file
 from zerotune.cli.compose import compose
-from zerotune.cli.overrides import group_options
+from zerotune.cli.overrides import group_options, override
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
@@ -82,11 +82,7 @@ def _override(key: str, value: Any) -> str:
     group = GROUP_KEYS.get(key)
     if group is not None and str(value) in group_options(CONF_DIR).get(group, []):
         return f"{group}={value}"
-    if isinstance(value, bool):
-        return f"{key}={str(value).lower()}"
-    if isinstance(value, list):
-        return f"{key}=[{','.join(str(v) for v in value)}]"
-    return f"{key}={value}"
+    return override(key, value)
 
 
 def experiment_yaml(source: Path, overrides: list[str], differ: list[str]) -> str:

@@ -27,9 +27,7 @@ def load(name: str) -> dict:
     """The form that gives experiment `name`: its group choices, the form's keys, and the rest as extra."""
     if not experiment_path(name).exists():
         raise ConfigError("name", f"no experiment {name!r}", f"one of: {', '.join(names()) or '(none saved yet)'}")
-    choices, cfg = form.composed([f"experiment={name}"])
-    return {"name": name, "choices": choices, "values": form.knob_values(cfg),
-            "extra": form.extra_overrides(cfg, choices)}
+    return {"name": name, **form.as_form([f"experiment={name}"])}
 
 
 def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list[str], overwrite: bool) -> dict:
@@ -57,7 +55,7 @@ def _check_round_trip(name: str, overrides: list[str]) -> None:
     """The saved file must compose to the config the form composes; a file that does not is not kept."""
     from_file = OmegaConf.to_container(form.composed([f"experiment={name}"])[1], resolve=False)
     from_form = OmegaConf.to_container(form.composed(overrides)[1], resolve=False)
-    differ = sorted(k for k in set(from_file) | set(from_form) if k != "hydra" and from_file.get(k) != from_form.get(k))
+    differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "
                           f"differ from `python train.py {' '.join(overrides)}`", "report this; the file was not kept")

@@ -8,11 +8,8 @@ import threading
 from typing import Any
 
 from zerotune.builder import form
-from zerotune.cli.compose import compose
-from zerotune.cli.plan import plan_all, platform_for
+from zerotune.cli.plan import plan_all, plan_one
 from zerotune.plan import gpus
-from zerotune.plan.predict import predict
-from zerotune.preflight import preflight
 
 # One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
 TRACE_LOCK = threading.Lock()
@@ -33,10 +30,7 @@ def card(name: str | None, mib: Any) -> gpus.GPU | None:
 
 
 def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
-    cfg = compose(overrides)
-    checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
-    with TRACE_LOCK:
-        return predict(cfg, checked, gpu)
+    return plan_one(overrides, gpu, trace_lock=TRACE_LOCK)
 
 
 def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,

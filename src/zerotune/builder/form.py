@@ -5,7 +5,6 @@ typed in (an NVMe folder, a data folder). Also how a filled form becomes overrid
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
@@ -16,7 +15,7 @@ from omegaconf import OmegaConf
 
 from zerotune import CONF_DIR, schema
 from zerotune.cli.compose import compose_with_choices
-from zerotune.cli.overrides import group_options
+from zerotune.cli.overrides import group_options, override
 from zerotune.platform import Platform
 
 # Groups the page leaves out: they name services or output, not what is trained or what it costs.
@@ -24,8 +23,6 @@ HIDDEN_GROUPS = ("logger",)
 # Keys of a group's options that a user types in, shown beside their group's field.
 TYPED_KEYS = {"offload": ("offload.path",), "data": ("data.path",), "optimizer": ("optimizer.lr",),
               "launch": ("launch.num_processes",)}
-_PLAIN = re.compile(r"^[\w./:@+-]+$")  # a value Hydra reads as typed, without quotes
-_BEFORE_QUOTE = re.compile(r"(\\*)('|$)")
 
 
 @dataclass
@@ -59,13 +56,22 @@ def defaults() -> tuple[dict[str, str], dict[str, Any]]:
 def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
     """(the option each group got, the config), as `python train.py` composes them."""
     cfg, choices = compose_with_choices(overrides)
-    return {g: o for g, o in choices.items() if g != "experiment"}, cfg
+    return choices, cfg
+
+
+def as_form(overrides: list[str]) -> dict:
+    """The page's form for these overrides (an experiment, an imported file): group choices, field values,
+    and the keys without a field as extra overrides."""
+    choices, cfg = composed(overrides)
+    return {"choices": choices, "values": knob_values(cfg), "extra": extra_overrides(cfg, choices)}
 
 
 def fields(platform: Platform) -> list[Field]:
     groups = [_group_field(g, opts, platform) for g, opts in group_options(CONF_DIR).items() if g not in HIDDEN_GROUPS]
     knobs = [_knob_field(key, _annotation(key)) for key in _train_keys()]
-    typed = [_knob_field(key, _annotation(key), group) for group, keys in TYPED_KEYS.items() for key in keys]
+    shown = {f.key for f in groups}  # a typed key of no shown group (launch.*) stands with the train keys
+    typed = [_knob_field(key, _annotation(key), group if group in shown else "")
+             for group, keys in TYPED_KEYS.items() for key in keys]
     return [*groups, *typed, *knobs]
 
 
@@ -134,7 +140,7 @@ def extra_overrides(cfg: Any, choices: dict[str, str]) -> list[str]:
     say), as overrides, so that loading and saving an experiment keeps them."""
     _, plain = composed([f"{g}={o}" for g, o in choices.items()])
     ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
-    skip = {*knob_keys(), "hydra"}
+    skip = set(knob_keys())
     return [override(k, v) for k, v in _differences(ours, theirs) if k not in skip]
 
 
@@ -142,34 +148,12 @@ def _differences(ours: Any, theirs: Any, prefix: str = ""):
     """(dotted key, value) where `ours` differs; a map `theirs` lacks is one value."""
     if isinstance(ours, dict) and isinstance(theirs, dict):
         for key, value in ours.items():
-            if f"{prefix}{key}" != "hydra":
-                yield from _differences(value, theirs.get(key, _ABSENT), f"{prefix}{key}.")
+            yield from _differences(value, theirs.get(key, _ABSENT), f"{prefix}{key}.")
     elif ours != theirs:
         yield prefix[:-1], ours
 
 
 _ABSENT = object()
-
-
-def override(key: str, value: Any) -> str:
-    return f"{key}={'null' if value == '' else hydra_value(value)}"
-
-
-def hydra_value(value: Any) -> str:
-    """A value in Hydra's override grammar (not JSON: Hydra's map keys are bare, its strings single-quoted)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
-    text = str(value)
-    if _PLAIN.match(text):
-        return text
-    # Hydra keeps a backslash literal unless quotes or the end follow it: only those runs are doubled.
-    return "'" + _BEFORE_QUOTE.sub(lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text) + "'"
 
 
 def _same(typed: Any, current: Any) -> bool:

@@ -24,8 +24,7 @@ def import_text(text: str) -> dict:
     path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{suffix}"
     path.write_text(text)
     overrides, differ = overrides_for(path)
-    loaded = _as_form(overrides)
-    return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **loaded}
+    return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **form.as_form(overrides)}
 
 
 def _kind(text: str) -> tuple[str, str]:
@@ -52,9 +51,3 @@ def _kind(text: str) -> tuple[str, str]:
         raise ConfigError("import", "neither a DeepSpeed JSON nor an accelerate config YAML",
                           "paste a DeepSpeed JSON ({...}) or what `accelerate config` wrote (default_config.yaml)")
     return "accelerate", ".yaml"
-
-
-def _as_form(overrides: list[str]) -> dict:
-    """The imported overrides as the page's form: group choices and fields, the rest kept as extra."""
-    choices, cfg = form.composed(overrides)
-    return {"choices": choices, "values": form.knob_values(cfg), "extra": form.extra_overrides(cfg, choices)}

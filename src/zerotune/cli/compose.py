@@ -41,7 +41,7 @@ def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
     except (HydraException, OmegaConfBaseException) as exc:
         raise as_config_error(exc, args) from None
     groups = group_options(CONF_DIR)
-    choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in groups or g == "experiment"}
+    choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in groups}
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg, choices

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString, ValueType
@@ -25,6 +26,7 @@ schema.register()  # conf/config.yaml names the schema; every composition goes t
 
 _PARSER = OverridesParser.create()
 _PLAIN = re.compile(r"^[\w./-]+$")  # a value that needs no quotes
+_BEFORE_QUOTE = re.compile(r"(\\*)('|$)")
 
 
 def strip_local_rank(args: list[str]) -> list[str]:
@@ -71,6 +73,28 @@ def as_typed(overrides: list[str]) -> list[str]:
             line = f"{line.split('=', 1)[0]}={parsed.value()}"
         out.append(line)
     return out
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` in Hydra's override grammar, for a Python value (an empty string is null)."""
+    return f"{key}={'null' if value == '' else hydra_value(value)}"
+
+
+def hydra_value(value: Any) -> str:
+    """A value in Hydra's override grammar (not JSON: Hydra's map keys are bare, its strings single-quoted)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN.match(text):
+        return text
+    # Hydra keeps a backslash literal unless quotes or the end follow it: only those runs are doubled.
+    return "'" + _BEFORE_QUOTE.sub(lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text) + "'"
 
 
 def with_search_path(args: list[str], conf_dir: Path) -> list[str]:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from zerotune.cli.compose import compose
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
@@ -37,12 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plan_one(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+_NO_LOCK = contextlib.nullcontext()  # reusable: it holds nothing
+
+
+def plan_one(overrides: list[str], gpu: gpus.GPU | None,
+             trace_lock: AbstractContextManager = _NO_LOCK) -> dict:
+    """One job's prediction. `trace_lock` is held while it traces (the builder page's requests take turns)."""
     cfg = compose(overrides)
     gpu = gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
-        checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
-    return predict(cfg, checked, gpu)
+    checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
+    with trace_lock:
+        return predict(cfg, checked, gpu)
 
 
 def platform_for(gpu: gpus.GPU | None) -> Platform | None:
@@ -68,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
         gpu = gpus.lookup(args.gpu, args.gpu_mib, key="--gpu") if args.gpu or args.gpu_mib is not None else None
-        answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
+            answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)
     except ConfigError as exc:
         print(f"zerotune: config error at {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT

@@ -88,7 +88,6 @@ class JobChecks:
         self.gate.decide("go")
         return base
 
-
     def _workers_imported(self) -> None:
         """A cold op build takes every core: it starts once this node's workers wait at the gate (a bounded wait)."""
         arrived = self.gate.wait_for_arrivals(int(self.cfg.launch.num_processes), ARRIVAL_TIMEOUT_S)
