@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import NoReturn
+
 
 class ConfigError(ValueError):
     """A configuration problem found before any model is built."""
@@ -13,3 +16,9 @@ class ConfigError(ValueError):
 
 # Exit code for a configuration error (argparse and Hydra use 2 for usage errors too).
 CONFIG_ERROR_EXIT = 2
+
+
+def exit_config_error(exc: ConfigError) -> NoReturn:
+    """How every command stops on a config error: one message naming the key and the fix, no traceback."""
+    print(f"zerotune: config error at {exc}", file=sys.stderr)
+    sys.exit(CONFIG_ERROR_EXIT)

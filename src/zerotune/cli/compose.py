@@ -4,6 +4,7 @@ the key and the fix (exit 2, no traceback), before Hydra's own runner would prin
 from __future__ import annotations
 
 import difflib
+import re
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ from hydra import initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import CONF_DIR, schema
@@ -44,7 +45,39 @@ def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
     choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in groups}
     with open_dict(cfg):
         del cfg["hydra"]
+    check_resolves(cfg, args)
     return cfg, choices
+
+
+def check_resolves(cfg: Any, args: list[str]) -> None:
+    """Every interpolation resolves, to a value of its key's type: `train.seed=${oc.env:HOME}` is a config
+    error naming train.seed, not a traceback from the first code that reads it."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise interpolation_error(exc, args) from None
+
+
+def interpolation_error(exc: OmegaConfBaseException, args: list[str]) -> ConfigError:
+    error = as_config_error(exc, args)
+    typed = [a.split("=", 1)[1] for a in args if "=" in a and _key(a) == error.key]
+    if not typed or "${" not in typed[0]:
+        return error
+    missing = _MISSING_ENV.search(str(exc))
+    if missing:
+        return ConfigError(error.key, f"{typed[0]} does not resolve: the environment has no {missing[1]}",
+                           f"set {missing[1]} in the environment, or type the value itself: {error.fix}")
+    return ConfigError(error.key, f"{typed[0]} does not resolve: {_reason(exc)}",
+                       f"type the value itself: {error.fix}")
+
+
+_MISSING_ENV = re.compile(r"Environment variable '([^']+)' not found")
+
+
+def _reason(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's first line, less the interpolation it quotes again."""
+    line = str(exc).strip().splitlines()[0]
+    return line.split("': ", 1)[1] if line.startswith("While dereferencing interpolation") and "': " in line else line
 
 
 def is_multirun(args: list[str]) -> bool:

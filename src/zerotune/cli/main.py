@@ -14,13 +14,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import CONF_DIR
-from zerotune.cli.compose import as_config_error, check_command_line, is_multirun
+from zerotune.cli.compose import as_config_error, check_command_line, check_resolves, is_multirun
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
@@ -31,15 +31,15 @@ log = logging.getLogger("zerotune")
 
 
 def _fail(exc: ConfigError) -> None:
-    print(f"zerotune: config error at {exc}", file=sys.stderr)
-    sys.exit(CONFIG_ERROR_EXIT)
+    exit_config_error(exc)
 
 
 def job_spec() -> JobSpec:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     group = f"{Path(hc.sweep.dir).parent.name}/{Path(hc.sweep.dir).name}" if multirun else None
-    overrides = as_typed(list(hc.overrides.task))  # zero_stage=2, as the user typed it
+    # zero_stage=2, as the user typed it; unresolved: an interpolation typed there is checked in the task
+    overrides = as_typed(OmegaConf.to_container(hc.overrides.task, resolve=False))
     return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name(overrides), group=group, overrides=overrides)
 
 
@@ -51,6 +51,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     if distributed.rank() == 0:
         RunDir(spec.run_dir).archive_previous_attempt()  # a rerun into this folder never overwrites its records
     try:
+        check_resolves(cfg, spec.overrides)  # an interpolation typed on the command line, e.g. ${oc.env:...}
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
         # Otherwise it is the job's parent, which starts the workers and records what they did.
         summary = _train_here(cfg, spec) if distributed.launched_externally() else _run_job(cfg, spec)
@@ -154,18 +155,21 @@ def _main() -> None:
 
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"
-_full_error_set_here = False
+_UNSET = object()
+_full_error_before: object = _UNSET  # the user's own value while zerotune's "1" stands in for it
 
 
 @contextlib.contextmanager
 def _composition_errors_raised():
-    """Hydra prints a composition error in its own words and exits 1. With HYDRA_FULL_ERROR set it raises it
+    """Hydra prints a composition error in its own words and exits 1. With HYDRA_FULL_ERROR=1 it raises it
     instead, and _main reports it as a config error (exit 2, the key and the fix), so a single run is composed
-    once rather than once more beforehand. The task function unsets it at once (`_task_started`): what
-    fails in the job itself is reported as Hydra reports it, and no worker inherits it."""
-    global _full_error_set_here
-    _full_error_set_here = _FULL_ERROR not in os.environ
-    if _full_error_set_here:
+    once rather than once more beforehand. Hydra reads only "1" as set, so any other value the user has
+    (HYDRA_FULL_ERROR=0 in a shell profile) is stood in for, then put back. The task function puts it back at
+    once (`_task_started`): what fails in the job itself is reported as Hydra reports it, and no worker
+    inherits zerotune's value."""
+    global _full_error_before
+    if os.environ.get(_FULL_ERROR) != "1":
+        _full_error_before = os.environ.get(_FULL_ERROR)
         os.environ[_FULL_ERROR] = "1"
     try:
         yield
@@ -174,7 +178,11 @@ def _composition_errors_raised():
 
 
 def _task_started() -> None:
-    global _full_error_set_here
-    if _full_error_set_here:
+    global _full_error_before
+    if _full_error_before is _UNSET:
+        return
+    if _full_error_before is None:
         os.environ.pop(_FULL_ERROR, None)
-        _full_error_set_here = False
+    else:
+        os.environ[_FULL_ERROR] = _full_error_before
+    _full_error_before = _UNSET

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
-import psutil
 from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
+from zerotune.folders import file_system, write_probe
 
 # DeepSpeed's own default parameter swap buffer (100M elements).
 DEFAULT_PARAM_BUFFER = 100_000_000
@@ -70,36 +68,16 @@ def check_nvme_path(path: str | None, key: str) -> Path:
 
 
 def _try_writing(folder: Path, key: str) -> None:
-    """Do what DeepSpeed will (create the folder if missing, then a file in it) and undo it: a permission
-    check alone passes for root on /proc or a read-only mount, where creating still fails."""
+    """Do what DeepSpeed will (create the folder if missing, then a file in it) and undo it."""
     created = not folder.exists()
-    try:
-        if created:
-            folder.mkdir()
-        probe = folder / f".zerotune-write-test-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        what = f"{folder} cannot be created in {folder.parent}" if created and not folder.is_dir() \
-            else f"no file can be created in {folder}"
-        where = folder if folder.is_dir() else folder.parent
-        raise ConfigError(key, f"{what}: {exc.strerror} ({where} is on {file_system(where)})",
-                          "point offload.path at a folder you can write to on a local disk (ideally NVMe)") from None
-    finally:
-        if created and folder.is_dir():
-            folder.rmdir()  # made only to find out; DeepSpeed creates it again
-
-
-def file_system(path: Path) -> str:
-    """The file system holding `path`, in words: "a proc file system", "a tmpfs file system, mounted read-only"."""
-    real = os.path.realpath(path)
-    mounts = [m for m in psutil.disk_partitions(all=True)
-              if os.path.commonpath([real, m.mountpoint]) == m.mountpoint]
-    if not mounts:
-        return "an unknown file system"
-    mount = max(mounts, key=lambda m: len(m.mountpoint))
-    read_only = ", mounted read-only" if "ro" in mount.opts.split(",") else ""
-    return f"a {mount.fstype} file system{read_only}"
+    exc = write_probe(folder)
+    if exc is None:
+        return
+    what = f"{folder} cannot be created in {folder.parent}" if created and not folder.is_dir() \
+        else f"no file can be created in {folder}"
+    where = folder if folder.is_dir() else folder.parent
+    raise ConfigError(key, f"{what}: {exc.strerror} ({where} is on {file_system(where)})",
+                      "point offload.path at a folder you can write to on a local disk (ideally NVMe)")
 
 
 AIO_BLOCK = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
