@@ -18,7 +18,12 @@ class ConfigError(ValueError):
 CONFIG_ERROR_EXIT = 2
 
 
-def exit_config_error(exc: ConfigError) -> NoReturn:
-    """How every command stops on a config error: one message naming the key and the fix, no traceback."""
+def report_config_error(exc: ConfigError) -> int:
+    """How every command tells a config error: one message naming the key and the fix, no traceback; the
+    exit status to end with."""
     print(f"zerotune: config error at {exc}", file=sys.stderr)
-    sys.exit(CONFIG_ERROR_EXIT)
+    return CONFIG_ERROR_EXIT
+
+
+def exit_config_error(exc: ConfigError) -> NoReturn:
+    sys.exit(report_config_error(exc))

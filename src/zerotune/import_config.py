@@ -22,7 +22,7 @@ from zerotune import CONF_DIR
 from zerotune.cli import experiment_file
 from zerotune.cli.compose import compose
 from zerotune.cli.overrides import group_options, override
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
 
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the answer
             overrides, differ = overrides_for(args.file)
     except ConfigError as exc:
-        print(f"zerotune: config error at {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return report_config_error(exc)
     print(" ".join(overrides))
     if differ:
         print(f"# kept as deepspeed.config_file for: {', '.join(differ)}", file=sys.stderr)

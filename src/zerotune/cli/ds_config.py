@@ -12,7 +12,7 @@ import json
 import sys
 
 from zerotune.cli.compose import compose
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import ConfigError, report_config_error
 from zerotune.preflight import preflight
 
 
@@ -31,8 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             checked = preflight(cfg, world_size=args.world_size, overrides=args.overrides)
     except ConfigError as exc:
-        print(f"zerotune: config error at {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return report_config_error(exc)
     print(json.dumps(checked.ds_config, indent=2))
     print_sources(checked.config_sources)
     return 0

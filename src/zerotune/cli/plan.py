@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 from zerotune.cli.compose import compose
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, recommend, render
 from zerotune.plan.predict import predict
 from zerotune.platform import ANY_CUDA_GPU, Platform
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
             answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)
     except ConfigError as exc:
-        print(f"zerotune: config error at {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return report_config_error(exc)
     if args.json:
         print(json.dumps(answer, indent=2))
     else:

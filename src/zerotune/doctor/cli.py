@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from zerotune.cli.compose import compose
 from zerotune.doctor import files, system
 from zerotune.doctor.check import FAIL, Check, as_json, as_text, exit_code
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import ConfigError, report_config_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose(args.overrides)
         offload_path = args.offload_path or configured_offload_path(cfg)
     except ConfigError as exc:
-        print(f"zerotune: config error at {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return report_config_error(exc)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the report
         checks = run_checks(cfg, args.overrides, offload_path, args.fix)
     print(as_json(checks) if args.json else as_text(checks))

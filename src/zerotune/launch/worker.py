@@ -8,7 +8,6 @@ torch.distributed's environment gives it.
 from __future__ import annotations
 
 import logging
-import sys
 
 # The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
 # pass while the parent checks the job.
@@ -17,7 +16,7 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from zerotune import schema
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.errors import ConfigError, report_config_error
 from zerotune.launch.gate import GateWatch
 from zerotune.rundir import CONFIG
 from zerotune.rundir.spec import JobSpec
@@ -36,6 +35,5 @@ def _main(run_dir: str, gate: GateWatch) -> int:
     try:
         train(cfg, spec, waited)
     except ConfigError as exc:
-        print(f"zerotune: config error at {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT
+        return report_config_error(exc)
     return 0
