@@ -18,11 +18,16 @@ from zerotune.plan.predict import predict
 from zerotune.platform import Platform
 
 EXPERIMENTS = ROOT / "experiments" / "experiment"
+TOKEN = "builder-api-test-token"
 
 
 @pytest.fixture(scope="module")
 def client():
-    with TestClient(builder_app.create_app(), raise_server_exceptions=False) as c:
+    """The page's calls as the page makes them: to 127.0.0.1, with the server's token (test_builder_security.py
+    checks what happens without)."""
+    app = builder_app.create_app(token=TOKEN)
+    with TestClient(app, base_url="http://127.0.0.1:8765", headers={"X-Zerotune-Token": TOKEN},
+                    raise_server_exceptions=False) as c:
         yield c
 
 

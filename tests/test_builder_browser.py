@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
-from tests.helpers.browser import launch
+from tests.helpers.browser import launch, start_builder, stop_builder
 from tests.helpers.cli import ROOT, cli_env, run_cli
 
 EXPERIMENTS = ROOT / "experiments" / "experiment"
@@ -24,19 +22,12 @@ expect.set_options(timeout=20_000)  # ms: the server composes and validates; a b
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))}
-    proc = subprocess.Popen([sys.executable, "-m", "zerotune.builder", "--port", "0"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = None
-    for line in proc.stdout:
-        found = re.search(r"(http://127\.0\.0\.1:\d+/)", line)
-        if found:
-            url = found.group(1)
-            break
-    assert url, "the builder did not print its URL"
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    """The page's address with its token, as the server printed it."""
+    builder = start_builder({**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))})
+    try:
+        yield builder.url
+    finally:
+        stop_builder(builder.proc)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, Field
 
 from zerotune.builder import experiments, fit, form, importing, preview, results
+from zerotune.builder.access import AccessGuard, AllowedHosts, allowed_hosts, cookie_name
 from zerotune.builder.limits import BodyLimit
+from zerotune.cli.compose import as_config_error
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.platform import detect
@@ -95,8 +98,9 @@ def api_file(path: str):
     return FileResponse(results.served_file(path))
 
 
-def create_app():
-    """The page and its JSON calls, behind the 1 MiB request limit."""
+def create_app(*, token: str | None, hosts: AllowedHosts | None = None):
+    """The page and its JSON calls, behind the 1 MiB request limit and the access checks (access.py):
+    requests name one of `hosts` (default: this machine's loopback names) and carry `token` (None: no token)."""
     app = FastAPI(title="zerotune config builder", docs_url=None, redoc_url=None)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
     app.include_router(api)
@@ -110,11 +114,15 @@ def create_app():
     @app.get("/", response_class=HTMLResponse)
     def page(request: Request):
         choices, values = form.defaults()
-        return templates.TemplateResponse(request, "index.html", {
+        response = templates.TemplateResponse(request, "index.html", {
             "fields": form.fields(platform), "choices": choices, "values": values, "platform": platform,
-            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names()})
+            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names(), "token": token})
+        if token is not None and request.query_params.get("token"):  # checked by AccessGuard already
+            # The plots' <img> requests cannot send a header: the cookie carries the token for them.
+            response.set_cookie(cookie_name(request.scope["server"][1]), token, httponly=True, samesite="strict")
+        return response
 
-    return BodyLimit(app)
+    return AccessGuard(BodyLimit(app), hosts or allowed_hosts(), token)
 
 
 def _errors(app: FastAPI) -> None:
@@ -129,6 +137,10 @@ def _errors(app: FastAPI) -> None:
     def exists(_: Request, exc: experiments.ExperimentExists):
         return JSONResponse({"error": {"key": "name", "problem": str(exc), "fix": "confirm, or choose another name",
                                        "field": "name"}, "exists": True}, status_code=409)
+
+    @app.exception_handler(OmegaConfBaseException)
+    def unresolved(request: Request, exc: OmegaConfBaseException):  # an interpolation read after composing
+        return config_error(request, as_config_error(exc, []))
 
     @app.exception_handler(Exception)
     def unexpected(_: Request, exc: Exception):

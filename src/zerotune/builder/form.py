@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from zerotune import CONF_DIR, schema
 from zerotune.cli.compose import compose_with_choices
+from zerotune.cli.interpolation import check_pure_interpolations
 from zerotune.cli.overrides import group_options, override
 from zerotune.platform import Platform
 
@@ -90,9 +91,12 @@ def knob_values(cfg: Any) -> dict[str, Any]:
 def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> list[str]:
     """What differs from the default job, as `python train.py` takes it: group choices first, then keys,
     then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
-    the user set; each is compared with what the rest of the composition gives it."""
-    groups = group_overrides(choices)
+    the user set; each is compared with what the rest of the composition gives it. The page's input
+    composes without reading the environment: `${oc.env:...}` and the like are refused at their key."""
     extra = [e.strip() for e in extra if e.strip()]
+    check_pure_interpolations([*(override(g, o) for g, o in choices.items()),
+                               *(override(k, v) for k, v in values.items()), *extra])
+    groups = group_overrides(choices)
     if not values:
         return groups + extra
     given = composition(tuple(groups))[1]

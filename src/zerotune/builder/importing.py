@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import yaml
 
 from zerotune.builder import form
 from zerotune.builder.paths import imports_dir
+from zerotune.cli.interpolation import check_pure_value
 from zerotune.errors import ConfigError
 from zerotune.import_config import overrides_for
 
 
 def import_text(text: str) -> dict:
-    kind, suffix = _kind(text)
+    kind, suffix, parsed = _kind(text)
+    # Its strings become config values: a "${oc.env:...}" in them would be read when they are composed.
+    check_pure_value("import", parsed, fix="put the value itself in the pasted file, in place of the ${...}")
     # import_config reads files, and a DeepSpeed JSON it cannot fully express stays in the overrides as
     # deepspeed.config_file=<path>: the text is kept under outputs/, named by its content.
     folder = imports_dir()
@@ -27,7 +31,8 @@ def import_text(text: str) -> dict:
     return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **form.as_form(overrides)}
 
 
-def _kind(text: str) -> tuple[str, str]:
+def _kind(text: str) -> tuple[str, str, Any]:
+    """("deepspeed" | "accelerate", the file suffix, the parsed data)."""
     stripped = text.lstrip()
     if not stripped:
         raise ConfigError("import", "nothing was pasted", "paste a DeepSpeed JSON or an accelerate config YAML")
@@ -39,7 +44,7 @@ def _kind(text: str) -> tuple[str, str]:
                               "fix the JSON there (a trailing comma or a missing quote, often)") from None
         if not isinstance(parsed, dict):
             raise ConfigError("import", "the JSON is not an object", "paste a DeepSpeed config: {\"zero_optimization\": ...}")
-        return "deepspeed", ".json"
+        return "deepspeed", ".json", parsed
     try:
         parsed = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -50,4 +55,4 @@ def _kind(text: str) -> tuple[str, str]:
     if not isinstance(parsed, dict) or not ({"compute_environment", "distributed_type", "deepspeed_config"} & set(parsed)):
         raise ConfigError("import", "neither a DeepSpeed JSON nor an accelerate config YAML",
                           "paste a DeepSpeed JSON ({...}) or what `accelerate config` wrote (default_config.yaml)")
-    return "accelerate", ".yaml"
+    return "accelerate", ".yaml", parsed

@@ -1,8 +1,12 @@
 """`python -m zerotune.builder`: serve the config builder page on this machine.
 
-    python -m zerotune.builder                 # http://127.0.0.1:8765/
+    python -m zerotune.builder                 # http://127.0.0.1:8765/?token=...
     python -m zerotune.builder --port 0        # any free port (the URL printed says which)
     python -m zerotune.builder --host 0.0.0.0  # reachable from other machines: the page can write experiments
+
+The URL carries a token made at each start: every request needs it (the page keeps it in a cookie). The
+server answers only requests addressed to this machine (localhost, 127.0.0.1, [::1], --host; with --host
+0.0.0.0 also this machine's names and any IP address); --allow-host adds a name, such as a DNS alias.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 
 import uvicorn
 
+from zerotune.builder.access import allowed_hosts, new_token
 from zerotune.builder.app import create_app
 
 
@@ -22,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="another name of this machine the page may be opened by (repeatable)")
+    parser.add_argument("--no-token", action="store_true",
+                        help="serve without the token: any program or web page that reaches the port can use it")
     args = parser.parse_args(argv)
     # Bound here, not by uvicorn, so that the URL printed carries the real port when --port 0 is given.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -33,10 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"zerotune: cannot listen on {args.host}:{args.port}: {exc.strerror}; try --port 0", file=sys.stderr)
         return 2
+    token = None if args.no_token else new_token()
+    if token is None:
+        print("zerotune: --no-token: any program on this machine, and any web page its browser opens, can use "
+              "the builder and write experiment files", file=sys.stderr)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout: it stays the URL's
-        app = create_app()
+        app = create_app(token=token, hosts=allowed_hosts(args.host, args.allow_host))
     host, port = sock.getsockname()[:2]
-    print(f"zerotune config builder: http://{'[' + host + ']' if ':' in host else host}:{port}/", flush=True)
+    query = f"?token={token}" if token else ""
+    print(f"zerotune config builder: http://{'[' + host + ']' if ':' in host else host}:{port}/{query}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0

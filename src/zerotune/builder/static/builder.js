@@ -19,8 +19,14 @@ function formState() {
   return { choices, values, extra };
 }
 
+// The token the server printed with its URL: sent with every call. The address bar drops it once the
+// page has it (the server also set it as a cookie, for the plots' images).
+const TOKEN = document.querySelector('meta[name="zerotune-token"]')?.content ?? null;
+if (new URLSearchParams(location.search).has("token")) history.replaceState(null, "", location.pathname);
+
 async function call(method, url, body) {
   const init = { method, headers: { "content-type": "application/json" } };
+  if (TOKEN) init.headers["X-Zerotune-Token"] = TOKEN;
   if (body !== undefined) init.body = JSON.stringify(body);
   let response;
   try {
