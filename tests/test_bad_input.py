@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers.cli import compose_cfg, run_cli
+from tests.helpers.fixes import check_fix
 from zerotune import CONF_DIR
 from zerotune.data.footprint import GIB, check_fits_memory
 from zerotune.data.spec import DataSpec
@@ -28,8 +29,10 @@ FAST = ("train.max_steps=2", "evaluate.enabled=false")
 
 
 def plan_error(*overrides: str) -> ConfigError:
+    """The error preflight stops with; its fix line is applied, and must pass (tests/helpers/fixes.py)."""
     with pytest.raises(ConfigError) as err:
         preflight(compose_cfg(*overrides), overrides=list(overrides))
+    check_fix(err.value, list(overrides), lambda fixed: preflight(compose_cfg(*fixed), overrides=fixed))
     return err.value
 
 
@@ -51,6 +54,7 @@ def refused_before_workers(key: str, *overrides: str, run_dir: Path) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["error"]["key"].startswith(key) and summary["status"] == "failed"
     assert took < 60, took  # composition and checks only; a worker's start-up alone took 10-40 s
+    assert plan_error(*overrides).key.startswith(key)  # the same refusal in-process, where its fix is applied
     return proc.stderr
 
 
