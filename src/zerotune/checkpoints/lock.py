@@ -64,6 +64,6 @@ class CheckpointDirLock:
 
 def job_lock(checkpoint: Any, run_dir: str | Path) -> AbstractContextManager:
     """The lock a job holds while it runs: on its checkpoint dir when it will save there, else none."""
-    if checkpoint.every_n_steps > 0 or checkpoint.on_signal:
+    if checkpoint.every_n_steps > 0 or checkpoint.final or checkpoint.on_signal:
         return CheckpointDirLock(checkpoint_root(checkpoint.dir, Path(run_dir)), run_dir)
     return nullcontext()

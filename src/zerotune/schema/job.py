@@ -13,6 +13,7 @@ from typing import Any, Optional
 @dataclass
 class Checkpoint:
     every_n_steps: int = 0
+    final: bool = True                   # a run that completes its steps saves its last one
     keep_last: int = 3
     dir: Optional[str] = None
     on_signal: bool = False              # SIGTERM/SIGINT/SIGUSR1: save before stopping

@@ -53,6 +53,7 @@ class Trainer:
         self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
         self._batches = self._infinite_batches()
         self.saved: list[dict] = []  # this run's checkpoints
+        self.final_checkpoint: str | None = None  # the last step's, once training completed
         self.loss_first = self.loss_last = None
         self.stopped_by: str | None = None
         self.partition: dict | None = None
@@ -166,15 +167,31 @@ class Trainer:
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
-    def _save_due(self, max_steps: int) -> bool:
+    def _save_due(self) -> bool:
         every = self.cfg.checkpoint.every_n_steps
-        return every > 0 and (self.step % every == 0 or self.step == max_steps)
+        return every > 0 and self.step % every == 0
+
+    def _checkpoint_root(self):
+        return checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path)
+
+    def save_final_checkpoint(self) -> None:
+        """The completed run's last step (checkpoint.final), unless a periodic save or the checkpoint this run
+        resumed from already holds it. Every rank calls it."""
+        if not self.cfg.checkpoint.final or self.step == 0:
+            return
+        here = checkpoints.step_dir(self._checkpoint_root(), self.step)
+        resumed = self.resume_decision
+        if resumed is not None and resumed.path.absolute() == here.absolute():
+            self.final_checkpoint = str(here)  # resumed at max_steps: nothing trained since, nothing to rewrite
+            return
+        self.save_checkpoint()
+        self.final_checkpoint = self.saved[-1]["path"]
 
     def save_checkpoint(self) -> None:
         if self.saved and self.saved[-1]["step"] == self.step:
             return  # this step is saved already
         request = ckpt.SaveRequest(
-            root=checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path), step=self.step,
+            root=self._checkpoint_root(), step=self.step,
             meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
             unet=self._module(), job=checkpoints.job_token(self.run_dir.path),
             # fp32 weights, and Adam's two moments of the trained ones
@@ -187,9 +204,9 @@ class Trainer:
 
     def checkpoint_summary(self) -> dict:
         rp = self.resume_decision
-        root = checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path)
-        last = checkpoints.latest(root)
-        out = {"saved": self.saved, "last_complete": str(last) if last is not None else None}
+        last = checkpoints.latest(self._checkpoint_root())
+        out = {"saved": self.saved, "last_complete": str(last) if last is not None else None,
+               "final": self.final_checkpoint}
         if rp is not None:
             out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
                                    "changed": {k: list(v) for k, v in rp.changed.items()}}
@@ -268,8 +285,12 @@ class Trainer:
                 if self.step % every == 0 or self.step in (1, max_steps):
                     self.log_row(row)
                 progress.update(row)
-                if self._save_due(max_steps):
+                if self._save_due():
                     self.save_checkpoint()
+            # Only a run that completed its steps: a failure never gets here (its state may be what broke it,
+            # and a save is a collective a failed rank cannot join); a stop saves per checkpoint.on_signal.
+            if self.stopped_by is None:
+                self.save_final_checkpoint()
         finally:
             progress.close()
         return self.progress()

@@ -99,12 +99,14 @@ def _publish(tmp: Path, final: Path, request: SaveRequest) -> int:
     os.replace(tmp, final)
     write_text_atomic(final / COMPLETE, manifest.dumps(record), durable=True)
     write_text_atomic(Path(request.root) / LATEST, final.name + "\n", durable=True)
-    cleanup(request.root, request.keep_last)
+    cleanup(request.root, request.keep_last, keep=final)
     return sum(f["bytes"] for f in record["files"].values())
 
 
-def cleanup(root: Path, keep_last: int) -> None:
+def cleanup(root: Path, keep_last: int, keep: Path | None = None) -> None:
     """Delete interrupted saves and all but the newest `keep_last` complete checkpoints (0 keeps all).
+    `keep`, the save just published, is never deleted: in a checkpoint dir that holds later steps of an
+    earlier run it is not among the newest, yet it is this run's (its final one, perhaps).
     Only the job holding the checkpoint dir's lock saves, so every temporary folder here is stale or its own."""
     root = Path(root)
     done = set(list_complete(root))
@@ -113,5 +115,7 @@ def cleanup(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     ordered = list_complete(root)
     for p in ordered[:-keep_last] if keep_last > 0 else []:
+        if keep is not None and p == Path(keep):
+            continue
         (p / COMPLETE).unlink()  # incomplete first, so a crash mid-delete leaves no half checkpoint marked done
         shutil.rmtree(p, ignore_errors=True)
