@@ -1,5 +1,5 @@
 """The memory planner's commands and rules: GPU names, the allocator model, the ranking, plan.only jobs,
-the guard on a (faked) CUDA device, and bad input."""
+the guard on a (faked) CUDA device, and bad input. The guard on a CPU accelerator: tests/test_host_guard.py."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def fake_cuda(monkeypatch):
 
 
 def _cfg(guard):
-    return OmegaConf.create({"plan": {"guard": guard, "gpu": None, "gpu_mib": None}})
+    return OmegaConf.create({"plan": {"guard": guard, "gpu": None, "gpu_mib": None, "host_mib": None}})
 
 
 def test_guard_on_a_gpu_with_too_little_free_memory(fake_cuda, caplog):
@@ -115,8 +115,17 @@ def test_guard_on_a_gpu_with_too_little_free_memory(fake_cuda, caplog):
     assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 900.0}) is None
 
 
-def test_guard_has_nothing_to_do_without_a_gpu():
+def test_guard_without_a_gpu_or_host_figures_has_nothing_to_do():
+    # On this CPU-only torch the device's share is guarded through the plan's host_fit (tests/test_host_guard.py).
     assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 10**9}) is None
+
+
+def test_guard_on_a_gpu_host_checks_the_host_terms_too(fake_cuda):
+    fit = {"accelerator": "cuda", "ranks": 1, "needed_mib": 40_000.0, "available_mib": 30_000.0,
+           "total_mib": 32_000.0, "cgroup_limit_mib": None, "budget_mib": None, "room_mib": 30_000.0, "fits": False}
+    with pytest.raises(ConfigError) as err:
+        planning.guard(_cfg("refuse"), {"gpu_peak_mib": 900.0, "host_fit": fit})  # the GPU has room, the host not
+    assert "40,000 MiB of host memory (offloaded states" in err.value.problem and "GPU" not in err.value.problem
 
 
 def test_parameter_blocks_follow_where_zero_keeps_the_parameters():

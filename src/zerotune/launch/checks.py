@@ -74,7 +74,12 @@ class JobChecks:
         base = {**base_summary(cfg, spec), "config_sources": checked.config_sources,
                 "plan": planning.job_plan(cfg, checked, planning.job_gpu(cfg))}
         self.marks.mark("plan")
-        if planning.guard(cfg, base["plan"]) == "predicted_oom":
+        try:
+            decision = planning.guard(cfg, base["plan"])
+        except ConfigError as exc:  # the predicted peak is above the memory there is: recorded with the plan
+            record_refusal(cfg, spec, run_dir, exc, plan=base["plan"])
+            raise
+        if decision == "predicted_oom":
             self.gate.decide("skip")
             return base
         run_dir.write_ds_config(checked.ds_config)

@@ -3,7 +3,9 @@
 The launcher's agent watches the workers: when one dies it stops the others, so no peer is left
 hanging in a collective. A watchdog thread turns a job that outlives `timeout_s` into a recorded
 timeout by killing the worker tree, which the agent then reports as a failure. The workers wait at
-the job's gate (launch/gate.py) until the parent's checks let them train.
+the job's gate (launch/gate.py) until the parent's checks let them train. The host's memory is watched
+while they run: a worker that dies of SIGKILL carries what the host had left just before (records.py
+tells the kernel's OOM killer from a person's kill).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import psutil
 from zerotune.errors import ConfigError
 from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.launch.gate import Gate
+from zerotune.telemetry.host import HostExit, HostWatch
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
 from zerotune.training.threads import check_threads
@@ -37,6 +40,8 @@ class LaunchResult:
     failed_rank: int | None = None        # the global rank that failed first (the root cause)
     failed_local_rank: int | None = None  # its index on this node: logs/<run>/attempt_0/<local_rank>/
     signal: str | None = None             # interrupted: the stop signal this process received
+    exitcode: int | None = None           # failed: the first failed worker's (-9: killed by SIGKILL)
+    host: HostExit | None = None          # failed by a signal: the host's memory before that worker died
 
 
 def _kill_children() -> None:
@@ -101,6 +106,7 @@ class Launcher:
         self._launch = elastic_launch(launch_config(launch, run_dir), sys.executable)
         self._args = ("-u", "-c", BOOTSTRAP, str(os.getpid()), str(run_dir), gate.token)
         self._finished, self._timed_out = threading.Event(), threading.Event()
+        self._host = HostWatch()
 
     def run(self) -> LaunchResult:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -108,6 +114,7 @@ class Launcher:
 
         if self.timeout_s:
             threading.Thread(target=self._watchdog, name="zerotune-timeout", daemon=True).start()
+        self._host.start()
         try:
             self._launch(*self._args)
             return LaunchResult("ok")
@@ -119,8 +126,9 @@ class Launcher:
         except ChildFailedError as exc:
             if self._timed_out.is_set():
                 return LaunchResult("timeout", f"killed after train.timeout_s={self.timeout_s} s")
-            return _failure(exc)
+            return _failure(exc, self._host)
         finally:
+            self._host.stop()
             self._finished.set()
             self.gate.workers_gone.set()  # a cold op build waiting for their imports waits no more
 
@@ -133,10 +141,13 @@ class Launcher:
             _kill_children()
 
 
-def _failure(exc) -> LaunchResult:
+def _failure(exc, host: HostWatch) -> LaunchResult:
     rank, first = exc.get_first_failure()
     detail = first.message.get("message", "") if isinstance(first.message, dict) else first.message
     detail = "" if not isinstance(detail, str) or detail.startswith("To enable traceback") else detail
     detail = detail.strip().splitlines()[0][:2000] if detail.strip() else ""
+    # Killed by a signal (a negative code): what the host had left may say it was the kernel's OOM killer.
+    exit_view = host.exit(first.pid) if first.exitcode is not None and first.exitcode < 0 else None
     return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
-                        + (f": {detail}" if detail else ""), failed_rank=rank, failed_local_rank=first.local_rank)
+                        + (f": {detail}" if detail else ""), failed_rank=rank, failed_local_rank=first.local_rank,
+                        exitcode=first.exitcode, host=exit_view)

@@ -1,15 +1,22 @@
 """The planner in a job's life: its prediction in every summary.json (plan.*), plan.only jobs that
-predict without training, and the guard that acts on a predicted peak above a present GPU's free memory."""
+predict without training, and the guard that acts on a predicted peak above the memory there is: a present
+GPU's free memory, and this host's available memory (on a CPU accelerator the device's memory is host memory)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from zerotune import CONF_DIR
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
+from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
+from zerotune.platform import detect
 from zerotune.preflight import CheckedRun
+from zerotune.telemetry.host import read_host_memory
 
 log = logging.getLogger("zerotune")
 
@@ -35,34 +42,106 @@ def present_gpu() -> gpus.GPU | None:
 
 def job_gpu(cfg: Any) -> gpus.GPU | None:
     """plan.gpu / plan.gpu_mib when given (a bad name is a config error), else the card present."""
-    if cfg.plan.guard not in GUARDS:
-        raise ConfigError("plan.guard", f"unknown {cfg.plan.guard!r}", f"plan.guard={' | '.join(GUARDS)}")
+    check_plan_keys(cfg.plan)
     named = gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     return named or present_gpu()
 
 
+def check_plan_keys(plan: Any) -> None:
+    if plan.guard not in GUARDS:
+        raise ConfigError("plan.guard", f"unknown {plan.guard!r}", f"plan.guard={' | '.join(GUARDS)}")
+    budget = plan.get("host_mib")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ConfigError("plan.host_mib", f"must be a positive number of MiB, got {budget!r}",
+                          "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
+
+
 def job_plan(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
-    """The job's prediction for its summary; a planner failure is recorded, never stops a run."""
+    """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
+    recorded, never stops a run."""
     try:
-        return predict(cfg, checked, gpu)
+        plan = predict(cfg, checked, gpu)
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    if not (cfg.plan.only and (cfg.plan.gpu or cfg.plan.gpu_mib)):  # a plan for a named card is not this host's
+        plan["host_fit"] = host_fit(cfg, plan)
+    return plan
+
+
+def host_fit(cfg: Any, plan: dict) -> dict:
+    """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
+    accelerator, ranks = detect().device_type, int(cfg.launch.num_processes)
+    need, memory, budget = node_need_mib(plan, ranks, accelerator), read_host_memory(), cfg.plan.get("host_mib")
+    room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))
+    return {"accelerator": accelerator, "ranks": ranks, "needed_mib": need, "available_mib": memory.headroom_mib,
+            "total_mib": memory.total_mib, "cgroup_limit_mib": memory.cgroup_limit_mib, "budget_mib": budget,
+            "room_mib": room, "fits": None if need is None else need <= room}
 
 
 def guard(cfg: Any, plan: dict) -> str | None:
-    """On a CUDA device: a predicted peak above its free memory warns, refuses (ConfigError) or skips the
-    job (returns "predicted_oom"). Elsewhere there is nothing to guard."""
+    """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
+    "predicted_oom"): on a CUDA device its free memory; on every host the available memory, against the
+    device terms as well on a CPU accelerator (plan["host_fit"], from job_plan)."""
+    if "gpu_peak_mib" not in plan:
+        return None
+    problems = [p for p in (_cuda_problem(plan), _host_problem(plan.get("host_fit"))) if p]
+    if not problems:
+        return None
+    problem = "; and ".join(problems)
+    if cfg.plan.guard == "refuse":
+        raise ConfigError("plan.guard", problem, _fixes(cfg, plan))
+    log.warning("%s (plan.guard=%s)", problem, cfg.plan.guard)
+    return "predicted_oom" if cfg.plan.guard == "skip" else None
+
+
+def _cuda_problem(plan: dict) -> str | None:
     import torch
 
-    if "gpu_peak_mib" not in plan or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return None
     free_mib = torch.cuda.mem_get_info()[0] / 2**20
     if plan["gpu_peak_mib"] <= free_mib:
         return None
-    problem = f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB is above the {free_mib:,.0f} MiB free on this GPU"
-    if cfg.plan.guard == "refuse":
-        raise ConfigError("plan.guard", problem, "python -m zerotune.plan ... --all for options that fit, or "
-                          "plan.guard=warn to run anyway")
-    log.warning("%s (plan.guard=%s)", problem, cfg.plan.guard)
-    return "predicted_oom" if cfg.plan.guard == "skip" else None
+    return f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB is above the {free_mib:,.0f} MiB free on this GPU"
+
+
+def _host_problem(fit: dict | None) -> str | None:
+    if not fit or fit["fits"] is not False:
+        return None
+    what = ("host memory (on a CPU accelerator the device's memory is host memory)" if fit["accelerator"] == "cpu"
+            else "host memory (offloaded states, the fp32 build of the U-Net)")
+    budget = fit["budget_mib"]
+    if budget is not None and budget <= fit["available_mib"]:
+        room = f"the {budget:,.0f} MiB plan.host_mib gives the job"
+    elif fit["cgroup_limit_mib"] is not None:
+        room = f"the {fit['available_mib']:,.0f} MiB available (cgroup limit {fit['cgroup_limit_mib']:,.0f} MiB)"
+    else:
+        room = f"the {fit['available_mib']:,.0f} MiB available on this host ({fit['total_mib']:,.0f} MiB in all)"
+    return (f"predicted peak {fit['needed_mib']:,.0f} MiB of {what} for this node's {fit['ranks']} rank(s) "
+            f"is above {room}")
+
+
+def _fixes(cfg: Any, plan: dict) -> str:
+    """What brings the prediction under the memory there is, the largest terms' remedies first; alternatives
+    apart, each as the overrides to type."""
+    fixes = []
+    fit = plan.get("host_fit") or {}
+    if fit.get("fits") is False:
+        states, activations = largest_share(plan, fit["accelerator"])
+        if fit["ranks"] > 1:
+            fixes.append("launch.num_processes=1 (each rank holds its own copy)")
+        if states >= 0.5 and (cfg.get("adapter") is None or cfg.adapter.get("name", "none") == "none"):
+            fixes.append("adapter=lora (trains an adapter, the U-Net frozen)")
+        if OmegaConf.select(cfg, "offload.device") != "nvme":
+            fixes.append("zero_stage=3 offload=nvme offload.path=<folder> (parameters and optimizer states on a "
+                         "fast disk; its own buffers stay in memory: see its plan with plan.only=true first)")
+        if activations >= 0.25:
+            fixes.append(f"a lower resolution or train.batch_size (activations are {activations:.0%} of the peak)")
+    else:
+        fixes.append("python -m zerotune.plan ... --all for options that fit")
+    model = OmegaConf.select(cfg, "model.name")
+    others = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if model and p.stem != model)
+    fixes += [f"model={name}" for name in others]
+    fixes += ["plan.only=true to predict without training", "plan.guard=warn to run anyway"]
+    return "; or ".join(fixes)

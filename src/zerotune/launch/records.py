@@ -3,6 +3,7 @@ launcher's outcome and the whole tree's memory folded into the workers' own summ
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
 from zerotune.schema import launch_world_size
 from zerotune.telemetry import environment_info
+from zerotune.telemetry.host import HostExit, near_limit
 
 
 def base_summary(cfg: Any, spec: JobSpec) -> dict:
@@ -23,10 +25,14 @@ def base_summary(cfg: Any, spec: JobSpec) -> dict:
             "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec)}
 
 
-def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError) -> None:
-    """A job refused before training still has its summary.json, naming the key."""
-    run_dir.write_summary({**base_summary(cfg, spec), "error": {"type": type(exc).__name__, "key": exc.key,
-                                                                 "message": str(exc)}, "env": environment_info()})
+def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError, plan: dict | None = None) -> None:
+    """A job refused before training still has its summary.json, naming the key (and the prediction, when the
+    guard refused it)."""
+    summary = {**base_summary(cfg, spec), "error": {"type": type(exc).__name__, "key": exc.key,
+                                                     "message": str(exc)}, "env": environment_info()}
+    if plan is not None:
+        summary["plan"] = plan
+    run_dir.write_summary(summary)
 
 
 def _checkpoint_dir(cfg: Any, spec: JobSpec) -> str:
@@ -47,18 +53,7 @@ def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Pa
         summary["status"] = "interrupted"
         summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
     elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
-        # A worker's own "oom" stays; a timeout or a death the worker could not record is the launcher's.
-        if result.status == "timeout" or "error" not in summary:
-            summary["status"] = result.status
-            summary["error"] = {"type": result.status, "message": result.error,
-                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
-        elif result.failed_rank not in (None, 0):
-            # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
-            # failed first: its error leads, rank 0's stays beside it.
-            summary["status"] = "failed"
-            summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
-                                "rank0_error": summary["error"],
-                                "log_tail": log_tail(run_dir, local_rank=result.failed_local_rank)}
+        _launcher_failure(summary, result, peaks, run_dir)
     _last_checkpoint(summary)
     memory = summary.setdefault("memory", {})
     memory["host_peak_rss_mib"] = peaks["host_peak_rss_mib"]  # all ranks, not just rank 0
@@ -73,6 +68,69 @@ def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Pa
     if len(files.get("per_rank", [])) >= len(memory.get("per_rank") or []):
         memory.update(files)
     return summary
+
+
+def _launcher_failure(summary: dict, result: LaunchResult, peaks: dict, run_dir: Path) -> None:
+    """A worker's own "oom" stays; a timeout, a death the worker could not record, or the kernel's OOM killer
+    is the launcher's to record."""
+    tail = log_tail(run_dir, local_rank=result.failed_local_rank)
+    host_oom = host_oom_error(result, summary, peaks)
+    if host_oom is not None:
+        # The kernel's OOM killer: whatever rank 0 recorded (a peer gone, or nothing) follows from it.
+        if "error" in summary:
+            host_oom["rank0_error"] = summary["error"]
+        summary["status"], summary["error"] = "oom", {**host_oom, "log_tail": tail}
+    elif result.status == "timeout" or "error" not in summary:
+        summary["status"] = result.status
+        summary["error"] = {"type": result.status, "message": result.error, "log_tail": tail}
+    elif result.failed_rank not in (None, 0):
+        # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
+        # failed first: its error leads, rank 0's stays beside it.
+        summary["status"] = "failed"
+        summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
+                            "rank0_error": summary["error"], "log_tail": tail}
+
+
+def host_oom_error(result: LaunchResult, summary: dict, peaks: dict) -> dict | None:
+    """A worker killed by SIGKILL while the host was out of memory (its headroom, or the workers' RSS against
+    the host's limit or plan.host_mib, within a small margin at the last samples; or the kernel's own record of
+    an OOM kill) is the kernel's OOM killer's doing: the error for the summary, with the predicted and measured
+    figures. None for any other death: a SIGKILL with memory to spare is a person's or a scheduler's."""
+    if result.exitcode != -signal.SIGKILL or result.host is None:
+        return None
+    fit = (summary.get("plan") or {}).get("host_fit") or {}
+    near = near_limit(result.host.samples, fit.get("budget_mib"))
+    if near is None and not result.host.kernel_says_oom:
+        return None
+    last = result.host.samples[-1].memory.as_dict() if result.host.samples else {}
+    figures = near or {**last, "tree_rss_mib": None, "near": None}
+    predicted, peak = fit.get("needed_mib"), peaks.get("host_peak_rss_mib")
+    # The figures first: a report shows the message's first 120 characters.
+    message = (f"{'no prediction' if predicted is None else f'predicted {predicted:,.0f} MiB'}, peak RSS {_mib(peak)}, "
+               f"{_mib(figures.get('available_mib'))} available of {_mib(figures.get('limit_mib'))}: rank "
+               f"{result.failed_rank} was killed (SIGKILL) by the kernel's OOM killer "
+               f"({'; '.join(_evidence(result.host, near))}). Less host memory: zero_stage=3 offload=nvme "
+               "offload.path=<folder>, a smaller model, resolution or batch, or fewer launch.num_processes")
+    return {"type": "HostOutOfMemory", "kind": "host", "message": message, "failed_rank": result.failed_rank,
+            "exitcode": result.exitcode, "predicted_mib": predicted, "peak_rss_mib": peak,
+            "rss_at_last_samples_mib": figures.get("tree_rss_mib"), "available_mib": figures.get("available_mib"),
+            "total_mib": figures.get("total_mib"), "limit_mib": figures.get("limit_mib"),
+            "cgroup_limit_mib": figures.get("cgroup_limit_mib"), "budget_mib": fit.get("budget_mib"),
+            "kernel_log": result.host.kernel_log, "cgroup_oom_kills": result.host.cgroup_oom_kills}
+
+
+def _evidence(host: HostExit, near: dict | None) -> list[str]:
+    said = ["the kernel's log names the worker as OOM-killed"] if host.kernel_log else []
+    if host.cgroup_oom_kills:
+        said.append(f"the cgroup counted {host.cgroup_oom_kills} OOM kill(s) during the job")
+    if near is not None:
+        gap = near["gap_mib"]
+        said.append(f"{near['near']}: {gap:,.0f} MiB left" if gap > 0 else f"{near['near']}: {-gap:,.0f} MiB over")
+    return said
+
+
+def _mib(value: float | None) -> str:
+    return "unmeasured" if value is None else f"{value:,.0f} MiB"
 
 
 def log_tail(run_dir: Path, lines: int = 30, local_rank: int | None = None) -> list[str]:

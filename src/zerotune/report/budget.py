@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, swept_keys
+from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_word, swept_keys
 from zerotune.report.plan_columns import PLAN_TIME_KEY, PREDICTED_FOR
 
 # What `--metric gpu|host` means.
@@ -274,4 +274,4 @@ def _same(value: Any, wanted: Any) -> bool:
 
 def _status_counts(rows: list[dict]) -> str:
     """`2 oom, 1 failed` (empty for no rows)."""
-    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(r["status"] for r in rows).items()))
+    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))

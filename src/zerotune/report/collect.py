@@ -28,7 +28,7 @@ MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry fo
 TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
 # The U-Net's parameters the optimizer trains and those it leaves frozen (an adapter's base).
 PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
-# Row keys: sweep_dir, job, run_dir, status, params, overrides, choices, error, experiment, device,
+# Row keys: sweep_dir, job, run_dir, status, oom_kind, params, overrides, choices, error, experiment, device,
 # plus every name in MEMORY_KEYS, PERF_KEYS, TOP_KEYS and PARAM_COUNT_KEYS, and the prediction's plan_*
 # keys and plan_error (plan_columns.py) -- all None when absent.
 
@@ -111,7 +111,7 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     overrides = read_overrides(job)
     row: dict[str, Any] = {"sweep_dir": str(sweep), "job": job.name, "run_dir": str(job),
                            "overrides": overrides, "error": None, "experiment": None, "device": None,
-                           "choices": {}}
+                           "choices": {}, "oom_kind": None}
     summary, problem = _read_summary(job)
     if summary is None:
         row["status"] = RUNNING if _recently_changed(job, running_window_s) else MISSING
@@ -119,6 +119,7 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
         summary = {}
     else:
         row["status"] = str(summary.get("status") or MISSING)
+        row["oom_kind"] = oom_kind(row["status"], summary.get("error"))
         row["error"] = short_error(summary.get("error"))
         row["experiment"] = summary.get("experiment")
         row["device"] = (summary.get("env") or {}).get("device_name")
@@ -135,6 +136,21 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     row[PLAN_ERROR] = short_error(row[PLAN_ERROR])
     row["params"] = _params(row["choices"], overrides)
     return row
+
+
+def oom_kind(status: str, error: Any) -> str | None:
+    """Which memory ran out in an "oom" job: "host" where the kernel's OOM killer ended it (its error says
+    kind "host"), "gpu" for a worker's CUDA out-of-memory error, None where the summary does not say."""
+    if status != "oom" or not isinstance(error, dict):
+        return None
+    if error.get("kind"):
+        return str(error["kind"])
+    return "gpu" if error.get("type") == "OutOfMemoryError" else None
+
+
+def status_word(row: dict) -> str:
+    """The status as counts name it: `oom (host)` where the host's memory ran out."""
+    return f"oom ({row['oom_kind']})" if row["status"] == "oom" and row.get("oom_kind") == "host" else row["status"]
 
 
 def _choices(summary: dict) -> dict[str, Any]:

@@ -28,6 +28,8 @@ TIME_PNG = "step_time_vs_resolution.png"
 HOST_PNG = "host_memory_by_stage.png"
 # Statuses drawn as a red X: the configuration ran and did not finish. missing/running jobs are not drawn.
 DID_NOT_FINISH = {"oom": "OOM", "failed": "failed", "timeout": "timeout"}
+# An "oom" job's label by the memory that ran out (collect.oom_kind): the host's is told apart.
+OOM_LABELS = {"host": "host OOM"}
 OFFLOAD_STYLE = {"none": "-", "cpu": "--", "nvme": ":"}
 # Keys that are an axis or a facet; every other swept key splits lines further.
 LAYOUT_KEYS = ("zero_stage", "offload", "resolution", "batch_size")
@@ -79,7 +81,7 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
                         linestyle=OFFLOAD_STYLE.get(str(s[1]), "-."))
             # Spread the marks of different lines a little so two OOMs at one resolution both show.
             shift = 2 ** (0.06 * (i - (len(series) - 1) / 2))
-            _mark_unfinished(ax, [(r["params"]["resolution"] * shift, r["status"]) for r in mine
+            _mark_unfinished(ax, [(r["params"]["resolution"] * shift, unfinished_label(r)) for r in mine
                                   if r["status"] in DID_NOT_FINISH], colors[s])
         _resolution_axis(ax, [r["params"]["resolution"] for r in panel])
         ax.set_title(f"batch size {batch}")
@@ -121,7 +123,7 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
                     aggregated |= len(values) > 1
                     ax.bar(pos, max(values), width, color=f"C{j % 10}")
                 else:
-                    _mark_unfinished(ax, [(pos, r["status"]) for r in cell if r["status"] in DID_NOT_FINISH],
+                    _mark_unfinished(ax, [(pos, unfinished_label(r)) for r in cell if r["status"] in DID_NOT_FINISH],
                                      "red", y=0.05)
         ax.set_xticks(range(len(stages)), [f"ZeRO-{s}" for s in stages])
         ax.set_title(f"resolution {res}, batch size {batch}")
@@ -135,13 +137,19 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
     return Plot(path, title)
 
 
+def unfinished_label(row: dict) -> str:
+    """What a red X says: the status, and for an out-of-memory job which memory ran out, where known."""
+    return OOM_LABELS.get(row.get("oom_kind") or "", DID_NOT_FINISH[row["status"]]) if row["status"] == "oom" \
+        else DID_NOT_FINISH[row["status"]]
+
+
 def _mark_unfinished(ax: Axes, points: list[tuple[float, str]], edge: str, y: float = 0.93) -> None:
-    """A red X at height `y` (axes fraction) with the status written above it."""
+    """A red X at height `y` (axes fraction) with its label written above it."""
     edge_of_axes = blended_transform_factory(ax.transData, ax.transAxes)
-    for x, status in points:
+    for x, label in points:
         ax.scatter([x], [y], marker="X", s=90, color="red", edgecolors=edge, linewidths=1.2,
                    transform=edge_of_axes, zorder=5, clip_on=False)
-        ax.text(x, y + 0.035, DID_NOT_FINISH[status], color="red", fontsize=7, ha="center", va="bottom",
+        ax.text(x, y + 0.035, label, color="red", fontsize=7, ha="center", va="bottom",
                 transform=edge_of_axes)
 
 

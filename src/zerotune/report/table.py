@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key
+from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_word
 from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
@@ -156,7 +156,7 @@ def reference_section(rows: list[dict]) -> str:
 def summary_markdown(rows: list[dict], keys: list[str], sections: list[str]) -> str:
     """The whole summary.md: header, the table, the reference comparison, then `sections` as given."""
     sweeps = ", ".join(f"`{s}`" for s in dict.fromkeys(r["sweep_dir"] for r in rows))
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(Counter(r["status"] for r in rows).items()))
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))
     parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {counts}.",
              f"Configuration columns: {', '.join(keys) or 'none'} (the keys that differ across jobs; for "
              "jobs that all agree, the keys that name the configuration).", "",

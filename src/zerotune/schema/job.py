@@ -24,7 +24,10 @@ class Plan:
     only: bool = False                   # predict the job's memory and time floor, train nothing
     gpu: Optional[str] = None            # the card to plan for (plan/gpus.py); null: the one present, if any
     gpu_mib: Optional[int] = None        # or just its memory
-    guard: str = "warn"                  # on a GPU, a predicted peak above its free memory: warn | refuse | skip
+    host_mib: Optional[int] = None       # host memory this node's job may use; null: what the host has available
+    # A predicted peak above a GPU's free memory or the host's available memory (on a CPU accelerator the device's
+    # memory is host memory): refuse | warn | skip
+    guard: str = "refuse"
 
 
 @dataclass

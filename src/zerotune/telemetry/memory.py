@@ -43,6 +43,67 @@ def _max(a: float | None, b: float | None) -> float | None:
     return max(a, b)
 
 
+class ProcessTree:
+    """A process and its descendants (minus subtrees of excluded names), walked cheaply many times a second:
+    psutil handles are cached so name() and pid reuse checks stay cheap."""
+
+    def __init__(self, root: int, include_root: bool = True, exclude_names: tuple[str, ...] = ()) -> None:
+        self.root, self.include_root, self.exclude_names = root, include_root, tuple(exclude_names)
+        self._procs: dict[int, psutil.Process] = {}
+
+    def _proc(self, pid: int) -> psutil.Process | None:
+        proc = self._procs.get(pid)
+        if proc is None:
+            try:
+                proc = psutil.Process(pid)
+            except psutil.Error:
+                return None
+            self._procs[pid] = proc
+        return proc
+
+    def _children(self, pid: int) -> list[int]:
+        kids = child_pids(pid)
+        if kids is not None:
+            return kids
+        proc = self._proc(pid)  # portable fallback: scans every process on the machine
+        try:
+            return [c.pid for c in proc.children()] if proc else []
+        except psutil.Error:
+            return []
+
+    def pids(self) -> list[int]:
+        """The root pid (when included) and all its descendants, minus excluded subtrees."""
+        pids: list[int] = []
+        stack = [self.root]
+        while stack:
+            pid = stack.pop()
+            if pid != self.root and self.exclude_names:
+                proc = self._proc(pid)
+                try:
+                    if proc is None or proc.name() in self.exclude_names:
+                        continue
+                except psutil.Error:
+                    continue
+            if pid != self.root or self.include_root:
+                pids.append(pid)
+            stack.extend(self._children(pid))
+        for gone in set(self._procs) - set(pids):
+            del self._procs[gone]
+        return pids
+
+    def rss_bytes(self, pids: list[int]) -> int:
+        # Plain RSS summed over processes: pages shared between them (fork copy-on-write, shared libs, shm)
+        # count once per process. PSS would be exact but reads /proc/<pid>/smaps, far too slow at 20 Hz.
+        total = 0
+        for pid in pids:
+            proc = self._proc(pid)
+            try:
+                total += proc.memory_info().rss if proc else 0
+            except psutil.Error:  # vanished mid-scan
+                continue
+        return total
+
+
 class MemorySampler:
     """Samples memory in a daemon thread and keeps peaks. Thread-safe; all values are MiB floats or None.
 
@@ -72,7 +133,7 @@ class MemorySampler:
         self._container_pids = in_child_pid_namespace()
         self._warned_pid_ns = False
 
-        self._procs: dict[int, psutil.Process] = {}  # cached so name() and pid reuse checks stay cheap
+        self._tree = ProcessTree(self.pid, include_root, self.exclude_names)
         self._sample_lock = threading.Lock()  # serialises sampling (thread vs. sample_now)
         self._state_lock = threading.Lock()  # guards _current/_peaks/_stats
         self._current: dict[str, float | None] = dict.fromkeys(KEYS)
@@ -120,9 +181,9 @@ class MemorySampler:
         """Takes one sample synchronously, updates peaks and returns the sample."""
         with self._sample_lock:
             t0, c0 = time.perf_counter(), time.thread_time()
-            pids = self._tree()
+            pids = self._tree.pids()
             sample = {
-                "host_peak_rss_mib": self._rss_bytes(pids) / MIB,
+                "host_peak_rss_mib": self._tree.rss_bytes(pids) / MIB,
                 "nvme_peak_mib": None if self.nvme_dir is None else dir_bytes(self.nvme_dir) / MIB,
                 "gpu_peak_process_mib": None,
                 "gpu_peak_device_mib": None,
@@ -137,58 +198,6 @@ class MemorySampler:
             self._sample_time_s += dt
             self._sample_cpu_s += dc
         return dict(sample)
-
-    def _proc(self, pid: int) -> psutil.Process | None:
-        proc = self._procs.get(pid)
-        if proc is None:
-            try:
-                proc = psutil.Process(pid)
-            except psutil.Error:
-                return None
-            self._procs[pid] = proc
-        return proc
-
-    def _children(self, pid: int) -> list[int]:
-        kids = child_pids(pid)
-        if kids is not None:
-            return kids
-        proc = self._proc(pid)  # portable fallback: scans every process on the machine
-        try:
-            return [c.pid for c in proc.children()] if proc else []
-        except psutil.Error:
-            return []
-
-    def _tree(self) -> list[int]:
-        """The root pid and all its descendants, minus excluded subtrees."""
-        pids: list[int] = []
-        stack = [self.pid]
-        while stack:
-            pid = stack.pop()
-            if pid != self.pid and self.exclude_names:
-                proc = self._proc(pid)
-                try:
-                    if proc is None or proc.name() in self.exclude_names:
-                        continue
-                except psutil.Error:
-                    continue
-            if pid != self.pid or self.include_root:
-                pids.append(pid)
-            stack.extend(self._children(pid))
-        for gone in set(self._procs) - set(pids):
-            del self._procs[gone]
-        return pids
-
-    def _rss_bytes(self, pids: list[int]) -> int:
-        # Plain RSS summed over processes: pages shared between them (fork copy-on-write, shared libs, shm)
-        # count once per process. PSS would be exact but reads /proc/<pid>/smaps, far too slow at 20 Hz.
-        total = 0
-        for pid in pids:
-            proc = self._proc(pid)
-            try:
-                total += proc.memory_info().rss if proc else 0
-            except psutil.Error:  # vanished mid-scan
-                continue
-        return total
 
     def _gpu_mib(self, pids: list[int]) -> tuple[float | None, float | None]:
         try:
