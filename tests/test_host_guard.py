@@ -325,3 +325,14 @@ def test_reports_tell_a_host_oom_from_a_gpu_oom(tmp_path):
     assert [rows[j]["oom_kind"] for j in "012"] == ["host", "gpu", None]
     assert [plots.unfinished_label(rows[j]) for j in "012"] == ["host OOM", "OOM", "failed"]
     assert collect.status_word(rows["0"]) == "oom (host)" and collect.status_word(rows["1"]) == "oom"
+
+
+def test_a_cpu_allocation_failure_is_recorded_as_out_of_memory():
+    import torch
+
+    from zerotune.rundir.summary import is_oom
+
+    with pytest.raises(RuntimeError) as err:
+        torch.empty(2**62, dtype=torch.uint8)  # more than any machine has: refused at once, nothing allocated
+    assert is_oom(err.value)
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

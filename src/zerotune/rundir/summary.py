@@ -43,7 +43,11 @@ def experiment_info(cfg: Any) -> dict | None:
 def is_oom(exc: BaseException) -> bool:
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    # torch's CPU allocator raises a RuntimeError ("DefaultCPUAllocator: can't allocate memory", or "not enough
+    # memory") where CUDA's raises OutOfMemoryError.
+    message = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or any(
+        words in message for words in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
 def write_rank_record(run_dir: Path, rank: int, record: dict) -> dict:
