@@ -25,7 +25,7 @@ from zerotune.errors import ConfigError
 TOKEN = "builder-security-test-token"
 PORT = 8765
 SECRET = "wandb-fake-secret-7f3a9c"
-EXPERIMENTS = ROOT / "experiments"
+EXPERIMENTS = ROOT / "experiments" / "experiment"
 FORM = {"choices": {"zero_stage": "1"}, "values": {}, "extra": []}
 # Every route, with a body that would change something if it were answered.
 ROUTES = [("GET", "/", None), ("GET", "/api/experiments", None),
@@ -82,7 +82,7 @@ def test_a_foreign_host_is_refused_on_every_route_and_nothing_is_written(app, me
     error = answer.json()["error"]
     assert error["key"] == "host" and "evil.example" in error["problem"] and "--allow-host" in error["fix"]
     assert written_files() == before
-    assert not (EXPERIMENTS / "experiment" / "builder_security_written.yaml").exists()
+    assert not (EXPERIMENTS / "builder_security_written.yaml").exists()
 
 
 @pytest.mark.parametrize("host", ["evil.example", "127.0.0.1.evil.example", "localhost.evil.example",
