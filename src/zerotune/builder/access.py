@@ -62,7 +62,7 @@ class AccessGuard:
         self.app, self.hosts, self.token = app, hosts, token
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # lifespan; the app serves no websockets
             return await self.app(scope, receive, send)
         refusal = self.refusal(scope)
         if refusal is not None:
