@@ -40,7 +40,7 @@ def start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "zerotune.builder", "--port", "0"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
-        found = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        found = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]+", line)
         if found:
             return proc, found.group(0)
     sys.exit("the builder did not start")

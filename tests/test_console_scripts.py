@@ -7,8 +7,11 @@ import re
 import subprocess
 import sys
 import tomllib
+import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.cli import ROOT, cli_env
 
@@ -61,12 +64,33 @@ def test_zerotune_builder_serves_the_page_and_a_taken_port_is_a_clear_error(tmp_
                               stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         first = server.stdout.readline()  # stdout is the URL alone (DeepSpeed's logs go to stderr)
-        found = re.search(r"^zerotune config builder: http://127\.0\.0\.1:(\d+)/$", first.strip())
+        found = re.search(r"^zerotune config builder: http://127\.0\.0\.1:(\d+)/\?token=[\w-]+$", first.strip())
         assert found, first + (tmp_path / "stderr.txt").read_text()
         with urllib.request.urlopen(first.split()[-1], timeout=60) as page:
             assert page.status == 200 and b"zerotune config builder" in page.read()
         taken = run_script("zerotune-builder", "--port", found.group(1))
         assert taken.returncode == 2 and "cannot listen on 127.0.0.1:" in taken.stderr and "--port 0" in taken.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_zerotune_builder_without_a_token_warns_and_still_checks_the_host(tmp_path):
+    log = open(tmp_path / "stderr.txt", "w")  # noqa: SIM115  (closed with the server)
+    server = subprocess.Popen([str(BIN / "zerotune-builder"), "--port", "0", "--no-token"], cwd=ROOT, env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        first = server.stdout.readline().strip()
+        found = re.search(r"^zerotune config builder: (http://127\.0\.0\.1:\d+/)$", first)
+        assert found, first + (tmp_path / "stderr.txt").read_text()
+        assert "--no-token" in (tmp_path / "stderr.txt").read_text()
+        with urllib.request.urlopen(found.group(1) + "api/experiments", timeout=60) as answer:
+            assert answer.status == 200 and "names" in json.loads(answer.read())
+        rebound = urllib.request.Request(found.group(1) + "api/experiments", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(rebound, timeout=60)
+        assert refused.value.code == 403
     finally:
         server.terminate()
         server.wait(timeout=30)
