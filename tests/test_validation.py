@@ -8,14 +8,18 @@ import json
 import pytest
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.fixes import check_fix
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform, detect
 from zerotune.preflight import preflight
 
 
 def plan_error(*overrides: str, platform: Platform | None = None) -> ConfigError:
+    """The error preflight stops with; its fix line is applied, and must pass (tests/helpers/fixes.py)."""
     with pytest.raises(ConfigError) as err:
         preflight(compose_cfg(*overrides), platform=platform, overrides=list(overrides))
+    check_fix(err.value, list(overrides),
+              lambda fixed: preflight(compose_cfg(*fixed), platform=platform, overrides=fixed))
     return err.value
 
 
@@ -27,7 +31,7 @@ def write_json(tmp_path, data, name="ds.json"):
 
 def test_stage_out_of_range():
     err = plan_error("zero_stage.stage=5")
-    assert err.key == "zero_optimization.stage" and "0, 1, 2 or 3" in err.problem and "zero_stage=" in err.fix
+    assert err.key == "zero_optimization.stage" and "0, 1, 2 or 3" in err.problem and "zero_stage.stage=3" in err.fix
 
 
 def test_param_offload_below_stage_3():
@@ -246,3 +250,17 @@ def test_a_bad_value_in_one_job_of_a_sweep_stops_the_sweep_before_it_starts(tmp_
 def test_ds_config_cli_refuses_a_world_size_below_one(world):
     proc = run_cli("--world-size", world, module="zerotune.ds_config", timeout=120)
     assert proc.returncode == CONFIG_ERROR_EXIT and "`--world-size`" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bucket_size_that_is_no_number_is_named_on_the_command_line():
+    err = plan_error("zero_stage=2", "deepspeed.reduce_bucket_size=abc")  # its fix is applied there too
+    assert err.key == "deepspeed.reduce_bucket_size" and "whole number of elements" in err.problem
+
+
+def test_a_bucket_size_that_is_no_number_is_named_in_the_file(tmp_path):
+    file = write_json(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": "abc"}})
+    err = plan_error(f"deepspeed.config_file={file}")
+    assert err.key == "zero_optimization.reduce_bucket_size" and "(ds.json)" in err.problem
+    assert err.fix.startswith("set zero_optimization.reduce_bucket_size to auto in ds.json")
+    file.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}))  # the fix
+    preflight(compose_cfg(f"deepspeed.config_file={file}"), overrides=[f"deepspeed.config_file={file}"])

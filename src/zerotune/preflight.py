@@ -107,9 +107,12 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
     _check_inputs(cfg)
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model, cfg.get("adapter"))
-    ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))
-    if user.deepspeed is not None:
-        ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
+    try:
+        ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))
+        if user.deepspeed is not None:
+            ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
+    except ConfigError as exc:
+        raise user.attribute(exc) from None
     builder.choose_adam(ds, cfg)
     adapter.check_optimizer(cfg.get("adapter"), ds["optimizer"]["type"])
     try:

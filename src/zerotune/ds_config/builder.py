@@ -8,6 +8,7 @@ from typing import Any
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.ds_config.schedulers import scheduler_block
+from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
 
 
@@ -40,6 +41,10 @@ def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
     to 1M): gradients and updated weights of the trained parameters, or any parameter for stage 3's prefetch."""
     value = ds[key]
     if value != "auto":
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or not str(value).isdigit() \
+                and not (isinstance(value, float) and value.is_integer() and value >= 0):
+            raise ConfigError(f"deepspeed.{key}", f"a bucket size is a whole number of elements, or auto; got "
+                              f"{value!r}", f"deepspeed.{key}=auto, e.g. deepspeed.{key}={DEFAULT_BUCKETS[key]}")
         return int(value)
     count = stats.num_params if key == "stage3_prefetch_bucket_size" else stats.num_trainable
     return min(DEFAULT_BUCKETS[key], -(-count // 1_000_000) * 1_000_000)
