@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import logging
 from typing import Any
 
@@ -13,6 +14,10 @@ from zerotune.errors import ConfigError
 from zerotune.platform import Platform
 
 log = logging.getLogger(__name__)
+
+# A config meant for another machine can be checked for a card instead; "<overrides>" is replaced by the
+# command line's own (UserConfig.attribute), so a value a file states is never re-typed.
+PLAN_FOR_A_CARD = "python -m zerotune.plan <overrides> --gpu NAME"
 
 
 def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
@@ -40,14 +45,14 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
 def _check_stage(stage: Any) -> int:
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}",
-                          "zero_stage=0|1|2|3")
+                          "zero_stage.stage=<0, 1, 2 or 3>, e.g. zero_stage.stage=3")
     return stage
 
 
 def _check_platform(platform: Platform, stage: int) -> None:
     if not platform.deepspeed_supported and stage >= 1:
         raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
-                          "use zero_stage=0, which trains with plain accelerate here")
+                          f"zero_stage=0 (plain accelerate here), or plan it for a CUDA card: {PLAN_FOR_A_CARD}")
 
 
 def _check_batch(ds: dict, world_size: int) -> None:
@@ -62,7 +67,7 @@ def _check_batch(ds: dict, world_size: int) -> None:
 def _check_clip(clip: Any) -> None:
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
-                          "train.grad_clip=1.0 (or 0 to disable)")
+                          "train.grad_clip=1.0, or train.grad_clip=0 to disable clipping")
 
 
 def _check_precision(ds: dict, platform: Platform) -> None:
@@ -73,8 +78,9 @@ def _check_precision(ds: dict, platform: Platform) -> None:
                           "precision=fp16 (and remove the other block from deepspeed.config_file)")
     for name, on in (("bf16", bf16), ("fp16", fp16)):
         if on and not platform.supports(name):
+            here = "precision=fp32" + ("" if name == "bf16" or not platform.bf16 else " or precision=bf16")
             raise ConfigError(f"{name}.enabled", f"this {platform.device_type} device cannot train in {name}",
-                              "precision=fp32" + ("" if name == "bf16" or not platform.bf16 else " or precision=bf16"))
+                              f"{here}, or plan it for a card that can: {PLAN_FOR_A_CARD}")
 
 
 def _check_offload(zero: dict, stage: int) -> bool:
@@ -86,12 +92,12 @@ def _check_offload(zero: dict, stage: int) -> bool:
                           f"{stage}", "zero_stage=3, or offload.params=false")
     if opt_dev != "none" and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer", "offload needs ZeRO stage 1 or more: stage 0 "
-                          "has no partitioned optimizer to move", "zero_stage=2 offload=cpu, or offload=none")
+                          "has no partitioned optimizer to move", "zero_stage=2, or offload=none")
     if "nvme" in (opt_dev, param_dev):
         if stage < 3:
             raise ConfigError("offload", f"NVMe offload needs ZeRO stage 3: at stage {stage} DeepSpeed keeps "
                               "optimizer states in host memory and never writes the NVMe folder",
-                              "zero_stage=3 offload=nvme, or offload=cpu")
+                              "zero_stage=3, or offload=cpu")
         for block_name, block in (("offload_optimizer", opt), ("offload_param", param)):
             if block and block.get("device") == "nvme":
                 offload_mod.check_nvme_path(block.get("nvme_path"), f"zero_optimization.{block_name}.nvme_path "
@@ -128,18 +134,61 @@ def _deepspeed_accepts(ds: dict) -> None:
     try:
         DeepSpeedConfig(probe)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()))
-        key = f"{_section_of(exc.title)}.{where}".strip(".")
-        raise ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
-                          "correct or remove that key (see https://www.deepspeed.ai/docs/config-json/)") from None
+        raise _rejected_field(exc) from None
     except (DeepSpeedConfigError, AssertionError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError("deepspeed", f"DeepSpeed rejects the config: {exc}",
-                          "correct the setting it names (see https://www.deepspeed.ai/docs/config-json/)") from None
+                          f"correct the setting it names (see {DOCS})") from None
+
+
+DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+def _rejected_field(exc: Any) -> ConfigError:
+    """A pydantic error of DeepSpeed's config classes, at the JSON key. A key DeepSpeed does not know is named
+    with the nearest one it does, and its value is not repeated (it may be anything, a secret included)."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    key = ".".join([_section_of(exc.title), *loc]).strip(".")
+    if err.get("type") != "extra_forbidden":
+        return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
+                           f"correct or remove that key (see {DOCS})")
+    block = key.rpartition(".")[0] or "the top level"
+    guess = difflib.get_close_matches(loc[-1], _field_names(exc.title, loc[:-1]), n=1, cutoff=0.6)
+    fix = f"rename it to {guess[0]}" if guess else f"delete it (see {DOCS})"
+    return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} ({block} has no key {loc[-1]!r})", fix)
+
+
+def _field_names(model_title: str, path: list[str]) -> list[str]:
+    """The field names and aliases of the config class at `path` under the class named `model_title`."""
+    import typing
+
+    from pydantic import BaseModel
+
+    model = next((m for m in _config_models() if m.__name__ == model_title), None)
+    for part in path:
+        field = model.model_fields.get(part) if model else None
+        kinds = [field.annotation, *typing.get_args(field.annotation)] if field else []
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    if model is None:
+        return []
+    return [n for name, f in model.model_fields.items() for n in (name, f.alias) if n]
+
+
+def _config_models() -> list[type]:
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    found, todo = [], [DeepSpeedConfigModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.append(sub)
+            todo.append(sub)
+    return found
 
 
 def _section_of(model_title: str) -> str:
     return {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
             "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
-            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16"
+            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "CompileConfig": "compile", "TPTrainingConfig": "tensor_parallel", "CommsLoggerConfig": "comms_logger",
+            "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization",
             }.get(model_title, "")

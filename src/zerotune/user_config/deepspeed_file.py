@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 from zerotune.errors import ConfigError
-from zerotune.user_config import legacy
+from zerotune.user_config import ds_keys, legacy
 
 KEY = "deepspeed.config_file"
 
 
 def load(path: str, key: str = KEY) -> dict:
-    """The file's dict in today's DeepSpeed spelling; a syntax error names its line and column."""
+    """The file's dict in today's DeepSpeed spelling; a syntax error names its line and column, an unknown or
+    refused top-level key its name (never its value: see ds_keys)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(key, f"{file} does not exist", f"point {key} at a DeepSpeed JSON file")
@@ -30,4 +31,4 @@ def load(path: str, key: str = KEY) -> dict:
     data = data.get("deepspeed_config", data)
     if not isinstance(data, dict):
         raise ConfigError(key, f"\"deepspeed_config\" in {file} must be a JSON object", 'wrap it in { ... }')
-    return legacy.translate(data, file.name)
+    return legacy.translate(ds_keys.check(data, file.name, key), file.name)

@@ -1,6 +1,6 @@
-"""Keys that older DeepSpeed configs still carry: translated to today's spelling, or refused with the
-replacement named. DeepSpeed itself either accepts the old spelling silently (`cpu_offload`, which then
-escapes zerotune's offload handling) or stops with an exception, so both are settled here first."""
+"""Keys that older DeepSpeed configs still carry, translated to today's spelling. DeepSpeed itself either
+accepts the old spelling silently (`cpu_offload`, which then escapes zerotune's offload handling) or stops
+with an exception, so they are settled here first. Removed features are refused by `ds_keys`."""
 
 from __future__ import annotations
 
@@ -10,16 +10,6 @@ import logging
 from zerotune.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# Top-level blocks DeepSpeed 0.19 no longer has, with what replaces them.
-REMOVED = {
-    "sparse_attention": ("DeepSpeed removed sparse attention", "delete the \"sparse_attention\" block"),
-    "amp": ("DeepSpeed removed its Apex AMP integration",
-            "replace \"amp\" with \"bf16\": {\"enabled\": true} or \"fp16\": {\"enabled\": true} "
-            "(or precision=bf16|fp16)"),
-    "elasticity": ("DeepSpeed removed elastic training",
-                   "delete \"elasticity\" and give train_batch_size or train_micro_batch_size_per_gpu"),
-}
 
 # zero_optimization keys renamed without a change of meaning.
 RENAMED_ZERO = {
@@ -39,12 +29,14 @@ SYNONYMS_ZERO = {
 def translate(ds: dict, source: str) -> dict:
     """A copy of the user's dict in today's spelling; every change is logged as a warning."""
     ds = copy.deepcopy(ds)
-    for key, (problem, fix) in REMOVED.items():
-        if key in ds:
-            raise ConfigError(f"{key}", f"{problem} ({source})", fix)
     if "bfloat16" in ds:  # DeepSpeed's older alias of "bf16"
         _warn(source, "bfloat16", "bf16")
         ds["bf16"] = {**ds.pop("bfloat16"), **ds.get("bf16", {})}
+    if "fp32_allreduce" in ds:  # older DeepSpeed's flag: all-reduce gradients in fp32
+        on = bool(ds.pop("fp32_allreduce"))
+        _warn(source, f"fp32_allreduce: {str(on).lower()}", "communication_data_type: \"fp32\"" if on else "nothing")
+        if on:
+            ds.setdefault("communication_data_type", "fp32")
     zero = ds.get("zero_optimization")
     if isinstance(zero, bool):  # the oldest form: "zero_optimization": true means stage 1
         _warn(source, f"zero_optimization: {str(zero).lower()}", f"zero_optimization: {{\"stage\": {int(zero)}}}")

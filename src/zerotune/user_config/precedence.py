@@ -20,15 +20,12 @@ from omegaconf import OmegaConf
 from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.errors import ConfigError
 from zerotune.schema import launch_world_size
-from zerotune.user_config import accelerate_config, deepspeed_file
+from zerotune.user_config import accelerate_config, deepspeed_file, file_fixes
+from zerotune.user_config.file_fixes import GROUP_PINS
 from zerotune.user_config.settings import Setting, from_accelerate, from_deepspeed, stated
 
 log = logging.getLogger(__name__)
 
-# A group choice on the command line (`zero_stage=2`) pins the keys that identify the option, not the
-# option's other values: `optimizer=adamw` does not pin optimizer.lr against a file's lr.
-GROUP_PINS = {"zero_stage": ("zero_stage.stage",), "offload": ("offload.device", "offload.params"),
-              "precision": ("precision.name",), "optimizer": ("optimizer.name",), "scheduler": ("scheduler.name",)}
 
 # The zerotune keys each top-level DeepSpeed key is generated from (for "where did this come from").
 DS_KEY_SOURCES = {
@@ -42,6 +39,9 @@ DS_KEY_SOURCES = {
 
 # DeepSpeed keys zerotune generates from one of its own.
 DS_TO_ZEROTUNE = {"gradient_clipping": "train.grad_clip"}
+# The zerotune key behind the key of a check's error, to find where the user set it.
+ERROR_SOURCES = {**DS_TO_ZEROTUNE, "zero_optimization.stage": "zero_stage.stage", "zero_stage": "zero_stage.stage",
+                 "fp16.enabled": "precision.name", "bf16.enabled": "precision.name"}
 
 
 @dataclass
@@ -63,13 +63,20 @@ class UserConfig:
 
     def attribute(self, exc: ConfigError) -> ConfigError:
         """A problem with a value is reported where the user set it: a file's key (with the fix made there),
-        or the zerotune key behind a generated DeepSpeed value."""
+        or the zerotune key behind a generated DeepSpeed value. A fix's override that a file's value would
+        refuse becomes the edit of that file."""
         key = DS_TO_ZEROTUNE.get(exc.key, exc.key)
-        origin = self.origins.get(key)
+        fix = file_fixes.rewrite(exc.fix, self.origins, self._ds_name(), list(self.typed.values()))
+        origin = self.origins.get(ERROR_SOURCES.get(exc.key, exc.key))
         if origin is None or ": " not in origin:
-            return ConfigError(key, exc.problem, exc.fix) if key != exc.key else exc
+            return exc if (key, fix) == (exc.key, exc.fix) else ConfigError(key, exc.problem, fix)
         name, where = origin.split(": ", 1)
-        return ConfigError(where, f"{exc.problem} ({name})", _change(origin))
+        # A value generated from one zerotune key is that key in the file: its problem says what is valid.
+        direct = exc.key in DS_TO_ZEROTUNE or fix == exc.fix
+        return ConfigError(where, f"{exc.problem} ({name})", _change(origin) if direct else fix)
+
+    def _ds_name(self) -> str | None:
+        return Path(self.deepspeed_path).name if self.deepspeed_path else None
 
     def value_sources(self, ds: dict) -> dict[str, str]:
         """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
@@ -158,11 +165,7 @@ def _apply(cfg: Any, s: Setting, applied: dict[str, Setting], user: UserConfig) 
 
 
 def _change(origin: str) -> str:
-    """'change zero_optimization.stage in ds.json', from an origin 'ds.json: zero_optimization.stage'."""
-    name, _, where = origin.partition(": ")
-    if name == "accelerate launch":
-        return f"change {where} in the config file given to `accelerate launch`"
-    return f"change {where} in {name}"
+    return file_fixes.change(origin)
 
 
 def _same(key: str, a: Any, b: Any) -> bool:

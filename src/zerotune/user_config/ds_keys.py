@@ -1,0 +1,269 @@
+"""DeepSpeed 0.19.8's top-level config keys, and what a user's DeepSpeed JSON may do with each.
+
+- honoured: passed to DeepSpeed, and it means in zerotune's run what it says.
+- translated: an older spelling, rewritten by `legacy` (with a warning).
+- refused: it asks for something zerotune's run does not do, so it would be ignored without a word (or fail
+  mid-start-up). A value that asks for nothing (`"enabled": false`, `false`, an empty block) is accepted; where
+  DeepSpeed rejects the key itself (a feature it removed), such a value is dropped with a warning.
+
+A key in none of these is unknown: a config error naming the nearest known key. A file with no known key at
+all is not a DeepSpeed config. Errors name keys, never the values of keys they do not know (a pasted secret
+stays out of stderr, summary.json and the builder's answers). tests/test_ds_file_keys.py compares this
+table with the keys DeepSpeed's own config parser reads.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from zerotune.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HONOURED, TRANSLATED, REFUSED = "honoured", "translated", "refused"
+DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+# ---- what a value asks for
+
+
+def enabled(value: Any) -> bool:
+    """A feature block asks for its feature with `"enabled": true`; DeepSpeed's default is off."""
+    if isinstance(value, dict):
+        return value.get("enabled", False) not in (False, None)
+    return _truthy(value)
+
+
+def _truthy(value: Any) -> bool:
+    return value not in (None, False, 0, "", {}, [])
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value != {}
+
+
+def _any_enabled(value: Any) -> bool:
+    """compression_training enables each technique in its own nested block."""
+    if isinstance(value, dict):
+        return value.get("enabled") not in (None, False) or any(_any_enabled(v) for v in value.values())
+    return False
+
+
+def _above_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+
+
+def _activation_checkpointing(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return _truthy(value)
+    switches = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                "synchronize_checkpoint_boundary", "profile")
+    return any(_truthy(value.get(s)) for s in switches) or value.get("number_checkpoints") is not None
+
+
+def _checkpoint(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return _truthy(value)
+    parallel = value.get("parallel_write")
+    return (any(_truthy(value.get(s)) for s in ("load_universal", "use_node_local_storage", "writer"))
+            or (isinstance(parallel, dict) and _truthy(parallel.get("pipeline_stage"))))
+
+
+def _tensor_parallel(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return _truthy(value)
+    inner = value.get("tp", value.get("tensor_parallel")) or {}
+    return _above_one(value.get("autotp_size")) or (isinstance(inner, dict) and _above_one(inner.get("tp_size")))
+
+
+def _deepcompile(value: Any) -> bool:
+    # Its other fields tune DeepCompile and mean nothing without it.
+    return _truthy(value.get("deepcompile")) if isinstance(value, dict) else _truthy(value)
+
+
+# ---- the table
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str
+    reason: str                                   # one line: why
+    fix: str = ""                                 # refused: what to write instead
+    asks: Callable[[Any], bool] = _set            # refused: does this value ask for what is refused?
+    removed: bool = False                         # DeepSpeed rejects the key itself, whatever its value
+
+
+def honoured(reason: str) -> Decision:
+    return Decision(HONOURED, reason)
+
+
+def translated(reason: str) -> Decision:
+    return Decision(TRANSLATED, reason)
+
+
+def refused(reason: str, fix: str, asks: Callable[[Any], bool] = enabled, removed: bool = False) -> Decision:
+    return Decision(REFUSED, reason, fix, asks, removed)
+
+
+def _delete(key: str) -> str:
+    return f'delete "{key}" from the file (or set "enabled": false)'
+
+
+def _removed(key: str, reason: str, fix: str = "", asks: Callable[[Any], bool] = enabled) -> Decision:
+    return refused(f"DeepSpeed 0.19.8 removed {reason}", fix or f'delete "{key}" from the file', asks, removed=True)
+
+
+KEYS: dict[str, Decision] = {
+    # the batch, the optimizer step, precision and ZeRO: what zerotune reads, reports and plans
+    "train_batch_size": honoured("global batch; with the other two, DeepSpeed's batch rule (train.batch_size)"),
+    "train_micro_batch_size_per_gpu": honoured("micro batch per process (train.batch_size)"),
+    "gradient_accumulation_steps": honoured("micro-batches per optimizer step (train.grad_accum)"),
+    "gradient_clipping": honoured("global gradient norm clip (train.grad_clip)"),
+    "optimizer": honoured("the optimizer block, taken whole (optimizer=)"),
+    "scheduler": honoured("the learning-rate schedule, taken whole (scheduler=)"),
+    "fp16": honoured("fp16 training and its loss scaler (precision=fp16)"),
+    "bf16": honoured("bf16 training (precision=bf16)"),
+    "zero_optimization": honoured("ZeRO stage, buckets and offload (zero_stage=, offload=, deepspeed.*)"),
+    "aio": honoured("the NVMe offload's asynchronous I/O settings"),
+    "data_types": honoured("gradient-accumulation and parameter dtypes; the planner reads grad_accum_dtype too"),
+    "communication_data_type": honoured("dtype of the gradient all-reduce"),
+    "seq_parallel_communication_data_type": honoured(
+        "dtype of sequence-parallel collectives; none run, as sequence_parallel_size is refused"),
+    "prescale_gradients": honoured("scale gradients before the all-reduce instead of after"),
+    "gradient_predivide_factor": honoured("the divisor applied before the all-reduce"),
+    "gradient_allreduce_op": honoured("average or sum in the all-reduce (DeepSpeed refuses sum at stage 3)"),
+    "zero_allow_untested_optimizer": honoured("DeepSpeed's gate for optimizers it did not build (zerotune sets it)"),
+    "zero_force_ds_cpu_optimizer": honoured("insist on DeepSpeed's CPU-Adam under offload, as zerotune uses"),
+    "disable_python_gc": honoured("DeepSpeed's control of Python's garbage collector during steps"),
+    # what DeepSpeed prints and times
+    "steps_per_print": honoured("DeepSpeed's own log interval (zerotune sets it high; its metrics are its own)"),
+    "wall_clock_breakdown": honoured("DeepSpeed prints forward/backward/step timings (they synchronise the device)"),
+    "memory_breakdown": honoured("DeepSpeed prints memory use at its log interval"),
+    "dump_state": honoured("DeepSpeed prints its engine state after the first step"),
+    "log_level": honoured("level of DeepSpeed's logger"),
+    "timers": honoured("DeepSpeed's throughput timer"),
+    "csv_monitor": honoured("DeepSpeed writes its loss and lr to CSV files at output_path"),
+    "vocabulary_size": honoured("read only for a warning about tensor-core alignment; changes nothing"),
+    # older spellings
+    "bfloat16": translated('older name of "bf16"'),
+    "fp32_allreduce": translated('older form of "communication_data_type": "fp32"'),
+    # what zerotune's run does not do
+    "fp8": refused('DeepSpeed 0.19.8 has no "fp8" key and would train in the file\'s other precision instead',
+                   'delete "fp8" (or set "enabled": false) and enable "bf16" or "fp16" in the file'),
+    "torch_autocast": refused("zerotune's precision comes from fp16/bf16 (precision=), which it reports, checks "
+                              "and plans; autocast would run a precision none of them describes",
+                              'delete "torch_autocast" (or set "enabled": false) and enable "bf16" or "fp16" '
+                              "in the file"),
+    "activation_checkpointing": refused(
+        "DeepSpeed applies it only to deepspeed.checkpointing calls, which a diffusers U-Net never makes",
+        'delete "activation_checkpointing"; train.gradient_checkpointing=true checkpoints the U-Net\'s blocks',
+        asks=_activation_checkpointing),
+    "flops_profiler": refused("its profiling step hooks every module and forces wall_clock_breakdown, "
+                              "distorting the step time zerotune measures",
+                              _delete("flops_profiler") + "; python -m zerotune.plan reports the step's FLOPs"),
+    "comms_logger": refused("DeepSpeed prints the log only when the script calls deepspeed.comm.log_summary(), "
+                            "which zerotune does not", _delete("comms_logger")),
+    "tensorboard": refused("DeepSpeed's TensorBoard writer needs the tensorboard package, which zerotune does "
+                           "not install", _delete("tensorboard") + "; zerotune's metrics are in <run dir>/"
+                           "metrics.jsonl (logger=wandb for W&B)"),
+    "wandb": refused("DeepSpeed would start a second W&B run beside zerotune's logger",
+                     _delete("wandb") + "; use logger=wandb"),
+    "comet": refused("DeepSpeed's Comet monitor needs comet_ml, which zerotune does not install",
+                     _delete("comet") + "; zerotune's metrics are in <run dir>/metrics.jsonl"),
+    "autotuning": refused("DeepSpeed's autotuner runs from `deepspeed --autotuning`, not inside a training run",
+                          _delete("autotuning") + "; python -m zerotune.plan --all ranks stage x offload"),
+    "data_efficiency": refused("needs DeepSpeed's data sampler and random-LTD layers; zerotune's data loader "
+                               "is its own", _delete("data_efficiency")),
+    "pipeline": refused("pipeline parallelism needs a PipelineModule; zerotune trains the U-Net data-parallel",
+                        'delete "pipeline"', asks=_set),
+    "hybrid_engine": refused("DeepSpeed-Chat's RLHF generation engine; zerotune trains a diffusion U-Net",
+                             _delete("hybrid_engine")),
+    "tensor_parallel": refused("AutoTP shards transformer layers by name; zerotune trains the U-Net data-parallel",
+                               'delete "tensor_parallel" (or set autotp_size to 0)', asks=_tensor_parallel),
+    "sequence_parallel_size": refused("Ulysses sequence parallelism shards a token sequence; a U-Net has none",
+                                      'delete "sequence_parallel_size" (or set it to 1)', asks=_above_one),
+    "expert_parallel": refused("the U-Net has no mixture-of-experts layers", _delete("expert_parallel")),
+    "use_data_before_expert_parallelism": refused("lays out mixture-of-experts process groups; the U-Net has none",
+                                                  'delete "use_data_before_expert_parallelism"', asks=_truthy),
+    "weight_quantization": refused("quantises weights as zero.Init builds them; zerotune builds the U-Net whole",
+                                   'delete "weight_quantization"', asks=_set),
+    "compile": refused("DeepCompile applies only when the script calls engine.compile(), which zerotune does not",
+                       'delete "compile" (or set "deepcompile": false)', asks=_deepcompile),
+    "checkpoint": refused("zerotune saves and resumes checkpoints itself (checkpoint.*, resume=): it chooses "
+                          "native or universal loading and marks a save complete once written",
+                          'keep only "tag_validation" in "checkpoint" (load_universal, use_node_local_storage, '
+                          "parallel_write and writer are zerotune's to decide)", asks=_checkpoint),
+    "datastates_ckpt": refused("asynchronous checkpoints would still be writing when zerotune marks a save "
+                               "complete (and need the datastates package)", 'delete "datastates_ckpt"',
+                               asks=lambda v: v is not None and v is not False),
+    "dataloader_drop_last": refused("zerotune's own data loader always drops the last partial batch",
+                                    'delete "dataloader_drop_last" (true is what runs)',
+                                    asks=lambda v: v is False),
+    "managed_gradient_accumulation": refused(
+        "accelerate calls DeepSpeed's step() every micro-batch and relies on DeepSpeed to step on the "
+        "accumulation boundary", 'delete "managed_gradient_accumulation" (true is what runs)',
+        asks=lambda v: v is False),
+    "disable_allgather": refused("DeepSpeed 0.19.8 reads it and never uses it", 'delete "disable_allgather"',
+                                 asks=_truthy),
+    # features DeepSpeed 0.19.8 removed: it refuses the key itself
+    "amp": _removed("amp", "its Apex AMP integration",
+                    'replace "amp" with "bf16": {"enabled": true} or "fp16": {"enabled": true}'),
+    "sparse_attention": _removed("sparse_attention", "sparse attention", asks=_set),
+    "elasticity": _removed("elasticity", "elastic training",
+                           'delete "elasticity" and give train_batch_size or train_micro_batch_size_per_gpu'),
+    "nebula": _removed("nebula", "Nebula checkpointing"),
+    "compression_training": _removed("compression_training", "its compression library", asks=_any_enabled),
+    "quantize_training": _removed("quantize_training", "Mixture-of-Quantization training"),
+    "eigenvalue": _removed("eigenvalue", "eigenvalue-based quantization"),
+    "sparse_gradients": _removed("sparse_gradients", "sparse embedding gradients", asks=_truthy),
+    "graph_harvesting": _removed("graph_harvesting", "graph harvesting", asks=_truthy),
+    "curriculum_learning": _removed("curriculum_learning", "top-level curriculum learning"),
+    "progressive_layer_drop": _removed("progressive_layer_drop", "progressive layer dropping"),
+}
+
+
+def check(ds: dict, source: str, key: str) -> dict:
+    """`ds` less what asks for nothing of a feature DeepSpeed removed; a ConfigError for a file that is not a
+    DeepSpeed config, an unknown key, or a refused one. `source` names the file; `key` is its setting."""
+    if ds and not any(name in KEYS for name in ds):
+        raise ConfigError(key, f"{source} is not a DeepSpeed config: none of its {len(ds)} top-level keys is "
+                          "one of DeepSpeed's", f"point {key} at a DeepSpeed JSON file (keys such as "
+                          f"zero_optimization, train_micro_batch_size_per_gpu, optimizer; {DOCS})")
+    unknown = [name for name in ds if name not in KEYS]
+    if unknown:
+        raise _unknown(unknown, source)
+    out = {}
+    for name, value in ds.items():
+        decision = KEYS[name]
+        if decision.kind == REFUSED and decision.asks(value):
+            raise ConfigError(name, f"{decision.reason} ({source})", decision.fix)
+        if decision.kind == REFUSED and decision.removed:
+            log.warning("%s: dropped \"%s\", which asks for nothing: %s", source, name, decision.reason)
+            continue
+        out[name] = value
+    return out
+
+
+def nearest(name: str) -> str | None:
+    """The honoured key `name` most likely misspells (`gradient_clip` -> `gradient_clipping`)."""
+    candidates = [k for k, d in KEYS.items() if d.kind == HONOURED]
+    found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _unknown(names: list[str], source: str) -> ConfigError:
+    first, others = names[0], names[1:]
+    also = f"; also unknown: {', '.join(others)}" if others else ""
+    guess = nearest(first)
+    fix = (f"rename \"{first}\" to \"{guess}\" in {source}" if guess
+           else f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
+    return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}", fix)
+
+
+def table() -> list[tuple[str, str, str]]:
+    """(key, decision, reason) rows, for the README and the docs."""
+    return [(name, d.kind, d.reason) for name, d in KEYS.items()]
