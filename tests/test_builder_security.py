@@ -234,6 +234,16 @@ def test_a_pasted_file_that_reads_the_environment_is_refused(client, secret_env)
     assert SECRET not in answer.text and written_files() == before
 
 
+def test_a_pasted_file_that_is_no_deepspeed_config_is_refused_and_not_kept(client):
+    text = (ROOT / "tests" / "data" / "ds_configs" / "gcp_service_account.json").read_text()
+    private_key = json.loads(text)["private_key"]
+    before = written_files()
+    answer = client.post("/api/import", json={"text": text})
+    assert answer.status_code == 400 and "not a DeepSpeed config" in answer.json()["error"]["problem"], answer.text
+    assert private_key not in answer.text and "private_key" not in answer.text
+    assert written_files() == before
+
+
 def test_config_keys_and_pure_resolvers_are_still_allowed(client):
     answer = client.post("/api/preview", json={"values": {"data.path": "/data/${model.name}"},
                                                 "extra": ["train.seed=${train.grad_accum}",

@@ -26,8 +26,14 @@ def import_text(text: str) -> dict:
     folder = imports_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{suffix}"
+    kept_before = path.exists()  # the same text, imported before
     path.write_text(text)
-    overrides, differ = overrides_for(path)
+    try:
+        overrides, differ = overrides_for(path)
+    except BaseException:
+        if not kept_before:
+            path.unlink(missing_ok=True)  # a refused paste (a credentials file, say) is not kept on disk
+        raise
     return {"kind": kind, "file": str(path), "overrides": overrides, "no_equivalent": differ, **form.as_form(overrides)}
 
 
