@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from zerotune import checkpoints
+from zerotune.export import find_checkpoint
 from zerotune.training import checkpoint as ckpt
 
 SHORT = ["train.batch_size=8", "evaluate.enabled=false"]
@@ -83,9 +85,10 @@ def test_final_false_leaves_no_checkpoint(tmp_path):
     summary = train(run_dir, "train.max_steps=2", "checkpoint.final=false")
     assert summary["status"] == "ok" and summary["steps"] == 2
     assert summary["checkpoint"]["saved"] == [] and summary["checkpoint"]["final"] is None
-    assert not (run_dir / "checkpoints").exists(), "no save, no lock: the folder is never made"
+    assert not (run_dir / "checkpoints").exists(), "nothing saved, no folder"
     proc = run_cli(str(run_dir), str(tmp_path / "out"), module="zerotune.export")
     assert proc.returncode != 0 and "not a complete checkpoint" in proc.stderr
+    assert "checkpoint.final=false" in proc.stderr, "the error says why the run left none"
 
 
 def test_a_failed_run_writes_no_final_checkpoint(tmp_path):
@@ -112,21 +115,36 @@ def test_a_periodic_save_of_the_last_step_is_the_final_one_and_resuming_there_re
     assert (final / checkpoints.COMPLETE).stat().st_mtime_ns == sealed
 
 
+def fake_checkpoint(root, step: int):
+    """A complete checkpoint as far as finding and cleaning up go (COMPLETE as before manifests)."""
+    folder = checkpoints.step_dir(root, step)
+    folder.mkdir(parents=True)
+    (folder / checkpoints.META).write_text(json.dumps({"step": step}))
+    (folder / checkpoints.COMPLETE).write_text(f"{step}\n")
+    return folder
+
+
 def test_keep_last_never_deletes_the_save_just_made(tmp_path):
     """A checkpoint dir holding later steps of an earlier run: this run's final step is not among the newest."""
     for step in (100, 200, 300):
-        folder = checkpoints.step_dir(tmp_path, step)
-        folder.mkdir()
-        (folder / checkpoints.META).write_text(json.dumps({"step": step}))
-        (folder / checkpoints.COMPLETE).write_text(f"{step}\n")
-    final = checkpoints.step_dir(tmp_path, 20)
-    final.mkdir()
-    (final / checkpoints.META).write_text(json.dumps({"step": 20}))
-    (final / checkpoints.COMPLETE).write_text("20\n")
+        fake_checkpoint(tmp_path, step)
+    final = fake_checkpoint(tmp_path, 20)
     ckpt.cleanup(tmp_path, keep_last=2, keep=final)
     assert [p.name for p in checkpoints.list_complete(tmp_path)] == ["step-0000020", "step-0000200", "step-0000300"]
     ckpt.cleanup(tmp_path, keep_last=2)
     assert [p.name for p in checkpoints.list_complete(tmp_path)] == ["step-0000200", "step-0000300"]
+
+
+def test_export_of_a_run_dir_follows_its_summary_to_a_checkpoint_dir_elsewhere(tmp_path):
+    shared, run_dir = tmp_path / "ckpts", tmp_path / "run"
+    ours, newer = fake_checkpoint(shared, 20), fake_checkpoint(shared, 900)  # 900: another run's, in the same dir
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "checkpoint": {
+        "saved": [{"step": 20, "path": str(ours)}], "final": str(ours), "last_complete": str(newer)}}))
+    assert find_checkpoint(run_dir) == ours
+    shutil.rmtree(ours)
+    with pytest.raises(SystemExit, match=f"its run's checkpoint {ours} is no longer complete"):
+        find_checkpoint(run_dir)
 
 
 @pytest.mark.parametrize("experiment", ["stage_resolution_batch", "stage_resolution_batch_cpu", "sdxl_4090_1024_bs8",

@@ -14,7 +14,9 @@ unet.load_lora_adapter(<out>/lora, prefix="unet")), and with --merge the U-Net w
     <out>/unet/, <out>/unet.safetensors             --merge only (<out>/unet_ema* for the EMA)
 
 `model.pretrained=<out>` starts a new run from <out>/unet. <checkpoint> may also be a run dir or a
-checkpoint dir: the newest complete checkpoint in it is exported.
+checkpoint dir: the newest complete checkpoint in it is exported (a run that completed its steps ends with
+one, unless checkpoint.final=false); a run dir whose checkpoint.dir was elsewhere: the one its summary.json
+names.
 """
 
 from __future__ import annotations
@@ -34,13 +36,47 @@ from zerotune.training.checkpoint import full_state
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    found = checkpoints.find(Path(path))
+    found = checkpoints.find(Path(path)) or _recorded_checkpoint(Path(path))
     if found is None:
-        raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none")
+        raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none{_why_none(Path(path))}")
     damaged = manifest.problems(found)
     if damaged:
         raise SystemExit(f"zerotune.export: checkpoint {found} is damaged: {'; '.join(damaged[:3])}")
     return found
+
+
+def _summary(run_dir: Path) -> dict:
+    try:
+        found = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _own_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints a run dir's summary says its run saved, its final one first, then newest first. Not
+    `last_complete`: in a checkpoint.dir shared with other runs, the newest may be another run's."""
+    record = _summary(run_dir).get("checkpoint") or {}
+    paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
+    return [Path(p) for p in paths if p]
+
+
+def _recorded_checkpoint(run_dir: Path) -> Path | None:
+    """With checkpoint.dir set elsewhere, the run dir holds no checkpoints/: its summary names them."""
+    return next((p for p in _own_checkpoints(run_dir) if checkpoints.is_complete(p)), None)
+
+
+def _why_none(run_dir: Path) -> str:
+    """For a run dir: why its run left no checkpoint, from its summary."""
+    summary = _summary(run_dir)
+    if not summary:
+        return ""
+    status, named = summary.get("status"), _own_checkpoints(run_dir)
+    if named:
+        return f" (its run's checkpoint {named[0]} is no longer complete)"
+    if status == "ok":
+        return " (its run saved none: checkpoint.final=false and no checkpoint.every_n_steps)"
+    return f" (its run ended with status {status!r} before any checkpoint was saved)"
 
 
 def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:

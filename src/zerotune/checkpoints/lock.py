@@ -26,8 +26,10 @@ class CheckpointDirLock:
     def __init__(self, root: Path, run_dir: str | Path):
         self.root, self.run_dir = Path(root), str(run_dir)
         self._lock: FileLock | None = None
+        self._made_root = False
 
     def acquire(self) -> CheckpointDirLock:
+        self._made_root = not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.root / LOCK_FILE))
         try:
@@ -52,8 +54,21 @@ class CheckpointDirLock:
     def release(self) -> None:
         if self._lock is not None:
             (self.root / OWNER_FILE).unlink(missing_ok=True)
+            if self._made_root:
+                self._remove_unused_root()
             self._lock.release()
             self._lock = None
+
+    def _remove_unused_root(self) -> None:
+        """The folder this lock made, when the job saved nothing into it (refused, failed or stopped before a
+        save, or nothing to save): it goes with the job. Emptied while the lock is still held, so a job that
+        opens the lock file meanwhile is refused, as it would have been a moment earlier."""
+        try:
+            if {p.name for p in self.root.iterdir()} <= {LOCK_FILE}:
+                (self.root / LOCK_FILE).unlink(missing_ok=True)
+                self.root.rmdir()
+        except OSError:
+            pass  # something arrived meanwhile: the folder stays
 
     def __enter__(self) -> CheckpointDirLock:
         return self.acquire()
