@@ -125,18 +125,18 @@ def test_stale_swap_removed_only_inside_offload_root(tmp_path):
     assert ckpt.clean_stale_swap(tmp_path / "missing") == []
 
 
-def test_the_lock_removes_the_folder_it_made_when_nothing_was_saved_there(tmp_path):
-    made, kept, existing = tmp_path / "made", tmp_path / "kept", tmp_path / "existing"
-    with checkpoints.CheckpointDirLock(made, tmp_path / "run"):
-        assert (made / ".zerotune.lock").is_file()
-    assert not made.exists(), "a job that saved nothing leaves no checkpoint folder behind"
-    with checkpoints.CheckpointDirLock(kept, tmp_path / "run"):
-        fake_checkpoint(kept, 2)
-    assert [p.name for p in checkpoints.list_complete(kept)] == ["step-0000002"]
-    existing.mkdir()
-    with checkpoints.CheckpointDirLock(existing, tmp_path / "run"):
+def test_the_lock_removes_the_run_dirs_checkpoints_folder_when_nothing_was_saved_there(tmp_path):
+    run = tmp_path / "run"
+    own, named = run / "checkpoints", tmp_path / "named"
+    with checkpoints.CheckpointDirLock(own, run):
+        assert (own / ".zerotune.lock").is_file()
+    assert not own.exists(), "a job that saved nothing leaves no checkpoints/ in its run dir"
+    with checkpoints.CheckpointDirLock(own, run):
+        fake_checkpoint(own, 2)
+    assert [p.name for p in checkpoints.list_complete(own)] == ["step-0000002"]
+    with checkpoints.CheckpointDirLock(named, run):
         pass
-    assert existing.is_dir(), "a folder the user made stays"
+    assert named.is_dir(), "a checkpoint.dir the user named stays"
 
 
 def test_resume_from_a_bad_path_is_a_config_error(tmp_path):

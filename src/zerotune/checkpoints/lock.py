@@ -26,10 +26,12 @@ class CheckpointDirLock:
     def __init__(self, root: Path, run_dir: str | Path):
         self.root, self.run_dir = Path(root), str(run_dir)
         self._lock: FileLock | None = None
-        self._made_root = False
+        self._made_run_folder = False
 
     def acquire(self) -> CheckpointDirLock:
-        self._made_root = not self.root.exists()
+        # Only the run dir's own checkpoints/ is removed again when unused: a checkpoint.dir named by the
+        # user stays, as asked for.
+        self._made_run_folder = not self.root.exists() and self.root == Path(self.run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.root / LOCK_FILE))
         try:
@@ -54,14 +56,14 @@ class CheckpointDirLock:
     def release(self) -> None:
         if self._lock is not None:
             (self.root / OWNER_FILE).unlink(missing_ok=True)
-            if self._made_root:
+            if self._made_run_folder:
                 self._remove_unused_root()
             self._lock.release()
             self._lock = None
 
     def _remove_unused_root(self) -> None:
-        """The folder this lock made, when the job saved nothing into it (refused, failed or stopped before a
-        save, or nothing to save): it goes with the job. Emptied while the lock is still held, so a job that
+        """The run dir's checkpoints/ this lock made, when the job saved nothing into it (refused, failed or
+        stopped before a save, or nothing to save): it goes with the job. Emptied while the lock is still held, so a job that
         opens the lock file meanwhile is refused, as it would have been a moment earlier."""
         try:
             if {p.name for p in self.root.iterdir()} <= {LOCK_FILE}:
