@@ -20,6 +20,7 @@ from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
 from zerotune.training import distributed, faults
 from zerotune.training.backend import make_accelerator, optimizer_and_scheduler
+from zerotune.training.checkpoint.run_saves import RunSaves
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
@@ -52,8 +53,7 @@ class Trainer:
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
         self._batches = self._infinite_batches()
-        self.saved: list[dict] = []  # this run's checkpoints
-        self.final_checkpoint: str | None = None  # the last step's, once training completed
+        self.saves = RunSaves(cfg.checkpoint, run_dir.path, self.resume_decision)
         self.loss_first = self.loss_last = None
         self.stopped_by: str | None = None
         self.partition: dict | None = None
@@ -167,50 +167,14 @@ class Trainer:
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
-    def _save_due(self) -> bool:
-        every = self.cfg.checkpoint.every_n_steps
-        return every > 0 and self.step % every == 0
-
-    def _checkpoint_root(self):
-        return checkpoints.checkpoint_root(self.cfg.checkpoint.dir, self.run_dir.path)
-
-    def save_final_checkpoint(self) -> None:
-        """The completed run's last step (checkpoint.final), unless a periodic save or the checkpoint this run
-        resumed from already holds it. Every rank calls it."""
-        if not self.cfg.checkpoint.final or self.step == 0:
-            return
-        here = checkpoints.step_dir(self._checkpoint_root(), self.step)
-        resumed = self.resume_decision
-        if resumed is not None and resumed.path.absolute() == here.absolute():
-            self.final_checkpoint = str(here)  # resumed at max_steps: nothing trained since, nothing to rewrite
-            return
-        self.save_checkpoint()
-        self.final_checkpoint = self.saved[-1]["path"]
-
     def save_checkpoint(self) -> None:
-        if self.saved and self.saved[-1]["step"] == self.step:
-            return  # this step is saved already
-        request = ckpt.SaveRequest(
-            root=self._checkpoint_root(), step=self.step,
-            meta=self._meta(self.accelerator.num_processes), position_state=self.position_state(),
-            unet=self._module(), job=checkpoints.job_token(self.run_dir.path),
+        self.saves.save(self.accelerator, self.step, lambda: ckpt.SaveRequest(
+            root=self.saves.root, step=self.step, meta=self._meta(self.accelerator.num_processes),
+            position_state=self.position_state(), unet=self._module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones
             size_estimate=self.checked.model_stats.num_params * 4 + self.checked.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
-            keep_last=self.cfg.checkpoint.keep_last)
-        info = ckpt.save(self.accelerator, request)
-        self.saved.append({"step": self.step, **info})
-        log.info("checkpoint %s (%.1f MiB, %.1f s)", info["path"], info["bytes"] / 2**20, info["seconds"])
-
-    def checkpoint_summary(self) -> dict:
-        rp = self.resume_decision
-        last = checkpoints.latest(self._checkpoint_root())
-        out = {"saved": self.saved, "last_complete": str(last) if last is not None else None,
-               "final": self.final_checkpoint}
-        if rp is not None:
-            out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
-                                   "changed": {k: list(v) for k, v in rp.changed.items()}}
-        return out
+            keep_last=self.cfg.checkpoint.keep_last))
 
     def _to_device(self, batch: dict) -> dict:
         dev = self.accelerator.device
@@ -285,12 +249,12 @@ class Trainer:
                 if self.step % every == 0 or self.step in (1, max_steps):
                     self.log_row(row)
                 progress.update(row)
-                if self._save_due():
+                if self.saves.due(self.step):
                     self.save_checkpoint()
             # Only a run that completed its steps: a failure never gets here (its state may be what broke it,
             # and a save is a collective a failed rank cannot join); a stop saves per checkpoint.on_signal.
             if self.stopped_by is None:
-                self.save_final_checkpoint()
+                self.saves.save_final(self.step, self.save_checkpoint)
         finally:
             progress.close()
         return self.progress()
@@ -308,4 +272,4 @@ class Trainer:
     def progress(self) -> dict:
         """How far training got: the summary's part, also when it failed or was stopped."""
         return {"steps": self.step, "loss_first": self.loss_first, "loss_last": self.loss_last,
-                "samples_seen": self.samples_seen, "epochs": self.epoch, "checkpoint": self.checkpoint_summary()}
+                "samples_seen": self.samples_seen, "epochs": self.epoch, "checkpoint": self.saves.summary()}

@@ -1,4 +1,5 @@
-"""Checkpoints, by job: `store` (saving: crash-safe, published whole, keep_last), `resume` (loading into
+"""Checkpoints, by job: `run_saves` (when a run saves, its final checkpoint, what its summary says),
+`store` (saving: crash-safe, published whole, keep_last), `resume` (loading into
 the prepared engine), `convert` (across DeepSpeed changes; the only code that depends on DeepSpeed's
 internals) and `swap` (NVMe swap folders a killed run left). Finding, checking and choosing checkpoints
 needs no model and lives below, in zerotune/checkpoints/."""
