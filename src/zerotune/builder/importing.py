@@ -26,8 +26,9 @@ def import_text(text: str) -> dict:
     folder = imports_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{suffix}"
-    kept_before = path.exists()  # the same text, imported before
-    path.write_text(text)
+    kept_before = path.exists()  # the same text, imported before: named by its content, so left as it is
+    if not kept_before:
+        path.write_text(text)
     try:
         overrides, differ = overrides_for(path)
     except BaseException:
