@@ -80,6 +80,7 @@ def test_a_lora_run_exports_its_last_step_with_no_flag(tmp_path):
     assert_same(adapter, load_file(written["lora_ema"]))
 
 
+@pytest.mark.slow
 def test_final_false_leaves_no_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     summary = train(run_dir, "train.max_steps=2", "checkpoint.final=false")
@@ -91,6 +92,7 @@ def test_final_false_leaves_no_checkpoint(tmp_path):
     assert "checkpoint.final=false" in proc.stderr, "the error says why the run left none"
 
 
+@pytest.mark.slow
 def test_a_failed_run_writes_no_final_checkpoint(tmp_path):
     """A failed run's state may be what broke it, and a save is a collective that a failed rank cannot join."""
     run_dir = tmp_path / "run"
@@ -100,6 +102,7 @@ def test_a_failed_run_writes_no_final_checkpoint(tmp_path):
     assert checkpoints.list_complete(run_dir / "checkpoints") == []
 
 
+@pytest.mark.slow
 def test_a_periodic_save_of_the_last_step_is_the_final_one_and_resuming_there_rewrites_nothing(tmp_path):
     run_dir = tmp_path / "run"
     summary = train(run_dir, "train.max_steps=4", "checkpoint.every_n_steps=2")

@@ -276,6 +276,7 @@ def _kill_a_worker_after_a_step(run_dir: Path, job: subprocess.Popen) -> str:
     return err
 
 
+@pytest.mark.slow
 def test_a_worker_killed_at_its_memory_limit_is_recorded_as_a_host_oom(tmp_path):
     """plan.host_mib=64 stands in for a host with 64 MiB for the job: the guard refuses in seconds, plan.guard=warn
     runs it anyway, and the worker (hundreds of MiB: at its limit) is then sent SIGKILL, as the kernel's OOM
@@ -300,6 +301,7 @@ def test_a_worker_killed_at_its_memory_limit_is_recorded_as_a_host_oom(tmp_path)
     assert "(1 oom (host))" in budget_answer([row], 24576, metric="host_peak_rss_mib").reason
 
 
+@pytest.mark.slow
 def test_a_worker_killed_with_memory_to_spare_stays_failed(tmp_path):
     run_dir = tmp_path / "run"
     err = _kill_a_worker_after_a_step(run_dir, _start(run_dir))

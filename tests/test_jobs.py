@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.cli import read_summary, run_cli
 
 QUICK = ["train.max_steps=3", "train.batch_size=8", "train.log_every=1", "evaluate.enabled=false", "scheduler=constant"]
@@ -24,6 +26,7 @@ def test_oom_is_recorded_as_oom(tmp_path):
     assert summary["status"] == "oom" and summary["error"]["type"] == "OutOfMemoryError"
 
 
+@pytest.mark.slow
 def test_hang_becomes_timeout(tmp_path):
     # Long enough for the worker to start and log step 1 on a busy machine, before it hangs.
     proc = run_cli(*QUICK, "debug.hang_at_step=1", "train.timeout_s=60", f"hydra.run.dir={tmp_path}")

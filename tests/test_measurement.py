@@ -14,6 +14,7 @@ BALLAST_MIB = 600
 TOLERANCE = 0.15
 
 
+@pytest.mark.slow
 def test_known_host_allocation_shows_in_the_peak(tmp_path):
     peaks = {}
     for name, extra in (("base", []), ("ballast", [f"debug.host_alloc_mib={BALLAST_MIB}"])):

@@ -24,10 +24,9 @@ CORPUS = ROOT / "tests" / "data" / "ds_configs"
 EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text())
 SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
 QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false"]
-# CPU runs in the default suite: one per shape (HF "auto", DeepSpeedExamples, legacy, accelerate YAML);
-# the rest of the corpus trains in the slow suite.
-FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json", "dse_onecycle_bf16.json",
-             "legacy_cpu_offload.json", "accelerate_reference.yaml"}
+# CPU runs in the default suite: a stage-3 offload file with HF "auto", and a stage-2 one (every other file
+# is settled by preflight in the default suite, and trains in the slow one).
+FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json"}
 
 
 def file_override(name: str) -> list[str]:
@@ -301,6 +300,7 @@ def test_broken_accelerate_yaml_is_a_config_error(tmp_path, text, needle):
     assert err.value.key == "accelerate.config_file" and needle in err.value.problem
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_the_reference_yaml_trains(tmp_path):
     """`accelerate launch --config_file <the guide's YAML> train.py`: the user's path, end to end."""
     import shutil
