@@ -108,6 +108,7 @@ def test_a_save_that_would_not_fit_is_refused_before_writing(tmp_path, small_dis
         ["latest", "step-0000002"], "nothing partial is left on the full disk"
 
 
+@pytest.mark.slow
 def test_a_save_that_runs_out_of_space_midway_is_removed_and_named(tmp_path, small_disk):
     """The first save's estimate (weights and two moments) is below its real size: 32 MiB pass the check
     and fill up during the save."""
@@ -184,6 +185,7 @@ def test_manifest_names_truncated_missing_and_altered_files(two_checkpoints, tmp
     assert "sha256 differs" in found and "meta.json: 17 bytes" in found and "config.json: missing" in found
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_truncated_newest_checkpoint(two_checkpoints, tmp_path):
     run_dir = copy_of(two_checkpoints, tmp_path)
     optim = optimizer_file(run_dir / "checkpoints" / "step-0000004")
@@ -294,6 +296,7 @@ def test_an_interrupted_run_resumes_in_place_without_loss(tmp_path):
 # ---------------------------------------------------------------------------- 6. reruns keep records
 
 
+@pytest.mark.slow
 def test_a_failed_rerun_keeps_the_first_runs_records(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli(*SHORT, "train.max_steps=3", f"hydra.run.dir={run_dir}").returncode == 0
@@ -336,6 +339,7 @@ def test_slurm_preemption_saves_and_the_requeued_job_resumes(tmp_path):
     assert read_summary(run_dir)["checkpoint"]["resumed_from"]["step"] == stopped["steps"]
 
 
+@pytest.mark.slow
 def test_resume_auto_starts_fresh_when_there_is_nothing_to_continue(tmp_path):
     proc = run_cli(*SHORT, "train.max_steps=2", "resume=auto", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]

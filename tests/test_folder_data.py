@@ -337,6 +337,7 @@ def test_folder_needs_a_text_time_model(folder, calls):
 
 # --- end to end ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_folder_training_through_the_cli(folder, components, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as one_thread does in-process
     run_dir = tmp_path / "run"

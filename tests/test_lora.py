@@ -143,6 +143,7 @@ def test_a_checkpoint_resumes_only_with_its_adapter(tmp_path):
     assert "model.pretrained=<out> adapter=lora" in err.value.fix  # train an adapter on the exported weights
 
 
+@pytest.mark.slow
 def test_lora_trains_checkpoints_and_exports_for_diffusers(tmp_path, pretrained):
     summary = train_ok(tmp_path / "run", f"model.pretrained={pretrained}", "zero_stage=2", "train.max_steps=3",
                        "checkpoint.every_n_steps=3", "ema.enabled=true")

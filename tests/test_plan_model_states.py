@@ -212,7 +212,7 @@ def _check(combo, engine) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("combo", [("tiny", 2, "cpu", 2), ("sdxl_tiny", 3, "none", 2)])
+@pytest.mark.parametrize("combo", [pytest.param(("tiny", 2, "cpu", 2), marks=pytest.mark.slow), ("sdxl_tiny", 3, "none", 2)])
 def test_prediction_equals_the_engine(combo, tmp_path):
     _check(combo, engine_partitions([combo], tmp_path, TREE)[combo])
 

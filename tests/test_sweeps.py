@@ -30,6 +30,7 @@ def test_cpu_twin_sweep_survives_a_failing_job_and_reports(tmp_path):
     assert (tmp_path / "summary.md").read_text().count("failed") >= 4
 
 
+@pytest.mark.slow
 def test_parallel_joblib_launcher(tmp_path):
     """hydra/launcher=joblib runs jobs side by side; each still trains in its own worker processes."""
     proc = run_cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "zero_stage=1,2", "data=synthetic",

@@ -78,6 +78,7 @@ def test_plain_accelerate_path_trains_at_stage_0(tmp_path):
     assert summary["use_deepspeed"] is False
 
 
+@pytest.mark.slow
 def test_multirun_sweep_over_stages(tmp_path):
     proc = run_cli("-m", "zero_stage=1,2", *QUICK, f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,6 +86,7 @@ def test_multirun_sweep_over_stages(tmp_path):
         check_run(tmp_path / job, stage, "none")
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_records_what_was_logged(tmp_path):
     from tests.helpers.wandb_records import read_offline_run
 
