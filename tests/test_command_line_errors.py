@@ -130,7 +130,7 @@ def problem_gone(key: str, fix: str) -> bool:
 @pytest.mark.parametrize("value", ["0", "", "true"])
 def test_hydra_full_error_other_than_1_still_gets_zerotunes_config_error(value, tmp_path):
     env = {"HYDRA_FULL_ERROR": value}
-    proc = run_cli_with_env(env, "train.batch_size=abc", PLAN_ONLY, f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_cli("train.batch_size=abc", PLAN_ONLY, f"hydra.run.dir={tmp_path / 'run'}", env=env)
     fix = refused(proc, "train.batch_size")
     assert fix == "train.batch_size=<int>, e.g. train.batch_size=64"
 
@@ -145,12 +145,3 @@ def test_the_users_hydra_full_error_is_put_back_for_the_job(monkeypatch):
         assert os.environ["HYDRA_FULL_ERROR"] == "0"  # the job and its workers see the user's own value
     assert os.environ["HYDRA_FULL_ERROR"] == "0"
 
-
-def run_cli_with_env(env: dict, *args: str):
-    import subprocess
-    import sys
-
-    from tests.helpers.cli import ROOT, cli_env
-
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env={**cli_env(), **env},
-                          capture_output=True, text=True, timeout=300)

@@ -26,10 +26,11 @@ def cli_env() -> dict:
     return env
 
 
-def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 900, module: str | None = None):
-    """Run `python train.py ARGS` (or `python -m MODULE ARGS`) and return the CompletedProcess."""
+def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 900, module: str | None = None, env: dict | None = None):
+    """Run `python train.py ARGS` (or `python -m MODULE ARGS`) and return the CompletedProcess; `env` is
+    set on top of the test's environment."""
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+    return subprocess.run([*cmd, *args], cwd=cwd, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -30,10 +30,6 @@ from zerotune.training import distributed
 log = logging.getLogger("zerotune")
 
 
-def _fail(exc: ConfigError) -> None:
-    exit_config_error(exc)
-
-
 def job_spec() -> JobSpec:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
@@ -59,7 +55,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
             return
-        _fail(exc)
+        exit_config_error(exc)
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
     if summary["status"] == "interrupted":
@@ -149,9 +145,9 @@ def _main() -> None:
         with _composition_errors_raised():
             _hydra_main()
     except (HydraException, OmegaConfBaseException) as exc:
-        _fail(as_config_error(exc, sys.argv[1:]))
+        exit_config_error(as_config_error(exc, sys.argv[1:]))
     except ConfigError as exc:
-        _fail(exc)
+        exit_config_error(exc)
 
 
 _FULL_ERROR = "HYDRA_FULL_ERROR"

@@ -73,14 +73,14 @@ class UserConfig:
         name, where = origin.split(": ", 1)
         # A value generated from one zerotune key is that key in the file: its problem says what is valid.
         direct = exc.key in DS_TO_ZEROTUNE or fix == exc.fix
-        return ConfigError(where, f"{exc.problem} ({name})", _change(origin) if direct else fix)
+        return ConfigError(where, f"{exc.problem} ({name})", file_fixes.change(origin) if direct else fix)
 
     def _ds_name(self) -> str | None:
         return Path(self.deepspeed_path).name if self.deepspeed_path else None
 
     def value_sources(self, ds: dict) -> dict[str, str]:
         """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
-        name = Path(self.deepspeed_path).name if self.deepspeed_path else None
+        name = self._ds_name()
         out = {}
         for key in ds:
             if key in self.batch_origins:
@@ -156,16 +156,12 @@ def _apply(cfg: Any, s: Setting, applied: dict[str, Setting], user: UserConfig) 
     line = pinned_by(user.typed, s.key)
     if line is not None and current != "auto" and not _same(s.key, current, s.value):
         raise ConfigError(s.key, f"the command line says `{line}` but {s.origin} says {s.value!r}",
-                          f"drop `{line}` from the command line, or {_change(s.origin)}")
+                          f"drop `{line}` from the command line, or {file_fixes.change(s.origin)}")
     applied[s.key] = s
     user.origins[s.key] = s.origin
     if not _same(s.key, current, s.value):
         log.info("%s = %r, from %s", s.key, s.value, s.origin)
         OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
-
-
-def _change(origin: str) -> str:
-    return file_fixes.change(origin)
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
