@@ -32,6 +32,7 @@ from zerotune import checkpoints
 from zerotune.checkpoints import manifest
 from zerotune.checkpoints.layout import read_meta
 from zerotune.models import lora_export
+from zerotune.rundir import RunDir
 from zerotune.training.checkpoint import full_state
 
 
@@ -47,7 +48,7 @@ def find_checkpoint(path: str | Path) -> Path:
 
 def _summary(run_dir: Path) -> dict:
     try:
-        found = json.loads((run_dir / "summary.json").read_text())
+        found = RunDir(run_dir, is_writer=False).read_summary()
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}

@@ -7,13 +7,14 @@ Sec-Fetch-Site), and every request but the page's static files must carry the to
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 import secrets
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
+
+from zerotune.builder.replies import send_json
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
@@ -66,7 +67,7 @@ class AccessGuard:
             return await self.app(scope, receive, send)
         refusal = self.refusal(scope)
         if refusal is not None:
-            return await _refuse(send, *refusal)
+            return await send_json(send, *refusal)
         await self.app(scope, receive, send)
 
     def refusal(self, scope) -> tuple[int, dict] | None:
@@ -174,9 +175,3 @@ def _is_address(name: str) -> bool:
 def _error(key: str, problem: str, fix: str) -> dict:
     return {"error": {"key": key, "problem": problem, "fix": fix, "field": None}}
 
-
-async def _refuse(send, status: int, error: dict) -> None:
-    body = json.dumps(error).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

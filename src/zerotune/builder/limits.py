@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from zerotune.builder.replies import send_json
 
 MAX_BODY = 1 << 20
 
@@ -44,8 +44,6 @@ class BodyLimit:
 
 
 async def _too_large(send, limit: int) -> None:
-    body = json.dumps({"error": {"key": "request", "problem": f"the request is over {limit // (1 << 20)} MiB",
-                                 "fix": "paste a smaller file (a DeepSpeed JSON is a few KiB)", "field": None}}).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, 413, {"error": {
+        "key": "request", "problem": f"the request is over {limit // (1 << 20)} MiB",
+        "fix": "paste a smaller file (a DeepSpeed JSON is a few KiB)", "field": None}})
