@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tests.helpers.cli import compose_cfg, run_cli
 from tests.helpers.fixes import check_fix
-from zerotune import CONF_DIR
+from zerotune.config_search import packaged_conf
 from zerotune.data.footprint import GIB, check_fits_memory
 from zerotune.data.spec import DataSpec
 from zerotune.ds_config.offload import check_nvme_path
@@ -167,7 +167,7 @@ def spec(*overrides: str) -> DataSpec:
     return DataSpec.from_config(compose_cfg(*overrides))
 
 
-@pytest.mark.parametrize("size", sorted(int(p.stem) for p in (CONF_DIR / "resolution").glob("*.yaml")))
+@pytest.mark.parametrize("size", sorted(int(p.stem) for p in (packaged_conf() / "resolution").glob("*.yaml")))
 @pytest.mark.parametrize("setup", [(), ("model=sdxl", "data=synthetic"), ("model=sdxl_tiny", "data=synthetic")])
 def test_every_resolution_option_fits_a_16_gib_machine(size, setup):
     job = spec(*setup, f"resolution={size}")

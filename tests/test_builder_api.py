@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.helpers.cli import ROOT, run_cli
+from zerotune import config_search
 from zerotune.builder import app as builder_app
 from zerotune.builder import form, paths, preview
 from zerotune.cli.compose import compose, parse_typed
@@ -46,7 +47,7 @@ def _preview(client, choices=None, values=None, extra=None) -> dict:
 
 def test_the_page_lists_every_group_option_and_knob_from_conf(client):
     html = client.get("/").text
-    for group, options in form.group_options(form.CONF_DIR).items():
+    for group, options in config_search.current().group_options().items():
         if group in form.HIDDEN_GROUPS:
             assert f'name="{group}"' not in html
             continue

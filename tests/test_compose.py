@@ -6,11 +6,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import compose_cfg, run_cli
-from zerotune import CONF_DIR
-from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
+from zerotune.cli.overrides import normalize_overrides, take_config_dir
+from zerotune.config_search import ConfigSearch
 from zerotune.errors import ConfigError
 
-GROUPS = group_options(CONF_DIR)
+PACKAGED = ConfigSearch()  # the packaged configs alone
+GROUPS = PACKAGED.group_options()
 ALL_OPTIONS = [(g, o) for g, opts in GROUPS.items() if g != "experiment" for o in opts]
 
 
@@ -38,30 +39,30 @@ def test_every_option_composes(group, option):
 
 
 def test_unquoted_numeric_choices_are_quoted():
-    assert normalize_overrides(["zero_stage=2", "offload=cpu"], CONF_DIR) == ["zero_stage='2'", "offload='cpu'"]
-    assert normalize_overrides(["zero_stage=1,2,3"], CONF_DIR) == ["zero_stage='1','2','3'"]
-    assert normalize_overrides(["resolution=128,1024", "train.batch_size=1,8"], CONF_DIR) == [
+    assert normalize_overrides(["zero_stage=2", "offload=cpu"], PACKAGED) == ["zero_stage='2'", "offload='cpu'"]
+    assert normalize_overrides(["zero_stage=1,2,3"], PACKAGED) == ["zero_stage='1','2','3'"]
+    assert normalize_overrides(["resolution=128,1024", "train.batch_size=1,8"], PACKAGED) == [
         "resolution='128','1024'", "train.batch_size=1,8"]
 
 
 def test_optimizer_choice_is_case_insensitive(caplog):
-    assert normalize_overrides(["optimizer=AdamW"], CONF_DIR) == ["optimizer='adamw'"]
-    assert normalize_overrides(["optimizer=CPUAdam"], CONF_DIR) == ["optimizer='adamw'"]
+    assert normalize_overrides(["optimizer=AdamW"], PACKAGED) == ["optimizer='adamw'"]
+    assert normalize_overrides(["optimizer=CPUAdam"], PACKAGED) == ["optimizer='adamw'"]
     assert "AdamW implementation" in caplog.text
 
 
 def test_unknown_group_choice_names_options():
     with pytest.raises(ConfigError) as err:
-        normalize_overrides(["zero_stage=5"], CONF_DIR)
+        normalize_overrides(["zero_stage=5"], PACKAGED)
     assert err.value.key == "zero_stage" and "0, 1, 2, 3" in err.value.fix
     with pytest.raises(ConfigError) as err:
-        normalize_overrides(["resolution=96"], CONF_DIR)
+        normalize_overrides(["resolution=96"], PACKAGED)
     assert "resolution.size=96" in err.value.fix
 
 
 def test_hydra_functions_and_quoted_values_pass_through():
     args = ["zero_stage=choice('1','2')", "zero_stage='3'", "+foo=1", "--cfg", "job"]
-    assert normalize_overrides(args, CONF_DIR) == args
+    assert normalize_overrides(args, PACKAGED) == args
 
 
 @pytest.mark.parametrize("args", [["zero_stage=3", "offload=cpu", "--cfg", "job"], ["--cfg", "job", "zero_stage=3", "offload=cpu"]])
@@ -72,12 +73,14 @@ def test_cfg_job_prints_composed_config_with_the_overrides_before_or_after_it(ar
     assert printed.zero_stage.stage == 3 and printed.offload.device == "cpu"
 
 
-def test_the_experiments_search_path_joins_the_overrides_not_a_flag():
-    path = f"hydra.searchpath=[file://{CONF_DIR.parent / 'experiments'}]"
-    assert with_search_path(["a=1", "--cfg", "job"], CONF_DIR) == ["a=1", path, "--cfg", "job"]
-    assert with_search_path(["-m", "a=1,2"], CONF_DIR) == ["-m", "a=1,2", path]
-    assert with_search_path(["--cfg", "job"], CONF_DIR) == ["--cfg", "job", path]
-    assert with_search_path(["a=1", "hydra.searchpath=[x]"], CONF_DIR) == ["a=1", "hydra.searchpath=[x]"]
+def test_config_dir_is_taken_off_the_command_line_in_each_of_hydras_spellings():
+    assert take_config_dir(["a=1", "--config-dir", "mine", "--cfg", "job"]) == (["a=1", "--cfg", "job"], "mine")
+    assert take_config_dir(["-cd", "mine", "-m", "a=1,2"]) == (["-m", "a=1,2"], "mine")
+    assert take_config_dir(["--config-dir=mine", "a=1"]) == (["a=1"], "mine")
+    assert take_config_dir(["a=1"]) == (["a=1"], None)
+    with pytest.raises(ConfigError) as exc:
+        take_config_dir(["a=1", "--config-dir"])
+    assert exc.value.key == "--config-dir"
 
 
 def test_cfg_job_prints_composed_config():

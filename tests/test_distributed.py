@@ -125,13 +125,11 @@ def test_slurm_env_maps_to_the_launch_block(monkeypatch):
 
 
 def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
     from tests.helpers.slurm import sbatch_script, submission
-    from zerotune import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_module("zerotune.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True,
                       overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
                                  "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=90"])

@@ -115,7 +115,7 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a step-NNNNNNN checkpoint folder, a checkpoint dir or a run dir")
     parser.add_argument("out", help="folder to write unet/, unet.safetensors (and unet_ema*) into; with an "
                         "adapter, lora/pytorch_lora_weights.safetensors (and lora_ema/)")

@@ -18,10 +18,10 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from zerotune import CONF_DIR
+from zerotune import config_search
 from zerotune.cli import experiment_file
 from zerotune.cli.compose import compose
-from zerotune.cli.overrides import group_options, override
+from zerotune.cli.overrides import override
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
@@ -80,7 +80,7 @@ def _ordered(keys: dict) -> list[str]:
 
 def _override(key: str, value: Any) -> str:
     group = GROUP_KEYS.get(key)
-    if group is not None and str(value) in group_options(CONF_DIR).get(group, []):
+    if group is not None and str(value) in config_search.current().group_options().get(group, []):
         return f"{group}={value}"
     return override(key, value)
 
@@ -93,13 +93,16 @@ def experiment_yaml(source: Path, overrides: list[str], differ: list[str]) -> st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.import_config", description=__doc__,
+    parser = argparse.ArgumentParser(prog="zerotune import-config", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", type=Path, help="an accelerate config YAML or a DeepSpeed JSON")
-    parser.add_argument("--save", metavar="NAME", help="also write experiments/experiment/NAME.yaml")
+    parser.add_argument("--save", metavar="NAME", help="also write ./zerotune/experiment/NAME.yaml "
+                        "(in --config-dir's folder, when given), which `zerotune train experiment=NAME` runs")
     parser.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
+    config_search.add_config_dir_option(parser)
     args = parser.parse_args(argv)
     try:
+        config_search.choose_and_warn(args.config_dir)
         target = experiment_file.experiment_path(args.save, key="--save") if args.save else None
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the answer
             overrides, differ = overrides_for(args.file)
@@ -112,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if target.exists() and not args.force:
             print(f"zerotune: {target} exists; choose another name or add --force", file=sys.stderr)
             return CONFIG_ERROR_EXIT
-        target.write_text(experiment_yaml(args.file, overrides, differ))
-        print(f"wrote {target}: python train.py experiment={args.save}", file=sys.stderr)
+        experiment_file.write_experiment(target, experiment_yaml(args.file, overrides, differ))
+        print(f"wrote {target}: zerotune train experiment={args.save}", file=sys.stderr)
     return 0
 
 

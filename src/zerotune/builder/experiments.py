@@ -1,18 +1,24 @@
-"""Templates: a filled form saved as experiments/experiment/<name>.yaml (only what differs from the
-default job), which `python train.py experiment=<name>` runs, and any experiment loaded back into the form."""
+"""Templates: a filled form saved as <the user's folder>/experiment/<name>.yaml (only what differs from the
+default job), which `zerotune train experiment=<name>` runs, and any experiment loaded back into the form
+(the user's or a packaged one)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from zerotune.builder import form
-from zerotune.cli.experiment_file import experiment_names, experiment_path, experiment_yaml
+from zerotune.cli.experiment_file import (
+    experiment_file,
+    experiment_names,
+    experiment_path,
+    experiment_yaml,
+    write_experiment,
+)
 from zerotune.errors import ConfigError
 
-SAVED_BY = "Saved from the config builder page (python -m zerotune.builder)."
+SAVED_BY = "Saved from the config builder page (zerotune builder)."
 
 
 class ExperimentExists(FileExistsError):
@@ -25,7 +31,7 @@ def names() -> list[str]:
 
 def load(name: str) -> dict:
     """The form that gives experiment `name`: its group choices, the form's keys, and the rest as extra."""
-    if not experiment_path(name).exists():
+    if experiment_file(name) is None:
         raise ConfigError("name", f"no experiment {name!r}", f"one of: {', '.join(names()) or '(none saved yet)'}")
     return {"name": name, **form.as_form([f"experiment={name}"])}
 
@@ -37,9 +43,7 @@ def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list
     overrides = form.overrides(choices, values, extra)
     text = experiment_yaml(overrides, [SAVED_BY])
     previous = path.read_text() if path.exists() else None
-    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # a reader never sees half a file
+    write_experiment(path, text)
     try:
         _check_round_trip(name, overrides)
     except ConfigError:
@@ -48,7 +52,7 @@ def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list
         else:
             path.write_text(previous)
         raise
-    return {"name": name, "path": str(path), "overrides": overrides, "command": f"python train.py experiment={name}"}
+    return {"name": name, "path": str(path), "overrides": overrides, "command": f"zerotune train experiment={name}"}
 
 
 def _check_round_trip(name: str, overrides: list[str]) -> None:
@@ -58,4 +62,4 @@ def _check_round_trip(name: str, overrides: list[str]) -> None:
     differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "
-                          f"differ from `python train.py {' '.join(overrides)}`", "report this; the file was not kept")
+                          f"differ from `zerotune train {' '.join(overrides)}`", "report this; the file was not kept")

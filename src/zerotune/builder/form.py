@@ -13,14 +13,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from zerotune import CONF_DIR, schema
+from zerotune import config_search, schema
 from zerotune.cli.compose import compose_with_choices
 from zerotune.cli.interpolation import check_pure_interpolations
-from zerotune.cli.overrides import group_options, override
+from zerotune.cli.overrides import override
 from zerotune.platform import Platform
 
 # Groups the page leaves out: they name services or output, not what is trained or what it costs.
-HIDDEN_GROUPS = ("logger",)
+HIDDEN_GROUPS = ("logger", "experiment")  # experiments are the page's templates, listed on their own
 # Keys of a group's options that a user types in, shown beside their group's field.
 TYPED_KEYS = {"offload": ("offload.path",), "data": ("data.path",), "optimizer": ("optimizer.lr",),
               "launch": ("launch.num_processes",)}
@@ -48,7 +48,7 @@ def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
     groups in conf/config.yaml's order, which is the order overrides are written in."""
     choices, cfg = composed([])
-    listed = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+    listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
     return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
         knob_values(cfg)
@@ -68,7 +68,8 @@ def as_form(overrides: list[str]) -> dict:
 
 
 def fields(platform: Platform) -> list[Field]:
-    groups = [_group_field(g, opts, platform) for g, opts in group_options(CONF_DIR).items() if g not in HIDDEN_GROUPS]
+    groups = [_group_field(g, opts, platform) for g, opts in config_search.current().group_options().items()
+              if g not in HIDDEN_GROUPS]
     knobs = [_knob_field(key, _annotation(key)) for key in _train_keys()]
     shown = {f.key for f in groups}  # a typed key of no shown group (launch.*) stands with the train keys
     typed = [_knob_field(key, _annotation(key), group if group in shown else "")
@@ -174,8 +175,8 @@ def _same(typed: Any, current: Any) -> bool:
 
 
 def _group_field(group: str, names: list[str], platform: Platform) -> Field:
-    folder = CONF_DIR / group
-    options = [Option(n, _title(folder / f"{n}.yaml"), _why_not(group, n, platform)) for n in _ordered(names)]
+    search = config_search.current()
+    options = [Option(n, _title(search.option_file(group, n)), _why_not(group, n, platform)) for n in _ordered(names)]
     return Field(group, "group", group.replace("_", " "), options)
 
 

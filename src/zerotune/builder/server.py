@@ -18,20 +18,27 @@ import sys
 
 import uvicorn
 
+from zerotune import config_search
 from zerotune.builder.access import allowed_hosts, new_token
 from zerotune.builder.app import create_app
+from zerotune.errors import ConfigError, report_config_error
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.builder", description=__doc__,
+    parser = argparse.ArgumentParser(prog="zerotune builder", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="another name of this machine the page may be opened by (repeatable)")
+    config_search.add_config_dir_option(parser)  # the page saves experiments in its experiment/ folder
     parser.add_argument("--no-token", action="store_true",
                         help="serve without the token: any program or web page that reaches the port can use it")
     args = parser.parse_args(argv)
+    try:
+        config_search.choose_and_warn(args.config_dir)
+    except ConfigError as exc:
+        return report_config_error(exc)
     # Bound here, not by uvicorn, so that the URL printed carries the real port when --port 0 is given.
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -9,15 +9,15 @@ import threading
 from typing import Any
 
 from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
+from hydra import initialize_config_module
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from zerotune import CONF_DIR, schema
-from zerotune.cli.overrides import group_options, normalize_overrides, with_search_path
+from zerotune import config_search, schema
+from zerotune.cli.overrides import normalize_overrides
 from zerotune.errors import ConfigError
 
 _PARSER = OverridesParser.create()
@@ -27,21 +27,22 @@ _HYDRA_STATE = threading.Lock()
 
 
 def compose(overrides: list[str]) -> Any:
-    """conf/config.yaml with `overrides` as a user types them."""
+    """config.yaml with `overrides` as a user types them (the user's folder searched first: config_search)."""
     return compose_with_choices(overrides)[0]
 
 
 def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
     """compose(), and the option each config group ended up with (Hydra's runtime choices: an option may
     choose others, as data=digits picks resolution 8)."""
-    args = with_search_path(normalize_overrides(list(overrides), CONF_DIR), CONF_DIR)
+    search = config_search.current()
+    args = normalize_overrides(list(overrides), search)
     check_added_keys(args)
     try:
-        with _HYDRA_STATE, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        with _HYDRA_STATE, initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
             cfg = hydra_compose(config_name="config", overrides=args, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as exc:
         raise as_config_error(exc, args) from None
-    groups = group_options(CONF_DIR)
+    groups = set(search.group_options()) - {"experiment"}  # a bundle of choices, not one of them
     choices = {g: str(o) for g, o in cfg.hydra.runtime.choices.items() if g in groups}
     with open_dict(cfg):
         del cfg["hydra"]
@@ -106,7 +107,7 @@ def check_command_line(args: list[str]) -> None:
 def check_added_keys(args: list[str]) -> None:
     """`+key=value` adds a key Hydra does not know; zerotune would then never read it. Config groups
     (`+experiment=...`) and Hydra's own keys may be added."""
-    groups = set(group_options(CONF_DIR)) | {"experiment"}
+    groups = set(config_search.current().group_options())
     for arg in args:
         if "=" not in arg or arg.startswith("-") or _key(arg).startswith("hydra"):
             continue

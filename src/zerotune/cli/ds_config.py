@@ -11,22 +11,25 @@ import contextlib
 import json
 import sys
 
+from zerotune import config_search
 from zerotune.cli.compose import compose
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.preflight import preflight
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.ds_config", description=__doc__,
+    parser = argparse.ArgumentParser(prog="zerotune ds-config", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes the run would use (default: launch.num_processes x launch.nnodes)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
-    args = parser.parse_args(argv)
+    config_search.add_config_dir_option(parser)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for zerotune train")
+    args = parser.parse_intermixed_args(argv)
     # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError("--world-size", f"must be 1 or more, got {args.world_size}", "--world-size 8")
+        config_search.choose_and_warn(args.config_dir)
         cfg = compose(args.overrides)
         with contextlib.redirect_stdout(sys.stderr):
             checked = preflight(cfg, world_size=args.world_size, overrides=args.overrides)

@@ -17,9 +17,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zerotune import CONF_DIR
+from zerotune import config_search
 from zerotune.cli.compose import as_config_error, check_command_line, check_resolves, is_multirun
-from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, with_search_path
+from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
 from zerotune.rundir import RunDir
@@ -39,7 +39,8 @@ def job_spec() -> JobSpec:
     return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name(overrides), group=group, overrides=overrides)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+# The packaged configs; the user's folder is searched before them (hydra_plugins/zerotune_user_configs).
+@hydra.main(config_path=f"pkg://{config_search.PACKAGED_CONF}", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     _task_started()
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -136,8 +137,10 @@ def main() -> None:
 def _main() -> None:
     # Hydra options (--cfg job, -m, --help) pass through untouched; only key=value overrides are rewritten.
     try:
-        sys.argv[1:] = agree_across_ranks(strip_local_rank(sys.argv[1:]))
-        sys.argv[1:] = with_search_path(normalize_overrides(strip_local_rank(sys.argv[1:]), CONF_DIR), CONF_DIR)
+        args, config_dir = take_config_dir(strip_local_rank(sys.argv[1:]))
+        search = config_search.choose_and_warn(config_dir)
+        args = agree_across_ranks(args)
+        sys.argv[1:] = normalize_overrides(args, search)
         check_command_line(sys.argv[1:])  # added keys; and for a sweep, every job's types and keys, before Hydra starts
         if is_multirun(sys.argv[1:]):
             _hydra_main()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -19,7 +18,8 @@ from hydra.core.override_parser.types import QuotedString, ValueType
 from hydra.errors import HydraException
 
 from zerotune import schema
-from zerotune.ds_config.optimizers import normalize
+from zerotune.config_search import ConfigSearch
+from zerotune.ds_config.optimizers import is_known, normalize
 from zerotune.errors import ConfigError
 
 schema.register()  # conf/config.yaml names the schema; every composition goes through this module
@@ -46,21 +46,8 @@ def strip_local_rank(args: list[str]) -> list[str]:
     return out
 
 
-def group_options(conf_dir: Path) -> dict[str, list[str]]:
-    """{group: [option, ...]} for every top-level config group folder."""
-    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
-            for d in sorted(conf_dir.iterdir()) if d.is_dir() and d.name != "hydra"}
-
-
-def experiments_dir(conf_dir: Path) -> Path:
-    """Experiment configs live beside conf/, in experiments/experiment/, with their results."""
-    return conf_dir.parent / "experiments"
-
-
-def normalize_overrides(args: list[str], conf_dir: Path) -> list[str]:
-    groups = group_options(conf_dir)
-    if (experiments_dir(conf_dir) / "experiment").is_dir():
-        groups["experiment"] = sorted(p.stem for p in (experiments_dir(conf_dir) / "experiment").glob("*.yaml"))
+def normalize_overrides(args: list[str], search: ConfigSearch) -> list[str]:
+    groups = search.group_options()
     return [_normalize_one(arg, groups) for arg in args]
 
 
@@ -97,14 +84,26 @@ def hydra_value(value: Any) -> str:
     return "'" + _BEFORE_QUOTE.sub(lambda m: m[1] * 2 + ("\\'" if m[2] else ""), text) + "'"
 
 
-def with_search_path(args: list[str], conf_dir: Path) -> list[str]:
-    """Add experiments/ to Hydra's search path, unless the user set their own."""
-    if any(a.lstrip("+").startswith("hydra.searchpath=") for a in args):
-        return args
-    # Beside the last override, not after a flag: Hydra's argparse takes its overrides as one run of
-    # words, so `a=1 --cfg job hydra.searchpath=...` would be refused.
-    last = max((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), default=len(args) - 1)
-    return [*args[:last + 1], f"hydra.searchpath=[file://{experiments_dir(conf_dir)}]", *args[last + 1:]]
+CONFIG_DIR_FLAGS = ("--config-dir", "-cd")
+
+
+def take_config_dir(args: list[str]) -> tuple[list[str], str | None]:
+    """Hydra's `--config-dir DIR` (`-cd DIR`, `--config-dir=DIR`), taken off the command line: Hydra would
+    search it after the packaged configs; zerotune searches it first (hydra_plugins/zerotune_user_configs)."""
+    out, config_dir, i = [], None, 0
+    while i < len(args):
+        arg = args[i]
+        if arg in CONFIG_DIR_FLAGS:
+            if i + 1 >= len(args):
+                raise ConfigError("--config-dir", "no folder follows it", "--config-dir ./zerotune")
+            config_dir, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--config-dir="):
+            config_dir = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+        i += 1
+    return out, config_dir
 
 
 def _parse(arg: str):
@@ -148,13 +147,14 @@ CLOSED_GROUPS = frozenset({"zero_stage", "offload", "precision", "adapter"})
 
 
 def _choose(key: str, value: str, options: list[str]) -> str:
-    if key == "optimizer":
+    # AdamW, CPUAdam: DeepSpeed's names in any case. A name it does not know may be a user's own option.
+    if key == "optimizer" and value not in options and is_known(value):
         value = normalize(value, key="optimizer")
     if value not in options:
         fix = f"choose one of: {', '.join(options)}"
         if key == "resolution":
             fix += f", or {key}.size={value}"
         elif key not in CLOSED_GROUPS:
-            fix += f", or add conf/{key}/{value}.yaml"
+            fix += f", or add zerotune/{key}/{value}.yaml (in the working directory)"
         raise ConfigError(key, f"no option {value!r} in config group {key!r}", fix)
     return value

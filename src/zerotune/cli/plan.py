@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
+from zerotune import config_search
 from zerotune.cli.compose import compose
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, recommend, render
@@ -28,13 +29,14 @@ OPTIONS = [(stage, offload, checkpointing) for stage in (0, 1, 2, 3) for offload
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="zerotune plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", default=None, help=f"the card: {', '.join(gpus.CATALOG)}")
     parser.add_argument("--gpu-mib", type=int, default=None, help="or its memory in MiB")
     parser.add_argument("--all", action="store_true", help="rank every zero_stage x offload x checkpointing")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    config_search.add_config_dir_option(parser)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for zerotune train")
     return parser
 
 
@@ -73,6 +75,7 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[st
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
+        config_search.choose_and_warn(args.config_dir)
         gpu = gpus.lookup(args.gpu, args.gpu_mib, key="--gpu") if args.gpu or args.gpu_mib is not None else None
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
             answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from zerotune import config_search
 from zerotune.cli.compose import compose
 from zerotune.doctor import files, system
 from zerotune.doctor.check import FAIL, Check, as_json, as_text, exit_code
@@ -24,13 +25,14 @@ from zerotune.errors import ConfigError, report_config_error
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zerotune.doctor", description=__doc__,
+    parser = argparse.ArgumentParser(prog="zerotune doctor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     parser.add_argument("--offload-path", default=None, help="the NVMe offload folder to check (default: the "
                         "composed config's offload.path)")
     parser.add_argument("--fix", action="store_true", help="remove torch extensions locks that are provably stale")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
+    config_search.add_config_dir_option(parser)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for zerotune train")
     return parser
 
 
@@ -74,6 +76,7 @@ def configured_offload_path(cfg: Any) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
+        config_search.choose_and_warn(args.config_dir)
         cfg = compose(args.overrides)
         offload_path = args.offload_path or configured_offload_path(cfg)
     except ConfigError as exc:

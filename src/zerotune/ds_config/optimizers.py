@@ -33,9 +33,19 @@ NOT_CONFIG_DRIVEN = {
 }
 
 
+def _canon(name: str) -> str:
+    return str(name).strip().lower().replace("-", "").replace(" ", "")
+
+
+def is_known(name: str) -> bool:
+    """A name DeepSpeed has (in any case or spelling normalize takes), or one it documents but cannot run."""
+    canon = _canon(name)
+    return canon in ADAMW_ALIASES or canon in DEEPSPEED_TYPES or canon in NOT_CONFIG_DRIVEN
+
+
 def normalize(name: str, key: str = "optimizer.name") -> str:
     """Return the canonical name for `name`, case-insensitively; AdamW aliases fall back with a warning."""
-    canon = str(name).strip().lower().replace("-", "").replace(" ", "")
+    canon = _canon(name)
     if canon in ADAMW_ALIASES:
         log.warning("optimizer %r is an AdamW implementation, not an optimizer choice: using DeepSpeed's AdamW "
                     "(CPU Adam when offloaded, fused Adam otherwise)", name)

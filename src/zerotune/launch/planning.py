@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from zerotune import CONF_DIR
+from zerotune import config_search
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.plan.host import largest_share, node_need_mib
@@ -141,7 +141,7 @@ def _fixes(cfg: Any, plan: dict) -> str:
     else:
         fixes.append("python -m zerotune.plan ... --all for options that fit")
     model = OmegaConf.select(cfg, "model.name")
-    others = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml") if model and p.stem != model)
+    others = [name for name in config_search.current().group_options().get("model", []) if model and name != model]
     fixes += [f"model={name}" for name in others]
     fixes += ["plan.only=true to predict without training", "plan.guard=warn to run anyway"]
     return "; or ".join(fixes)

@@ -13,7 +13,7 @@ from zerotune.report.collect import NoRunsError, parse_value
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m zerotune.report",
+        prog="zerotune report",
         description="Summarise zerotune sweeps: summary.csv, summary.md and plots, plus which configuration "
                     "fits a memory budget fastest.")
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR",
