@@ -2,7 +2,8 @@
 
 The packaged ones are the package zerotune.conf (the checkout's conf/) and zerotune.experiments (its
 experiments/experiment/), read through importlib.resources, so an installed wheel finds them wherever it
-lies. The user's folder is `--config-dir DIR`, or else a `zerotune/` folder in the working directory. Its
+lies. The user's folder is `--config-dir DIR` (or $ZEROTUNE_CONFIG_DIR, which a command sets for the
+processes it starts), or else a `zerotune/` folder in the working directory. Its
 group folders add options (`zerotune/optimizer/my_adamw.yaml` is `optimizer=my_adamw`) and experiments
 (`zerotune/experiment/mine.yaml` is `experiment=mine`); a file with a packaged option's name is used in its
 place, with a warning naming both.
@@ -11,6 +12,7 @@ place, with a warning naming both.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,6 +25,7 @@ PACKAGED_CONF = "zerotune.conf"              # Hydra's primary folder (config.ya
 PACKAGED_EXPERIMENTS = "zerotune.experiments"
 PACKAGED = (PACKAGED_CONF, PACKAGED_EXPERIMENTS)
 USER_FOLDER = "zerotune"  # looked for in the working directory
+CONFIG_DIR_ENV = "ZEROTUNE_CONFIG_DIR"
 NOT_GROUPS = frozenset({"hydra", "__pycache__"})  # Hydra's own settings, and what importing a package leaves
 
 
@@ -38,20 +41,24 @@ def packaged_conf() -> Path:
 @dataclass(frozen=True)
 class UserFolder:
     path: Path
-    how: str  # "--config-dir" | "found in the working directory"
+    how: str  # "--config-dir" | "$ZEROTUNE_CONFIG_DIR" | "found in the working directory"
 
     def as_dict(self) -> dict:
         return {"path": str(self.path), "how": self.how}
 
 
 def find_user_folder(config_dir: str | Path | None = None, cwd: Path | None = None) -> UserFolder | None:
-    """`--config-dir`'s folder (which must exist), else ./zerotune/ when there is one."""
-    if config_dir is not None:
-        path = Path(config_dir).expanduser().resolve()
+    """`--config-dir`'s folder, else $ZEROTUNE_CONFIG_DIR's (either must exist), else ./zerotune/ if any."""
+    named = [(config_dir, "--config-dir"), (os.environ.get(CONFIG_DIR_ENV) or None, f"${CONFIG_DIR_ENV}")]
+    for value, how in named:
+        if value is None:
+            continue
+        path = Path(value).expanduser().resolve()
         if not path.is_dir():
-            raise ConfigError("--config-dir", f"{config_dir} is not a folder",
-                              f"create it (mkdir -p {config_dir}) or name an existing folder of configs")
-        return UserFolder(path, "--config-dir")
+            key = how.lstrip("$")
+            raise ConfigError(key, f"{value} is not a folder",
+                              f"create it (mkdir -p {value}) or name an existing folder of configs")
+        return UserFolder(path, how)
     found = (cwd or Path.cwd()) / USER_FOLDER
     # A zerotune/ holding __init__.py is the package's source (a checkout's src/), not a folder of configs.
     if found.is_dir() and not (found / "__init__.py").exists():
@@ -127,9 +134,12 @@ def add_config_dir_option(parser) -> None:
 
 
 def choose(config_dir: str | Path | None) -> ConfigSearch:
-    """The command's choice (its `--config-dir`, or none), for the rest of this process."""
+    """The command's choice (its `--config-dir`, or none), for the rest of this process and the processes it
+    starts (a run's workers, a sweep's jobs, a SLURM job), which inherit it through the environment."""
     global _chosen
     _chosen = ConfigSearch(find_user_folder(config_dir))
+    if _chosen.user is not None and _chosen.user.how == "--config-dir":
+        os.environ[CONFIG_DIR_ENV] = str(_chosen.user.path)
     return _chosen
 
 
