@@ -19,3 +19,13 @@ def isolated_accelerate_config(tmp_path_factory, monkeypatch):
     for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
         monkeypatch.delenv(name)
     return home
+
+
+@pytest.fixture(autouse=True)
+def packaged_configs_only(monkeypatch):
+    """No user config folder unless a test makes one: a command's --config-dir choice (kept for the process,
+    and passed on as $ZEROTUNE_CONFIG_DIR) ends with the test that made it."""
+    from zerotune import config_search
+
+    monkeypatch.setattr(config_search, "_chosen", None)
+    monkeypatch.setenv(config_search.CONFIG_DIR_ENV, "")  # empty is unset; restored (removed) afterwards

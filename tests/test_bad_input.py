@@ -274,7 +274,7 @@ def test_closed_group_suggests_no_new_yaml(override, choices):
 def test_open_group_still_suggests_a_yaml():
     with pytest.raises(ConfigError) as err:
         compose_cfg("scheduler=linear")
-    assert "add conf/scheduler/linear.yaml" in err.value.fix
+    assert "add zerotune/scheduler/linear.yaml" in err.value.fix
 
 
 def test_cli_zero_stage_5():

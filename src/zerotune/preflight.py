@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zerotune import checkpoints, models
+from zerotune import checkpoints, config_search, models
 from zerotune.data import check_data
 from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
@@ -30,7 +30,7 @@ class CheckedRun:
     model_stats: ModelStats
     input_shape: tuple[int, int, int]
     platform: Platform
-    config_sources: dict = field(default_factory=dict)  # the user's files and where each value came from
+    config_sources: dict = field(default_factory=dict)  # the user's files, where each value came from, config folders
     resume: checkpoints.ResumeDecision | None = None     # the checkpoint to continue (checked), and how
 
 
@@ -124,4 +124,5 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
         path = checkpoints.resolve_resume(cfg.resume, cfg.checkpoint.dir, Path(run_dir), verified_resume)
         resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size), ds)
     return CheckedRun(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
-                      config_sources=user.summary(ds), resume=resume)
+                      config_sources={**user.summary(ds), "configs": config_search.current().describe()},
+                      resume=resume)

@@ -45,6 +45,9 @@ def print_sources(sources: dict) -> None:
     lines = ["where each top-level value came from:"]
     width = max(len(k) for k in sources["values"])
     lines += [f"  {key:<{width}}  {origin}" for key, origin in sources["values"].items()]
+    user = (sources.get("configs") or {}).get("user_folder")
+    if user:
+        lines.append(f"your configs: {user['path']} ({user['how']}), searched before the packaged ones")
     for acc in sources["accelerate_config"]:
         lines.append(f"accelerate config: {acc['path'] or acc['origin']} ({acc['how']})")
     print("\n".join(lines), file=sys.stderr)

@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_checks(cfg: Any, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
     nvme_wanted = cfg.offload.device == "nvme"
-    checks = [_guarded("platform", system.platform_check)]
+    checks = [_guarded("configs", files.configs_check), _guarded("platform", system.platform_check)]
     table = _guarded_table()
     built = {n for n, op in table.items() if op["installed"] or op["cached"]}
     checks.append(_guarded("build tools", lambda: system.build_tools_check(built)))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
 from zerotune.launch import ext_lock
@@ -108,6 +109,23 @@ def accelerate_check() -> Check:
     described = "; ".join(_describe(c) for c in found)
     return Check("accelerate", INFO, f"{described}: zerotune runs take these settings (accelerate.config_file"
                  "=auto; =null ignores them)", details={"configs": [c.__dict__ for c in found]})
+
+
+def configs_check() -> Check:
+    """Where `zerotune train` (and every command) finds configs, in the order Hydra searches them."""
+    search = config_search.current()
+    packaged = ", ".join(str(folder) for folder in search.folders()[1 if search.user else 0:])
+    details = {**search.describe(), "folders": [str(folder) for folder in search.folders()]}
+    if search.user is None:
+        return Check("configs", OK, f"packaged only: {packaged} (no ./zerotune/ here; --config-dir DIR names "
+                     "another folder of yours)", details=details)
+    where = f"yours first: {search.user.path} ({search.user.how}); then packaged: {packaged}"
+    shadowed = search.shadowed()
+    if shadowed:
+        names = ", ".join(str(mine.relative_to(search.user.path)) for mine, _ in shadowed)
+        return Check("configs", WARN, f"{where}; yours hide packaged files of the same name: {names}",
+                     "rename yours (e.g. optimizer/my_adamw.yaml, used as optimizer=my_adamw) to keep both", details)
+    return Check("configs", OK, where, details=details)
 
 
 def _describe(c: Any) -> str:
