@@ -101,7 +101,7 @@ def test_conversion_choice(tmp_path, saved, now, mode):
     if mode is ConfigError:
         with pytest.raises(ConfigError) as err:
             checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
-        assert "python -m zerotune.export" in err.value.fix
+        assert "zerotune export" in err.value.fix
     else:
         assert checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
 

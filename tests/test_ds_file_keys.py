@@ -277,8 +277,8 @@ def test_an_older_spelling_is_translated_with_a_warning(tmp_path, caplog):
 
 
 def plan_overrides(fix: str) -> list[str]:
-    """The overrides of the `python -m zerotune.plan ... --gpu NAME` a fix offers."""
-    command = re.search(r"python -m zerotune\.plan (.*) --gpu NAME", fix)
+    """The overrides of the `zerotune plan ... --gpu NAME` a fix offers."""
+    command = re.search(r"zerotune plan (.*) --gpu NAME", fix)
     assert command, fix
     return shlex.split(command.group(1))
 
@@ -302,7 +302,7 @@ def test_an_fp16_file_on_a_machine_without_fp16_is_fixed_in_the_file_or_planned_
     from zerotune.cli.plan import plan_one
     from zerotune.plan import gpus
 
-    assert plan_one(overrides, gpus.lookup("h100"))["gpu"]  # what `python -m zerotune.plan ... --gpu h100` runs
+    assert plan_one(overrides, gpus.lookup("h100"))["gpu"]  # what `zerotune plan ... --gpu h100` runs
 
 
 def test_a_zero_file_where_deepspeed_is_missing_is_fixed_in_the_file(tmp_path):

@@ -1,4 +1,4 @@
-"""Export a checkpoint's weights: `python -m zerotune.export <checkpoint> <out>`.
+"""Export a checkpoint's weights: `zerotune export <checkpoint> <out>`.
 
 Writes full fp32 weights, whatever ZeRO stage saved them (ZeRO-1/2/3 partitions are consolidated with
 DeepSpeed's zero_to_fp32), as a diffusers folder and a .safetensors file:

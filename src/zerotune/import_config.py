@@ -1,7 +1,7 @@
 """Turn an accelerate YAML or a DeepSpeed JSON into zerotune overrides (or an experiment file).
 
-    python -m zerotune.import_config ~/.cache/huggingface/accelerate/default_config.yaml
-    python -m zerotune.import_config ds_config_zero3.json --save my_zero3   # experiments/experiment/my_zero3.yaml
+    zerotune import-config ~/.cache/huggingface/accelerate/default_config.yaml
+    zerotune import-config ds_config_zero3.json --save my_zero3   # experiments/experiment/my_zero3.yaml
 
 The overrides are checked: the DeepSpeed dict they build is compared with the one the file builds. Whatever
 the overrides cannot express (a scheduler's own parameters, exotic ZeRO keys) keeps the file in the
@@ -86,7 +86,7 @@ def _override(key: str, value: Any) -> str:
 
 
 def experiment_yaml(source: Path, overrides: list[str], differ: list[str]) -> str:
-    comments = [f"Imported from {source.resolve()}", f"(python -m zerotune.import_config {source.name} --save ...)."]
+    comments = [f"Imported from {source.resolve()}", f"(zerotune import-config {source.name} --save ...)."]
     if differ:
         comments.append(f"The file itself stays in use for: {', '.join(differ)}.")
     return experiment_file.experiment_yaml(overrides, comments)

@@ -13,6 +13,7 @@ from zerotune.errors import ConfigError
 _ALTERNATIVES = re.compile(r",? or |; or |, else ")
 # key=value, where value is a bracketed list or a run of characters that ends the token in prose.
 _OVERRIDE = re.compile(r"(?<![\w.\"'/-])([+~]?[A-Za-z_][\w.]*=(?:\[[^\]]*\]|\{[^}]*\}|[^\s,;()]+))")
+_COMMAND = re.compile(r"\bpython |\bzerotune (train|plan|ds-config|import-config|export|report|doctor|builder)\b")
 _PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|/path/to/")
 
 
@@ -20,7 +21,7 @@ def alternatives(fix: str) -> list[list[str]]:
     """The fix's alternatives that are overrides to type, each as a list of overrides."""
     found = []
     for part in _ALTERNATIVES.split(_PLACEHOLDER.sub("<>", fix)):  # "<0, 1, 2 or 3>" is one placeholder
-        if "python " in part:  # a command to run instead (`python -m zerotune.plan ... --gpu NAME`)
+        if _COMMAND.search(part):  # a command to run instead (`zerotune plan ... --gpu NAME`)
             continue
         if "e.g. " in part:
             part = part.split("e.g. ", 1)[1]

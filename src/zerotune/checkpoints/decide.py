@@ -48,7 +48,7 @@ def _adapter_config(cfg: Any) -> dict | None:
 
 def _adapter_fix(path: Path, meta: dict) -> str:
     if meta.get("adapter", "none") == "none":
-        return (f"to train an adapter on these weights: python -m zerotune.export {path} <out>, then "
+        return (f"to train an adapter on these weights: zerotune export {path} <out>, then "
                 "model.pretrained=<out> adapter=lora")
     return "resume with the checkpoint's adapter settings, or start a new run without resume"
 
@@ -84,7 +84,7 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
 
 def _export_fix(path: Path) -> str:
     return (f"resume with the checkpoint's own settings, or export the weights and start from them "
-            f"(optimizer state restarts): python -m zerotune.export {path} <out> && train model.pretrained=<out>")
+            f"(optimizer state restarts): zerotune export {path} <out> && train model.pretrained=<out>")
 
 
 def conversion_mode(path: Path, meta: dict, now: dict) -> str:

@@ -139,7 +139,7 @@ def as_config_error(exc: Exception, args: list[str]) -> ConfigError:
     if key:
         example = f", e.g. {key}={default}" if default is not None else ""
         return ConfigError(key, message, f"{key}=<{annotation}>{example}")
-    return ConfigError("command line", str(exc).strip().replace("\n", " "), "see `python train.py --help`")
+    return ConfigError("command line", str(exc).strip().replace("\n", " "), "see `zerotune train --help`")
 
 
 def unknown_key(key: str, why: str, value: str = "...") -> ConfigError:

@@ -1,7 +1,7 @@
 """Print the validated DeepSpeed JSON for any composition, without training.
 
-    python -m zerotune.ds_config zero_stage=3 offload=nvme offload.path=/tmp/x
-    python -m zerotune.ds_config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
+    zerotune ds-config zero_stage=3 offload=nvme offload.path=/tmp/x
+    zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
 """
 
 from __future__ import annotations

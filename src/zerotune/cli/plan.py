@@ -1,9 +1,9 @@
 """Will it fit? The planner's command: predicted GPU, host and NVMe peak and the time floor per step,
 before any GPU is rented or any job launched.
 
-    python -m zerotune.plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090
-    python -m zerotune.plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090 --all
-    python -m zerotune.plan zero_stage=3 offload=cpu --gpu-mib 12288 --json
+    zerotune plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090
+    zerotune plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090 --all
+    zerotune plan zero_stage=3 offload=cpu --gpu-mib 12288 --json
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""`python -m zerotune.doctor`: what a DeepSpeed setup needs, checked on this machine, each problem with its fix."""
+"""`zerotune doctor`: what a DeepSpeed setup needs, checked on this machine, each problem with its fix."""

@@ -1,4 +1,4 @@
-"""`python -m zerotune.doctor` (also installed as `zerotune-doctor`)."""
+"""`python -m zerotune.doctor` is `zerotune doctor`."""
 
 import sys
 

@@ -1,8 +1,8 @@
 """Check what DeepSpeed training needs on this machine, one line per check, each problem with its fix:
 
-    python -m zerotune.doctor
-    python -m zerotune.doctor --offload-path /mnt/nvme/zerotune --json
-    python -m zerotune.doctor zero_stage=3 offload=nvme offload.path=/mnt/nvme/zerotune
+    zerotune doctor
+    zerotune doctor --offload-path /mnt/nvme/zerotune --json
+    zerotune doctor zero_stage=3 offload=nvme offload.path=/mnt/nvme/zerotune
 
 Exit code 0 when nothing failed, 1 when a check failed, 2 for a config error in the overrides.
 """

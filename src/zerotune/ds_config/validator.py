@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 # A config meant for another machine can be checked for a card instead; "<overrides>" is replaced by the
 # command line's own (UserConfig.attribute), so a value a file states is never re-typed.
-PLAN_FOR_A_CARD = "python -m zerotune.plan <overrides> --gpu NAME"
+PLAN_FOR_A_CARD = "zerotune plan <overrides> --gpu NAME"
 
 
 def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:

@@ -139,7 +139,7 @@ def _fixes(cfg: Any, plan: dict) -> str:
         if activations >= 0.25:
             fixes.append(f"a lower resolution or train.batch_size (activations are {activations:.0%} of the peak)")
     else:
-        fixes.append("python -m zerotune.plan ... --all for options that fit")
+        fixes.append("zerotune plan ... --all for options that fit")
     model = OmegaConf.select(cfg, "model.name")
     others = [name for name in config_search.current().group_options().get("model", []) if model and name != model]
     fixes += [f"model={name}" for name in others]

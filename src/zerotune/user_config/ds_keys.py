@@ -164,7 +164,7 @@ KEYS: dict[str, Decision] = {
         asks=_activation_checkpointing),
     "flops_profiler": refused("its profiling step hooks every module and forces wall_clock_breakdown, "
                               "distorting the step time zerotune measures",
-                              _delete("flops_profiler") + "; python -m zerotune.plan reports the step's FLOPs"),
+                              _delete("flops_profiler") + "; zerotune plan reports the step's FLOPs"),
     "comms_logger": refused("DeepSpeed prints the log only when the script calls deepspeed.comm.log_summary(), "
                             "which zerotune does not", _delete("comms_logger")),
     "tensorboard": refused("DeepSpeed's TensorBoard writer needs the tensorboard package, which zerotune does "
@@ -175,7 +175,7 @@ KEYS: dict[str, Decision] = {
     "comet": refused("DeepSpeed's Comet monitor needs comet_ml, which zerotune does not install",
                      _delete("comet") + "; zerotune's metrics are in <run dir>/metrics.jsonl"),
     "autotuning": refused("DeepSpeed's autotuner runs from `deepspeed --autotuning`, not inside a training run",
-                          _delete("autotuning") + "; python -m zerotune.plan --all ranks stage x offload"),
+                          _delete("autotuning") + "; zerotune plan --all ranks stage x offload"),
     "data_efficiency": refused("needs DeepSpeed's data sampler and random-LTD layers; zerotune's data loader "
                                "is its own", _delete("data_efficiency")),
     "pipeline": refused("pipeline parallelism needs a PipelineModule; zerotune trains the U-Net data-parallel",
