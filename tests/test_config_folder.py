@@ -137,3 +137,16 @@ def test_doctor_prints_the_search_path(tmp_path):
     assert checks["configs"]["status"] == "OK"
     assert checks["configs"]["details"]["folders"][0] == str((tmp_path / "zerotune").resolve())
     assert checks["configs"]["details"]["search_path"][1:] == ["pkg://zerotune.conf", "pkg://zerotune.experiments"]
+
+
+def test_an_experiment_without_its_package_line_names_the_file_and_the_line_to_add(tmp_path, monkeypatch):
+    user_folder(tmp_path / "zerotune")
+    bare = tmp_path / "zerotune" / "experiment" / "bare.yaml"
+    bare.write_text(MINE.replace("# @package _global_\n", ""))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        compose(["experiment=bare"])
+    assert err.value.key == "experiment" and str(bare.resolve()) in err.value.problem
+    assert err.value.fix == f"make `# @package _global_` the first line of {bare.resolve()}"
+    bare.write_text("# @package _global_\n" + bare.read_text())  # the fix, applied
+    assert compose(["experiment=bare"]).train.max_steps == 2

@@ -128,7 +128,18 @@ def parse_typed(arg: str):
                           f"quote the value ({key}='{value}') or fix its brackets") from None
 
 
+# Hydra's words for an experiment file without `# @package _global_`: its keys land under `experiment.`.
+_EXPERIMENT_NOT_GLOBAL = re.compile(r"In 'experiment/([^']+)': ConfigKeyError raised while composing config:\s+"
+                                    r"Key 'experiment' not in")
+
+
 def as_config_error(exc: Exception, args: list[str]) -> ConfigError:
+    not_global = _EXPERIMENT_NOT_GLOBAL.search(str(exc))
+    if not_global:
+        name = not_global[1]
+        path = config_search.current().option_file("experiment", name) or f"experiment/{name}.yaml"
+        return ConfigError("experiment", f"{path} sets its keys under `experiment.` (it has no package line)",
+                           f"make `# @package _global_` the first line of {path}")
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
     key = getattr(cause, "full_key", None) or ""
     message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
