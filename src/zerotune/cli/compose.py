@@ -129,8 +129,8 @@ def parse_typed(arg: str):
 
 
 # Hydra's words for an experiment file without `# @package _global_`: its keys land under `experiment.`.
-_EXPERIMENT_NOT_GLOBAL = re.compile(r"In 'experiment/([^']+)': ConfigKeyError raised while composing config:\s+"
-                                    r"Key 'experiment' not in")
+_EXPERIMENT_NOT_GLOBAL = re.compile(r"In 'experiment/([^']+)': (ConfigKeyError raised while composing config:\s+"
+                                    r"Key 'experiment' not in|Could not override '[^']*@experiment\.)")
 
 
 def as_config_error(exc: Exception, args: list[str]) -> ConfigError:
