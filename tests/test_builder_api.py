@@ -1,42 +1,68 @@
-"""The builder page's server, called as the page calls it (FastAPI's TestClient): fields from conf/, the
-preview and its errors, will-it-fit, experiments, import, results, and every bad request it must refuse."""
+"""The builder page's server, called as the page calls it (FastAPI's TestClient): fields from the config
+groups, the preview and its errors, will-it-fit, experiments, import, results, and every bad request it must
+refuse. Each test runs in its own working directory, as an installed user's: experiments are saved in its
+./zerotune/experiment/ (or --config-dir's), results read from its multirun/ and outputs/, and the package's
+own configs are never written."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import shlex
+import urllib.request
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers.cli import ROOT, run_cli
+from tests.helpers.browser import start_builder, stop_builder
+from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, packaged_configs, run_in, with_multirun_readme
+from tests.helpers.cli import cli_env, run_cli
 from zerotune import config_search
 from zerotune.builder import app as builder_app
-from zerotune.builder import form, paths, preview
+from zerotune.builder import experiments, form, paths, preview, server
 from zerotune.cli.compose import compose, parse_typed
 from zerotune.plan.predict import predict
 from zerotune.platform import Platform
 
-EXPERIMENTS = ROOT / "experiments" / "experiment"
 TOKEN = "builder-api-test-token"
+PACKAGED_EXPERIMENT = "sdxl_4090_128_bs8"
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(tmp_path_factory):
     """The page's calls as the page makes them: to 127.0.0.1, with the server's token (test_builder_security.py
     checks what happens without)."""
-    app = builder_app.create_app(token=TOKEN)
-    with TestClient(app, base_url="http://127.0.0.1:8765", headers={"X-Zerotune-Token": TOKEN},
-                    raise_server_exceptions=False) as c:
-        yield c
+    with pytest.MonkeyPatch.context() as mp:
+        run_in(mp, tmp_path_factory.mktemp("builder_start"))
+        app = builder_app.create_app(token=TOKEN)
+        with TestClient(app, base_url="http://127.0.0.1:8765", headers={"X-Zerotune-Token": TOKEN},
+                        raise_server_exceptions=False) as c:
+            yield c
+
+
+@pytest.fixture(autouse=True)
+def workdir(monkeypatch, tmp_path) -> Path:
+    """Each test in a working directory of its own; whatever it saves, the package's configs stay as they were."""
+    before = packaged_configs()
+    yield run_in(monkeypatch, tmp_path)
+    assert packaged_configs() == before
 
 
 @pytest.fixture
 def experiment_name(request):
-    name = f"builder_test_{request.node.name[:20].strip('_')}".replace("[", "_").replace("]", "")
-    yield name
-    (EXPERIMENTS / f"{name}.yaml").unlink(missing_ok=True)
+    return f"builder_test_{request.node.name[:20].strip('_')}".replace("[", "_").replace("]", "")
+
+
+def user_experiments(cwd: Path) -> Path:
+    """Where the page saves when no folder was chosen: ./zerotune/experiment/."""
+    return cwd / "zerotune" / "experiment"
+
+
+def run_shown(command: str, *args: str, cwd: Path, env: dict | None = None):
+    """A command line the page shows (`zerotune train ...`), run as the user would run it, in `cwd`."""
+    words = shlex.split(command)
+    assert words[:2] == ["zerotune", "train"], command
+    return run_cli(*words[1:], *args, module="zerotune", cwd=cwd, env=env)
 
 
 def _preview(client, choices=None, values=None, extra=None) -> dict:
@@ -58,17 +84,14 @@ def test_the_page_lists_every_group_option_and_knob_from_conf(client):
         assert f'name="{key}"' in html
 
 
-def test_a_yaml_file_added_to_a_group_appears_without_code_changes(client):
-    added = ROOT / "conf" / "resolution" / "40.yaml"
+def test_a_yaml_file_added_to_a_group_appears_without_code_changes(client, workdir):
+    assert 'value="40"' not in client.get("/").text
+    added = workdir / "zerotune" / "resolution" / "40.yaml"  # the user's folder: the package stays as it is
+    added.parent.mkdir(parents=True)
     added.write_text("# 40x40 pixels, added by a test\nsize: 40\n")
-    try:
-        form.defaults.cache_clear()
-        assert 'value="40"' in client.get("/").text
-        answer = _preview(client, {"resolution": "40", "data": "synthetic"})
-        assert "resolution=40" in answer["command"] and "size: 40" in answer["composed"], answer
-    finally:
-        added.unlink()
-        form.defaults.cache_clear()
+    assert 'value="40"' in client.get("/").text
+    answer = _preview(client, {"resolution": "40", "data": "synthetic"})
+    assert "resolution=40" in answer["command"] and "size: 40" in answer["composed"], answer
 
 
 def test_options_the_platform_cannot_run_are_disabled_with_the_reason():
@@ -89,15 +112,16 @@ def test_nvme_without_a_path_is_an_error_at_the_path_field_and_a_path_fixes_it(c
     fixed = _preview(client, {"zero_stage": "3", "offload": "nvme"}, {"offload.path": "/tmp/zt nvme"})
     assert fixed["errors"] == []
     assert fixed["ds_config"]["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/tmp/zt nvme"
-    assert fixed["command"] == "python train.py zero_stage=3 offload=nvme \"offload.path='/tmp/zt nvme'\""
+    assert fixed["command"] == "zerotune train zero_stage=3 offload=nvme \"offload.path='/tmp/zt nvme'\""
 
 
-def test_the_preview_command_is_what_train_py_composes(client):
+def test_the_preview_command_is_what_zerotune_train_composes(client, workdir):
     answer = _preview(client, {"zero_stage": "1", "optimizer": "lion", "data": "synthetic"},
                       {"train.batch_size": "4", "train.gradient_checkpointing": True, "train.seed": "0"})
     assert answer["overrides"] == ["zero_stage=1", "optimizer=lion", "data=synthetic", "train.batch_size=4",
                                    "train.gradient_checkpointing=true"]  # seed 0 is the default: left out
-    shown = run_cli(*answer["overrides"], "--cfg", "job")
+    assert answer["command"] == "zerotune train " + " ".join(answer["overrides"])
+    shown = run_shown(answer["command"], "--cfg", "job", cwd=workdir)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == answer["composed"].strip()
 
@@ -184,13 +208,22 @@ def test_cheapest_fills_the_form_with_the_lowest_stage_that_fits(client):
     assert tight["form"] is None and "nothing fits" in tight["recommended"]["why"]
 
 
-def test_save_then_load_an_experiment_and_train_py_runs_it(client, experiment_name):
-    state = {"choices": {"zero_stage": "3", "offload": "cpu", "data": "synthetic"},
-             "values": {"train.batch_size": "4", "train.max_steps": "7"},
-             "extra": ["deepspeed.reduce_bucket_size=1000000"]}
+SAVED_STATE = {"choices": {"zero_stage": "3", "offload": "cpu", "data": "synthetic"},
+               "values": {"train.batch_size": "4", "train.max_steps": "7"},
+               "extra": ["deepspeed.reduce_bucket_size=1000000"]}
+
+
+def test_save_then_load_an_experiment_and_zerotune_train_runs_it(client, experiment_name, workdir):
+    state = SAVED_STATE
+    folder = user_experiments(workdir)
+    assert not (workdir / "zerotune").exists()  # the first save makes the user's folder
+    assert f'id="experiments-folder">{folder}<' in client.get("/").text  # the page says where it saves
     saved = client.post("/api/experiment", json={**state, "name": experiment_name})
     assert saved.status_code == 200, saved.text
-    text = (EXPERIMENTS / f"{experiment_name}.yaml").read_text()
+    assert saved.json()["path"] == str(folder / f"{experiment_name}.yaml")
+    assert saved.json()["command"] == f"zerotune train experiment={experiment_name}"
+    assert sorted(p.name for p in folder.iterdir()) == [f"{experiment_name}.yaml"]
+    text = (folder / f"{experiment_name}.yaml").read_text()
     assert text.startswith("# @package _global_") and "override /zero_stage: '3'" in text
     assert "batch_size: 4" in text and "lr:" not in text  # only what differs from the defaults
     loaded = client.get("/api/experiment", params={"name": experiment_name}).json()
@@ -199,20 +232,122 @@ def test_save_then_load_an_experiment_and_train_py_runs_it(client, experiment_na
     again = client.post("/api/experiment", json={**state, "name": experiment_name})
     assert again.status_code == 409 and again.json()["exists"] is True
     assert client.post("/api/experiment", json={**state, "name": experiment_name, "overwrite": True}).status_code == 200
-    shown = run_cli(f"experiment={experiment_name}", "--cfg", "job")
+    assert experiment_name in client.get("/api/experiments").json()["names"]
+    shown = run_shown(saved.json()["command"], "--cfg", "job", cwd=workdir)
     assert shown.returncode == 0, shown.stderr
     assert "stage: 3" in shown.stdout and "batch_size: 4" in shown.stdout and "reduce_bucket_size: 1000000" in shown.stdout
 
 
+def test_started_where_no_folder_is_yet_the_first_save_makes_it_and_is_found_there(client, experiment_name,
+                                                                                   workdir):
+    server.choose_folder(None)  # as `zerotune builder` starts, with no --config-dir and no ./zerotune/ yet
+    saved = client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name})
+    assert saved.status_code == 200, saved.text  # its check composes experiment=<name> from the new folder
+    assert saved.json()["path"] == str(user_experiments(workdir) / f"{experiment_name}.yaml")
+    assert experiment_name in client.get("/api/experiments").json()["names"]
+    assert client.get("/api/experiment", params={"name": experiment_name}).json()["choices"]["zero_stage"] == "3"
+    assert f'id="user-folder">{workdir / "zerotune"}<' in client.get("/").text
+
+
+@pytest.mark.parametrize("how", ["--config-dir", "env"])
+def test_a_config_folder_that_is_not_one_stops_the_server_before_it_serves(workdir, monkeypatch, capsys, how):
+    missing = str(workdir / "no_such_folder")
+    if how == "env":
+        monkeypatch.setenv(config_search.CONFIG_DIR_ENV, missing)
+    assert server.main(["--port", "0", *(["--config-dir", missing] if how == "--config-dir" else [])]) == 2
+    assert "no_such_folder is not a folder" in capsys.readouterr().err
+
+
+def test_with_a_chosen_config_dir_experiments_are_saved_and_found_there(client, experiment_name, workdir,
+                                                                        tmp_path_factory):
+    mine = tmp_path_factory.mktemp("my_configs")
+    config_search.choose(mine)  # what `zerotune builder --config-dir <mine>` does at start
+    page = client.get("/").text
+    assert f'id="experiments-folder">{mine / "experiment"}<' in page and f'id="user-folder">{mine}<' in page
+    saved = client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name})
+    assert saved.status_code == 200, saved.text
+    assert saved.json()["path"] == str(mine / "experiment" / f"{experiment_name}.yaml")
+    assert (mine / "experiment" / f"{experiment_name}.yaml").is_file() and not (workdir / "zerotune").exists()
+    command = saved.json()["command"]
+    assert command == f"zerotune train --config-dir {mine} experiment={experiment_name}"
+    assert _preview(client)["command"] == f"zerotune train --config-dir {mine}"
+    loaded = client.get("/api/experiment", params={"name": experiment_name}).json()
+    assert loaded["choices"]["zero_stage"] == "3" and loaded["values"]["train.max_steps"] == 7
+    elsewhere = tmp_path_factory.mktemp("elsewhere")  # the command names the folder: it runs from anywhere
+    shown = run_shown(command, "--cfg", "job", cwd=elsewhere, env={config_search.CONFIG_DIR_ENV: ""})
+    assert shown.returncode == 0, shown.stderr
+    assert "stage: 3" in shown.stdout and "reduce_bucket_size: 1000000" in shown.stdout
+
+
+def test_the_server_started_with_config_dir_saves_there(tmp_path_factory, workdir):
+    """`zerotune builder --config-dir DIR`, started in a working directory: the save lands in DIR/experiment/."""
+    mine = tmp_path_factory.mktemp("server_configs")
+    env = {**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))}
+    server = start_builder(env, "--config-dir", str(mine), cwd=workdir)
+    try:
+        request = urllib.request.Request(
+            f"{server.base}api/experiment", method="POST", headers={"X-Zerotune-Token": server.token,
+                                                                     "content-type": "application/json"},
+            data=json.dumps({"name": "from_the_server", "choices": {"zero_stage": "1"}}).encode())
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy for 127.0.0.1
+        with direct.open(request, timeout=300) as answer:
+            saved = json.loads(answer.read())
+    finally:
+        stop_builder(server.proc)
+    assert saved["path"] == str(mine / "experiment" / "from_the_server.yaml"), saved
+    assert "override /zero_stage: '1'" in (mine / "experiment" / "from_the_server.yaml").read_text()
+    assert not (workdir / "zerotune").exists()
+
+
+def test_packaged_experiments_are_listed_and_loaded_but_not_saved_over(client, workdir):
+    assert (PACKAGED_EXPERIMENTS / f"{PACKAGED_EXPERIMENT}.yaml").is_file()
+    assert PACKAGED_EXPERIMENT in client.get("/api/experiments").json()["names"]
+    assert f'<option value="{PACKAGED_EXPERIMENT}">' in client.get("/").text
+    loaded = client.get("/api/experiment", params={"name": PACKAGED_EXPERIMENT})
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["choices"]["model"] == "sdxl" and loaded.json()["choices"]["resolution"] == "128"
+    for overwrite in (False, True):
+        refused = client.post("/api/experiment", json={**loaded.json(), "name": PACKAGED_EXPERIMENT,
+                                                      "overwrite": overwrite})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["key"] == "name" and "packaged experiment" in error["problem"], error
+        assert f"my_{PACKAGED_EXPERIMENT}" in error["fix"]
+    assert not (workdir / "zerotune").exists()  # nothing written, not even the folder
+    form_state = {"choices": loaded.json()["choices"], "values": loaded.json()["values"]}
+    renamed = client.post("/api/experiment", json={**form_state, "name": f"my_{PACKAGED_EXPERIMENT}"})
+    assert renamed.status_code == 200, renamed.text  # the name the fix suggests
+    assert Path(renamed.json()["path"]).parent == user_experiments(workdir)
+
+
+def test_a_save_that_fails_unexpectedly_keeps_no_file_and_the_previous_one(client, experiment_name, workdir,
+                                                                          monkeypatch):
+    target = user_experiments(workdir) / f"{experiment_name}.yaml"
+    assert client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name}).status_code == 200
+    kept = target.read_text()
+
+    def broken(*_, **__):
+        raise RuntimeError("composer exploded")
+
+    monkeypatch.setattr(experiments, "_check_round_trip", broken)
+    failed = client.post("/api/experiment", json={"choices": {"zero_stage": "1"}, "name": experiment_name,
+                                                   "overwrite": True})
+    assert failed.status_code == 500 and "composer exploded" in failed.json()["error"]["problem"]
+    assert target.read_text() == kept
+    other = client.post("/api/experiment", json={"choices": {"zero_stage": "1"}, "name": f"{experiment_name}_2"})
+    assert other.status_code == 500 and not target.with_name(f"{experiment_name}_2.yaml").exists()
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "x" * 65, "name with space", "a\\b", "/etc/x",
                                   "", None, 7, "ok\x00", "ok\n"])
-def test_an_experiment_name_that_could_leave_its_folder_is_refused(client, name):
-    before = sorted(p.name for p in EXPERIMENTS.parent.rglob("*"))
+def test_an_experiment_name_that_could_leave_its_folder_is_refused(client, name, workdir):
+    before = sorted(p.name for p in workdir.rglob("*"))
     answer = client.post("/api/experiment", json={"name": name, "choices": {"zero_stage": "1"}})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["key"] == "name" and "path separators" in answer.json()["error"]["problem"]
-    assert sorted(p.name for p in EXPERIMENTS.parent.rglob("*")) == before
-    assert not (ROOT / "escape.yaml").exists() and not (ROOT / "experiments" / "escape.yaml").exists()
+    assert sorted(p.name for p in workdir.rglob("*")) == before
+    assert not (workdir / "escape.yaml").exists() and not (workdir.parent / "escape.yaml").exists()
+    assert not (PACKAGED_EXPERIMENTS.parent / "escape.yaml").exists()
 
 
 def test_loading_an_unknown_experiment_lists_the_known_ones(client):
@@ -228,7 +363,7 @@ DS_JSON = """{
 }"""
 
 
-def test_a_pasted_deepspeed_json_becomes_overrides(client):
+def test_a_pasted_deepspeed_json_becomes_overrides(client, workdir):
     answer = client.post("/api/import", json={"text": DS_JSON})
     assert answer.status_code == 200, answer.text
     imported = answer.json()
@@ -236,7 +371,7 @@ def test_a_pasted_deepspeed_json_becomes_overrides(client):
     assert {"zero_stage=3", "offload=cpu", "precision=bf16", "train.batch_size=4", "train.grad_accum=2"} <= set(
         imported["overrides"]), imported["overrides"]
     assert imported["choices"]["zero_stage"] == "3" and imported["values"]["train.batch_size"] == 4
-    assert Path(imported["file"]).parent == paths.imports_dir()
+    assert Path(imported["file"]).parent == paths.imports_dir() == workdir / "outputs" / "builder-imports"
 
 
 def test_a_pasted_accelerate_yaml_becomes_overrides(client):
@@ -262,36 +397,42 @@ def test_a_results_folder_outside_multirun_and_outputs_is_refused(client, folder
     assert answer.status_code == 400 and answer.json()["error"]["key"] == "folder", answer.text
 
 
-def test_a_symlink_out_of_multirun_is_refused(client, tmp_path):
-    link = ROOT / "multirun" / "builder-test-link"
-    link.symlink_to(tmp_path, target_is_directory=True)
-    try:
-        assert client.get("/api/sweep", params={"folder": "multirun/builder-test-link"}).status_code == 400
-        assert client.get("/api/file", params={"path": "multirun/README.md"}).status_code == 200
-        assert client.get("/api/file", params={"path": "pyproject.toml"}).status_code == 400
-        assert client.get("/api/file", params={"path": "../pyproject.toml"}).status_code == 400
-    finally:
-        link.unlink()
+def test_a_symlink_out_of_multirun_is_refused(client, workdir, tmp_path_factory):
+    with_multirun_readme(workdir)
+    (workdir / "pyproject.toml").write_text("[project]\n")
+    link = workdir / "multirun" / "builder-test-link"
+    link.symlink_to(tmp_path_factory.mktemp("outside"), target_is_directory=True)
+    assert client.get("/api/sweep", params={"folder": "multirun/builder-test-link"}).status_code == 400
+    assert client.get("/api/file", params={"path": "multirun/README.md"}).status_code == 200
+    assert client.get("/api/file", params={"path": "pyproject.toml"}).status_code == 400
+    assert client.get("/api/file", params={"path": "../pyproject.toml"}).status_code == 400
 
 
-def test_a_planned_sweep_opens_with_predicted_columns_and_plots(client):
-    sweep = ROOT / "multirun" / "builder-test-sweep"
-    shutil.rmtree(sweep, ignore_errors=True)
-    try:
-        run = run_cli("-m", "plan.only=true", "plan.gpu=rtx4090", "zero_stage=1,2", f"hydra.sweep.dir={sweep}")
-        assert run.returncode == 0, run.stderr[-2000:]
-        listed = [s["folder"] for s in client.get("/api/sweeps").json()["sweeps"]]
-        assert "multirun/builder-test-sweep" in listed
-        opened = client.get("/api/sweep", params={"folder": "multirun/builder-test-sweep", "budget_mib": 24000}).json()
-        assert "pred. GPU MiB" in opened["headers"] and len(opened["rows"]) == 2
-        predicted = [json.loads((sweep / j / "summary.json").read_text())["plan"]["gpu_peak_mib"] for j in ("0", "1")]
-        column = opened["headers"].index("pred. GPU MiB")
-        assert sorted(r[column] for r in opened["rows"]) == sorted(f"{p:.0f}" for p in predicted)
-        assert opened["budget"] and opened["plots"]
-        png = client.get("/api/file", params={"path": opened["plots"][0]["file"]})
-        assert png.status_code == 200 and png.content[:4] == b"\x89PNG"
-    finally:
-        shutil.rmtree(sweep, ignore_errors=True)
+def test_results_are_listed_from_the_working_directorys_multirun_and_outputs(client, workdir):
+    assert client.get("/api/sweeps").json()["sweeps"] == []  # none here, whatever the checkout holds
+    (workdir / "multirun" / "2026-01-01" / "10-00-00" / "0").mkdir(parents=True)  # a sweep's job, just started
+    single = workdir / "outputs" / "2026-01-02" / "11-00-00"  # a single run: its folder holds the summary
+    single.mkdir(parents=True)
+    (single / "summary.json").write_text("{}")
+    assert client.get("/api/sweeps").json()["sweeps"] == [
+        {"folder": "outputs/2026-01-02", "jobs": 1}, {"folder": "multirun/2026-01-01/10-00-00", "jobs": 1}]
+
+
+def test_a_planned_sweep_opens_with_predicted_columns_and_plots(client, workdir):
+    sweep = workdir / "multirun" / "builder-test-sweep"
+    run = run_cli("train", "-m", "plan.only=true", "plan.gpu=rtx4090", "zero_stage=1,2", f"hydra.sweep.dir={sweep}",
+                  module="zerotune", cwd=workdir)
+    assert run.returncode == 0, run.stderr[-2000:]
+    listed = [s["folder"] for s in client.get("/api/sweeps").json()["sweeps"]]
+    assert "multirun/builder-test-sweep" in listed
+    opened = client.get("/api/sweep", params={"folder": "multirun/builder-test-sweep", "budget_mib": 24000}).json()
+    assert "pred. GPU MiB" in opened["headers"] and len(opened["rows"]) == 2
+    predicted = [json.loads((sweep / j / "summary.json").read_text())["plan"]["gpu_peak_mib"] for j in ("0", "1")]
+    column = opened["headers"].index("pred. GPU MiB")
+    assert sorted(r[column] for r in opened["rows"]) == sorted(f"{p:.0f}" for p in predicted)
+    assert opened["budget"] and opened["plots"]
+    png = client.get("/api/file", params={"path": opened["plots"][0]["file"]})
+    assert png.status_code == 200 and png.content[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("value", ["/tmp/zt nvme", "it's", 'say "hi"', "$HOME/x", "a\\b", "back`tick`"])

@@ -1,5 +1,6 @@
 """The builder page in a real browser: Debian's Chromium, headless, driven by Playwright, against
-`python -m zerotune.builder` as a user starts it. Each main state is saved as a screenshot
+`zerotune builder` as a user starts it, in a working directory of theirs (the test's temporary folder: its
+./zerotune/experiment/ gets the saved experiments). Each main state is saved as a screenshot
 (into $ZEROTUNE_SCREENSHOTS when set, else the test's temporary folder)."""
 
 from __future__ import annotations
@@ -13,17 +14,32 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.helpers.browser import launch, start_builder, stop_builder
-from tests.helpers.cli import ROOT, cli_env, run_cli
+from tests.helpers.builder_workdir import packaged_configs
+from tests.helpers.cli import cli_env, run_cli
 
-EXPERIMENTS = ROOT / "experiments" / "experiment"
 SDXL_TRACE_S = 180_000  # ms: a cold SDXL 1024^2 batch-8 trace is ~20 s on 2 cores; a loaded machine is slower
 expect.set_options(timeout=20_000)  # ms: the server composes and validates; a busy 2-core machine is slow
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def workdir(tmp_path_factory) -> Path:
+    """The server's working directory; the package's own configs are as they were once its tests are done."""
+    before = packaged_configs()
+    yield tmp_path_factory.mktemp("builder_cwd").resolve()  # as the server's os.getcwd() names it
+    assert packaged_configs() == before
+
+
+@pytest.fixture(scope="module")
+def experiments(workdir) -> Path:
+    return workdir / "zerotune" / "experiment"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, workdir):
     """The page's address with its token, as the server printed it."""
-    builder = start_builder({**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))})
+    env = {**cli_env(), "HF_HOME": str(tmp_path_factory.mktemp("hf_home"))}
+    env.pop("ZEROTUNE_CONFIG_DIR", None)  # the default: ./zerotune/ in the working directory
+    builder = start_builder(env, cwd=workdir)
     try:
         yield builder.url
     finally:
@@ -43,7 +59,7 @@ def page(browser, server):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.goto(server)
-    expect(page.locator("#command")).to_have_text("python train.py")
+    expect(page.locator("#command")).to_have_text("zerotune train")
     yield page
     context.close()
 
@@ -68,7 +84,7 @@ def test_nvme_without_a_path_shows_the_error_at_the_path_field_and_a_path_change
     page.fill('input[name="offload.path"]', "/tmp/zerotune-nvme")
     expect(error).to_be_hidden()
     expect(page.locator("#ds-json")).to_contain_text('"nvme_path": "/tmp/zerotune-nvme"')
-    expect(page.locator("#command")).to_have_text("python train.py zero_stage=3 offload=nvme offload.path=/tmp/zerotune-nvme")
+    expect(page.locator("#command")).to_have_text("zerotune train zero_stage=3 offload=nvme offload.path=/tmp/zerotune-nvme")
     page.screenshot(path=shots / "builder-nvme-fixed.png", full_page=True)
 
 
@@ -94,42 +110,53 @@ def test_rtx4090_sdxl_1024_batch_8_shows_the_planners_figure(page, shots):
     page.screenshot(path=shots / "builder-fit.png", full_page=True)
 
 
-def test_a_saved_experiment_runs_with_train_py(page, shots):
+def test_a_saved_experiment_runs_with_zerotune_train(page, shots, workdir, experiments):
     name = "builder_browser_saved"
-    target = EXPERIMENTS / f"{name}.yaml"
-    target.unlink(missing_ok=True)
-    try:
-        page.select_option('select[name="zero_stage"]', "1")
-        page.select_option('select[name="optimizer"]', "lion")
-        page.fill('input[name="train.max_steps"]', "5")
-        expect(page.locator("#command")).to_have_text("python train.py zero_stage=1 optimizer=lion train.max_steps=5")
-        page.fill("#experiment-name", name)
-        page.click("#save")
-        page.wait_for_selector('#saved:not([hidden]), [data-error-for="name"]:not([hidden])')
-        assert page.locator('[data-error-for="name"]').is_hidden(), page.locator('[data-error-for="name"]').text_content()
-        expect(page.locator("#saved")).to_contain_text(f"python train.py experiment={name}")
-        shown = run_cli(f"experiment={name}", "--cfg", "job")
-        assert shown.returncode == 0, shown.stderr
-        assert "name: lion" in shown.stdout and "stage: 1" in shown.stdout and "max_steps: 5" in shown.stdout
-        page.screenshot(path=shots / "builder-saved.png", full_page=True)
+    target = experiments / f"{name}.yaml"
+    assert not target.exists()
+    expect(page.locator("#experiments-folder")).to_have_text(str(experiments))  # where the page saves
+    page.select_option('select[name="zero_stage"]', "1")
+    page.select_option('select[name="optimizer"]', "lion")
+    page.fill('input[name="train.max_steps"]', "5")
+    expect(page.locator("#command")).to_have_text("zerotune train zero_stage=1 optimizer=lion train.max_steps=5")
+    page.fill("#experiment-name", name)
+    page.click("#save")
+    page.wait_for_selector('#saved:not([hidden]), [data-error-for="name"]:not([hidden])')
+    assert page.locator('[data-error-for="name"]').is_hidden(), page.locator('[data-error-for="name"]').text_content()
+    expect(page.locator("#saved")).to_contain_text(f"Saved {target}")
+    expect(page.locator("#saved")).to_contain_text(f"zerotune train experiment={name}")
+    shown = run_cli("train", f"experiment={name}", "--cfg", "job", module="zerotune", cwd=workdir)
+    assert shown.returncode == 0, shown.stderr
+    assert "name: lion" in shown.stdout and "stage: 1" in shown.stdout and "max_steps: 5" in shown.stdout
+    page.screenshot(path=shots / "builder-saved.png", full_page=True)
 
-        answers, asked = [False, True], []  # "exists: overwrite?" -- no, then yes
+    answers, asked = [False, True], []  # "exists: overwrite?" -- no, then yes
 
-        def confirm(dialog):
-            asked.append(dialog.message)
-            dialog.accept() if answers[len(asked) - 1] else dialog.dismiss()
+    def confirm(dialog):
+        asked.append(dialog.message)
+        dialog.accept() if answers[len(asked) - 1] else dialog.dismiss()
 
-        page.on("dialog", confirm)
-        page.fill('input[name="train.max_steps"]', "6")
-        page.click("#save")
-        _wait_until(page, lambda: asked)
-        expect(page.locator("#saved")).to_be_hidden()
-        assert len(asked) == 1 and "exists" in asked[0] and "max_steps: 5" in target.read_text()
-        page.click("#save")
-        expect(page.locator("#saved")).to_be_visible()
-        assert len(asked) == 2 and "max_steps: 6" in target.read_text()
-    finally:
-        target.unlink(missing_ok=True)
+    page.on("dialog", confirm)
+    page.fill('input[name="train.max_steps"]', "6")
+    page.click("#save")
+    _wait_until(page, lambda: asked)
+    expect(page.locator("#saved")).to_be_hidden()
+    assert len(asked) == 1 and "exists" in asked[0] and "max_steps: 5" in target.read_text()
+    page.click("#save")
+    expect(page.locator("#saved")).to_be_visible()
+    assert len(asked) == 2 and "max_steps: 6" in target.read_text()
+
+
+def test_saving_under_a_packaged_experiments_name_is_refused_next_to_the_name_field(page, workdir, experiments):
+    before = sorted(p.name for p in workdir.rglob("*"))
+    page.fill("#experiment-name", "sdxl_4090_128_bs8")
+    page.click("#save")
+    error = page.locator('[data-error-for="name"]')
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("packaged experiment")
+    expect(error).to_contain_text("my_sdxl_4090_128_bs8")
+    assert not (experiments / "sdxl_4090_128_bs8.yaml").exists()
+    assert sorted(p.name for p in workdir.rglob("*")) == before
 
 
 def _wait_until(page, condition, timeout_s: float = 30) -> None:
@@ -140,15 +167,15 @@ def _wait_until(page, condition, timeout_s: float = 30) -> None:
     raise AssertionError("the page never got there")
 
 
-def test_a_traversal_name_is_refused_next_to_the_name_field(page):
-    before = sorted(p.name for p in EXPERIMENTS.parent.rglob("*"))
+def test_a_traversal_name_is_refused_next_to_the_name_field(page, workdir):
+    before = sorted(p.name for p in workdir.rglob("*"))
     page.fill("#experiment-name", "../../outside")
     page.click("#save")
     error = page.locator('[data-error-for="name"]')
     expect(error).to_be_visible()
     expect(error).to_contain_text("path separators")
-    assert sorted(p.name for p in EXPERIMENTS.parent.rglob("*")) == before
-    assert not (ROOT.parent / "outside.yaml").exists()
+    assert sorted(p.name for p in workdir.rglob("*")) == before
+    assert not (workdir / "outside.yaml").exists() and not (workdir.parent / "outside.yaml").exists()
 
 
 def test_an_imported_deepspeed_json_fills_the_form(page, shots):

@@ -1,12 +1,13 @@
 """The builder page against a hostile web page: a domain rebound to 127.0.0.1 (refused by its Host), a
 request from another origin, a request without the server's token, and overrides that would read the
 environment into the composed config (`${oc.env:WANDB_API_KEY}`). Through FastAPI's TestClient, and in
-Debian's Chromium against the real server."""
+Debian's Chromium against the real server; both in a working directory of the test's own, as a user runs it."""
 
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,9 +15,10 @@ from omegaconf import OmegaConf
 from playwright.sync_api import expect, sync_playwright
 
 from tests.helpers.browser import launch, start_builder, stop_builder
+from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, run_in, snapshot, with_multirun_readme
 from tests.helpers.cli import ROOT, cli_env
 from zerotune.builder import app as builder_app
-from zerotune.builder import paths, preview
+from zerotune.builder import preview
 from zerotune.builder.access import allowed_hosts, cookie_name
 from zerotune.cli.compose import compose
 from zerotune.cli.interpolation import PURE_RESOLVERS, check_pure_interpolations, resolvers_in
@@ -25,7 +27,6 @@ from zerotune.errors import ConfigError
 TOKEN = "builder-security-test-token"
 PORT = 8765
 SECRET = "wandb-fake-secret-7f3a9c"
-EXPERIMENTS = ROOT / "experiments" / "experiment"
 FORM = {"choices": {"zero_stage": "1"}, "values": {}, "extra": []}
 # Every route, with a body that would change something if it were answered.
 ROUTES = [("GET", "/", None), ("GET", "/api/experiments", None),
@@ -36,8 +37,15 @@ ROUTES = [("GET", "/", None), ("GET", "/api/experiments", None),
           ("GET", "/api/file?path=multirun/README.md", None), ("GET", "/static/builder.js", None)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def workdir(tmp_path_factory) -> Path:
+    """The module's working directory (its multirun/README.md is a file the page may serve)."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield run_in(mp, with_multirun_readme(tmp_path_factory.mktemp("builder_cwd")))
+
+
 @pytest.fixture(scope="module")
-def app():
+def app(workdir):
     return builder_app.create_app(token=TOKEN)
 
 
@@ -51,10 +59,14 @@ def client(app):
     return client_for(app, **{"X-Zerotune-Token": TOKEN})
 
 
-def written_files() -> list[tuple[str, int]]:
-    """Every file under experiments/ and the page's import folder, with its modification time."""
-    files = [*EXPERIMENTS.rglob("*"), *paths.imports_dir().rglob("*")]
-    return sorted((str(p), p.stat().st_mtime_ns) for p in files if p.is_file())
+def written_files() -> list[tuple[str, int, bytes]]:
+    """Every file the page could write (the user's experiment folder, the import folder: both in the working
+    directory) and the packaged experiments, with its modification time and content."""
+    return snapshot(Path.cwd(), PACKAGED_EXPERIMENTS)
+
+
+def user_experiment(name: str) -> Path:
+    return Path.cwd() / "zerotune" / "experiment" / f"{name}.yaml"
 
 
 def call(client: TestClient, method: str, path: str, body=None, **headers):
@@ -82,7 +94,8 @@ def test_a_foreign_host_is_refused_on_every_route_and_nothing_is_written(app, me
     error = answer.json()["error"]
     assert error["key"] == "host" and "evil.example" in error["problem"] and "--allow-host" in error["fix"]
     assert written_files() == before
-    assert not (EXPERIMENTS / "builder_security_written.yaml").exists()
+    assert not user_experiment("builder_security_written").exists()
+    assert not (PACKAGED_EXPERIMENTS / "builder_security_written.yaml").exists()
 
 
 @pytest.mark.parametrize("host", ["evil.example", "127.0.0.1.evil.example", "localhost.evil.example",
@@ -330,12 +343,12 @@ def test_a_refused_overrides_fix_composes():
 
 # --- In Chromium, against the real server ----------------------------------------------------------------
 
-def test_a_rebound_domain_is_refused_in_chromium_and_the_printed_address_works(tmp_path):
+def test_a_rebound_domain_is_refused_in_chromium_and_the_printed_address_works(tmp_path, workdir):
     """evil.example resolves to 127.0.0.1 (Chromium's host resolver rules, as DNS rebinding would make it):
     its pages, and the calls they make as their own origin, are refused; the printed address works."""
     before = written_files()
     env = {**cli_env(), "HF_HOME": str(tmp_path / "hf_home"), "WANDB_API_KEY": SECRET}
-    server = start_builder(env)
+    server = start_builder(env, cwd=workdir)
     try:
         with sync_playwright() as p:
             chromium = launch(p, ["--host-resolver-rules=MAP evil.example 127.0.0.1"])
@@ -353,7 +366,7 @@ def test_a_rebound_domain_is_refused_in_chromium_and_the_printed_address_works(t
 
                 page = chromium.new_page()
                 assert page.goto(server.url).status == 200
-                expect(page.locator("#command")).to_have_text("python train.py", timeout=60_000)
+                expect(page.locator("#command")).to_have_text("zerotune train", timeout=60_000)
                 assert page.evaluate("location.search") == ""  # the address bar no longer shows the token
                 page.fill('input[name="data.path"]', "${oc.env:WANDB_API_KEY}")
                 error = page.locator('[data-error-for="data.path"]')

@@ -1,5 +1,5 @@
 """Debian's Chromium, headless, as the builder page's tests and benchmark drive it through Playwright, and
-`python -m zerotune.builder` started as a user starts it (its printed URL carries the token)."""
+`zerotune builder` started as a user starts it (in a folder of theirs; its printed URL carries the token)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-
-from tests.helpers.cli import ROOT
+from pathlib import Path
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (make setup installs it); Playwright downloads no browser
 # Chromium's own network traffic is refused on these machines: these flags keep it from trying.
@@ -36,9 +35,10 @@ class Builder:
         return f"{self.base}?token={self.token}"
 
 
-def start_builder(env: dict, *args: str) -> Builder:
-    """`python -m zerotune.builder --port 0 ARGS`, once it has printed its URL; stop it with stop_builder."""
-    proc = subprocess.Popen([sys.executable, "-m", "zerotune.builder", "--port", "0", *args], cwd=ROOT, env=env,
+def start_builder(env: dict, *args: str, cwd: Path) -> Builder:
+    """`zerotune builder --port 0 ARGS` run in `cwd` (where its experiments and results are: never the
+    checkout), once it has printed its URL; stop it with stop_builder."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerotune", "builder", "--port", "0", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:

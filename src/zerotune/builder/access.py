@@ -86,7 +86,7 @@ class AccessGuard:
             return None
         shown = repr((host or "")[:100])
         return 403, _error("host", f"this server answers requests to this machine only, not to Host {shown}",
-                           f"open the address `python -m zerotune.builder` printed (http://127.0.0.1:{port}/?token=...); "
+                           f"open the address `zerotune builder` printed (http://127.0.0.1:{port}/?token=...); "
                            "to reach it by another name of this machine, start it with --allow-host <name>")
 
     def _origin_refusal(self, method: str, headers: dict[str, str]) -> tuple[int, dict] | None:
@@ -105,7 +105,7 @@ class AccessGuard:
         if self.token is None or scope["path"].startswith(PUBLIC_PREFIX):
             return None
         given = request_token(scope, headers, port)
-        fix = "open the address with ?token=... that `python -m zerotune.builder` printed when it started"
+        fix = "open the address with ?token=... that `zerotune builder` printed when it started"
         if given is None:
             return 401, _error("token", "this server needs the token it printed at start", fix)
         if not secrets.compare_digest(given.encode(), self.token.encode()):

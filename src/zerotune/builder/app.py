@@ -13,6 +13,7 @@ from fastapi.templating import Jinja2Templates
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, Field
 
+from zerotune import config_search
 from zerotune.builder import experiments, fit, form, importing, preview, results
 from zerotune.builder.access import AccessGuard, AllowedHosts, allowed_hosts, cookie_name
 from zerotune.builder.limits import BodyLimit
@@ -114,9 +115,11 @@ def create_app(*, token: str | None, hosts: AllowedHosts | None = None):
     @app.get("/", response_class=HTMLResponse)
     def page(request: Request):
         choices, values = form.defaults()
+        search = config_search.current()  # looked for at each load: a folder made since counts
         response = templates.TemplateResponse(request, "index.html", {
             "fields": form.fields(platform), "choices": choices, "values": values, "platform": platform,
-            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names(), "token": token})
+            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names(), "token": token,
+            "user_folder": search.user, "experiments_folder": search.experiments_folder()})
         if token is not None and request.query_params.get("token"):  # checked by AccessGuard already
             # The plots' <img> requests cannot send a header: the cookie carries the token for them.
             response.set_cookie(cookie_name(request.scope["server"][1]), token, httponly=True, samesite="strict")

@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from zerotune.builder import form
+from zerotune.builder import form, preview
 from zerotune.cli.experiment_file import (
     experiment_file,
     experiment_names,
@@ -46,13 +46,13 @@ def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list
     write_experiment(path, text)
     try:
         _check_round_trip(name, overrides)
-    except ConfigError:
+    except BaseException:  # a refusal or a failure: either way no file that may not run what the form shows
         if previous is None:
             path.unlink()
         else:
             path.write_text(previous)
         raise
-    return {"name": name, "path": str(path), "overrides": overrides, "command": f"zerotune train experiment={name}"}
+    return {"name": name, "path": str(path), "overrides": overrides, "command": preview.command_line([f"experiment={name}"])}
 
 
 def _check_round_trip(name: str, overrides: list[str]) -> None:
@@ -62,4 +62,4 @@ def _check_round_trip(name: str, overrides: list[str]) -> None:
     differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "
-                          f"differ from `zerotune train {' '.join(overrides)}`", "report this; the file was not kept")
+                          f"differ from `{preview.command_line(overrides)}`", "report this; the file was not kept")

@@ -1,6 +1,7 @@
-"""The page's form, read from conf/ itself: one field per config group (a YAML file added to a group is a
-new option, with no code change), the train knobs from the schema, and the few keys a group option needs
-typed in (an NVMe folder, a data folder). Also how a filled form becomes overrides, and back."""
+"""The page's form, read from the config groups themselves (the packaged ones and the user's folder's): one
+field per config group (a YAML file added to a group is a new option, with no code change), the train knobs
+from the schema, and the few keys a group option needs typed in (an NVMe folder, a data folder). Also how a
+filled form becomes overrides, and back."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ class Field:
 @lru_cache(maxsize=1)
 def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
-    groups in conf/config.yaml's order, which is the order overrides are written in."""
+    groups in the packaged config.yaml's order, which is the order overrides are written in."""
     choices, cfg = composed([])
     listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
@@ -55,7 +56,7 @@ def defaults() -> tuple[dict[str, str], dict[str, Any]]:
 
 
 def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
-    """(the option each group got, the config), as `python train.py` composes them."""
+    """(the option each group got, the config), as `zerotune train` composes them."""
     cfg, choices = compose_with_choices(overrides)
     return choices, cfg
 
@@ -90,7 +91,7 @@ def knob_values(cfg: Any) -> dict[str, Any]:
 
 
 def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> list[str]:
-    """What differs from the default job, as `python train.py` takes it: group choices first, then keys,
+    """What differs from the default job, as `zerotune train` takes it: group choices first, then keys,
     then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
     the user set; each is compared with what the rest of the composition gives it. The page's input
     composes without reading the environment: `${oc.env:...}` and the like are refused at their key."""

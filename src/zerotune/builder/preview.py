@@ -1,5 +1,5 @@
 """The live preview: the command line, the composed config and the validated DeepSpeed JSON for a filled
-form, with the validator's error (the same one `python train.py` stops with) placed at the form field its
+form, with the validator's error (the same one `zerotune train` stops with) placed at the form field its
 key names."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from zerotune import config_search
 from zerotune.builder import form
 from zerotune.errors import ConfigError
 from zerotune.preflight import preflight
@@ -39,7 +40,11 @@ def preview(choices: dict[str, str], values: dict[str, Any], extra: list[str] = 
 
 
 def command_line(overrides: list[str]) -> str:
-    return " ".join(["python", "train.py", *(shell_word(o) for o in overrides)])
+    """`zerotune train ...`, run from the page's working directory. A folder named by --config-dir is named
+    again: the command would not find its options and experiments otherwise."""
+    user = config_search.current().user
+    folder = ["--config-dir", shlex.quote(str(user.path))] if user and user.how == "--config-dir" else []
+    return " ".join(["zerotune", "train", *folder, *(shell_word(o) for o in overrides)])
 
 
 def shell_word(arg: str) -> str:

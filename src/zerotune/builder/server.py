@@ -1,8 +1,12 @@
-"""`python -m zerotune.builder`: serve the config builder page on this machine.
+"""`zerotune builder`: serve the config builder page on this machine.
 
-    python -m zerotune.builder                 # http://127.0.0.1:8765/?token=...
-    python -m zerotune.builder --port 0        # any free port (the URL printed says which)
-    python -m zerotune.builder --host 0.0.0.0  # reachable from other machines: the page can write experiments
+    zerotune builder                      # http://127.0.0.1:8765/?token=...
+    zerotune builder --port 0             # any free port (the URL printed says which)
+    zerotune builder --config-dir DIR     # experiments saved in DIR/experiment/ (default: ./zerotune/experiment/)
+    zerotune builder --host 0.0.0.0       # reachable from other machines: the page can write experiments
+
+Results are read from the working directory's multirun/ and outputs/, where `zerotune train` run there
+writes them.
 
 The URL carries a token made at each start: every request needs it (the page keeps it in a cookie). The
 server answers only requests addressed to this machine (localhost, 127.0.0.1, [::1], --host; with --host
@@ -36,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve without the token: any program or web page that reaches the port can use it")
     args = parser.parse_args(argv)
     try:
-        config_search.choose_and_warn(args.config_dir)
+        choose_folder(args.config_dir)
     except ConfigError as exc:
         return report_config_error(exc)
     # Bound here, not by uvicorn, so that the URL printed carries the real port when --port 0 is given.
@@ -61,6 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0
+
+
+def choose_folder(config_dir: str | None) -> None:
+    """--config-dir's folder, for the server's life. Without it nothing is fixed at start: the folder is
+    looked for at each request (config_search.current()), since the page's first save creates ./zerotune/."""
+    if config_dir is not None:
+        config_search.choose_and_warn(config_dir)
+    else:
+        config_search.warn_shadowed(config_search.current())  # also refuses a $ZEROTUNE_CONFIG_DIR that is no folder
 
 
 if __name__ == "__main__":
