@@ -240,7 +240,7 @@ def test_save_then_load_an_experiment_and_zerotune_train_runs_it(client, experim
 
 def test_started_where_no_folder_is_yet_the_first_save_makes_it_and_is_found_there(client, experiment_name,
                                                                                    workdir):
-    server.choose_folder(None)  # as `zerotune builder` starts, with no --config-dir and no ./zerotune/ yet
+    config_search.choose_and_warn(None)  # as `zerotune builder` starts, with no --config-dir and no ./zerotune/ yet
     saved = client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name})
     assert saved.status_code == 200, saved.text  # its check composes experiment=<name> from the new folder
     assert saved.json()["path"] == str(user_experiments(workdir) / f"{experiment_name}.yaml")
@@ -314,10 +314,14 @@ def test_packaged_experiments_are_listed_and_loaded_but_not_saved_over(client, w
         assert error["key"] == "name" and "packaged experiment" in error["problem"], error
         assert f"my_{PACKAGED_EXPERIMENT}" in error["fix"]
     assert not (workdir / "zerotune").exists()  # nothing written, not even the folder
-    form_state = {"choices": loaded.json()["choices"], "values": loaded.json()["values"]}
+    form_state = {k: loaded.json()[k] for k in ("choices", "values", "extra")}  # its reference.* as extra
+    assert any(line.startswith("+reference.name=") for line in form_state["extra"])
+    previewed = client.post("/api/preview", json=form_state)
+    assert previewed.status_code == 200 and previewed.json()["errors"] == [], previewed.text
     renamed = client.post("/api/experiment", json={**form_state, "name": f"my_{PACKAGED_EXPERIMENT}"})
     assert renamed.status_code == 200, renamed.text  # the name the fix suggests
     assert Path(renamed.json()["path"]).parent == user_experiments(workdir)
+    assert compose([f"experiment=my_{PACKAGED_EXPERIMENT}"]).reference.name == PACKAGED_EXPERIMENT
 
 
 def test_a_save_that_fails_unexpectedly_keeps_no_file_and_the_previous_one(client, experiment_name, workdir,

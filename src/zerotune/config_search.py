@@ -134,13 +134,16 @@ def add_config_dir_option(parser) -> None:
 
 
 def choose(config_dir: str | Path | None) -> ConfigSearch:
-    """The command's choice (its `--config-dir`, or none), for the rest of this process and the processes it
-    starts (a run's workers, a sweep's jobs, a SLURM job), which inherit it through the environment."""
+    """A command's `--config-dir`, for the rest of this process and the processes it starts (a run's workers,
+    a sweep's jobs, a SLURM job), which inherit it through the environment. Without one nothing is fixed:
+    ./zerotune/ is looked for at each use (the builder page's first save creates it); a bad
+    $ZEROTUNE_CONFIG_DIR is refused here all the same."""
     global _chosen
-    _chosen = ConfigSearch(find_user_folder(config_dir))
-    if _chosen.user is not None and _chosen.user.how == "--config-dir":
-        os.environ[CONFIG_DIR_ENV] = str(_chosen.user.path)
-    return _chosen
+    search = ConfigSearch(find_user_folder(config_dir))
+    if config_dir is not None:
+        _chosen = search
+        os.environ[CONFIG_DIR_ENV] = str(search.user.path)
+    return search
 
 
 def choose_and_warn(config_dir: str | Path | None) -> ConfigSearch:

@@ -147,16 +147,18 @@ def extra_overrides(cfg: Any, choices: dict[str, str]) -> list[str]:
     _, plain = composed([f"{g}={o}" for g, o in choices.items()])
     ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
     skip = set(knob_keys())
-    return [override(k, v) for k, v in _differences(ours, theirs) if k not in skip]
+    # A key the default job lacks (an experiment's reference.*) is added, as Hydra asks: +key=value.
+    return [("+" if theirs is _ABSENT else "") + override(k, v)
+            for k, v, theirs in _differences(ours, theirs) if k not in skip]
 
 
 def _differences(ours: Any, theirs: Any, prefix: str = ""):
-    """(dotted key, value) where `ours` differs; a map `theirs` lacks is one value."""
+    """(dotted key, value, theirs) where `ours` differs; a map `theirs` lacks is one value."""
     if isinstance(ours, dict) and isinstance(theirs, dict):
         for key, value in ours.items():
             yield from _differences(value, theirs.get(key, _ABSENT), f"{prefix}{key}.")
     elif ours != theirs:
-        yield prefix[:-1], ours
+        yield prefix[:-1], ours, theirs
 
 
 _ABSENT = object()

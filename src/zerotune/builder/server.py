@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve without the token: any program or web page that reaches the port can use it")
     args = parser.parse_args(argv)
     try:
-        choose_folder(args.config_dir)
+        config_search.choose_and_warn(args.config_dir)
     except ConfigError as exc:
         return report_config_error(exc)
     # Bound here, not by uvicorn, so that the URL printed carries the real port when --port 0 is given.
@@ -65,15 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0
-
-
-def choose_folder(config_dir: str | None) -> None:
-    """--config-dir's folder, for the server's life. Without it nothing is fixed at start: the folder is
-    looked for at each request (config_search.current()), since the page's first save creates ./zerotune/."""
-    if config_dir is not None:
-        config_search.choose_and_warn(config_dir)
-    else:
-        config_search.warn_shadowed(config_search.current())  # also refuses a $ZEROTUNE_CONFIG_DIR that is no folder
 
 
 if __name__ == "__main__":

@@ -216,7 +216,9 @@ class Config:
     launch: Launch = field(default_factory=Launch)
     debug: Debug = field(default_factory=Debug)
     report: Report = field(default_factory=Report)
-    reference: Optional[dict[str, Any]] = None   # an experiment's reference figures
+    # An experiment's reference figures. {} rather than None: Hydra cannot apply an override (reference.name=x,
+    # a builder form's reference={...}) onto a None node; null stays accepted (older run folders).
+    reference: Optional[dict[str, Any]] = field(default_factory=dict)
 
 
 def launch_world_size(launch: Any) -> int:
