@@ -28,8 +28,7 @@ def cli_env() -> dict:
 
 def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 900, module: str | None = None, env: dict | None = None):
     """Run `python train.py ARGS` (the checkout's `zerotune train`; or `python -m MODULE ARGS`) and return the
-    CompletedProcess; `env` is
-    set on top of the test's environment."""
+    CompletedProcess; `env` is set on top of the test's environment."""
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run([*cmd, *args], cwd=cwd, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
