@@ -1,5 +1,5 @@
-"""`python -m zerotune.doctor`, run as users run it, on this machine: each line states the truth of the
-machine, and each problem comes with its fix."""
+"""`zerotune doctor` (`python -m zerotune.doctor`), run as users run it, on this machine: each line states the
+truth of the machine, and each problem comes with its fix."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.cli import ROOT, cli_env
 
 STATUSES = ("OK", "INFO", "WARN", "FAIL")
-NAMES = ["platform", "build tools", "ops", "libaio", "offload path", "locks", "gpus", "accelerate"]
+NAMES = ["configs", "platform", "build tools", "ops", "libaio", "offload path", "locks", "gpus", "accelerate"]
 
 
 def doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
