@@ -29,3 +29,17 @@ def packaged_configs_only(monkeypatch):
 
     monkeypatch.setattr(config_search, "_chosen", None)
     monkeypatch.setenv(config_search.CONFIG_DIR_ENV, "")  # empty is unset; restored (removed) afterwards
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real two-node SLURM cluster on this machine (scripts/slurm_local.sh), stopped by its pids after the
+    session. `make setup` installs the daemons; without them (or without root) the tests that need one fail."""
+    from tests.helpers import slurm_cluster as local
+
+    reason = local.missing()
+    if reason:
+        pytest.fail(f"no local SLURM cluster: {reason}")
+    cluster = local.start(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    local.stop(cluster)
