@@ -103,10 +103,15 @@ def _measure_stats(model_cfg: Any, adapter_cfg: Any) -> ModelStats:
                       trainable_numels=tuple(trainable))
 
 
-def build_unet(model_cfg: Any):
-    """A U-Net from `model.pretrained` (a diffusers folder or a .safetensors state dict) or from its config."""
+def build_unet(model_cfg: Any, zero_init=None):
+    """A U-Net from `model.pretrained` (a diffusers folder or a .safetensors state dict) or from its config.
+
+    `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
+    as it is built and the weights are loaded into the partitions (models/partitioned.py)."""
     pretrained = model_cfg.get("pretrained")
-    if not pretrained:
+    if zero_init is not None:
+        unet = _build_partitioned(model_cfg, zero_init, Path(str(pretrained)).expanduser() if pretrained else None)
+    elif not pretrained:
         unet = _from_config(model_cfg)
     else:
         unet = load_pretrained(model_cfg, Path(str(pretrained)).expanduser())
@@ -115,6 +120,33 @@ def build_unet(model_cfg: Any):
 
         unet.set_attn_processor(AttnProcessor2_0())
     return unet
+
+
+def _build_partitioned(model_cfg: Any, zero_init, path: Path | None):
+    from diffusers import UNet2DConditionModel
+
+    from zerotune.models import partitioned
+
+    if path is None:
+        return partitioned.build(lambda: _from_config(model_cfg), zero_init, None, "")
+    if path.is_dir():
+        config, weight_files = read_folder(path)
+        if not weight_files:  # .bin weights: read_folder only looks for them
+            weight_files = _bin_files(unet_folder(path))
+        unet = partitioned.build(lambda: UNet2DConditionModel.from_config(config), zero_init, weight_files, str(path))
+        return unet.eval()  # as from_pretrained leaves it
+    if path.suffix == ".safetensors" and path.is_file():
+        return partitioned.build(lambda: _from_config(model_cfg), zero_init, [path], str(path))
+    raise _not_weights(path)
+
+
+def _bin_files(folder: Path) -> list[Path]:
+    from diffusers.utils import constants as names
+
+    index = folder / names.WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [folder / names.WEIGHTS_NAME]
 
 
 def load_pretrained(model_cfg: Any, path: Path):

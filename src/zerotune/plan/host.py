@@ -25,8 +25,9 @@ def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
 
 
 def node_need_mib(plan: dict, ranks: int, accelerator: str) -> float | None:
-    """The host memory this node's `ranks` need at their peak: each holds its terms, or the fp32 build of the
-    U-Net, which comes first, whichever is larger. None when the plan has no terms (the planner failed)."""
+    """The host memory this node's `ranks` need at their peak: each holds its terms, or its build of the U-Net,
+    which comes first, whichever is larger (the whole model in fp32 below ZeRO-3; at ZeRO-3, built under
+    zero.Init, the rank's partition: plan/predict.py's `model_load`). None when the plan has no terms."""
     if "host_terms" not in plan:
         return None
     load = sum(t["mib"] for t in plan["host_terms"] if t["term"] == MODEL_LOAD)

@@ -47,7 +47,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     host_terms = _host_terms(cfg, checked, states)
     host_terms += [_term(f"deepspeed:{name}", nbytes, "pinned")
                    for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train).items()]
-    host_peak, load = _host_peak(cfg, checked, host_terms)
+    host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, precision)
     nvme_terms = _state_terms(states, "nvme")
     time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device, int(ds["gradient_accumulation_steps"]))
     known = [t for t in time_terms if t["seconds"] is not None]
@@ -161,10 +161,19 @@ def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
     return terms
 
 
-def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict]) -> tuple[float, dict]:
-    """The U-Net is built whole in fp32 on the host and moved to the GPU (no zero.Init) before the offloaded
-    states exist: the host peak is whichever is larger."""
-    load = _term("model_load", checked.model_stats.num_params * 4, "fp32 build before the move (transient)")
+def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, world: int,
+               precision: str) -> tuple[float, dict]:
+    """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
+    each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
+    (training/backend.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
+    until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
+    stats = checked.model_stats
+    if stage == 3:
+        partition = -(-stats.num_params // world) * _DTYPE_BYTES.get(precision, 4)
+        load = _term("model_load", partition + 2 * 4 * stats.largest_param_numel,
+                     f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)")
+    else:
+        load = _term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
     return max(sum(t["mib"] for t in terms), load["mib"]), load
 
 

@@ -33,6 +33,18 @@ def make_accelerator(checked: CheckedRun) -> Accelerator:
                        gradient_accumulation_steps=ds["gradient_accumulation_steps"])
 
 
+def zero3_init(accelerator: Accelerator, checked: CheckedRun):
+    """At ZeRO-3, a `deepspeed.zero.Init` for building the U-Net, so each rank only ever holds its partition;
+    else None. accelerate's `zero3_init_flag` decides (on at stage 3 unless ACCELERATE_DEEPSPEED_ZERO3_INIT says
+    otherwise), the run's DeepSpeed dict sets the dtype (bf16, fp16 or fp32) and any parameter offload."""
+    plugin = accelerator.state.deepspeed_plugin if checked.use_deepspeed else None
+    if plugin is None or not plugin.is_zero3_init_enabled():
+        return None
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config)
+
+
 def optimizer_and_scheduler(checked: CheckedRun, params):
     """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders); the plain path mirrors it."""
     ds = checked.ds_config

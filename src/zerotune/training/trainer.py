@@ -19,7 +19,7 @@ from zerotune.preflight import CheckedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
 from zerotune.training import distributed, faults
-from zerotune.training.backend import make_accelerator, optimizer_and_scheduler
+from zerotune.training.backend import make_accelerator, optimizer_and_scheduler, zero3_init
 from zerotune.training.checkpoint.run_saves import RunSaves
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
@@ -63,7 +63,9 @@ class Trainer:
 
     def _prepare(self, seed: int) -> None:
         """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
-        unet = adapter.add_adapter(build_unet(self.cfg.model), self.cfg.adapter)  # adapter=none: unchanged
+        # ZeRO-3: built partitioned (zero.Init), from the same seeded RNG stream as the other stages' plain build.
+        unet = build_unet(self.cfg.model, zero_init=zero3_init(self.accelerator, self.checked))
+        unet = adapter.add_adapter(unet, self.cfg.adapter)  # adapter=none: unchanged
         if self.cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
         loader = build_loader(DataSpec.from_config(self.cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
