@@ -155,7 +155,7 @@ def test_zero3_two_ranks_match_stage2_and_hold_half_the_parameters(tmp_path):
         losses[stage] = read_losses(run)
     assert losses[3] == pytest.approx(losses[2], rel=1e-5)
     partition = read_summary(tmp_path / "stage3")["partition"]
-    assert 0 < partition["params"] < 0.6 * read_summary(tmp_path / "stage2")["partition"]["params"]
+    assert 0 < partition["params_bytes"] < 0.6 * read_summary(tmp_path / "stage2")["partition"]["params_bytes"]
 
 
 # Each rank's growth of its peak RSS (ru_maxrss) while it builds the U-Net under zero.Init, in MiB, as JSON.
