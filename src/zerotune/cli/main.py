@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -22,12 +23,14 @@ from zerotune.cli.compose import as_config_error, check_command_line, check_reso
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
+from zerotune.launch.slurm import job_node_rank, job_start_time
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
 from zerotune.training import distributed
 
 log = logging.getLogger("zerotune")
+_PROCESS_START = time.time()  # before Hydra composes: anything in the run folder older than this is a past attempt's
 
 
 def job_spec() -> JobSpec:
@@ -45,8 +48,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     _task_started()
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
-    if distributed.rank() == 0:
-        RunDir(spec.run_dir).archive_previous_attempt()  # a rerun into this folder never overwrites its records
+    if distributed.rank() == 0 and job_node_rank(cfg) == 0:
+        # A rerun into this folder never overwrites its records. Only node 0 moves them, and only what was
+        # there before this job began: over a shared file system the other nodes write here too.
+        RunDir(spec.run_dir).archive_previous_attempt(started=_PROCESS_START)
     try:
         check_resolves(cfg, spec.overrides)  # an interpolation typed on the command line, e.g. ${oc.env:...}
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
@@ -97,6 +102,9 @@ def agree_across_ranks(args: list[str]) -> list[str]:
     run's files (training/run.py) and talks to W&B.
     """
     if not distributed.launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
+        started = job_start_time(os.environ)  # `srun` started this process on each node of a SLURM job
+        if started is not None and not _hydra_option_only(args):
+            pin_hydra_clock(started)
         return args
     distributed.init_process_group()
     pin_hydra_clock(distributed.broadcast_object(datetime.now()))

@@ -62,6 +62,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         summary = _workers_summary(cfg, run_dir, base, result)
         summary.update({k: base[k] for k in ("ops_build", "plan") if k in base})
         summary["startup"] = startup_view(marks, summary.get("startup_marks"), checks.marks)
+        summary["slurm"] = base["slurm"]  # the job and attempt this ran as (None outside SLURM)
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
     if cfg.launch.node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{cfg.launch.node_rank}.json"), summary)
@@ -86,7 +87,8 @@ def settled_launch(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) ->
         check_launch(cfg.launch)
         resolve(cfg, spec.overrides)  # in place; preflight folds the same files again, to the same values
         check_launch(cfg.launch)
-        held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
+        if cfg.launch.node_rank == 0:  # one lock per job: its other nodes write their shards into the same dir
+            held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
     except ConfigError as exc:
         record_refusal(cfg, spec, run_dir, exc)
         raise
@@ -138,7 +140,8 @@ def apply_slurm_geometry(cfg: Any) -> None:
         return
     mapped = launch_from_slurm(OmegaConf.to_container(cfg.launch, resolve=True))
     with open_dict(cfg):
-        cfg.launch = mapped
+        for key, value in mapped.items():  # key by key: the node is typed (schema Launch), a dict is refused
+            cfg.launch[key] = value
     log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],
              mapped["node_rank"], mapped["nnodes"], mapped["master_addr"], mapped["master_port"],
              mapped["num_processes"])

@@ -3,6 +3,7 @@ launcher's outcome and the whole tree's memory folded into the workers' own summ
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import LaunchResult
+from zerotune.launch.slurm import slurm_record
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
@@ -22,7 +24,8 @@ def base_summary(cfg: Any, spec: JobSpec) -> dict:
     """What the job's summary says before (or without) the workers' own."""
     return {"status": "failed", "choices": key_choices(cfg, launch_world_size(cfg.launch)),
             "run_dir": spec.run_dir, "experiment": experiment_info(cfg),
-            "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec)}
+            "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec),
+            "slurm": slurm_record(os.environ)}
 
 
 def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError, plan: dict | None = None) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 # The port every node derives from the job id (no exchange needed); launch.master_port overrides it.
@@ -19,12 +21,52 @@ PORT_BASE, PORT_SPAN = 20000, 20000
 
 
 def in_slurm_job(env: Mapping[str, str], mode: Any = "auto") -> bool:
-    """Whether to take the launch geometry from SLURM: auto = inside a job submitit started."""
+    """Whether to take the launch geometry from SLURM: auto = inside a job submitit started, or a task of an
+    `srun` step with one task per node (`srun python train.py` in an sbatch script); not a bare salloc shell."""
     if str(mode).lower() in ("false", "none", "null"):
         return False
     if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
         return False
-    return str(mode).lower() == "true" or env.get("SUBMITIT_EXECUTOR") == "slurm"
+    return str(mode).lower() == "true" or env.get("SUBMITIT_EXECUTOR") == "slurm" or one_task_per_node(env)
+
+
+def one_task_per_node(env: Mapping[str, str]) -> bool:
+    """An srun step whose tasks are one per node: each is zerotune's job process for its node."""
+    tasks, nodes = env.get("SLURM_STEP_NUM_TASKS"), env.get("SLURM_STEP_NUM_NODES")
+    return "SLURM_STEP_ID" in env and tasks is not None and tasks == nodes
+
+
+def slurm_record(env: Mapping[str, str]) -> dict | None:
+    """The SLURM job a run ran in, for its summary.json (None outside SLURM). restart_count: 0 for the first
+    attempt, then one more per requeue."""
+    if "SLURM_JOB_ID" not in env:
+        return None
+    array = env.get("SLURM_ARRAY_JOB_ID")
+    return {"job_id": env["SLURM_JOB_ID"],
+            "array_job": f"{array}_{env.get('SLURM_ARRAY_TASK_ID')}" if array else None,
+            "restart_count": int(env.get("SLURM_RESTART_COUNT") or 0), "partition": env.get("SLURM_JOB_PARTITION"),
+            "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": int(env.get("SLURM_JOB_NUM_NODES") or 1)}
+
+
+def job_start_time(env: Mapping[str, str]) -> datetime | None:
+    """When SLURM started this job (scontrol's StartTime), in an srun step of several nodes; else None. Each
+    node's task composes its own config: this one clock gives `${now:...}` in hydra.run.dir one folder."""
+    if not one_task_per_node(env) or int(env.get("SLURM_STEP_NUM_NODES") or 1) < 2:
+        return None
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", env["SLURM_JOB_ID"]], capture_output=True,
+                               text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"\bStartTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", shown)
+    return datetime.fromisoformat(found[1]) if found else None
+
+
+def job_node_rank(cfg: Any) -> int:
+    """This process's node in its job: SLURM's node index inside a SLURM job, else launch.node_rank."""
+    if in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
+        return int(os.environ.get("SLURM_NODEID", 0))
+    return int(cfg.launch.node_rank)
 
 
 def _gpus_on_node(env: Mapping[str, str]) -> int | None:
@@ -48,9 +90,10 @@ def launch_from_slurm(launch: Mapping[str, Any]) -> dict:
     out["node_rank"] = job.node
     out["master_addr"] = job.hostnames[0]
     if str(launch.get("master_port", "auto")) == "auto":
-        out["master_port"] = PORT_BASE + int(job.job_id) % PORT_SPAN
+        # SLURM_JOB_ID: unique per array task too (submitit's job_id is "<array>_<task>" there).
+        out["master_port"] = PORT_BASE + int(os.environ["SLURM_JOB_ID"]) % PORT_SPAN
     gpus = _gpus_on_node(os.environ)
     if gpus:
         out["num_processes"] = gpus
-    out["run_id"] = f"slurm-{job.job_id}"
+    out["run_id"] = f"slurm-{os.environ['SLURM_JOB_ID']}"
     return out

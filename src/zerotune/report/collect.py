@@ -123,6 +123,8 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
         row["error"] = short_error(summary.get("error"))
         row["experiment"] = summary.get("experiment")
         row["device"] = (summary.get("env") or {}).get("device_name")
+        slurm = summary.get("slurm") or {}
+        row["slurm_job"] = slurm.get("array_job") or slurm.get("job_id")
         row["choices"] = _choices(summary)
     memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
     row.update({k: memory.get(k) for k in MEMORY_KEYS})

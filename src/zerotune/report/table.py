@@ -45,6 +45,8 @@ def _count(n: int) -> str:
 # their table). With an adapter, trainable = the adapter's, frozen = the base U-Net's.
 COUNT_COLUMNS: list[Column] = [("trainable_params", "trainable params", _count),
                                ("frozen_params", "frozen params", _count)]
+# The SLURM job each ran as (array jobs as <array>_<task>), when some job ran under SLURM.
+SLURM_COLUMNS: list[Column] = [("slurm_job", "SLURM job", str)]
 # The planner's columns, each placed after the measured column it predicts (only when some job has a plan).
 PLAN_COLUMNS: dict[str, list[Column]] = {
     "gpu_peak_process_mib": [("plan_gpu_peak_mib", "pred. GPU MiB", MIB),
@@ -72,6 +74,7 @@ def metric_columns(rows: list[dict]) -> list[Column]:
     them when any row carries a plan: a sweep from before the planner gets the table it always had, not a
     block of empty columns."""
     counts = COUNT_COLUMNS if any(row.get(k) is not None for row in rows for k in PARAM_COUNT_KEYS) else []
+    counts = [*SLURM_COLUMNS, *counts] if any(row.get("slurm_job") for row in rows) else counts
     if not has_plan(rows):
         return [*counts, *METRIC_COLUMNS]
     return [*counts, *(col for column in METRIC_COLUMNS for col in (column, *PLAN_COLUMNS.get(column[0], [])))]

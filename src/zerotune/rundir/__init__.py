@@ -31,10 +31,12 @@ class RunDir:
             (self.path / SAMPLES).mkdir(parents=True, exist_ok=True)
         self._metrics = None
 
-    def archive_previous_attempt(self) -> Path | None:
+    def archive_previous_attempt(self, started: float | None = None) -> Path | None:
         """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to
-        attempts/<n>/ before this run writes its own, whatever becomes of this run."""
-        found = [p for p in self.path.iterdir() if p.name in _RECORDS or p.name.startswith("summary.node")]
+        attempts/<n>/ before this run writes its own, whatever becomes of this run. `started`: this run's start
+        (a time.time()); files written since are this run's own, by its other nodes, and stay."""
+        found = [p for p in self.path.iterdir() if (p.name in _RECORDS or p.name.startswith("summary.node"))
+                 and (started is None or p.stat().st_mtime < started)]
         if not any(p.name in (CONFIG, SUMMARY) for p in found):
             return None
         dest = self.path / ATTEMPTS / str(len(self.previous_attempts()) + 1)

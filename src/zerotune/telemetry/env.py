@@ -48,6 +48,13 @@ def _usable_cpus() -> int | None:
         return os.cpu_count()
 
 
+def node_identity() -> dict[str, Any]:
+    """Where this worker runs: its node's index in the job (torch elastic's GROUP_RANK) and name (SLURM's node
+    name, else the host's: a SLURM cluster may run several nodes on one host)."""
+    return {"node_rank": int(os.environ.get("GROUP_RANK") or 0),
+            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
+
+
 def environment_info() -> dict[str, Any]:
     """Device, GPU memory, driver, library versions, host. Missing things are None."""
     device_name, gpu_total_mib, cuda_version, gpu_count = _cpu_model(), None, None, 0

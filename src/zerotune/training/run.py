@@ -16,7 +16,7 @@ from zerotune.preflight import preflight
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
-from zerotune.telemetry import environment_info
+from zerotune.telemetry import environment_info, node_identity
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
@@ -149,7 +149,7 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
 
 
 def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: dict) -> None:
-    record = {**out["memory"], "partition": trainer.partition, "losses": trainer.logged_losses}
+    record = {**node_identity(), **out["memory"], "partition": trainer.partition, "losses": trainer.logged_losses}
     record = write_rank_record(run_dir.path, distributed.rank(), record)  # every rank, its own file
     # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
     records = distributed.gather_object(record)
