@@ -1,0 +1,250 @@
+"""The request hydra/launcher=slurm would make, against the cluster (launch/slurm_cluster.py).
+
+A request sbatch cannot place (an unknown partition, more nodes, GPUs, CPUs or memory than the partition's nodes
+have, a time limit above the partition's) is otherwise answered only by sbatch itself, or by a job that pends for
+good; a time limit within the signal delay, or short of the first checkpoint, by a job that ends with nothing saved.
+These are config errors naming the `hydra.launcher.*` key, with a value that passes as the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from zerotune.errors import ConfigError
+from zerotune.launch.slurm_cluster import Cluster, Node, Partition
+
+# States in which a partition takes no new jobs (scontrol's words); a DOWN partition queues them.
+CLOSED_STATES = ("DRAIN", "INACTIVE")
+
+
+@dataclass(frozen=True)
+class Request:
+    """The part of conf/hydra/launcher/slurm.yaml that sbatch matches against the cluster (None: not asked)."""
+    partition: str | None = None
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    tasks_per_node: int = 1
+    mem_gb: float | None = None
+    timeout_min: int | None = None
+    signal_delay_s: int = 0
+
+
+# ---- the request against it ---------------------------------------------------------------------------------
+
+def _key(name: str) -> str:
+    return f"hydra.launcher.{name}"
+
+
+def _fits(node: Node, req: Request) -> bool:
+    return ((req.gpus_per_node or 0) <= node.gpus
+            and (req.cpus_per_task or 0) * req.tasks_per_node <= node.cpus
+            and (req.mem_gb or 0) * 1024 <= node.memory_mib)  # submitit's --mem=<N>GB: SLURM's G is 1024 MiB
+
+
+def fitting_nodes(cluster: Cluster, partition: str, req: Request) -> list[Node]:
+    return [n for n in cluster.nodes_of(partition) if _fits(n, req)]
+
+
+def node_limit(cluster: Cluster, partition: Partition, req: Request) -> int:
+    """How many nodes of `partition` one job of `req`'s shape may have."""
+    count = len(fitting_nodes(cluster, partition.name, req))
+    return count if partition.max_nodes is None else min(count, partition.max_nodes)
+
+
+def resolve_partition(cluster: Cluster, req: Request) -> Partition:
+    """The partition sbatch would use (None: the cluster's default), or a config error with one that works."""
+    if req.partition is None:
+        found = cluster.default()
+        if found is None:
+            raise ConfigError(_key("partition"), "is null (the cluster's default), and this cluster has no default "
+                              "partition", _partition_fix(cluster, req))
+    else:
+        found = cluster.partition(str(req.partition))
+        if found is None:
+            raise ConfigError(_key("partition"), f"the cluster has no partition {req.partition!r}",
+                              _partition_fix(cluster, req))
+    if found.state in CLOSED_STATES:
+        raise ConfigError(_key("partition"), f"partition {found.name} is {found.state}: it takes no new jobs",
+                          _partition_fix(cluster, req, skip=found.name))
+    return found
+
+
+def _partition_fix(cluster: Cluster, req: Request, skip: str | None = None) -> str:
+    """A partition that takes the whole request if one does; else the default (or first) open one, whose own
+    refusal then says what to change."""
+    names = [n for n in (cluster.visible() or [p.name for p in cluster.partitions]) if n != skip]
+    listing = f"(the partitions: {', '.join(names) or 'none'})"
+    for name in names:
+        try:
+            check_request(cluster, replace(req, partition=name))
+        except ConfigError:
+            continue
+        return f"{_key('partition')}={name} {listing}"
+    default = cluster.default()
+    open_ = [n for n in names if cluster.partition(n).state not in CLOSED_STATES]
+    if default is not None and default.name in open_:
+        return f"{_key('partition')}={default.name} {listing}"
+    if open_:
+        return f"{_key('partition')}={open_[0]} {listing}"
+    return f"wait until an administrator opens a partition (`scontrol show partition`) {listing}"
+
+
+# Per node: the key, the request's value, the node's, and the fix's value for a node offering `have`.
+_PER_NODE = (
+    ("gpus_per_node", lambda r: r.gpus_per_node or 0, lambda n, r: n.gpus, "GPUs"),
+    ("cpus_per_task", lambda r: (r.cpus_per_task or 0) * r.tasks_per_node, lambda n, r: n.cpus, "CPUs"),
+    ("mem_gb", lambda r: (r.mem_gb or 0) * 1024, lambda n, r: n.memory_mib, "MiB of memory"),
+)
+
+
+def _per_node_value(key: str, have: int, req: Request) -> int | None:
+    if key == "gpus_per_node":
+        return have or None
+    if key == "cpus_per_task":
+        return have // req.tasks_per_node or None
+    return have // 1024 or None
+
+
+def _with(req: Request, key: str, value: int | None) -> Request:
+    return replace(req, **{key: value})
+
+
+def _fmt(value: int | None) -> str:
+    return "null" if value is None else str(value)
+
+
+def check_nodes(cluster: Cluster, partition: Partition, req: Request) -> None:
+    """GPUs, CPUs and memory per node, then the number of nodes, against `partition`'s nodes."""
+    nodes = cluster.nodes_of(partition.name)
+    for key, asked, has, unit in _PER_NODE:
+        most = max((has(n, req) for n in nodes), default=0)
+        if asked(req) <= most:
+            continue
+        what = f"{key}={_fmt(getattr(req, key))}" + (f" x tasks_per_node={req.tasks_per_node}"
+                                                     if key == "cpus_per_task" and req.tasks_per_node != 1 else "")
+        problem = f"{what} asks each node for {asked(req):g} {unit}; " + (
+            f"no node of partition {partition.name} has more than {most}" if most else
+            f"no node of partition {partition.name} has any")
+        raise ConfigError(_key(key), problem, _per_node_fix(cluster, partition, req, key, has))
+    check_node_count(cluster, partition, req)
+
+
+def _per_node_fix(cluster: Cluster, partition: Partition, req: Request, key: str, has) -> str:
+    """The largest value that still leaves the job its nodes; else the most there is, with the nodes having it."""
+    nodes = cluster.nodes_of(partition.name)
+    values = sorted({_per_node_value(key, has(n, req), req) for n in nodes} - {None}, reverse=True)
+    fix = None
+    for value in values:
+        if node_limit(cluster, partition, _with(req, key, value)) >= req.nodes:
+            fix = f"{_key(key)}={value}"
+            break
+    if fix is None and values:
+        fewer = node_limit(cluster, partition, _with(req, key, values[0]))
+        fix = f"{_key(key)}={values[0]}" + (f" {_key('nodes')}={fewer}" if fewer else "")
+    if fix is None:
+        none = {"gpus_per_node": "GPUs", "cpus_per_task": "a CPU", "mem_gb": "1 GiB"}[key]
+        return f"{_key(key)}=null (no node of {partition.name} has {none})"
+    return f"{fix} ({partition.name}'s nodes: {_shapes(nodes)})"
+
+
+def check_node_count(cluster: Cluster, partition: Partition, req: Request) -> None:
+    nodes = cluster.nodes_of(partition.name)
+    limit = node_limit(cluster, partition, req)
+    if req.nodes <= limit:
+        return
+    fitting = len(fitting_nodes(cluster, partition.name, req))
+    have = f"partition {partition.name} has {len(nodes)} node{'s' if len(nodes) != 1 else ''}"
+    if fitting < len(nodes):
+        have += f", {fitting} of them with what each node is asked for"
+    if partition.max_nodes is not None and partition.max_nodes < fitting:
+        have += f", and a job may have {partition.max_nodes} (MaxNodes)"
+    if limit == 0:
+        raise ConfigError(_key("nodes"), f"nodes={req.nodes}: {have}",
+                          f"ask each node for less, or another partition ({partition.name}'s nodes: {_shapes(nodes)})")
+    raise ConfigError(_key("nodes"), f"nodes={req.nodes}, and {have}", f"{_key('nodes')}={limit} ({have})")
+
+
+def _shapes(nodes: list[Node]) -> str:
+    shapes: dict[str, int] = {}
+    for n in nodes:
+        shape = f"{n.gpus} GPUs, {n.cpus} CPUs, {n.memory_mib} MiB"
+        shapes[shape] = shapes.get(shape, 0) + 1
+    return "; ".join(f"{count} x ({shape})" for shape, count in shapes.items()) or "none"
+
+
+def check_time_limit(partition: Partition, req: Request) -> None:
+    if req.timeout_min is None or partition.max_time_min is None or req.timeout_min <= partition.max_time_min:
+        return
+    raise ConfigError(_key("timeout_min"), f"{req.timeout_min} minutes is more than partition {partition.name} "
+                      f"allows ({partition.max_time_min} minutes, its MaxTime)",
+                      f"{_key('timeout_min')}={partition.max_time_min} (partition {partition.name}'s MaxTime)")
+
+
+def check_request(cluster: Cluster, req: Request) -> Partition:
+    """The partition `req` goes to, or the first config error sbatch (or a job pending for good) would meet."""
+    partition = resolve_partition(cluster, req)
+    check_nodes(cluster, partition, req)
+    check_time_limit(partition, req)
+    return partition
+
+
+# ---- the time to the first checkpoint ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobTime:
+    """One job of the sweep: what it is (its overrides), the optimizer steps to its first scheduled checkpoint
+    (None: none scheduled), whether it saves at SLURM's signal, and a lower bound on seconds per step (None: none
+    known)."""
+    label: str
+    steps_to_first_checkpoint: int | None
+    on_signal: bool
+    floor_s: float | None
+
+
+# The time to the first checkpoint. submitit has SLURM signal the job signal_delay_s before its limit and ends it
+# there (requeued or not), so a job has timeout_min*60 - signal_delay_s seconds, and a limit within
+# signal_delay_s ends every job before it does anything. With checkpoint.on_signal the job saves at that signal,
+# so any time at all reaches a checkpoint. Without it, the first checkpoint is at checkpoint.every_n_steps (when
+# > 0) or at train.max_steps (checkpoint.final), and a job needs start-up + those steps: start-up is taken as 0
+# s and a step as the planner's time floor (a lower bound, known only for a known card and precision), so a limit
+# refused here is certainly too short; a limit that passes may still be.
+def needed_seconds(job: JobTime, signal_delay_s: int) -> float:
+    """The least time limit, in seconds, that is not certainly too short for `job`: more than this."""
+    work = 0.0
+    if not job.on_signal and job.steps_to_first_checkpoint and job.floor_s:
+        work = job.steps_to_first_checkpoint * job.floor_s
+    return signal_delay_s + work
+
+
+def check_time_to_checkpoint(partition: Partition, req: Request, jobs: list[JobTime]) -> None:
+    if req.timeout_min is None:
+        return
+    limit_s = req.timeout_min * 60
+    short = [(j, needed_seconds(j, req.signal_delay_s)) for j in jobs]
+    short = [(j, need) for j, need in short if limit_s <= need]
+    if not short:
+        return
+    job, need = max(short, key=lambda jn: jn[1])
+    enough = math.floor(need / 60) + 1
+    work = need - req.signal_delay_s
+    label = f" (job {job.label})" if job.label else ""
+    if work <= 0:
+        problem = (f"{req.timeout_min} min{label}: SLURM signals the job signal_delay_s={req.signal_delay_s} s before "
+                   f"its limit, and submitit ends it there, so it would end before doing anything")
+    else:
+        problem = (f"{req.timeout_min} min{label}: its first checkpoint is {job.steps_to_first_checkpoint} steps in, "
+                   f"at least {job.floor_s:.3g} s each ({work:,.0f} s), and submitit ends the job at SLURM's signal, "
+                   f"signal_delay_s={req.signal_delay_s} s before the limit")
+    most = partition.max_time_min
+    if most is None or enough <= most:
+        fix = (f"{_key('timeout_min')}={enough} (the least that is not certainly too short: allow more for start-up "
+               f"and saving)")
+    else:  # the partition allows less: save at the signal instead, a signal that comes within the limit
+        delay = req.signal_delay_s if most * 60 > req.signal_delay_s else most * 60 // 2
+        fix = (f"{_key('timeout_min')}={most}" + (f" {_key('signal_delay_s')}={delay}" if delay != req.signal_delay_s
+                                                  else "")
+               + f" checkpoint.on_signal=true (partition {partition.name} allows at most {most} min: save at "
+               f"SLURM's signal)")
+    raise ConfigError(_key("timeout_min"), problem, fix)
