@@ -60,9 +60,9 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
             return _skipped(run_dir, base)
         sampler.stop()
         summary = _workers_summary(cfg, run_dir, base, result)
-        summary.update({k: base[k] for k in ("ops_build", "plan") if k in base})
+        # slurm: the job and attempt this ran as (None outside SLURM)
+        summary.update({k: base[k] for k in ("ops_build", "plan", "slurm") if k in base})
         summary["startup"] = startup_view(marks, summary.get("startup_marks"), checks.marks)
-        summary["slurm"] = base["slurm"]  # the job and attempt this ran as (None outside SLURM)
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
     if cfg.launch.node_rank != 0:
         write_json_atomic(run_dir.file(f"summary.node{cfg.launch.node_rank}.json"), summary)

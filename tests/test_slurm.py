@@ -1,0 +1,118 @@
+"""zerotune's SLURM path on a real cluster: two nodes on this machine (scripts/slurm_local.sh, the
+`slurm_cluster` fixture), jobs submitted as a user submits them. The quick single-node job runs in the default
+suite; the two-node runs are slow."""
+
+from __future__ import annotations
+
+import glob
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import read_losses, read_summary, run_cli
+
+NODES = {"zt-node1", "zt-node2"}
+# A tiny job: the tiny U-Net on synthetic 8 px data, two steps, no sampling.
+SHORT = ["data=synthetic", "model=tiny", "resolution=8", "train.batch_size=8", "train.max_steps=2",
+         "evaluate.enabled=false"]
+# hydra/launcher=slurm as this cluster needs it: CPU nodes (no GPUs), one CPU per node's task.
+ON_CLUSTER = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+              "hydra.launcher.timeout_min=10"]
+
+
+def sweep_jobs(cwd: Path) -> list[Path]:
+    (sweep,) = [Path(p) for p in glob.glob(str(cwd / "multirun" / "*" / "*"))]
+    return sorted((p for p in sweep.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+
+
+def nothing_queued(cluster) -> bool:
+    for _ in range(20):  # a finished job leaves the queue within a few seconds
+        if not cluster.run("squeue", "-h").stdout.strip():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_a_job_submitted_to_the_cluster_trains_and_records_its_slurm_job(slurm_cluster, tmp_path):
+    started = time.monotonic()
+    proc = run_cli("-m", *ON_CLUSTER, "hydra.launcher.nodes=1", *SHORT, cwd=tmp_path, env=slurm_cluster.env(),
+                   timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (job,) = sweep_jobs(tmp_path)
+    summary = read_summary(job)
+    assert summary["status"] == "ok" and summary["steps"] == 2
+    slurm = summary["slurm"]
+    assert slurm["job_id"].isdigit() and slurm["partition"] == "debug" and slurm["num_nodes"] == 1
+    assert slurm["restart_count"] == 0
+    shown = slurm["array_job"] or slurm["job_id"]  # submitit submits one job alone, several as an array
+    (rank,) = summary["memory"]["per_rank"]
+    assert rank["node"] in NODES and rank["node_rank"] == 0
+    report = (job.parent / "summary.md").read_text()
+    assert "| SLURM job |" in report and f"| {shown} |" in report
+    assert nothing_queued(slurm_cluster)
+    print(f"single-node SLURM job: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_two_job_sweep_trains_each_job_on_both_nodes(slurm_cluster, tmp_path):
+    started = time.monotonic()
+    proc = run_cli("-m", *ON_CLUSTER, "hydra.launcher.nodes=2", "zero_stage=1,2", *SHORT, cwd=tmp_path,
+                   env=slurm_cluster.env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = sweep_jobs(tmp_path)
+    assert len(jobs) == 2
+    for job in jobs:
+        summary = read_summary(job)
+        assert summary["status"] == "ok", summary.get("error")
+        assert summary["slurm"]["num_nodes"] == 2 and summary["slurm"]["nodelist"] == "zt-node[1-2]"
+        ranks = summary["memory"]["per_rank"]
+        assert {r["node"] for r in ranks} == NODES and sorted(r["node_rank"] for r in ranks) == [0, 1]
+        assert (job / "summary.node1.json").is_file() and not (job / "attempts").exists()
+    assert nothing_queued(slurm_cluster)
+    print(f"two-job sweep on two nodes: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_compute_what_one_node_of_two_does(slurm_cluster, tmp_path):
+    """Same global batch (2 ranks x 8): the only differences left are fp32 summation orders (see
+    test_distributed's tolerance), not data or noise."""
+    started = time.monotonic()
+    on_nodes = run_cli("-m", *ON_CLUSTER, "hydra.launcher.nodes=2", "zero_stage=2", *SHORT, cwd=tmp_path,
+                       env=slurm_cluster.env(), timeout=900)
+    assert on_nodes.returncode == 0, on_nodes.stderr[-3000:]
+    one_node = tmp_path / "one_node"
+    local = run_cli("zero_stage=2", "launch.num_processes=2", *SHORT, f"hydra.run.dir={one_node}", cwd=tmp_path,
+                    timeout=900)
+    assert local.returncode == 0, local.stderr[-3000:]
+    (job,) = sweep_jobs(tmp_path)
+    two_nodes, one = read_losses(job), read_losses(one_node)
+    assert len(two_nodes) == len(one) == 2
+    assert two_nodes == pytest.approx(one, rel=1e-5, abs=0), (two_nodes, one)
+    print(f"2 nodes x 1 vs 1 node x 2: losses {two_nodes} / {one}, {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_an_sbatch_script_that_sruns_train_py_trains_on_both_nodes_in_one_run_folder(slurm_cluster, tmp_path):
+    started = time.monotonic()
+    train = Path(__file__).resolve().parents[1] / "train.py"
+    import sys
+
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH -N 2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=1\n"
+                      f"cd {tmp_path}\nsrun {sys.executable} {train} zero_stage=2 {' '.join(SHORT)}\n")
+    submitted = slurm_cluster.run("sbatch", "--parsable", "-o", str(tmp_path / "slurm-%j.out"), str(script))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    for _ in range(600):
+        if not slurm_cluster.run("squeue", "-h", "-j", job_id).stdout.strip():
+            break
+        time.sleep(0.5)
+    runs = [Path(p) for p in glob.glob(str(tmp_path / "outputs" / "*" / "*"))]
+    assert len(runs) == 1, (runs, (tmp_path / f"slurm-{job_id}.out").read_text()[-3000:])
+    summary = read_summary(runs[0])
+    assert summary["status"] == "ok" and summary["slurm"]["job_id"] == job_id
+    assert {r["node"] for r in summary["memory"]["per_rank"]} == NODES
+    assert json.loads((runs[0] / "summary.node1.json").read_text())["node_rank"] == 1
+    print(f"sbatch + srun on two nodes: {time.monotonic() - started:.1f} s")
