@@ -60,8 +60,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
             return _skipped(run_dir, base)
         sampler.stop()
         summary = _workers_summary(cfg, run_dir, base, result)
-        # slurm: the job and attempt this ran as (None outside SLURM)
-        summary.update({k: base[k] for k in ("ops_build", "plan", "slurm") if k in base})
+        summary.update({k: base[k] for k in ("ops_build", "plan", "slurm") if k in base})  # slurm: job, attempt
         summary["startup"] = startup_view(marks, summary.get("startup_marks"), checks.marks)
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
     if cfg.launch.node_rank != 0:
