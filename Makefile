@@ -8,8 +8,10 @@ STAMP   := $(VENV)/.installed
 .PHONY: setup debs train test test-all lint clean
 
 # libaio-dev: what DeepSpeed's async_io op (NVMe offload) links against. chromium: the browser the builder
-# page's tests drive through Playwright (Playwright's own browser download is not used).
-DEBS    := libaio-dev chromium
+# page's tests drive through Playwright (Playwright's own browser download is not used). slurmctld, slurmd,
+# slurm-client: the two-node SLURM cluster scripts/slurm_local.sh runs on this machine (tests/test_slurm.py);
+# no slurmdbd: nothing here needs SLURM's accounting.
+DEBS    := libaio-dev chromium slurmctld slurmd slurm-client
 
 setup: debs $(STAMP)
 
