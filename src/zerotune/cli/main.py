@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -23,14 +22,14 @@ from zerotune.cli.compose import as_config_error, check_command_line, check_reso
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
-from zerotune.launch.slurm import job_node_rank, job_start_time
+from zerotune.launch.slurm import job_node_rank, job_start_time, requeue_if_preempted
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
+from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
 
 log = logging.getLogger("zerotune")
-_PROCESS_START = time.time()  # before Hydra composes: anything in the run folder older than this is a past attempt's
 
 
 def job_spec() -> JobSpec:
@@ -50,8 +49,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     spec = job_spec()
     if distributed.rank() == 0 and job_node_rank(cfg) == 0:
         # A rerun into this folder never overwrites its records. Only node 0 moves them, and only what was
-        # there before this job began: over a shared file system the other nodes write here too.
-        RunDir(spec.run_dir).archive_previous_attempt(started=_PROCESS_START)
+        # there before this job began: over a shared file system the other nodes write here too. The kernel's
+        # start of this process, not a clock read at import: under submitit this function arrives pickled by
+        # value, its globals as they were in the submitting process (a requeued attempt's would move nothing).
+        RunDir(spec.run_dir).archive_previous_attempt(started=process_start_time())
     try:
         check_resolves(cfg, spec.overrides)  # an interpolation typed on the command line, e.g. ${oc.env:...}
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
@@ -65,6 +66,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
     if summary["status"] == "interrupted":
+        requeue_if_preempted(summary)  # under submitit, on its signal: now that the workers have saved
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
     if summary["status"] not in ("ok", "planned") and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.

@@ -115,6 +115,7 @@ class Launcher:
         if self.timeout_s:
             threading.Thread(target=self._watchdog, name="zerotune-timeout", daemon=True).start()
         self._host.start()
+        before = _stop_handlers()
         try:
             self._launch(*self._args)
             return LaunchResult("ok")
@@ -128,6 +129,7 @@ class Launcher:
                 return LaunchResult("timeout", f"killed after train.timeout_s={self.timeout_s} s")
             return _failure(exc, self._host)
         finally:
+            _restore(before)
             self._host.stop()
             self._finished.set()
             self.gate.workers_gone.set()  # a cold op build waiting for their imports waits no more
@@ -139,6 +141,22 @@ class Launcher:
             self._timed_out.set()
             log.error("job exceeded train.timeout_s=%s: stopping its workers", self.timeout_s)
             _kill_children()
+
+
+def _stop_handlers() -> dict:
+    """This process's handlers for the stop signals, before torch's agent puts its own (which it leaves behind)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    found = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
+    return {sig: handler for sig, handler in found.items() if handler is not None}
+
+
+def _restore(handlers: dict) -> None:
+    # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
+    # under checkpoint.on_signal), the handlers before it are back: under submitit its SIGUSR2 handler, which
+    # requeues the job (launch/slurm.py requeue_if_preempted calls it then, not before the save).
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def _failure(exc, host: HostWatch) -> LaunchResult:

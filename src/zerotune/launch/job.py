@@ -18,7 +18,7 @@ from zerotune.errors import ConfigError
 from zerotune.launch.elastic import Launcher, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
-from zerotune.launch.slurm import in_slurm_job, launch_from_slurm
+from zerotune.launch.slurm import continue_requeued, in_slurm_job, launch_from_slurm
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
 from zerotune.telemetry import MemorySampler, environment_info
@@ -35,7 +35,7 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
     train only if the checks pass (launch/gate.py)."""
     marks = ParentMarks()
     marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
-    apply_slurm_geometry(cfg)
+    apply_slurm_geometry(cfg, spec.run_dir)
     run_dir = RunDir(spec.run_dir)
     run_dir.write_config(cfg)
     if cfg.plan.only:
@@ -131,8 +131,9 @@ def _workers_summary(cfg: Any, run_dir: RunDir, base: dict, result) -> dict:
     return run_dir.read_summary() or {**base, "env": environment_info()}
 
 
-def apply_slurm_geometry(cfg: Any) -> None:
-    """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM."""
+def apply_slurm_geometry(cfg: Any, run_dir: str) -> None:
+    """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM; a
+    requeued attempt continues the job's newest checkpoint."""
     from omegaconf import OmegaConf, open_dict
 
     if not in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
@@ -144,3 +145,4 @@ def apply_slurm_geometry(cfg: Any) -> None:
     log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],
              mapped["node_rank"], mapped["nnodes"], mapped["master_addr"], mapped["master_port"],
              mapped["num_processes"])
+    continue_requeued(cfg, run_dir)

@@ -55,6 +55,7 @@ def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Pa
         # before they could write it.
         summary["status"] = "interrupted"
         summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
+        summary["interrupted"]["job_signal"] = result.signal  # the job process's own (launch/slurm.py requeues on it)
     elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
         _launcher_failure(summary, result, peaks, run_dir)
     _last_checkpoint(summary)

@@ -9,12 +9,17 @@ submitit (hydra-submitit-launcher's engine) reads SLURM's variables and expands 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # The port every node derives from the job id (no exchange needed); launch.master_port overrides it.
 PORT_BASE, PORT_SPAN = 20000, 20000
@@ -97,3 +102,40 @@ def launch_from_slurm(launch: Mapping[str, Any]) -> dict:
         out["num_processes"] = gpus
     out["run_id"] = f"slurm-{os.environ['SLURM_JOB_ID']}"
     return out
+
+
+def continue_requeued(cfg: Any, run_dir: str | Path) -> bool:
+    """A requeued attempt (SLURM_RESTART_COUNT > 0: pre-empted, timed out and requeued, `scontrol requeue`)
+    runs the same command in the same run dir: it continues the newest complete checkpoint its job saved
+    (resume=auto), not the first attempt's starting point again; before the job saved one, it starts as the
+    first attempt did. Returns whether it switched to resume=auto."""
+    from zerotune import checkpoints
+
+    if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0 or str(cfg.resume.path) in ("auto", "latest"):
+        return False
+    if not checkpoints.list_complete(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(run_dir))):
+        return False
+    log.info("requeued SLURM job (restart %s): resume=auto instead of resume=%s", os.environ["SLURM_RESTART_COUNT"],
+             cfg.resume.path)
+    cfg.resume.path = "auto"
+    return True
+
+
+def requeue_if_preempted(summary: dict) -> None:
+    """Under submitit, after the workers stopped on its pre-emption signal (SIGUSR2) and saved: submitit's own
+    handler requeues the job (launcher.checkpoint(), its count of timeouts, `scontrol requeue`) and exits.
+
+    Why here and not when the signal comes: submitit's handler requeues at once, and `scontrol requeue` has
+    SLURM send SIGTERM, then SIGKILL after KillWait, to every process of the job, the workers in the middle of
+    their save included. So while the workers run, torch's agent holds the signal (it passes it on to them:
+    launch/elastic.py), and submitit's handler, put back when they are gone, is called only now. Only node 0's
+    task requeues (submitit's handler does nothing on the others)."""
+    name = (summary.get("interrupted") or {}).get("job_signal")
+    sig = getattr(signal, str(name), None)
+    handler = signal.getsignal(sig) if sig is not None else None
+    if getattr(handler, "__name__", None) != "checkpoint_and_try_requeue":  # submitit's SignalHandler method
+        return
+    try:
+        handler(sig, None)  # requeues, then sys.exit(-1); returns on a node other than 0
+    except Exception as exc:  # e.g. timed out too many times: the job ends interrupted
+        log.error("the job was not requeued: %s", exc)

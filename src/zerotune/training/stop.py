@@ -1,6 +1,8 @@
-"""Stop signals end a run between steps: SIGTERM (`timeout`, `kill`, a scheduler), SIGINT (Ctrl-C), SIGHUP,
-and SIGUSR1 (SLURM's `--signal` before pre-emption). The step in progress completes, a last checkpoint is
-saved when checkpoint.on_signal is set, and the summary says "interrupted" with the steps done."""
+"""Stop signals end a run between steps: SIGTERM (`timeout`, `kill`, a scheduler, `scontrol requeue`),
+SIGINT (Ctrl-C), SIGHUP, SIGUSR1 (SLURM's `--signal` before pre-emption) and SIGUSR2 (submitit's, for the same:
+SLURM sends it to every process of the job's steps, workers included, whose default action would end them
+unsaved). The step in progress completes, a last checkpoint is saved when checkpoint.on_signal is set, and
+the summary says "interrupted" with the steps done."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from zerotune.training import distributed
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
 
 
 class StopSignals:
