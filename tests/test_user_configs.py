@@ -336,30 +336,29 @@ def test_import_config_prints_equivalent_overrides(name):
     assert any(o.startswith("deepspeed.config_file=") for o in overrides) == bool(file_needed_for)
 
 
-def test_import_config_cli_saves_an_experiment(tmp_path):
+def test_import_config_cli_saves_an_experiment_in_the_users_folder(tmp_path, monkeypatch):
     name = "imported_test_tmp"
-    target = ROOT / "experiments" / "experiment" / f"{name}.yaml"
-    try:
-        proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
-                       timeout=180)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.split() == ["zero_stage=1", "precision=bf16", "launch.nnodes=1", "launch.node_rank=0",
-                                       "launch.num_processes=1", "train.grad_accum=4", "accelerate.config_file=null"]
-        cfg = compose_cfg(f"experiment={name}")
-        assert (cfg.zero_stage.stage, cfg.precision.name, cfg.train.grad_accum) == (1, "bf16", 4)
-        again = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
-                        timeout=180)
-        assert again.returncode == CONFIG_ERROR_EXIT and "--force" in again.stderr
-    finally:
-        target.unlink(missing_ok=True)
+    target = tmp_path / "zerotune" / "experiment" / f"{name}.yaml"  # ./zerotune/ of the folder it ran in
+    proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+                   cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["zero_stage=1", "precision=bf16", "launch.nnodes=1", "launch.node_rank=0",
+                                   "launch.num_processes=1", "train.grad_accum=4", "accelerate.config_file=null"]
+    assert target.is_file() and f"wrote {target}" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_cfg(f"experiment={name}")
+    assert (cfg.zero_stage.stage, cfg.precision.name, cfg.train.grad_accum) == (1, "bf16", 4)
+    again = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+                    cwd=tmp_path, timeout=180)
+    assert again.returncode == CONFIG_ERROR_EXIT and "--force" in again.stderr
 
 
 @pytest.mark.parametrize("name", ["../outside", "a/b", ".hidden"])
-def test_import_config_refuses_a_save_name_that_leaves_the_experiments_folder(name):
+def test_import_config_refuses_a_save_name_that_leaves_the_experiments_folder(name, tmp_path):
     proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
-                   timeout=180)
+                   cwd=tmp_path, timeout=180)
     assert proc.returncode == CONFIG_ERROR_EXIT and "`--save`" in proc.stderr and "path separators" in proc.stderr
-    assert not (ROOT / "experiments" / "outside.yaml").exists() and not (ROOT / "experiments" / "experiment" / "a").exists()
+    assert not (tmp_path / "zerotune").exists() and not (tmp_path / "outside.yaml").exists()
 
 
 def test_import_config_refuses_what_zerotune_refuses():
