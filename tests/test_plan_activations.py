@@ -21,6 +21,13 @@ aten = torch.ops.aten
 # gradient checkpointing: 12 steps, each traced and run for real in a few seconds at batch 2.
 CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32)), ("sdxl_tiny", (64, 128, 256)))
          for size in sizes for checkpointing in (False, True)]
+# The largest traces (about 15 s each) run with -m slow: 64 and 128 px check the same code in the default suite.
+SLOW_IDS = {"sdxl_tiny-256px-nogc", "sdxl_tiny-256px-gc", "sdxl_tiny-128px-gc-lora"}
+
+
+def cases(listed: list, suffix: str = "") -> list:
+    ids = [f"{m}-{s}px-{'gc' if c else 'nogc'}{suffix}" for m, s, c in listed]
+    return [pytest.param(*case, id=i, marks=pytest.mark.slow if i in SLOW_IDS else ()) for case, i in zip(listed, ids)]
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +41,7 @@ def _model(name: str):
     return compose_cfg(f"model={name}", "data=synthetic").model
 
 
-@pytest.mark.parametrize("model,size,checkpointing", CASES,
-                         ids=[f"{m}-{s}px-{'gc' if c else 'nogc'}" for m, s, c in CASES])
+@pytest.mark.parametrize("model,size,checkpointing", cases(CASES))
 def test_traced_activation_peak_is_the_real_steps(model, size, checkpointing):
     cfg = _model(model)
     shape = latent_shape(cfg, size)
@@ -50,8 +56,7 @@ def test_traced_activation_peak_is_the_real_steps(model, size, checkpointing):
 LORA_CASES = [("tiny", 16, False), ("sdxl_tiny", 128, False), ("sdxl_tiny", 128, True)]
 
 
-@pytest.mark.parametrize("model,size,checkpointing", LORA_CASES,
-                         ids=[f"{m}-{s}px-{'gc' if c else 'nogc'}-lora" for m, s, c in LORA_CASES])
+@pytest.mark.parametrize("model,size,checkpointing", cases(LORA_CASES, "-lora"))
 def test_traced_activation_peak_is_the_real_steps_with_lora(model, size, checkpointing):
     cfg = compose_cfg(f"model={model}", "data=synthetic", "adapter=lora")
     shape = latent_shape(cfg.model, size)
