@@ -27,7 +27,7 @@ SLOW_IDS = {"sdxl_tiny-256px-nogc", "sdxl_tiny-256px-gc", "sdxl_tiny-128px-gc-lo
 
 def cases(listed: list, suffix: str = "") -> list:
     ids = [f"{m}-{s}px-{'gc' if c else 'nogc'}{suffix}" for m, s, c in listed]
-    return [pytest.param(*case, id=i, marks=pytest.mark.slow if i in SLOW_IDS else ()) for case, i in zip(listed, ids)]
+    return [pytest.param(*case, id=i, marks=pytest.mark.slow if i in SLOW_IDS else ()) for case, i in zip(listed, ids, strict=True)]
 
 
 @pytest.fixture(autouse=True)
