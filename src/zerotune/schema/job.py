@@ -16,7 +16,7 @@ class Checkpoint:
     final: bool = True                   # a run that completes its steps saves its last one
     keep_last: int = 3
     dir: Optional[str] = None
-    on_signal: bool = False              # SIGTERM/SIGINT/SIGUSR1: save before stopping
+    on_signal: bool = False              # SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2: save before stopping
 
 
 @dataclass
