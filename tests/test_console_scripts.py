@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import ROOT, cli_env
+from tests.helpers.cli import ROOT, cli_env, stop_process
 from zerotune.command import COMMANDS
 
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -109,12 +109,7 @@ def start_builder(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str]:
 
 
 def stop(server: subprocess.Popen) -> None:
-    server.terminate()
-    try:
-        server.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait(timeout=30)
+    stop_process(server)
     server.stdout.close()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli, wait_for
 from zerotune import checkpoints
 
 SHORT = ["evaluate.enabled=false", "scheduler=constant", "train.batch_size=8", "train.log_every=1"]
@@ -26,16 +26,6 @@ def start_cli(*args: str, new_session: bool = False) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *SHORT, *args], cwd=ROOT, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=new_session)
-
-
-def wait_for(predicate, timeout: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def workers_of(run_dir: Path) -> list[psutil.Process]:

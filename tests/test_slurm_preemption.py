@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.cli import ROOT, cli_env, read_losses, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, read_losses, read_summary, run_cli, wait_for
 
 STEPS = 24
 # The tiny U-Net on synthetic 8 px data in fp32 (exact on the CPU), a loss logged every step, a save on the signal.
@@ -35,16 +35,6 @@ def job_folder(cwd: Path) -> Path | None:
 def steps_logged(job: Path | None) -> int:
     metrics = job / "metrics.jsonl" if job else None
     return len(metrics.read_text().splitlines()) if metrics and metrics.is_file() else 0
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def queued(cluster) -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.cli import ROOT, cli_env
+from tests.helpers.cli import ROOT, cli_env, stop_process
 from tests.helpers.wheel import build_wheel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -170,12 +170,7 @@ def check_builder_saves_into_the_users_folder(steps: Steps, work: Path, package:
         with urllib.request.urlopen(request, timeout=120) as answer:
             saved = json.loads(answer.read())
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
+        stop_process(server)
         server.stdout.close()
         steps.record("zerotune builder: start, save an experiment, stop", time.monotonic() - start)
     mine = work / "zerotune" / "experiment" / "from_builder.yaml"

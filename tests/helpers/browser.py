@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.helpers.cli import stop_process
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's package (make setup installs it); Playwright downloads no browser
 # Chromium's own network traffic is refused on these machines: these flags keep it from trying.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -59,9 +61,4 @@ def start_builder(env: dict, *args: str, cwd: Path) -> Builder:
 
 
 def stop_builder(proc: subprocess.Popen) -> None:
-    proc.terminate()  # SIGTERM to this process's pid only
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+    stop_process(proc)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from zerotune.cli.compose import compose
@@ -41,3 +42,24 @@ def read_losses(run_dir: Path) -> list[float]:
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """A server a test started, stopped by its pid: SIGTERM, then SIGKILL if it has not gone in 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "condition"):
+    """`predicate()`'s first truthy answer, polled until `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
