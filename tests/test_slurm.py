@@ -116,3 +116,60 @@ def test_an_sbatch_script_that_sruns_train_py_trains_on_both_nodes_in_one_run_fo
     assert {r["node"] for r in summary["memory"]["per_rank"]} == NODES
     assert json.loads((runs[0] / "summary.node1.json").read_text())["node_rank"] == 1
     print(f"sbatch + srun on two nodes: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_one_node_fails_its_job_naming_node_and_rank_and_the_sweep_goes_on(slurm_cluster, tmp_path):
+    """Job 0: rank 1, on the second node, dies of SIGKILL at step 2 (debug.kill_at_step), as a task the OOM killer
+    or an operator kills. Job 1 of the same sweep is unharmed."""
+    started = time.monotonic()
+    proc = run_cli("-m", *ON_CLUSTER, "hydra.launcher.nodes=2", "zero_stage=2", *SHORT, "train.max_steps=4",
+                   "debug.fail_rank=1", "debug.kill_at_step=2,null", "launch.collective_timeout_s=60",
+                   cwd=tmp_path, env=slurm_cluster.env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    killed, unharmed = (read_summary(job) for job in sweep_jobs(tmp_path))
+    error = killed["error"]
+    assert killed["status"] == "failed", killed
+    assert error["failed_rank"] == 1 and error["failed_node"] == "zt-node2" and error["failed_node_rank"] == 1
+    assert error["message"].startswith("rank 1 on zt-node2 (node 1) was killed by SIGKILL"), error["message"]
+    assert killed["slurm"]["state"] in ("FAILED", "COMPLETED"), killed["slurm"]
+    assert killed["wall_time_s"] < 60  # rank 0's run, kill included: well within launch.collective_timeout_s
+    assert unharmed["status"] == "ok" and unharmed["steps"] == 4
+    report = (sweep_jobs(tmp_path)[0].parent / "summary.md").read_text()
+    assert "rank 1 on zt-node2" in report
+    assert nothing_queued(slurm_cluster)
+    print(f"killed rank on node 2, then a healthy job: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_job_the_cluster_cancels_is_recorded_as_cancelled(slurm_cluster, tmp_path):
+    """scancel while the job trains (it hangs at step 1): the sweep ends, and the job's summary says cancelled,
+    not running."""
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    sweep = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "-m",
+                              *ON_CLUSTER, "hydra.launcher.nodes=1", *SHORT, "debug.hang_at_step=1"],
+                             cwd=tmp_path, env=slurm_cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        job_id = None
+        for _ in range(240):
+            listed = slurm_cluster.run("squeue", "-h", "-t", "RUNNING", "-o", "%i").stdout.split()
+            if listed and glob.glob(str(tmp_path / "multirun" / "*" / "*" / "0" / "logs")):
+                job_id = listed[0]
+                break
+            time.sleep(0.5)
+        assert job_id, "the job never started"
+        assert slurm_cluster.run("scancel", job_id).returncode == 0
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        sweep.kill()
+    (job,) = sweep_jobs(tmp_path)
+    summary = read_summary(job)
+    assert summary["status"] == "cancelled", (summary, out[-3000:])
+    assert summary["slurm"]["state"] == "CANCELLED" and job_id.split("_")[0] in summary["error"]["message"]
+    assert "| cancelled |" in (job.parent / "summary.md").read_text()
+    assert nothing_queued(slurm_cluster)
+    print(f"cancelled job recorded: {time.monotonic() - started:.1f} s")

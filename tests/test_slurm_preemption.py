@@ -21,7 +21,7 @@ STEPS = 24
 # The tiny U-Net on synthetic 8 px data in fp32 (exact on the CPU), a loss logged every step, a save on the signal.
 # timeout_min=30: submitit counts a signal in the first 80% of the limit (at most limit - 10 min) as pre-emption,
 # which it requeues; a later one as a time-out, requeued only hydra.launcher.max_num_timeout times (default 0).
-JOB = ["hydra/launcher=slurm", "hydra.launcher.nodes=1", "hydra.launcher.gpus_per_node=null",
+JOB = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null",
        "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=30", "data=synthetic", "model=tiny",
        "resolution=8", "train.batch_size=8", "evaluate.enabled=false", "precision=fp32", "scheduler=constant",
        "train.log_every=1", "checkpoint.on_signal=true", f"train.max_steps={STEPS}"]
@@ -61,9 +61,10 @@ def exported(run_dir: Path, out: Path) -> dict:
     return load_file(str(out / "unet.safetensors"))
 
 
-def sweep(cwd: Path, cluster) -> subprocess.Popen:
+def sweep(cwd: Path, cluster, nodes: int) -> subprocess.Popen:
     cwd.mkdir()
-    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), "-m", *JOB], cwd=cwd,
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), "-m", *JOB, f"hydra.launcher.nodes={nodes}"],
+                            cwd=cwd,
                             env={**cli_env(), **cluster.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -84,10 +85,11 @@ def interrupt_and_release(cluster, cwd: Path, how: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["usr2", "scontrol_requeue"])
-def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cluster, tmp_path, how):
+@pytest.mark.parametrize(("how", "nodes"), [("usr2", 1), ("scontrol_requeue", 1), ("usr2", 2)])
+def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cluster, tmp_path, how, nodes):
+    """On two nodes SLURM signals both nodes' tasks; each saves its shards, node 0's requeues the job."""
     started = time.monotonic()
-    proc = sweep(tmp_path / "preempted", slurm_cluster)
+    proc = sweep(tmp_path / "preempted", slurm_cluster, nodes)
     try:
         job_id = interrupt_and_release(slurm_cluster, tmp_path / "preempted", how)
         out, err = proc.communicate(timeout=600)
@@ -108,11 +110,12 @@ def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cl
     # The requeued attempt: same SLURM job, same run dir, continued from step k to the end.
     assert final["status"] == "ok" and final["steps"] == STEPS, final.get("error")
     assert final["slurm"]["job_id"] == job_id and final["slurm"]["restart_count"] == 1
+    assert final["slurm"]["num_nodes"] == nodes and len(final["memory"]["per_rank"]) == nodes
     assert final["previous_attempts"] == ["attempts/1"]
     assert final["checkpoint"]["resumed_from"]["step"] == k
     assert Path(final["checkpoint"]["resumed_from"]["path"]).name == f"step-{k:07d}"
 
-    reference = sweep(tmp_path / "straight", slurm_cluster)
+    reference = sweep(tmp_path / "straight", slurm_cluster, nodes)
     out, err = reference.communicate(timeout=600)
     assert reference.returncode == 0, out[-3000:] + err[-3000:]
     straight = job_folder(tmp_path / "straight")
@@ -123,7 +126,7 @@ def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cl
     ours, theirs = exported(job, tmp_path / "ours"), exported(straight, tmp_path / "theirs")
     assert ours.keys() == theirs.keys()
     assert all(ours[name].equal(theirs[name]) for name in ours)
-    print(f"{how}: pre-empted at step {k} of {STEPS}, requeued and finished: {preempted:.1f} s "
+    print(f"{how} on {nodes} node(s): pre-empted at step {k} of {STEPS}, requeued and finished: {preempted:.1f} s "
           f"(whole test {time.monotonic() - started:.1f} s)")
 
 

@@ -53,8 +53,8 @@ def cache_dir(kind: str) -> Path:
     return Path(os.environ.get("ZEROTUNE_CACHE_DIR", Path.home() / ".cache" / "zerotune")) / kind
 
 
-def read_cached_json(path: Path) -> Any | None:
-    """A cache entry, or None when it is absent or unreadable (a partial write from a killed process)."""
+def read_json(path: Path) -> Any | None:
+    """A JSON file's content, or None when it is absent or unreadable (a partial write from a killed process)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -22,7 +22,7 @@ from zerotune.cli.compose import as_config_error, check_command_line, check_reso
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
-from zerotune.launch.slurm import job_node_rank, job_start_time, requeue_if_preempted
+from zerotune.launch.slurm import ends_the_step, job_node_rank, job_start_time, requeue_if_preempted
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
@@ -68,6 +68,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     if summary["status"] == "interrupted":
         requeue_if_preempted(summary)  # under submitit, on its signal: now that the workers have saved
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
+    if multirun and ends_the_step(summary, job_node_rank(cfg)):
+        sys.exit(1)
     if summary["status"] not in ("ok", "planned") and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
         sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)

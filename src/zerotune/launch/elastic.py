@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class LaunchResult:
     signal: str | None = None             # interrupted: the stop signal this process received
     exitcode: int | None = None           # failed: the first failed worker's (-9: killed by SIGKILL)
     host: HostExit | None = None          # failed by a signal: the host's memory before that worker died
+    failed_at: float | None = None        # failed: when this node's launcher saw it (time.time())
 
 
 def _kill_children() -> None:
@@ -59,6 +61,9 @@ def check_launch(launch: Any) -> None:
     if int(launch.num_processes) < 1 or nnodes < 1:
         raise ConfigError("launch.num_processes", "a job needs at least one process on one node",
                           "launch.num_processes=1 launch.nnodes=1")
+    if float(launch.get("collective_timeout_s", 1800)) <= 0:
+        raise ConfigError("launch.collective_timeout_s", f"{launch.collective_timeout_s} s: a collective needs time to "
+                          "complete", "launch.collective_timeout_s=1800 (torch's default; at least a step's time)")
     if not 0 <= node_rank < nnodes:
         raise ConfigError("launch.node_rank", f"node_rank {node_rank} is outside 0..{nnodes - 1}",
                           f"launch.node_rank=0 .. {nnodes - 1}, one per node")
@@ -168,4 +173,4 @@ def _failure(exc, host: HostWatch) -> LaunchResult:
     exit_view = host.exit(first.pid) if first.exitcode is not None and first.exitcode < 0 else None
     return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
                         + (f": {detail}" if detail else ""), failed_rank=rank, failed_local_rank=first.local_rank,
-                        exitcode=first.exitcode, host=exit_view)
+                        exitcode=first.exitcode, host=exit_view, failed_at=time.time())

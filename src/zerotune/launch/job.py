@@ -17,11 +17,13 @@ from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import Launcher, check_launch
 from zerotune.launch.gate import Gate
+from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
 from zerotune.launch.slurm import continue_requeued, in_slurm_job, launch_from_slurm
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
 from zerotune.telemetry import MemorySampler, environment_info
+from zerotune.telemetry.env import node_identity
 from zerotune.telemetry.startup import ParentMarks, startup_view
 from zerotune.user_config import resolve
 
@@ -63,11 +65,20 @@ def run_job(cfg: Any, spec: JobSpec) -> dict:
         summary.update({k: base[k] for k in ("ops_build", "plan", "slurm") if k in base})  # slurm: job, attempt
         summary["startup"] = startup_view(marks, summary.get("startup_marks"), checks.marks)
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
-    if cfg.launch.node_rank != 0:
-        write_json_atomic(run_dir.file(f"summary.node{cfg.launch.node_rank}.json"), summary)
-    else:
-        run_dir.write_summary(summary)
+    _write(cfg, run_dir, summary, result)
     return summary
+
+
+def _write(cfg: Any, run_dir: RunDir, summary: dict, result) -> None:
+    """Node 0 writes the job's summary.json (naming the node that failed first, in a job of several nodes);
+    any other node its own summary.node<k>.json beside it."""
+    node_rank, nnodes = int(cfg.launch.node_rank), int(cfg.launch.nnodes)
+    if node_rank != 0:
+        write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
+        return
+    if nnodes > 1 and result.status == "failed":
+        name_failed_node(summary, result, node_identity()["node"], run_dir.path, nnodes)
+    run_dir.write_summary(summary)
 
 
 def _start_checks(cfg: Any, spec: JobSpec, run_dir: RunDir, gate: Gate, sampler: MemorySampler):
@@ -127,6 +138,7 @@ def _workers_summary(cfg: Any, run_dir: RunDir, base: dict, result) -> dict:
         # Rank 0, on node 0, writes the job's summary.json (over a shared file system, this same folder);
         # this node records its own ranks' outcome beside it, in summary.node<k>.json.
         return {**base, "status": "ok" if result.status == "ok" else "failed", "node_rank": node_rank,
+                "node": node_identity()["node"],
                 "note": "the job's summary.json is written by node 0", "env": environment_info()}
     return run_dir.read_summary() or {**base, "env": environment_info()}
 

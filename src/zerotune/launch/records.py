@@ -86,12 +86,14 @@ def _launcher_failure(summary: dict, result: LaunchResult, peaks: dict, run_dir:
         summary["status"], summary["error"] = "oom", {**host_oom, "log_tail": tail}
     elif result.status == "timeout" or "error" not in summary:
         summary["status"] = result.status
-        summary["error"] = {"type": result.status, "message": result.error, "log_tail": tail}
+        summary["error"] = {"type": result.status, "message": result.error, "failed_rank": result.failed_rank,
+                            "exitcode": result.exitcode, "failed_at": result.failed_at, "log_tail": tail}
     elif result.failed_rank not in (None, 0):
         # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
         # failed first: its error leads, rank 0's stays beside it.
         summary["status"] = "failed"
         summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
+                            "exitcode": result.exitcode, "failed_at": result.failed_at,
                             "rank0_error": summary["error"], "log_tail": tail}
 
 

@@ -121,6 +121,15 @@ def continue_requeued(cfg: Any, run_dir: str | Path) -> bool:
     return True
 
 
+def ends_the_step(summary: dict, node_rank: int) -> bool:
+    """Whether this task exits non-zero once its job is recorded, even in a sweep: node 0's, in a SLURM job of
+    several nodes that failed. srun (--kill-on-bad-exit=1, conf/hydra/launcher/slurm.yaml) then ends the other
+    nodes' tasks, which may be stuck on a peer that is gone; the sweep's launcher finds the job's summary.json
+    in place of submitit's result (src/hydra_plugins/zerotune_slurm) and goes on."""
+    nodes = int((summary.get("slurm") or {}).get("num_nodes") or 1)
+    return node_rank == 0 and nodes > 1 and summary.get("status") in ("failed", "oom", "timeout")
+
+
 def requeue_if_preempted(summary: dict) -> None:
     """Under submitit, after the workers stopped on its pre-emption signal (SIGUSR2) and saved: submitit's own
     handler requeues the job (launcher.checkpoint(), its count of timeouts, `scontrol requeue`) and exits.

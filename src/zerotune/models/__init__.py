@@ -69,7 +69,7 @@ def model_stats(model_cfg: Any, adapter_cfg: Any = None) -> ModelStats:
     Cached per architecture: building it imports diffusers' whole model zoo (about 2 s and 300 MiB), which
     the job's parent would otherwise pay at every start just to count."""
     file = files.cache_dir("models") / f"stats-{_stats_key(model_cfg, adapter_cfg)}.json"
-    cached = files.read_cached_json(file)
+    cached = files.read_json(file)
     if isinstance(cached, dict) and set(cached) == {f.name for f in fields(ModelStats)}:
         return ModelStats(**{k: tuple(v) if isinstance(v, list) else v for k, v in cached.items()})
     stats = _measure_stats(model_cfg, adapter_cfg)

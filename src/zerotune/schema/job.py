@@ -44,6 +44,7 @@ class Launch:
     master_addr: str = "127.0.0.1"
     master_port: Any = "auto"            # auto | port
     rdzv_timeout_s: float = 900
+    collective_timeout_s: float = 1800   # a collective waiting this long on a lost or hung peer fails the job
     slurm: Any = "auto"                  # auto | true | false
     run_id: Optional[str] = None         # set inside SLURM jobs
     stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
@@ -56,6 +57,7 @@ class Debug:
     fail_rank: Optional[int] = None
     oom_at_step: Optional[int] = None
     hang_at_step: Optional[int] = None
+    kill_at_step: Optional[int] = None
     host_alloc_mib: Optional[int] = None
 
 

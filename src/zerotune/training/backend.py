@@ -5,6 +5,8 @@ Both are driven from the same validated DeepSpeed dict, so the optimizer and sch
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from accelerate import Accelerator
 
@@ -21,16 +23,20 @@ def mixed_precision(ds: dict) -> str:
     return "no"
 
 
-def make_accelerator(checked: CheckedRun) -> Accelerator:
+def make_accelerator(checked: CheckedRun, collective_timeout_s: float) -> Accelerator:
+    """collective_timeout_s: the process group's timeout, where accelerate creates the group (launch.*)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
     ds = checked.ds_config
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))]
     if checked.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
-            return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds))
+            return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds), kwargs_handlers=handlers)
     return Accelerator(mixed_precision=mixed_precision(ds), cpu=checked.platform.device_type == "cpu",
-                       gradient_accumulation_steps=ds["gradient_accumulation_steps"])
+                       gradient_accumulation_steps=ds["gradient_accumulation_steps"], kwargs_handlers=handlers)
 
 
 def zero3_init(accelerator: Accelerator, checked: CheckedRun):

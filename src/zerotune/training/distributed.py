@@ -87,8 +87,9 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def init_accelerate_state(use_deepspeed: bool) -> None:
-    """Make accelerate see this process's real rank and world size under DeepSpeed on a CPU (see above)."""
+def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
+    """Make accelerate see this process's real rank and world size under DeepSpeed on a CPU (see above).
+    timeout_s: how long a collective waits for a peer (launch.collective_timeout_s)."""
     import torch
 
     if world_size() == 1 or not use_deepspeed or torch.cuda.is_available():
@@ -96,7 +97,7 @@ def init_accelerate_state(use_deepspeed: bool) -> None:
     from accelerate.state import PartialState
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what Accelerator(deepspeed_plugin=...) sets, a bit earlier
-    state = PartialState(backend="gloo")
+    state = PartialState(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
     if state.num_processes != world_size():
         raise RuntimeError(f"accelerate sees {state.num_processes} processes, the launcher started {world_size()}")
 

@@ -7,6 +7,8 @@ runs no fault code at all.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +17,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-KEYS = ("fail_at_step", "oom_at_step", "hang_at_step", "host_alloc_mib")
+KEYS = ("fail_at_step", "oom_at_step", "hang_at_step", "kill_at_step", "host_alloc_mib")
 
 
 def step_hook(debug: Any, rank: int) -> Callable[[int], None] | None:
@@ -34,6 +36,9 @@ def step_hook(debug: Any, rank: int) -> Callable[[int], None] | None:
         if debug.get("hang_at_step") == step:
             log.warning("debug.hang_at_step=%d: hanging", step)
             threading.Event().wait()
+        if debug.get("kill_at_step") == step:
+            log.warning("debug.kill_at_step=%d: killing this rank (SIGKILL)", step)
+            os.kill(os.getpid(), signal.SIGKILL)
         if debug.get("host_alloc_mib") and step == 1:
             # A known allocation, touched page by page and held for 3 s (many samples even on a busy machine),
             # for the host-peak honesty check.

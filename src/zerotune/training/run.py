@@ -53,7 +53,7 @@ def train(cfg: Any, spec: JobSpec, startup: dict | None = None) -> dict:
                 held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
             # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
-            distributed.init_accelerate_state(checked.use_deepspeed)
+            distributed.init_accelerate_state(checked.use_deepspeed, cfg.launch.collective_timeout_s)
             _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary, marks)
             summary["status"] = "interrupted" if "interrupted" in summary else "ok"
             return summary

@@ -35,7 +35,7 @@ class Trainer:
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
         self.resume_decision = checked.resume  # found, checked and judged in preflight
-        self.accelerator = make_accelerator(checked)
+        self.accelerator = make_accelerator(checked, cfg.launch.collective_timeout_s)
         self._clean_stale_swap()
         seed = cfg.train.seed
         set_seed(seed)

@@ -1,0 +1,110 @@
+"""How a SLURM job ended, read from SLURM itself, and the record of a job that ended without a result.
+
+submitit learns a job's state from `sacct`. A cluster without accounting (no slurmdbd) has no `sacct`, and there
+a job that ended without writing its result (cancelled, killed, its node lost) stays "UNKNOWN" to submitit, so a
+sweep waiting on it waits forever. `squeue` and `scontrol` answer on every cluster: a job is over when it has
+left the queue, and `scontrol` keeps its final state for a while after (MinJobAge, 300 s by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from zerotune.files import read_json, write_json_atomic, write_text_atomic
+from zerotune.launch.slurm_cluster import parse_records
+
+log = logging.getLogger(__name__)
+
+# squeue's states of a job not over yet (a requeued job is PENDING again).
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING",
+          "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+# What summary.json says of a job SLURM ended in these states without a result from it.
+STATUS_OF_STATE = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom", "DEADLINE": "timeout"}
+# A summary the job itself wrote with one of these keeps its status: it is the more precise account.
+FINAL = ("ok", "failed", "oom", "timeout", "planned", "predicted_oom")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def job_state(job_id: str) -> str | None:
+    """SLURM's state of `job_id` ("123" or an array task "123_4"): squeue's while queued or running, then
+    scontrol's final one; None where neither knows the job (never submitted, or long gone)."""
+    queued = _run("squeue", "-h", "-j", job_id, "-o", "%T")
+    if queued is not None and queued.returncode == 0 and queued.stdout.strip():
+        return queued.stdout.split()[0].upper()
+    shown = _run("scontrol", "show", "job", "-o", job_id)
+    if shown is None or shown.returncode != 0:
+        return None
+    states = [r.get("JobState", "") for r in parse_records(shown.stdout)]
+    return states[0].upper() if states and states[0] else None
+
+
+def results_written(job) -> bool:
+    """Whether every task of a submitit job wrote its result (or its error) file."""
+    return all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks))
+
+
+def wait_for_end(job, state_of: Callable[[str], str | None] = job_state, poll_s: float = 2.0,
+                 grace_s: float = 20.0) -> str | None:
+    """Wait until the job's results are written, or it has left SLURM's queue: then its last state (None where
+    SLURM no longer knows it). `grace_s`: how long after leaving the queue its result files may still appear
+    (a shared file system shows them late)."""
+    left_at = None
+    while True:
+        if results_written(job):
+            return "COMPLETED"
+        state = state_of(job.job_id)
+        if state in ACTIVE:
+            left_at = None
+        elif left_at is None:
+            left_at = time.monotonic()
+        elif time.monotonic() - left_at > grace_s:
+            return state
+        time.sleep(poll_s)
+
+
+def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str) -> dict:
+    """summary.json for a job SLURM ended without a result: the job's own summary, if it wrote one, with SLURM's
+    account added; its status from SLURM's state unless the job recorded a precise one itself."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = read_json(run_dir / "summary.json") or {"run_dir": str(run_dir)}
+    shown = state or "unknown to SLURM"
+    slurm = summary.setdefault("slurm", None) or {"job_id": job_id}
+    slurm["state"] = shown
+    summary["slurm"] = slurm
+    said = (f"SLURM job {job_id} ended without a result (state {shown})"
+            + (f": {detail}" if detail else ""))
+    if summary.get("status") not in FINAL:
+        summary["error"] = {"type": "slurm", "message": said, "job_status": summary.get("status"),
+                            "job_error": summary.get("error")}
+        summary["status"] = STATUS_OF_STATE.get(str(state), "failed")
+    else:
+        summary.setdefault("error", {"type": "slurm", "message": said})
+    write_json_atomic(run_dir / "summary.json", summary)
+    hydra_overrides = run_dir / ".hydra" / "overrides.yaml"
+    if not hydra_overrides.exists():  # the report reads a job's parameters there (Hydra writes it when the job starts)
+        hydra_overrides.parent.mkdir(exist_ok=True)
+        write_text_atomic(hydra_overrides, yaml.safe_dump(list(overrides)))
+    log.error("%s: %s", run_dir, said)
+    return summary
+
+
+def stderr_tail(job, lines: int = 20) -> str:
+    """The last lines task 0 wrote to stderr (submitit's log), for the record."""
+    path = job.task(0).paths.stderr if job.num_tasks > 1 else job.paths.stderr
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

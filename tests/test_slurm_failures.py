@@ -1,0 +1,153 @@
+"""How a SLURM job's end is read and recorded, without a cluster: a job that ended without a result
+(launch/slurm_end.py), and the node that failed first in a job of several (launch/node_failures.py). The real
+cluster runs them in tests/test_slurm.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from zerotune.launch import node_failures, slurm_end
+from zerotune.launch.elastic import LaunchResult
+from zerotune.launch.slurm import ends_the_step
+from zerotune.report.collect import collect_runs
+
+
+class FakeJob:
+    """What the waiting reads of a submitit job: its id and each task's result file."""
+
+    def __init__(self, folder: Path, tasks: int = 1):
+        self.job_id, self.num_tasks = "7_0", tasks
+        self.files = [folder / f"7_0_{i}_result.pkl" for i in range(tasks)]
+
+    def task(self, i: int):
+        return SimpleNamespace(paths=SimpleNamespace(result_pickle=self.files[i]))
+
+
+def states(*sequence: str | None):
+    """A state function answering `sequence` in turn, then its last answer for ever."""
+    answers = list(sequence)
+    return lambda job_id: answers.pop(0) if len(answers) > 1 else answers[0]
+
+
+def test_a_job_with_its_results_written_is_over(tmp_path):
+    job = FakeJob(tmp_path, tasks=2)
+    for f in job.files:
+        f.write_bytes(b"x")
+    assert slurm_end.wait_for_end(job, states("RUNNING"), poll_s=0.01) == "COMPLETED"
+
+
+def test_a_job_that_left_the_queue_without_results_ends_with_slurms_state(tmp_path):
+    job = FakeJob(tmp_path, tasks=2)
+    job.files[0].write_bytes(b"x")  # task 1 never wrote: the job is not over by its files
+    assert slurm_end.wait_for_end(job, states("RUNNING", "RUNNING", "CANCELLED"), poll_s=0.01,
+                                  grace_s=0.05) == "CANCELLED"
+    assert slurm_end.wait_for_end(job, states(None), poll_s=0.01, grace_s=0.05) is None  # SLURM forgot it
+
+
+def test_a_requeued_job_is_waited_on_until_its_next_attempt_writes(tmp_path):
+    job = FakeJob(tmp_path)
+    seen = []
+
+    def state(job_id):
+        seen.append(job_id)
+        if len(seen) == 5:
+            job.files[0].write_bytes(b"x")
+        return ["RUNNING", "REQUEUED", "PENDING", "RUNNING"][min(len(seen) - 1, 3)]
+
+    assert slurm_end.wait_for_end(job, state, poll_s=0.01, grace_s=0.0) == "COMPLETED" and len(seen) == 5
+
+
+def fake_slurm_commands(folder: Path, squeue: str, scontrol: str, monkeypatch) -> None:
+    for name, out in (("squeue", squeue), ("scontrol", scontrol)):
+        script = folder / name
+        script.write_text(f"#!/bin/sh\nprintf '%s' '{out}'\n")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_state_comes_from_squeue_while_queued_then_from_scontrol(tmp_path, monkeypatch):
+    fake_slurm_commands(tmp_path, "RUNNING\n", "", monkeypatch)
+    assert slurm_end.job_state("7_0") == "RUNNING"
+    fake_slurm_commands(tmp_path, "", "JobId=8 ArrayJobId=7 JobName=main JobState=CANCELLED Reason=None\n",
+                        monkeypatch)
+    assert slurm_end.job_state("7_0") == "CANCELLED"
+    fake_slurm_commands(tmp_path, "", "", monkeypatch)
+    assert slurm_end.job_state("7_0") is None
+
+
+@pytest.mark.parametrize(("own", "state", "status"), [
+    ("interrupted", "CANCELLED", "cancelled"),   # scancel's SIGTERM stopped the workers: SLURM says why
+    (None, "CANCELLED", "cancelled"),            # cancelled before it started: no folder yet
+    ("failed", "FAILED", "failed"),              # the job's own account of its failure stays
+    (None, "NODE_FAIL", "failed"),
+    (None, None, "failed"),
+])
+def test_a_job_without_a_result_is_recorded_and_reported(tmp_path, own, state, status):
+    run_dir = tmp_path / "multirun" / "day" / "time" / "0"
+    if own:
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps({"status": own, "steps": 3, "error": {"message": "x"}}))
+    summary = slurm_end.record_lost_job(run_dir, "7_0", state, ["zero_stage=2"], "srun: Terminating StepId=8.0")
+    assert summary["status"] == status and summary["slurm"]["state"] == (state or "unknown to SLURM")
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    expected = "x" if own == "failed" else "SLURM job 7_0 ended without a result"
+    assert summary["error"]["message"].startswith(expected)
+    if own == "interrupted":
+        assert summary["steps"] == 3 and summary["error"]["job_status"] == "interrupted"
+    (row,) = collect_runs([run_dir.parent])
+    assert row["status"] == status and row["overrides"] == {"zero_stage": 2}  # read from .hydra/overrides.yaml
+
+
+def peer(folder: Path, k: int, status: str, **error) -> None:
+    record = {"status": status, "node_rank": k, "node": f"zt-node{k + 1}"}
+    if error:
+        record["error"] = {"type": "failed", **error}
+    (folder / f"summary.node{k}.json").write_text(json.dumps(record))
+
+
+def rank0_failure(tmp_path: Path, at: float = 100.0) -> tuple[dict, LaunchResult]:
+    summary = {"status": "failed", "error": {"type": "RuntimeError", "message": "Connection closed by peer"}}
+    return summary, LaunchResult("failed", "rank 0 exited with code 1", failed_rank=0, exitcode=1, failed_at=at)
+
+
+def test_the_killed_rank_on_another_node_is_named_first(tmp_path):
+    peer(tmp_path, 1, "failed", message="rank 1 exited with code -9", failed_rank=1, exitcode=-9, failed_at=100.4)
+    summary, result = rank0_failure(tmp_path)
+    node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=2)
+    error = summary["error"]
+    assert error["message"] == "rank 1 on zt-node2 (node 1) was killed by SIGKILL"
+    assert (error["failed_rank"], error["failed_node"], error["failed_node_rank"]) == (1, "zt-node2", 1)
+    assert error["rank0_error"]["message"] == "Connection closed by peer"
+    assert [n["node_rank"] for n in error["nodes"]] == [0, 1]
+
+
+def test_node_0s_own_failure_leads_when_it_came_first(tmp_path):
+    peer(tmp_path, 1, "failed", message="Connection reset", failed_rank=1, exitcode=1, failed_at=101.0)
+    peer(tmp_path, 2, "ok")
+    summary, result = rank0_failure(tmp_path, at=100.0)
+    node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=3)
+    assert summary["error"]["message"] == "rank 0 on zt-node1 (node 0) failed: Connection closed by peer"
+    assert "rank0_error" not in summary["error"] and len(summary["error"]["nodes"]) == 2
+
+
+def test_a_node_that_recorded_nothing_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_failures, "PEER_RECORD_WAIT_S", 0.0)
+    peer(tmp_path, 1, "ok")
+    summary, result = rank0_failure(tmp_path)
+    node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=3)
+    assert summary["error"]["silent_nodes"] == [2]
+    assert summary["error"]["message"].endswith("node(s) 2 recorded nothing (lost, or killed whole)")
+
+
+@pytest.mark.parametrize(("status", "nodes", "node_rank", "ends"), [
+    ("failed", 2, 0, True), ("timeout", 2, 0, True), ("failed", 1, 0, False), ("failed", 2, 1, False),
+    ("ok", 2, 0, False), ("interrupted", 2, 0, False),
+])
+def test_only_node_0_of_a_failed_multi_node_job_ends_the_step(status, nodes, node_rank, ends):
+    assert ends_the_step({"status": status, "slurm": {"num_nodes": nodes}}, node_rank) is ends
