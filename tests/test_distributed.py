@@ -134,7 +134,7 @@ def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
                       overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
                                  "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=90"])
     launcher = cfg.hydra.launcher
-    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert launcher._target_ == "hydra_plugins.zerotune_slurm.SlurmLauncher"  # the plugin's, waiting through squeue
     assert (launcher.nodes, launcher.gpus_per_node, launcher.tasks_per_node) == (2, 4, 1)
     assert launcher.partition == "gpu" and launcher.timeout_min == 90
     block = OmegaConf.to_container(launcher, resolve=False)
@@ -147,6 +147,7 @@ def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
                  "#SBATCH --partition=gpu", "#SBATCH --time=90", "#SBATCH --cpus-per-task=32",
                  "export SUBMITIT_EXECUTOR=slurm"):
         assert line in script, script
+    assert "--kill-on-bad-exit=1" in next(line for line in script.splitlines() if line.startswith("srun ")), script
 
 
 def test_launch_block_is_checked():

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,6 +258,21 @@ def test_accelerate_default_location_is_read_and_reported(isolated_accelerate_co
         {"origin": "default_config.yaml", "how": "default location", "path": str(default)}]
     cfg = compose_cfg("accelerate.config_file=null")
     assert preflight(cfg).config_sources["accelerate_config"] == [] and cfg.zero_stage.stage == 2
+
+
+@pytest.mark.parametrize("env", [{}, {"XDG_CACHE_HOME": "/tmp/xdg"}, {"HF_HOME": "~/hf", "XDG_CACHE_HOME": "/x"}])
+def test_the_default_location_is_accelerates_own(env, tmp_path):
+    """zerotune computes accelerate's default config path without importing accelerate (which imports torch):
+    the same path accelerate's own module gives, in a process of its own (it computes it at import)."""
+    code = ("import json\nfrom accelerate.commands.config.config_args import default_config_file\n"
+            "from zerotune.user_config.accelerate_config import default_location\n"
+            "print(json.dumps([default_config_file, str(default_location())]))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "XDG_CACHE_HOME")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**clean, "HOME": str(tmp_path), **env})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs, ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ours == theirs and ours.endswith("accelerate/default_config.yaml")
 
 
 def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(monkeypatch):

@@ -44,10 +44,13 @@ class AccelerateConfig:
 
 
 def default_location() -> Path:
-    """Where `accelerate config` saves, as accelerate computes it (HF_HOME, else ~/.cache/huggingface)."""
-    from accelerate.commands.config.config_args import default_config_file
-
-    return Path(default_config_file)
+    """Where `accelerate config` saves: $HF_HOME, else $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface,
+    then accelerate/default_config.yaml."""
+    # accelerate's rule (accelerate/commands/config/config_args.py) written out: importing that module imports
+    # torch, 1.6 s that every config error would wait for. tests/test_user_configs.py compares the two.
+    cache = os.environ.get("XDG_CACHE_HOME", "~/.cache")
+    home = os.path.expanduser(os.environ.get("HF_HOME", os.path.join(cache, "huggingface")))
+    return Path(home) / "accelerate" / "default_config.yaml"
 
 
 def from_file(path: str | Path, how: str) -> AccelerateConfig:
