@@ -147,16 +147,21 @@ def test_a_saved_experiment_runs_with_zerotune_train(page, shots, workdir, exper
     assert len(asked) == 2 and "max_steps: 6" in target.read_text()
 
 
-def test_saving_under_a_packaged_experiments_name_is_refused_next_to_the_name_field(page, workdir, experiments):
+def _save_is_refused_at_the_name_field(page, workdir, name: str, *said: str) -> None:
+    """Saving under `name` shows the error beside the name field, saying each of `said`, and writes nothing."""
     before = sorted(p.name for p in workdir.rglob("*"))
-    page.fill("#experiment-name", "sdxl_4090_128_bs8")
+    page.fill("#experiment-name", name)
     page.click("#save")
     error = page.locator('[data-error-for="name"]')
     expect(error).to_be_visible()
-    expect(error).to_contain_text("packaged experiment")
-    expect(error).to_contain_text("my_sdxl_4090_128_bs8")
-    assert not (experiments / "sdxl_4090_128_bs8.yaml").exists()
+    for text in said:
+        expect(error).to_contain_text(text)
     assert sorted(p.name for p in workdir.rglob("*")) == before
+
+
+def test_saving_under_a_packaged_experiments_name_is_refused_next_to_the_name_field(page, workdir, experiments):
+    _save_is_refused_at_the_name_field(page, workdir, "sdxl_4090_128_bs8", "packaged experiment", "my_sdxl_4090_128_bs8")
+    assert not (experiments / "sdxl_4090_128_bs8.yaml").exists()
 
 
 def _wait_until(page, condition, timeout_s: float = 30) -> None:
@@ -168,13 +173,7 @@ def _wait_until(page, condition, timeout_s: float = 30) -> None:
 
 
 def test_a_traversal_name_is_refused_next_to_the_name_field(page, workdir):
-    before = sorted(p.name for p in workdir.rglob("*"))
-    page.fill("#experiment-name", "../../outside")
-    page.click("#save")
-    error = page.locator('[data-error-for="name"]')
-    expect(error).to_be_visible()
-    expect(error).to_contain_text("path separators")
-    assert sorted(p.name for p in workdir.rglob("*")) == before
+    _save_is_refused_at_the_name_field(page, workdir, "../../outside", "path separators")
     assert not (workdir / "outside.yaml").exists() and not (workdir.parent / "outside.yaml").exists()
 
 

@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -58,13 +57,13 @@ def job_start_time(env: Mapping[str, str]) -> datetime | None:
     node's task composes its own config: this one clock gives `${now:...}` in hydra.run.dir one folder."""
     if not one_task_per_node(env) or int(env.get("SLURM_STEP_NUM_NODES") or 1) < 2:
         return None
+    from zerotune.launch.slurm_cluster import show_job
+
+    started = (show_job(env["SLURM_JOB_ID"]) or {}).get("StartTime", "")
     try:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", env["SLURM_JOB_ID"]], capture_output=True,
-                               text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
+        return datetime.fromisoformat(started)
+    except ValueError:  # "Unknown", or no record
         return None
-    found = re.search(r"\bStartTime=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)", shown)
-    return datetime.fromisoformat(found[1]) if found else None
 
 
 def job_node_rank(cfg: Any) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from zerotune.files import read_json, write_json_atomic, write_text_atomic
-from zerotune.launch.slurm_cluster import parse_records
+from zerotune.launch.slurm_cluster import SCONTROL_TIMEOUT_S, show_job
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +30,17 @@ STATUS_OF_STATE = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "OUT_OF_MEMOR
 FINAL = ("ok", "failed", "oom", "timeout", "planned", "predicted_oom")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess | None:
-    try:
-        return subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def job_state(job_id: str) -> str | None:
     """SLURM's state of `job_id` ("123" or an array task "123_4"): squeue's while queued or running, then
     scontrol's final one; None where neither knows the job (never submitted, or long gone)."""
-    queued = _run("squeue", "-h", "-j", job_id, "-o", "%T")
+    try:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                                timeout=SCONTROL_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        queued = None
     if queued is not None and queued.returncode == 0 and queued.stdout.strip():
         return queued.stdout.split()[0].upper()
-    shown = _run("scontrol", "show", "job", "-o", job_id)
-    if shown is None or shown.returncode != 0:
-        return None
-    states = [r.get("JobState", "") for r in parse_records(shown.stdout)]
-    return states[0].upper() if states and states[0] else None
+    return (show_job(job_id) or {}).get("JobState", "").upper() or None
 
 
 def results_written(job) -> bool:
@@ -80,9 +73,7 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = read_json(run_dir / "summary.json") or {"run_dir": str(run_dir)}
     shown = state or "unknown to SLURM"
-    slurm = summary.setdefault("slurm", None) or {"job_id": job_id}
-    slurm["state"] = shown
-    summary["slurm"] = slurm
+    summary["slurm"] = {**(summary.get("slurm") or {"job_id": job_id}), "state": shown}
     said = (f"SLURM job {job_id} ended without a result (state {shown})"
             + (f": {detail}" if detail else ""))
     if summary.get("status") not in FINAL:
@@ -102,9 +93,8 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
 
 def stderr_tail(job, lines: int = 20) -> str:
     """The last lines task 0 wrote to stderr (submitit's log), for the record."""
-    path = job.task(0).paths.stderr if job.num_tasks > 1 else job.paths.stderr
     try:
-        text = Path(path).read_text(errors="replace")
+        text = Path(job.task(0).paths.stderr).read_text(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
