@@ -1,0 +1,166 @@
+"""The frozen encoders of data=folder's caching (data/components.py SDXLEncoders) and the U-Net's module sizes,
+as the run phases need them (phases.py): parameter sizes and inference activation peaks, traced on fake tensors
+(no weights, no GPU), cached like activations.trace_step's traces (<cache>/plan/encoders-<key>.json).
+
+What is traced is what SDXLEncoders does on its device, in fp32:
+- latents: `vae.encode(pixels).latent_dist.mean`, scaled, on a batch of images at the bucket's size;
+- text: text_encoder then text_encoder_2 with output_hidden_states=True (the first's outputs stay referenced
+  while the second runs: `out` is rebound only when it returns), their penultimate states concatenated.
+The VAE stays on the device while the text encoders run (both are dropped by release(), at the end).
+
+Architectures: the components' own config.json when model.components (or model.vae, ...) names local folders;
+otherwise SDXL base 1.0's published configs for model=sdxl, and tests/helpers/tiny_components.py's for
+model=sdxl_tiny (conf/model/sdxl_tiny.yaml describes the same set).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerotune import files
+
+FORMAT = 1
+_CACHE: dict[str, dict] = {}
+_CLIP = {"vocab_size": 49408, "max_position_embeddings": 77}
+# stabilityai/stable-diffusion-xl-base-1.0: vae/config.json, text_encoder/config.json (CLIP ViT-L/14's text
+# model), text_encoder_2/config.json (OpenCLIP ViT-bigG/14's text model, with its projection).
+SDXL = {
+    "vae": {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
+            "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32, "sample_size": 1024,
+            "scaling_factor": 0.13025},
+    "text_encoder": {**_CLIP, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                     "num_attention_heads": 12, "hidden_act": "quick_gelu", "projection_dim": 768},
+    "text_encoder_2": {**_CLIP, "hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                       "num_attention_heads": 20, "hidden_act": "gelu", "projection_dim": 1280},
+}
+_TINY_TEXT = {"vocab_size": 520, "max_position_embeddings": 77, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 37}
+SDXL_TINY = {
+    "vae": {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 3,
+            "up_block_types": ["UpDecoderBlock2D"] * 3, "block_out_channels": [8, 16, 16], "layers_per_block": 1,
+            "latent_channels": 4, "norm_num_groups": 8, "sample_size": 64},
+    "text_encoder": {**_TINY_TEXT, "hidden_size": 32},
+    "text_encoder_2": {**_TINY_TEXT, "hidden_size": 64, "projection_dim": 64},
+}
+BUILTIN = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
+           "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)")}
+_MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
+
+
+def configs(model_cfg: Any) -> tuple[dict, str] | None:
+    """The three architectures and where they come from; None when neither local folders nor a built-in set
+    describe them."""
+    base = model_cfg.get("components")
+    found = {}
+    for name in _MODEL_KEYS:
+        own = model_cfg.get(name) or (Path(str(base)) / name if base else None)
+        file = Path(str(own)).expanduser() / "config.json" if own else None
+        if file is None or not file.is_file():
+            break
+        found[name] = {k: v for k, v in json.loads(file.read_text()).items() if not k.startswith("_")}
+    else:
+        return found, "the components' own config.json (model.components / model.vae, ...)"
+    return BUILTIN.get(str(model_cfg.get("name")))
+
+
+def trace_encoders(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
+    """{"params": {name: [bytes per parameter tensor, fp32]}, "vae_peak": B, "text_peak": B, "seconds"}: the
+    activation peaks (inputs, outputs and temporaries beyond the parameters) of one cache batch."""
+    what = [archs, list(image_hw), image_batch, text_batch, seq_len, torch.__version__, FORMAT]
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    if key not in _CACHE:
+        file = files.cache_dir("plan") / f"encoders-{key}.json"
+        _CACHE[key] = files.read_json(file) or _write(file, _trace(archs, image_hw, image_batch, text_batch, seq_len))
+    return _CACHE[key]
+
+
+def _write(file: Path, found: dict) -> dict:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    partial = file.with_suffix(".tmp")
+    partial.write_text(json.dumps(found))
+    partial.replace(file)
+    return found
+
+
+def _meta_models(archs: dict) -> dict:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    def text(cls, fields: dict):
+        return cls(CLIPTextConfig(**{k: v for k, v in fields.items() if k in CLIPTextConfig().to_dict()}))
+
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"})
+        return {"vae": vae.eval(), "text_encoder": text(CLIPTextModel, archs["text_encoder"]).eval(),
+                "text_encoder_2": text(CLIPTextModelWithProjection, archs["text_encoder_2"]).eval()}
+
+
+def _trace(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerotune.plan.step_tracker import StepTracker
+
+    start = time.perf_counter()
+    models = _meta_models(archs)
+    params = {name: [p.numel() * 4 for p in m.parameters()] for name, m in models.items()}
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        for m in models.values():
+            m.to_empty(device="cpu")
+        vae_peak = _peak(StepTracker(), [models["vae"]], lambda: _encode_images(models["vae"], image_hw, image_batch))
+        text_peak = _peak(StepTracker(), list(models.values()),
+                          lambda: _encode_text(models, text_batch, seq_len))
+    return {"params": params, "vae_peak": vae_peak, "text_peak": text_peak,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _peak(tracker, modules: list, run) -> int:
+    for m in modules:
+        tracker.track_external(m)
+    with tracker:
+        run()
+    return int(tracker.activation_peak)
+
+
+def _encode_images(vae, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
+    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host."""
+    pixels = torch.randn(batch, 3, *image_hw)
+    latents = vae.encode(pixels).latent_dist.mean
+    return (latents - 0.0) * 0.13025
+
+
+def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
+    """SDXLEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile."""
+    states, out = [], None
+    for name in ("text_encoder", "text_encoder_2"):
+        enc = models[name]
+        ids = torch.randint(0, int(enc.config.vocab_size), (batch, seq_len))
+        out = enc(ids, output_hidden_states=True)
+        states.append(out.hidden_states[-2])
+    return torch.cat(states, dim=-1)
+
+
+def largest_module_numel(model_cfg: Any, adapter_cfg: Any = None) -> int:
+    """The most parameters one U-Net module holds itself (recurse=False): what ZeRO-3 gathers whole at once when
+    zero.Init partitions a module as it is built, and when a 16-bit state dict is consolidated module by module."""
+    from zerotune.models import adapter, unet_config
+    from zerotune.plan.activations import _meta_unet
+
+    what = [unet_config(model_cfg), adapter.settings(adapter_cfg), torch.__version__, FORMAT]
+    key = "modules-" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    file = files.cache_dir("plan") / f"{key}.json"
+    if key not in _CACHE:
+        found = files.read_json(file)
+        if found is None:
+            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.get("attention", "default")), adapter_cfg)
+            found = _write(file, {"numel": max(sum(p.numel() for p in m.parameters(recurse=False))
+                                               for m in unet.modules())})
+        _CACHE[key] = found
+    return int(_CACHE[key]["numel"])

@@ -1,0 +1,148 @@
+"""The whole run, not only the training step: what nvidia-smi shows in each phase zerotune's run goes through.
+
+nvidia-smi counts the CUDA context and what torch's caching allocator has reserved; a block freed by an earlier
+phase stays reserved until torch.cuda.empty_cache(). Phases, in the order a run meets them (training/run.py,
+training/trainer.py Trainer._prepare):
+
+- caching (data=folder with its encoders on the GPU): inside build_loader, after the U-Net is built (at ZeRO-3
+  its partitions are on the GPU already, built under zero.Init) and before accelerate.prepare moves it;
+- loading: DeepSpeed's engine and ZeRO optimizer take the U-Net (cast, move, flatten, master copies);
+- step: the training step (predict.predict's gpu_terms, taken as given);
+- sampling: evaluate_digits (class-conditional digits only): the weights are gathered, sampling runs on the CPU;
+- export: the run's checkpoint saves, and `zerotune export` (its own process, on the CPU).
+
+The rule for what each phase leaves reserved: without empty_cache, the pool during a phase is at least the
+larger of what earlier phases left reserved and the phase's own peak (the allocator reuses a cached block
+whenever a request fits one, packing taken as perfect as in allocator.py: a lower bound); where zerotune or
+DeepSpeed calls empty_cache, only the blocks still alive carry over (each such call is named with its line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerotune.plan import allocator, encoders
+from zerotune.plan.phase_terms import MIB, loading_phase, state_mib, term
+
+_BASE = ("cuda_context", "cublas_workspace")
+
+
+def run_phases(cfg: Any, checked: Any, gpu: Any, plan: dict) -> list[dict]:
+    """One dict per phase: {"phase", "peak_mib" (its own peak, from an empty pool), "carried_mib" (reserved when
+    it starts), "reserved_mib" (what nvidia-smi shows during it), "terms" (adding up to peak_mib), "source",
+    "run_peak" (True for the phase that gives the run's peak)}, in run order. `plan`: predict.predict's answer."""
+    base = [t for t in plan["gpu_terms"] if t["term"] in _BASE]
+    caching = _caching(cfg, checked, gpu, plan, base)
+    # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
+    before = base if caching else [t for t in base if t["term"] == "cuda_context"]
+    found = [caching, loading_phase(cfg, checked, gpu, plan, before), _step(plan),
+             _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
+    return _carry([p for p in found if p is not None])
+
+
+def run_peak(phases: list[dict]) -> dict:
+    """{"phase", "mib"}: the phase whose reserved figure is the run's largest."""
+    top = max(phases, key=lambda p: p["reserved_mib"])
+    return {"phase": top["phase"], "mib": top["reserved_mib"]}
+
+
+def _carry(phases: list[dict]) -> list[dict]:
+    carried = 0.0
+    for p in phases:
+        p["carried_mib"] = carried
+        p["reserved_mib"] = max(carried, p["peak_mib"])
+        end = p.pop("end_live_mib", None)  # an empty_cache at the phase's end: only live blocks stay reserved
+        carried = p["reserved_mib"] if end is None else end
+    top = run_peak(phases)["phase"] if phases else None
+    for p in phases:
+        p["run_peak"] = p["phase"] == top
+    return phases
+
+
+def _cache_device_is_gpu(cfg: Any, gpu: Any) -> bool:
+    choice = str(cfg.data.get("cache_device", "auto"))
+    return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
+
+
+def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> dict | None:
+    """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
+    text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
+    if cfg.data.name != "folder" or not _cache_device_is_gpu(cfg, gpu):
+        return None
+    found = encoders.configs(cfg.model)
+    if found is None:
+        return None
+    archs, where = found
+    size, batch = int(cfg.resolution.size), int(cfg.data.cache_batch_size)
+    images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
+    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.get("text_seq_len", 77)))
+    weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
+    resident = _zero3_resident(checked, plan)
+    vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
+           term("vae_encode_activations", traced["vae_peak"], f"fake-tensor trace: {images} images of {size}x{size}, "
+                "fp32 (latent_cache._build_latents, SDXLEncoders.encode_images)")]
+    text = [vae[0], term("text_encoder_weights", weights["text_encoder"] + weights["text_encoder_2"],
+                         f"both, fp32, one block per parameter ({where}); the VAE stays loaded"),
+            term("text_encode_activations", traced["text_peak"], f"fake-tensor trace: {batch} captions, "
+                 "all hidden states (SDXLEncoders.encode_text)")]
+    top = max((vae, text), key=lambda ts: sum(t["mib"] for t in ts))
+    terms = [*base, *resident, *top]
+    live = sum(t["mib"] for t in [*base, *resident])
+    return {"phase": "caching", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": "data/prepare.py prepare_folder_data -> data/latent_cache.py build_cache; "
+                      "data/components.py SDXLEncoders.release calls torch.cuda.empty_cache() (line 198)",
+            "end_live_mib": live}
+
+
+def _zero3_resident(checked: Any, plan: dict) -> list[dict]:
+    """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
+    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+    if stage != 3:
+        return []
+    mib = state_mib(plan, "params") + state_mib(plan, "params_persistent")
+    return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
+
+
+def _step(plan: dict) -> dict:
+    return {"phase": "step", "peak_mib": plan["gpu_peak_mib"], "terms": list(plan["gpu_terms"]),
+            "source": "the step's prediction (plan/predict.py gpu_terms)"}
+
+
+def _live_states(plan: dict) -> list[dict]:
+    """What stays allocated after a step: the model states and the parameters' rounding (activations and the
+    step's transients are freed, their blocks reserved)."""
+    keep = ("params", "grads", "master_weights", "optimizer_states", "params_persistent", "allocator_rounding")
+    return [t for t in plan["gpu_terms"] if t["term"] in keep]
+
+
+def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | None:
+    """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
+    parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
+    each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its
+    parameters' device)."""
+    if not (cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits"):
+        return None
+    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+    terms = [*base, *_live_states(plan)]
+    if stage == 3:
+        numel = encoders.largest_module_numel(cfg.model, cfg.get("adapter"))
+        elem = 4 if cfg.precision.name == "fp32" else 2
+        terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),
+                          f"the largest module's own parameters whole ({numel:,} elements), "
+                          "GatheredParameters(module.parameters(recurse=False))"))
+    return {"phase": "sampling", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": f"training/evaluate.py: {int(cfg.evaluate.per_class) * 10} samples x 2 (guidance) at "
+                      f"{int(cfg.resolution.size)} px, {int(cfg.evaluate.steps)} steps, on the CPU"}
+
+
+def _export(cfg: Any, plan: dict, base: list[dict]) -> dict | None:
+    """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
+    copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
+    own process (training/checkpoint/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
+    run saves no checkpoint (checkpoint.final=false, no checkpoint.every_n_steps): nothing to export."""
+    if not (cfg.checkpoint.final or int(cfg.checkpoint.every_n_steps or 0) > 0):
+        return None
+    terms = [*base, *_live_states(plan)]
+    return {"phase": "export", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": "training/checkpoint/store.py save (in the run); export.py runs on the CPU, "
+                      "no CUDA context: 0 MiB on the GPU in its own process"}
