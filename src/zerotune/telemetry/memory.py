@@ -138,6 +138,8 @@ class MemorySampler:
         self._state_lock = threading.Lock()  # guards _current/_peaks/_stats
         self._current: dict[str, float | None] = dict.fromkeys(KEYS)
         self._peaks: dict[str, float | None] = dict.fromkeys(KEYS)
+        self._window: float | None = None  # host RSS peak since begin_window(); None: no window open
+        self._window_open = False
         self._n_samples = 0
         self._sample_time_s = 0.0
         self._sample_cpu_s = 0.0
@@ -194,6 +196,8 @@ class MemorySampler:
         with self._state_lock:
             self._current = sample
             self._peaks = {k: _max(self._peaks[k], v) for k, v in sample.items()}
+            if self._window_open:
+                self._window = _max(self._window, sample["host_peak_rss_mib"])
             self._n_samples += 1
             self._sample_time_s += dt
             self._sample_cpu_s += dc
@@ -219,6 +223,19 @@ class MemorySampler:
                 self._warned_pid_ns = True
             return None, device
         return 0.0, device  # no process of the tree holds a CUDA context (yet)
+
+    def begin_window(self) -> None:
+        """Start a window of its own peak (a run's phase, telemetry/phases.py), with a sample at its start."""
+        with self._state_lock:
+            self._window, self._window_open = None, True
+        self.sample_now()
+
+    def end_window(self) -> float | None:
+        """The host RSS peak (MiB) of the samples since begin_window(), one taken now included."""
+        self.sample_now()
+        with self._state_lock:
+            peak, self._window, self._window_open = self._window, None, False
+        return peak
 
     # ------------------------------------------------------------------ results
     def peaks(self) -> dict[str, float | None]:

@@ -117,12 +117,15 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
     # perf.startup_s leaves out the wait at the job's gate: a cold op build there is reported apart (startup.*),
     # so the first job of a sweep does not look slower than the next.
     with RunTelemetry(nvme_dir=nvme, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
-        trainer = Trainer(cfg, checked, run_dir, logger)
+        telemetry.phases.begin("loading")
+        trainer = Trainer(cfg, checked, run_dir, logger, phases=telemetry.phases)
         marks["ready"] = time.time()
         telemetry.timer.synchronize = _device_sync(trainer)
+        telemetry.phases.begin("step")
         try:
             out.update(trainer.fit(telemetry, stop))
         finally:
+            telemetry.phases.end()
             summary.update(trainer.progress())
             marks["first_step_end"] = telemetry.timer.first_step_end_unix
         if trainer.stopped_by is not None:
@@ -138,14 +141,20 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
     out["partition"] = trainer.partition
     _gather_rank_records(trainer, run_dir, out)
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
-        # Imported when evaluating only: it brings scikit-learn's classifier.
-        from zerotune.training.evaluate import evaluate_digits
-
-        quality = evaluate_digits(trainer, cfg, run_dir)
-        if quality is not None:
-            out["quality"] = quality
+        _evaluate(trainer, cfg, run_dir, telemetry.phases, out)
     trainer.accelerator.end_training()
     summary.update(out)
+
+
+def _evaluate(trainer: Trainer, cfg: Any, run_dir: RunDir, phases, out: dict) -> None:
+    # Imported when evaluating only: it brings scikit-learn's classifier.
+    from zerotune.training.evaluate import evaluate_digits
+
+    phases.begin("sampling")  # the run's sampling phase (telemetry/phases.py): summary's memory.phases
+    quality = evaluate_digits(trainer, cfg, run_dir)
+    phases.end()
+    if quality is not None:
+        out["quality"] = quality
 
 
 def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: dict) -> None:

@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Any, checked: CheckedRun, run_dir: RunDir, logger: RunLogger):
+    def __init__(self, cfg: Any, checked: CheckedRun, run_dir: RunDir, logger: RunLogger, phases=None):
+        """`phases`: the run's PhaseTimeline (telemetry/phases.py), told when data=folder's caching starts."""
         self.cfg, self.checked, self.run_dir, self.logger = cfg, checked, run_dir, logger
+        self._phases = phases
         ds = checked.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
@@ -68,7 +70,12 @@ class Trainer:
         unet = adapter.add_adapter(unet, self.cfg.adapter)  # adapter=none: unchanged
         if self.cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
+        caching = self._phases is not None and self.cfg.data.name == "folder"
+        if caching:  # latents and text embeddings, the encoders on data.cache_device (data/prepare.py)
+            self._phases.begin("caching")
         loader = build_loader(DataSpec.from_config(self.cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
+        if caching:
+            self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         opt, sched = optimizer_and_scheduler(self.checked, adapter.trainable_parameters(unet))
         if sched is None:
