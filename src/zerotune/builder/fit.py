@@ -38,7 +38,14 @@ def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_n
     gpu = card(gpu_name, gpu_mib)
     overrides = form.overrides(choices, values, extra)
     plan = plan_job(overrides, gpu)
-    return {**plan, "bar": bar(plan["gpu_terms"])}
+    return {**plan, "bar": bar(plan["gpu_terms"]), "phase_marks": phase_marks(plan)}
+
+
+def phase_marks(plan: dict) -> list[dict]:
+    """One mark per phase of the run on the bar, when the plan has them (plan/phases.py): what nvidia-smi shows
+    during it (reserved_mib) and whether it is the run's peak; [] without phases."""
+    return [{"phase": str(p["phase"]), "mib": float(p["reserved_mib"]), "own_peak_mib": float(p["peak_mib"]),
+             "run_peak": bool(p.get("run_peak"))} for p in plan.get("phases") or []]
 
 
 def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,

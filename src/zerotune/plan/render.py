@@ -25,7 +25,25 @@ def breakdown(plan: dict) -> str:
     lines.append("time per step: " + ("unmeasured (no GPU figures)" if floor is None else
                                       f"at least {floor:.4f} s ({plan['bound']}-bound floor)"))
     lines += _terms(plan["time_terms"], unit="s")
+    lines += phases(plan.get("phases") or [])
     return "\n".join(lines)
+
+
+def phases(found: list[dict]) -> list[str]:
+    """The run's phases (plan/phases.py), in run order: what nvidia-smi shows during each, its own peak, what
+    earlier phases left reserved, and its terms; [] for a plan without them."""
+    if not found:
+        return []
+    top = max(found, key=lambda p: p["reserved_mib"])
+    lines = [f"the run's phases (nvidia-smi during each; a freed block stays reserved until empty_cache): "
+             f"peak {top['reserved_mib']:,.1f} MiB in {top['phase']}"]
+    for p in found:
+        mark = "  <- the run's peak" if p is top else ""
+        lines.append(f" {p['phase']}: {p['reserved_mib']:,.1f} MiB reserved (own peak {p['peak_mib']:,.1f}, "
+                     f"{p['carried_mib']:,.1f} left by earlier phases){mark}")
+        lines += ["  " + line for line in _terms(p["terms"])]
+        lines.append(f"    source: {p['source']}")
+    return lines
 
 
 def ranking(answer: dict) -> str:

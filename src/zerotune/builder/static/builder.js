@@ -124,7 +124,8 @@ function renderFit(plan) {
     (capacity ? ` of ${mib(capacity)} (${plan.gpu.name})` : "") + fits;
   status.className = plan.fits === false ? "error" : plan.fits ? "ok" : "muted";
   status.dataset.gpuPeakMib = String(plan.gpu_peak_mib);
-  const scale = Math.max(plan.gpu_peak_mib, capacity ?? 0);
+  const marks = plan.phase_marks || [];
+  const scale = Math.max(plan.gpu_peak_mib, capacity ?? 0, ...marks.map((m) => m.mib));
   const bar = $("#bar"), legend = $("#legend");
   bar.replaceChildren(); legend.replaceChildren();
   for (const seg of plan.bar) {
@@ -144,6 +145,7 @@ function renderFit(plan) {
     line.className = "capacity"; line.style.left = `${(100 * capacity) / scale}%`; line.title = `${plan.gpu.name}: ${mib(capacity)}`;
     bar.append(line);
   }
+  renderPhases(bar, marks, scale);
   bar.hidden = false;
   const floor = plan.time_floor_s === null ? "unmeasured (no throughput figure for this card)"
                                            : `${plan.time_floor_s.toPrecision(3)} s/step (${plan.bound}-bound, a lower bound)`;
@@ -152,6 +154,25 @@ function renderFit(plan) {
   const body = $("#fit-figures tbody");
   body.replaceChildren(...rows.map(([k, v]) => tableRow([k, v], "td")));
   $("#fit-figures").hidden = false;
+}
+
+// The run's phases (loading, caching, step, sampling, export): a mark at what nvidia-smi shows during each, the
+// run's peak named under the bar. Text only (textContent), as everywhere on this page.
+function renderPhases(bar, marks, scale) {
+  const list = $("#phases");
+  list.replaceChildren();
+  for (const m of marks) {
+    const line = document.createElement("div");
+    line.className = m.run_peak ? "phase run-peak" : "phase";
+    line.style.left = `${Math.min(100, (100 * m.mib) / scale)}%`;
+    line.title = `${m.phase}: ${mib(m.mib)} reserved (its own peak ${mib(m.own_peak_mib)})`;
+    line.dataset.phase = m.phase;
+    bar.append(line);
+    const item = document.createElement("li");
+    item.textContent = `${m.phase}: ${mib(m.mib)}${m.run_peak ? " — the run's peak" : ""}`;
+    list.append(item);
+  }
+  list.hidden = marks.length === 0;
 }
 
 function tableRow(cells, tag) {

@@ -1,0 +1,130 @@
+"""The run's phases (plan/phases.py): each phase's own peak, what earlier phases leave reserved, the run's peak;
+and the run's measured timeline marks the same phases (summary.json memory.phases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from zerotune.builder.fit import phase_marks
+from zerotune.cli.plan import platform_for
+from zerotune.plan import gpus, render
+from zerotune.plan.phases import run_peak, run_phases
+from zerotune.plan.predict import predict
+from zerotune.preflight import preflight
+
+
+def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overrides: tuple[str, ...] = ()):
+    """predict() for `overrides`, then the phases of the run `overrides + phase_overrides` describes (data=folder
+    needs a real folder for its preflight: the step is predicted on synthetic data of the same shapes)."""
+    gpu = gpus.lookup(card) if card else None
+    cfg = compose_cfg(*overrides)
+    checked = preflight(cfg, overrides=list(overrides), platform=platform_for(gpu))
+    plan = predict(cfg, checked, gpu)
+    phases = run_phases(compose_cfg(*overrides, *phase_overrides), checked, gpu, plan)
+    return plan, phases
+
+
+def by_name(phases: list[dict]) -> dict[str, dict]:
+    return {p["phase"]: p for p in phases}
+
+
+def check_accounting(phases: list[dict]) -> None:
+    """Terms add up to each phase's own peak; reserved is the larger of it and what the phase before left; the
+    run's peak is the largest reserved figure, and exactly one phase is marked as it."""
+    for p in phases:
+        assert sum(t["mib"] for t in p["terms"]) == pytest.approx(p["peak_mib"], rel=1e-9), p["phase"]
+        if p["phase"] != "step":  # the step's terms are predict()'s, taken as given
+            assert all(t["note"] for t in p["terms"] if t["mib"]), p["phase"]  # each term says its source
+        assert p["reserved_mib"] == pytest.approx(max(p["carried_mib"], p["peak_mib"]))
+        assert p["source"]
+    assert phases[0]["carried_mib"] == 0
+    top = max(p["reserved_mib"] for p in phases)
+    assert [p["run_peak"] for p in phases].count(True) == 1
+    assert next(p for p in phases if p["run_peak"])["reserved_mib"] == top == run_peak(phases)["mib"]
+
+
+@pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
+def test_the_reference_rows_peak_while_loading(experiment):
+    """ZeRO-2, bf16, optimizer offload, on the 4090: DeepSpeed flattens the parameters on the GPU while their
+    separate blocks are still held, then clones the partition there for the fp32 master; nothing empties the
+    cache afterwards, so the step runs inside a pool of about 15 GB at both resolutions."""
+    plan, phases = plan_with_phases(f"experiment={experiment}")
+    check_accounting(phases)
+    assert [p["phase"] for p in phases] == ["loading", "step"]  # synthetic data, no evaluation, no checkpoint
+    loading, step = by_name(phases)["loading"], by_name(phases)["step"]
+    terms = {t["term"]: t["mib"] for t in loading["terms"]}
+    assert terms["flat_parameter_buffer"] == pytest.approx(4898.0)  # 2,567,463,684 x 2 B, rounded to 2 MiB
+    assert terms["master_partition_clone"] == pytest.approx(4898.0)
+    assert terms["unet_parameter_blocks"] > terms["flat_parameter_buffer"]  # one block per parameter: rounding
+    assert "cublas_workspace" not in terms  # no matmul before the first step
+    assert step["peak_mib"] == pytest.approx(plan["gpu_peak_mib"]) and step["terms"] == plan["gpu_terms"]
+    assert step["carried_mib"] == loading["reserved_mib"] > step["peak_mib"]
+    assert run_peak(phases)["phase"] == "loading"
+
+
+def test_caching_appears_only_when_it_runs_on_the_gpu():
+    base = ("model=sdxl_tiny", "resolution=64", "train.batch_size=2", "zero_stage=2", "data=synthetic")
+    folder = ("data=folder", "data.path=/nonexistent", "data.cache_batch_size=4")
+    _, on_gpu = plan_with_phases(*base, phase_overrides=folder)
+    _, on_cpu = plan_with_phases(*base, phase_overrides=(*folder, "data.cache_device=cpu"))
+    _, synthetic = plan_with_phases(*base)
+    _, no_card = plan_with_phases(*base, card=None, phase_overrides=folder)  # auto: this CPU machine
+    assert [p["phase"] for p in on_gpu][:2] == ["caching", "loading"]
+    assert "caching" not in by_name(on_cpu) | by_name(synthetic) | by_name(no_card)
+    check_accounting(on_gpu)
+    caching = by_name(on_gpu)["caching"]
+    terms = {t["term"] for t in caching["terms"]}
+    assert {"cuda_context", "cublas_workspace", "vae_weights"} <= terms
+    assert "empty_cache" in caching["source"]
+    # release() empties the cache: loading starts from what is still alive (the context), not the encoders' pool
+    assert by_name(on_gpu)["loading"]["carried_mib"] < caching["reserved_mib"]
+
+
+def test_sdxl_caching_at_1024_is_the_run_peak():
+    """SDXL's VAE encoding 8 images of 1024 px in fp32 (SDXLEncoders) holds more than the training step."""
+    _, phases = plan_with_phases("experiment=sdxl_4090_1024_bs8",
+                                 phase_overrides=("data=folder", "data.path=/nonexistent"))
+    check_accounting(phases)
+    caching = by_name(phases)["caching"]
+    terms = {t["term"]: t for t in caching["terms"]}
+    assert 319.1 < terms["vae_weights"]["mib"] < 340  # 83,653,863 fp32 parameters, one block each (rounded)
+    assert "vae_encode_activations" in terms and "SDXL base 1.0" in terms["vae_weights"]["note"]
+    assert run_peak(phases)["phase"] == "caching"
+
+
+def test_zero3_holds_its_partitions_while_caching_and_gathers_for_sampling():
+    _, phases = plan_with_phases("model=sdxl_tiny", "resolution=64", "train.batch_size=2", "zero_stage=3",
+                                 "data=synthetic", phase_overrides=("data=folder", "data.path=/nonexistent"))
+    check_accounting(phases)
+    assert "unet_partitions" in {t["term"] for t in by_name(phases)["caching"]["terms"]}
+    assert "loading_transient" in {t["term"] for t in by_name(phases)["loading"]["terms"]}
+    _, digits = plan_with_phases("zero_stage=3")  # the default job: digits, evaluated, a final checkpoint
+    check_accounting(digits)
+    assert [p["phase"] for p in digits] == ["loading", "step", "sampling", "export"]
+    assert "zero3_gather_one_module" in {t["term"] for t in by_name(digits)["sampling"]["terms"]}
+
+
+def test_the_breakdown_and_the_builder_show_the_phases():
+    plan, phases = plan_with_phases("experiment=sdxl_4090_128_bs8")
+    text = render.breakdown({**plan, "phases": phases})
+    assert "the run's phases" in text and "<- the run's peak" in text and "flat_parameter_buffer" in text
+    assert "the run's phases" not in render.breakdown(plan)
+    marks = phase_marks({**plan, "phases": phases})
+    assert [m["phase"] for m in marks] == ["loading", "step"] and [m["run_peak"] for m in marks] == [True, False]
+    assert phase_marks(plan) == []
+
+
+def test_a_cpu_run_records_its_phases(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train.max_steps=2", "train.log_every=1", "evaluate.per_class=2", "evaluate.steps=2",
+                   "checkpoint.final=false", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phases = read_summary(run)["memory"]["phases"]
+    assert [p["phase"] for p in phases] == ["loading", "step", "sampling"]
+    for before, after in zip(phases, phases[1:], strict=False):
+        assert before["end"] <= after["start"]
+    for p in phases:
+        assert p["start"] <= p["end"]
+        assert p["gpu_max_reserved_mib"] is None and p["gpu_max_allocated_mib"] is None  # no CUDA: unmeasured
+        assert p["host_peak_rss_mib"] > 0  # sampled at the phase's start and end at least
