@@ -461,3 +461,22 @@ def test_concurrent_requests_each_compose_alone(client, experiment_name):
         answers = list(pool.map(lambda call: call(), calls))
     assert [a.status_code for a in answers] == [200] * len(calls), [a.text[:200] for a in answers if a.status_code != 200]
     assert [a.json()["errors"] for a in answers[:8]] == [[]] * 8
+
+
+def test_the_fit_answer_marks_the_runs_phases_when_the_plan_has_them(client, monkeypatch):
+    """The bar gets one mark per phase (plan/phases.py) when the plan carries them."""
+    from zerotune.builder import fit as fit_module
+    from zerotune.plan.phases import run_phases
+
+    def with_phases(overrides, gpu):
+        cfg = compose(overrides)
+        checked = preview.preflight(cfg)
+        plan = predict(cfg, checked, gpu)
+        return {**plan, "phases": run_phases(cfg, checked, gpu, plan)}
+
+    monkeypatch.setattr(fit_module, "plan_job", with_phases)
+    plan = client.post("/api/fit", json={"choices": {}, "values": {}, "gpu": "rtx4090"}).json()
+    marks = plan["phase_marks"]
+    assert [m["phase"] for m in marks] == [p["phase"] for p in plan["phases"]] and "step" in [m["phase"] for m in marks]
+    assert [m["run_peak"] for m in marks].count(True) == 1
+    assert max(m["mib"] for m in marks) >= plan["gpu_peak_mib"]
