@@ -162,7 +162,7 @@ function renderPhases(bar, marks, scale) {
   const list = $("#phases");
   list.replaceChildren();
   for (const m of marks) {
-    const line = document.createElement("div");
+    const line = document.createElement("span");  // a span: the bar's divs are its segments and the card's line
     line.className = m.run_peak ? "phase run-peak" : "phase";
     line.style.left = `${Math.min(100, (100 * m.mib) / scale)}%`;
     line.title = `${m.phase}: ${mib(m.mib)} reserved (its own peak ${mib(m.own_peak_mib)})`;
