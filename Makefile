@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup debs train test test-all lint clean
+.PHONY: setup debs train test test-all lint clean gpu-kit
 
 # libaio-dev: what DeepSpeed's async_io op (NVMe offload) links against. chromium: the browser the builder
 # page's tests drive through Playwright (Playwright's own browser download is not used). slurmctld, slurmd,
@@ -42,6 +42,11 @@ test: setup
 # Everything, slow runs included (every stage x offload, NVMe, fidelity, sweeps, resume, multi-process).
 test-all: setup
 	$(PY) -m pytest -q
+
+# The GPU kit (README "GPU kit"): every wheel the GPU machine's image lacks, for its CPython 3.12, into .whl/
+# (git-ignored; under 64 MiB, what the device tool carries). Then on the card: bash benchmarks/gpu/run.sh PART.
+gpu-kit: setup
+	bash benchmarks/gpu/build_kit.sh .whl 3.12
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -7,6 +7,21 @@ import os
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a CUDA GPU: skipped where torch sees none (torch is imported only if some are
+    collected)."""
+    wanting = [item for item in items if item.get_closest_marker("cuda")]
+    if not wanting:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in wanting:
+        item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def isolated_accelerate_config(tmp_path_factory, monkeypatch):
     """accelerate.config_file=auto reads accelerate's default location: point it (and HF_HOME, for the CLI

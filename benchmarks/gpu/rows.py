@@ -1,0 +1,123 @@
+"""One measured row: a zerotune training run (its own command line, as a user types it), read back from the
+run's summary.json into measured figures beside the planner's prediction for the same job.
+
+A figure that was not measured is None (JSON null; "unmeasured" in the Markdown), never 0 or a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib",
+            "host_peak_rss_mib")
+# Every run the kit starts: nothing refused by the planner's guard, no SDXL checkpoint (over 30 GB) at the end.
+COMMON = ["plan.guard=warn", "checkpoint.final=false"]
+# --dry-run: the same rows on this CPU, shapes shrunk (sdxl_tiny, 32 px, batch 2, 1 step).
+TINY = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "train.max_steps=1"]
+
+
+@dataclass
+class Row:
+    name: str
+    overrides: list[str]
+    note: str = ""
+    kind: str = "train"            # train: `python -m zerotune train`; phases: benchmarks/gpu/phases.py
+    phases: dict = field(default_factory=dict)   # phases.py's options (kind == "phases")
+
+
+def shrink(overrides: list[str], dry_run: bool) -> list[str]:
+    """The row's overrides, or in a dry run the same with the tiny shapes last (they win)."""
+    if not dry_run:
+        return list(overrides)
+    keep = [o for o in overrides if not o.startswith(("train.batch_size=", "train.max_steps=", "resolution="))]
+    return [*keep, *TINY]
+
+
+def command(row: Row, run_dir: Path, dry_run: bool, timeout_s: float) -> list[str]:
+    overrides = [*shrink(row.overrides, dry_run), *COMMON, f"hydra.run.dir={run_dir}",
+                 f"train.timeout_s={max(int(timeout_s), 30)}"]
+    if row.kind == "phases":
+        shapes = {"image_size": 32, "images": 4} if dry_run else {}  # TINY's resolution, two batches of 2
+        opts = [f"--{k.replace('_', '-')}={v}" for k, v in {**row.phases, **shapes}.items()]
+        dry = ["--dry-run"] if dry_run else []
+        return [sys.executable, str(ROOT / "benchmarks/gpu/phases.py"), *dry, *opts, "--", *overrides]
+    return [sys.executable, "-m", "zerotune", "train", *overrides]
+
+
+def run_row(row: Row, work: Path, dry_run: bool, timeout_s: float) -> dict:
+    """Runs the row's job (at most `timeout_s`), and returns its record."""
+    run_dir = work / row.name
+    cmd = command(row, run_dir, dry_run, timeout_s)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
+        exit_code, log = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        exit_code, log = None, f"killed after {timeout_s + 60:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    record = {"name": row.name, "kind": row.kind, "note": row.note, "overrides": cmd[cmd.index("--") + 1:]
+              if "--" in cmd else cmd[4:], "command": " ".join(cmd[1:]), "exit_code": exit_code,
+              "wall_s": round(time.monotonic() - start, 1)}
+    record.update(read_run(run_dir))
+    if record["status"] != "ok":
+        record["log_tail"] = log[-3000:] if isinstance(log, str) else str(log)[-3000:]
+    return record
+
+
+def read_run(run_dir: Path) -> dict:
+    """Measured figures and the planner's prediction, from the run's summary.json (and phases.py's own file)."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return {"status": "no summary.json", "measured": unmeasured(), "predicted": None}
+    summary = json.loads(path.read_text())
+    memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
+    measured = {k: memory.get(k) for k in MEASURED}
+    measured["step_time_median_s"] = perf.get("step_time_median_s")
+    measured["steps"] = summary.get("steps")
+    extra = run_dir / "phases.json"
+    phases = json.loads(extra.read_text()) if extra.is_file() else {}
+    plan = summary.get("plan") or phases.pop("plan", None)  # phases.py plans in its own process
+    out = {"status": summary.get("status"), "measured": measured, "predicted": prediction(plan),
+           "reference": (summary.get("experiment") or {}).get("reference")}
+    if phases:
+        out["phases_measured"] = phases
+    out["ratio"] = ratio(measured.get("gpu_peak_process_mib"), (out["predicted"] or {}).get("gpu_peak_mib"))
+    return out
+
+
+def unmeasured() -> dict:
+    return {**dict.fromkeys(MEASURED), "step_time_median_s": None, "steps": None}
+
+
+def prediction(plan: dict | None) -> dict | None:
+    """The planner's answer for the job: its GPU peak, its terms, and its phases where the planner gives them."""
+    if not plan:
+        return None
+    keep = ("gpu", "gpu_peak_mib", "gpu_terms", "fits", "host_peak_mib", "time_floor_s", "workload")
+    out = {k: plan.get(k) for k in keep}
+    if "phases" in plan:  # the planner's per-phase prediction, once it has one: read, never required
+        out["phases"] = plan["phases"]
+    return out
+
+
+def ratio(measured: float | None, predicted: float | None) -> float | None:
+    """predicted / measured, as the planner's reference rows give it (None when either is missing)."""
+    if not measured or not predicted:
+        return None
+    return round(predicted / measured, 3)
+
+
+def skipped(row: Row, why: str, dry_run: bool) -> dict:
+    """A row not run (the part's time budget is spent, or a dry run runs one row of each kind)."""
+    cmd = command(row, Path("<work>") / row.name, dry_run, 0)
+    return {"name": row.name, "kind": row.kind, "note": row.note, "command": " ".join(cmd[1:]), "status": why,
+            "measured": unmeasured(), "predicted": None, "ratio": None}

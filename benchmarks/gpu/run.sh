@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU kit's one command (README "GPU kit"): measures what only a card can, with zerotune's own commands.
+#   bash benchmarks/gpu/run.sh PART [--dry-run]        PART: env | reference | grid | paths | all
+# On the GPU machine it first installs .whl/ (make gpu-kit) offline into /tmp/site; each part writes
+# $OUT/<part>.json and $OUT/<part>.md ($OUT defaults to ./gpu-out) and fits in 9 minutes. --dry-run runs the same
+# steps on this machine's CPU with tiny shapes and the current interpreter (.venv/bin/python when present), no
+# install and no nvidia-smi: every GPU figure is written as null ("unmeasured" in the tables).
+# Run folders go to $GPU_KIT_WORK (default /tmp/zerotune-gpu-kit), not $OUT: the device tool brings back 8 files.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PART=${1:?usage: bash benchmarks/gpu/run.sh env|reference|grid|paths|all [--dry-run]}
+DRY=${2:-}
+case $PART in env|reference|grid|paths|all) ;; *) echo "run.sh: no part '$PART'" >&2; exit 2 ;; esac
+case $DRY in ""|--dry-run) ;; *) echo "run.sh: unknown option '$DRY'" >&2; exit 2 ;; esac
+OUT=${OUT:-$PWD/gpu-out}
+WORK=${GPU_KIT_WORK:-/tmp/zerotune-gpu-kit}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+
+if [ -n "$DRY" ]; then
+  PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+else
+  PY=${PYTHON:-python3}
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/: run 'make gpu-kit' where pip works, and carry .whl" >&2; exit 2; }
+  if [ ! -f /tmp/site/.gpu-kit-installed ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    touch /tmp/site/.gpu-kit-installed
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PATH=/tmp/site/bin:$PATH
+  # the CPU-Adam JIT build (env part) is reused by the later parts while the machine stays warm
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+fi
+mkdir -p "$OUT" "$WORK"
+exec "$PY" benchmarks/gpu/kit.py "$PART" $DRY --out "$OUT" --work "$WORK"
