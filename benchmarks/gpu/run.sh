@@ -21,9 +21,11 @@ if [ -n "$DRY" ]; then
 else
   PY=${PYTHON:-python3}
   ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/: run 'make gpu-kit' where pip works, and carry .whl" >&2; exit 2; }
-  if [ ! -f /tmp/site/.gpu-kit-installed ]; then
+  # once per kit on a warm machine: the marker holds the wheels' checksum
+  sum=$(cat .whl/*.whl | md5sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site/.gpu-kit-installed 2>/dev/null)" != "$sum" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    touch /tmp/site/.gpu-kit-installed
+    echo "$sum" > /tmp/site/.gpu-kit-installed
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   export PATH=/tmp/site/bin:$PATH
