@@ -70,15 +70,19 @@ def run_rows(name: str, table: list[rows.Row], out: Path, work: Path, dry_run: b
     """reference / grid: every row composed; rows run in order while the budget lasts (in a dry run, the first
     row of each kind: `kinds_run` is shared by the parts of one `all`)."""
     part = Part(name, out, dry_run, report.runs_markdown)
+    chosen = [n for n in os.environ.get("ZEROTUNE_GPU_KIT_ROWS", "").split(",") if n]  # rows run alone
     for row in table:
         error = composes(rows.shrink(row.overrides, dry_run) + rows.COMMON)
         cap = min(part.left(), ROW_CAP_S[name])
-        if error:
+        if chosen and row.name not in chosen:
+            record = rows.skipped(row, "not run: not in ZEROTUNE_GPU_KIT_ROWS", dry_run)
+        elif error:
             record = rows.skipped(row, f"config error: {error}", dry_run)
         elif dry_run and row.kind in kinds_run:
             record = rows.skipped(row, "not run: a dry run runs one row of each kind", dry_run)
         elif cap < 60:
-            record = rows.skipped(row, "not run: the part's time budget is spent; run it alone", dry_run)
+            record = rows.skipped(row, "not run: the part's time budget is spent (ZEROTUNE_GPU_KIT_ROWS=<name> runs "
+                                       "rows alone)", dry_run)
         else:
             kinds_run.add(row.kind)
             print(f"gpu kit: {name}/{row.name} (at most {cap:.0f} s)", flush=True)
