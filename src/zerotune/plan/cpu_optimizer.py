@@ -1,14 +1,18 @@
 """The CPU optimizer step's time floor: DeepSpeed's CPU-Adam, timed once on this host, per parameter.
 
-Measured, not looked up: its speed depends on the host's cores and SIMD width. The figure is cached per
-host and thread count in the planner's cache folder; a host where the op cannot be built gets None
-(unmeasured), never a guess.
+Measured, not looked up: its speed depends on the host's cores, SIMD width and memory bandwidth. The probe is
+sized well past the last-level cache (PROBE_LLC_MULTIPLE × the LLC in fp32 parameters, and at least
+MIN_PROBE_PARAMS), because a real model's parameters, gradients and moments stream from memory: a probe that
+fits the cache times a faster op than the one a model runs (4M parameters, 64 MB: 0.19 ns/param here, against
+0.24 ns at 200M; experiments/results/planner.md, "The CPU optimizer's time floor"). The probe is capped to a
+share of the available memory. The figure is cached per host, thread count and probe size in the planner's
+cache folder; a host where the op cannot be built gets None (unmeasured), never a guess.
 """
 
 from __future__ import annotations
 
-import json
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -16,44 +20,86 @@ import torch
 
 from zerotune import files
 
-PROBE_PARAMS = 4_000_000   # large enough that per-call overhead is a small share
-REPEATS = 5
+MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
+PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache
+PROBE_BYTES_PER_PARAM = 16      # the probe holds fp32 param + grad + two Adam moments
+MEMORY_SHARE = 8                # the probe takes at most 1/8 of the available memory
+REPEATS = 3                     # timed steps after the warm-up step; their median is the figure
+CACHE_FILE = "cpu_adam_v2.json"  # v1 (cpu_adam.json) timed 4M parameters, inside the cache: not reused
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
 def cache_dir() -> Path:
     return files.cache_dir("plan")
 
 
-def _host_key() -> str:
-    return f"{platform.node()}|{platform.processor() or platform.machine()}|{torch.get_num_threads()}threads"
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The largest cache cpu0 sees (its last level), from sysfs; None where sysfs does not say."""
+    sizes = []
+    for index in sysfs.glob("index*"):
+        try:
+            match = _SIZE.match((index / "size").read_text())
+        except OSError:
+            continue
+        if match:
+            sizes.append(int(match.group(1)) * _UNITS[match.group(2).upper()])
+    return max(sizes) if sizes else None
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def probe_params(llc_bytes: int | None = None, avail_bytes: int | None = None) -> int:
+    """How many parameters the probe steps: past the LLC (at least MIN_PROBE_PARAMS), within its memory share."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    avail = available_bytes() if avail_bytes is None else avail_bytes
+    size = max(MIN_PROBE_PARAMS, PROBE_LLC_MULTIPLE * (llc or 0) // 4)
+    if avail:
+        size = min(size, avail // MEMORY_SHARE // PROBE_BYTES_PER_PARAM)
+    return size
+
+
+def host_key(params: int) -> str:
+    """The cache key: host, CPU, threads and the probe's size (a figure is only reused for the same probe)."""
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.node()}|{cpu}|{torch.get_num_threads()}threads|{params}params"
 
 
 def seconds_per_param() -> float | None:
     """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
-    file = cache_dir() / "cpu_adam.json"
-    known = json.loads(file.read_text()) if file.is_file() else {}
-    if _host_key() in known:
-        return known[_host_key()]
-    measured = _measure()
+    params = probe_params()
+    file = cache_dir() / CACHE_FILE
+    known = files.read_json(file)
+    known = known if isinstance(known, dict) else {}
+    if host_key(params) in known:
+        return known[host_key(params)]
+    measured = time_step(params)
     if measured is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(json.dumps({**known, _host_key(): measured}, indent=1))
+        files.write_cached_json(file, {**known, host_key(params): measured})
     return measured
 
 
-def _measure() -> float | None:
+def time_step(params: int, repeats: int = REPEATS) -> float | None:
+    """Seconds per parameter of one DeepSpeedCPUAdam step over `params` fp32 parameters: the median of
+    `repeats` steps after a warm-up step (which allocates the moments). None where the op cannot be built."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        param = torch.nn.Parameter(torch.zeros(PROBE_PARAMS))
+        param = torch.nn.Parameter(torch.zeros(params))
         param.grad = torch.full_like(param, 1e-3)
         optimizer = DeepSpeedCPUAdam([param], lr=1e-4)
-    except Exception:  # noqa: BLE001 (no compiler, no op: the floor is unmeasured, the plan goes on)
+    except Exception:  # noqa: BLE001 (no compiler, no op, no memory: the floor is unmeasured, the plan goes on)
         return None
-    optimizer.step()  # first step allocates the moments
+    optimizer.step()
     times = []
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] / PROBE_PARAMS
+    return sorted(times)[len(times) // 2] / params

@@ -1,0 +1,125 @@
+"""What a CPU run's processes hold, as the job's memory sampler measures it: their resident set (RSS).
+
+On a CPU accelerator the device's memory is host memory, and a run's summary records the peak RSS of the job's
+process tree (summary.json `memory.host_peak_rss_mib`, launch/records.py merge_job_view). That tree is the
+job's workers alone: launch/job.py samples with `MemorySampler(include_root=False)`, so the job process itself
+(Hydra, the checks, torch's elastic agent, which runs in it) is left out; the workers are its direct children
+(torch's launcher, start method spawn) and start no processes of their own (data.num_workers is 0). So:
+
+    node RSS = parent + ranks × (process baseline + the rank's tensors)
+
+- the process baseline: a fresh interpreter's RSS after the imports a worker makes before it builds the
+  U-Net (torch, DeepSpeed, accelerate, diffusers, zerotune's trainer), measured once per host and versions
+  in a child process and cached beside the planner's other figures; None where it cannot be measured;
+- the rank's tensors: the plan's `step_peak_mib` on a CPU plan (the whole step's peak of torch-allocated
+  bytes, host and offloaded states included), else the sum of host.py's rank terms; or the fp32 build of the
+  U-Net at load time (host.py's MODEL_LOAD), whichever is larger, as host.py's node_need_mib takes it;
+- the parent: 0, since the sampled tree leaves the job process out (parent_baseline_mib).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import re
+import subprocess
+import sys
+
+from zerotune import files
+from zerotune.plan.host import MODEL_LOAD, rank_terms
+
+PROCESS_RSS = "process_rss"   # plan["host_peak_kind"]: the host figure predicts the job tree's peak RSS
+CACHE_FILE = "process_baseline_v1.json"
+# What a worker imports before it builds the model (launch/bootstrap.py, launch/worker.py, training/run.py).
+WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.launch.worker",
+                  "zerotune.training.trainer")
+_VERSIONED = ("torch", "deepspeed", "accelerate", "diffusers")
+MEASURE_TIMEOUT_S = 300
+_STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
+
+
+def baseline_key() -> str:
+    """Host, Python and the imported packages' versions: a baseline is reused only where all of them match."""
+    versions = []
+    for name in _VERSIONED:
+        try:
+            versions.append(f"{name}{importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name}-absent")
+    return "|".join([platform.node(), platform.machine(), f"python{platform.python_version()}", *versions])
+
+
+def process_baseline_mib() -> float | None:
+    """A fresh worker's RSS (MiB) after its imports, before any model exists: measured once, cached; None
+    where the child could not run them."""
+    file = files.cache_dir("plan") / CACHE_FILE
+    known = files.read_json(file)
+    known = known if isinstance(known, dict) else {}
+    key = baseline_key()
+    if isinstance(known.get(key), dict):
+        return known[key]["rss_mib"]
+    measured = measure_imports(WORKER_IMPORTS)
+    if measured is not None:
+        files.write_cached_json(file, {**known, key: measured})
+    return None if measured is None else measured["rss_mib"]
+
+
+def measure_imports(modules: tuple[str, ...]) -> dict | None:
+    """{"rss_mib", "hwm_mib"} of a child interpreter (this one's executable) that imported `modules`, read
+    from its /proc/self/status; None where the child failed or the kernel has no such file."""
+    code = "\n".join([*(f"import {m}" for m in modules), "print(open('/proc/self/status').read())"])
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = {name: int(kb) / 1024 for name, kb in _STATUS.findall(done.stdout)}
+    if done.returncode != 0 or "VmRSS" not in found:
+        return None
+    return {"rss_mib": found["VmRSS"], "hwm_mib": found.get("VmHWM"), "modules": list(modules)}
+
+
+def parent_baseline_mib() -> float:
+    """The job process's share of the measured tree: 0, because the job's sampler leaves it out
+    (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process)."""
+    return 0.0
+
+
+def rank_tensors_mib(plan: dict) -> tuple[float | None, str]:
+    """(MiB of tensors one rank holds at its peak, where the figure came from); None without terms."""
+    if plan.get("device") == "cpu" and isinstance(plan.get("step_peak_mib"), (int, float)):
+        step, source = float(plan["step_peak_mib"]), "plan step_peak_mib (CPU plan: the whole step's peak)"
+    elif "host_terms" in plan:
+        step, source = sum(rank_terms(plan, "cpu").values()), "sum of host.py rank_terms (cpu)"
+    else:
+        return None, "no terms in the plan"
+    load = sum(t["mib"] for t in plan.get("host_terms", []) if t["term"] == MODEL_LOAD)
+    if load > step:
+        return load, f"{MODEL_LOAD} (the fp32 build at load time, above the step's {step:,.0f} MiB)"
+    return step, source
+
+
+def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: float | None) -> dict:
+    """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
+    "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
+    tensors, tensor_source = rank_tensors_mib(plan)
+    terms = [
+        {"term": "parent_process", "mib": parent, "note": "the job process: outside the sampled tree"},
+        {"term": "process_baseline", "mib": None if baseline is None else ranks * baseline,
+         "note": f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host)"},
+        {"term": "rank_tensors", "mib": None if tensors is None else ranks * tensors,
+         "note": f"{ranks} rank(s) × {tensor_source}"},
+    ]
+    known = [t["mib"] for t in terms]
+    mib = None if any(v is None for v in known) else sum(known)
+    return {"mib": mib, "terms": terms, "source": "process RSS: parent + ranks × (import baseline + tensors)"}
+
+
+def mark_process_prediction(plan: dict, node_prediction: dict) -> dict:
+    """Make the plan's host figure the process-RSS prediction (what a CPU run's summary measures), so the
+    report prints a measured/predicted host ratio for it. The terms are kept either way; an unknown
+    prediction (mib None) leaves the plan's host figure as it was, and so unmarked."""
+    plan["host_process_terms"] = node_prediction
+    if node_prediction.get("mib") is not None:
+        plan["host_peak_mib"] = node_prediction["mib"]
+        plan["host_peak_kind"] = PROCESS_RSS
+    return plan
