@@ -20,6 +20,12 @@ PLAN_ERROR = "plan_error"
 PREDICTED_FOR = {"gpu_peak_process_mib": "plan_gpu_peak_mib", "host_peak_rss_mib": "plan_host_peak_mib",
                  "nvme_peak_mib": "plan_nvme_mib"}
 PLAN_TIME_KEY = "plan_time_floor_s"
+# What the plan's host figure predicts (summary.json plan.host_peak_kind). Only "process_rss" (plan/process.py:
+# a CPU run's processes, interpreter and imports included) describes the measured host peak, the job tree's
+# RSS; any other host figure (a GPU plan's pinned buffers and offloaded states) gets no host ratio.
+PLAN_HOST_KIND = "plan_host_peak_kind"
+PROCESS_RSS = "process_rss"
+HOST_RATIO = "host_peak_measured_over_predicted"
 # (ratio column, measured key, predicted key): measured / predicted.
 RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu_peak_mib"),
           ("host_peak_measured_over_predicted", "host_peak_rss_mib", "plan_host_peak_mib"),
@@ -30,13 +36,15 @@ def plan_figures(summary: dict) -> dict[str, Any]:
     """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary (any of them None when absent)."""
     plan = summary.get("plan")
     row: dict[str, Any] = dict.fromkeys(PLAN_KEYS)
-    row[PLAN_ERROR] = None
+    row[PLAN_ERROR] = row[PLAN_HOST_KIND] = None
     if not isinstance(plan, dict):
         return row
     if plan.get("error"):  # the planner failed: its other keys, if any, are not a prediction
         row[PLAN_ERROR] = plan["error"]  # as written; collect shortens it like a job's error
         return row
     row.update({key: _number(plan.get(name)) for key, name in PLAN_FIELDS.items()})
+    kind = plan.get("host_peak_kind")
+    row[PLAN_HOST_KIND] = kind if isinstance(kind, str) else None
     return row
 
 
@@ -46,6 +54,19 @@ def ratio(row: dict, measured_key: str, predicted_key: str) -> float | None:
     if measured is None or predicted is None or predicted <= 0:
         return None
     return measured / predicted
+
+
+def not_comparable(row: dict, ratio_key: str) -> bool:
+    """Whether both sides of a ratio are there but the prediction does not describe the measurement: the host
+    ratio of a plan whose host figure is not a process-RSS prediction. Such a ratio is never printed."""
+    if ratio_key != HOST_RATIO or row.get(PLAN_HOST_KIND) == PROCESS_RSS:
+        return False
+    return row.get("host_peak_rss_mib") is not None and row.get("plan_host_peak_mib") is not None
+
+
+def shown_ratio(row: dict, ratio_key: str, measured_key: str, predicted_key: str) -> float | None:
+    """The ratio a report prints: None where either side is missing or the two do not describe the same thing."""
+    return None if not_comparable(row, ratio_key) else ratio(row, measured_key, predicted_key)
 
 
 def has_plan(rows: list[dict]) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_word
-from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, ratio
+from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, not_comparable, shown_ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
 MIB, RATIO = "{:.0f}".format, "{:.2f}".format
@@ -59,13 +59,18 @@ PLAN_COLUMNS: dict[str, list[Column]] = {
     "error": [(PLAN_ERROR, "planner error", str)],
 }
 NA = "n/a"
+NOT_COMPARABLE = "-"
 NA_NOTE = ("n/a: not measured (GPU figures are null where no GPU was present) or the job did not get "
            "that far. GPU peak = the process's peak as the driver saw it; alloc/reserved = PyTorch "
            "allocator peaks.")
 PLAN_NOTE = ("pred. = the planner's prediction made before launch (n/a: no plan, or the planner failed); "
              "meas/pred = measured / predicted peak; floor s/step = the planner's lower bound on seconds per "
              "step, so s/step / floor is at least 1 when the plan is right. Ratios are n/a where either side "
-             "is. Jobs with status planned were not run: they have predictions only.")
+             "is. Jobs with status planned were not run: they have predictions only. host meas/pred is printed only "
+             "where the plan's host figure predicts the processes' RSS (a CPU run's process-RSS prediction: "
+             "interpreter and imports, model, device terms); \"-\" where it is a GPU plan's host terms (pinned "
+             "buffers, offloaded states), which leave out most of what the processes hold, so a ratio of the "
+             "two would mean nothing.")
 RATIO_KEYS = {name: (measured, predicted) for name, measured, predicted in RATIOS}
 
 
@@ -83,7 +88,7 @@ def metric_columns(rows: list[dict]) -> list[Column]:
 def value(row: dict, key: str) -> Any:
     """The row's value for a metric column; a ratio column is computed from its two sides."""
     if key in RATIO_KEYS:
-        computed = ratio(row, *RATIO_KEYS[key])
+        computed = shown_ratio(row, key, *RATIO_KEYS[key])
         return None if computed is None else round(computed, 4)  # 1.0435, not 1.0434782608695652
     return row.get(key)
 
@@ -121,7 +126,8 @@ def table_cells(rows: list[dict], keys: list[str]) -> tuple[list[str], list[list
     for row in sort_rows(rows, keys):
         cells = [*([_sweep_label(row["sweep_dir"])] if several else []), row["job"]]
         cells += [_cell(row["params"].get(k), str) for k in keys]
-        cells += [row.get(key) or "" if key in ("error", PLAN_ERROR) else _cell(value(row, key), fmt)
+        cells += [row.get(key) or "" if key in ("error", PLAN_ERROR)
+                  else NOT_COMPARABLE if key in RATIO_KEYS and not_comparable(row, key) else _cell(value(row, key), fmt)
                   for key, _, fmt in columns]
         body.append(cells)
     return headers, body
