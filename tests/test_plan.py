@@ -166,7 +166,12 @@ def test_plan_command_json_has_the_per_rank_gpu_peak():
     plan = json.loads(proc.stdout)
     assert "batch 8x1" in plan["workload"]
     assert {t["term"]: t["mib"] for t in plan["gpu_terms"]}["deepspeed:ipg_bucket"] == pytest.approx(1000 * 4 / MIB)
-    assert plan["gpu_peak_mib"] == pytest.approx(sum(t["mib"] for t in plan["gpu_terms"]))
+    # the step's peak: what it holds throughout plus its largest moment's terms (plan/step_peak.py)
+    moments = {t.get("moment", "persistent") for t in plan["gpu_terms"]}
+    at = {m: sum(t["mib"] for t in plan["gpu_terms"] if t.get("moment", "persistent") in ("persistent", m))
+          for m in moments}
+    assert plan["gpu_peak_mib"] == pytest.approx(at[plan["step_peak_moment"]]) == pytest.approx(max(at.values()))
+    assert plan["run_peak_mib"] >= plan["gpu_peak_mib"] and plan["phases"]
     assert plan["gpu"]["name"] == "rtx4090" and plan["fits"] is True
     names = {t["term"] for t in plan["gpu_terms"]}
     assert {"cuda_context", "params", "grads", "activations", "allocator_rounding"} <= names

@@ -10,6 +10,7 @@ from typing import Any
 from zerotune.builder import form
 from zerotune.cli.plan import plan_all, plan_one
 from zerotune.plan import gpus
+from zerotune.plan.step_peak import terms_at_peak
 
 # One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
 TRACE_LOCK = threading.Lock()
@@ -17,9 +18,9 @@ TRACE_LOCK = threading.Lock()
 CATEGORIES = {
     "context": ("cuda_context", "cublas_workspace"),
     "parameters": ("params", "params_persistent", "allocator_rounding"),
-    "gradients and buckets": ("grads",),
-    "optimizer states": ("master_weights", "optimizer_states"),
-    "activations": ("activations",),
+    "gradients and buckets": ("grads", "step_fp32_grads", "step_flat_grad_partition", "step_fp32_grad_sub_group"),
+    "optimizer states": ("master_weights", "optimizer_states", "optimizer_temporaries"),
+    "activations": ("activations", "activations_and_grads"),
 }
 
 
@@ -38,7 +39,9 @@ def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_n
     gpu = card(gpu_name, gpu_mib)
     overrides = form.overrides(choices, values, extra)
     plan = plan_job(overrides, gpu)
-    return {**plan, "bar": bar(plan["gpu_terms"]), "phase_marks": phase_marks(plan)}
+    # the bar is the step at its largest moment: what it holds throughout and that moment's own terms
+    at_peak = terms_at_peak(plan["gpu_terms"], plan["step_peak_moment"])
+    return {**plan, "bar": bar(at_peak), "phase_marks": phase_marks(plan)}
 
 
 def phase_marks(plan: dict) -> list[dict]:

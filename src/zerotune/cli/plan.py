@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-mib", type=int, default=None, help="or its memory in MiB")
     parser.add_argument("--all", action="store_true", help="rank every zero_stage x offload x checkpointing")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda: a card's memory (default); cpu: the step as it runs on this machine's CPU")
     config_search.add_config_dir_option(parser)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for zerotune train")
     return parser
@@ -44,13 +46,14 @@ _NO_LOCK = contextlib.nullcontext()  # reusable: it holds nothing
 
 
 def plan_one(overrides: list[str], gpu: gpus.GPU | None,
-             trace_lock: AbstractContextManager = _NO_LOCK) -> dict:
-    """One job's prediction. `trace_lock` is held while it traces (the builder page's requests take turns)."""
+             trace_lock: AbstractContextManager = _NO_LOCK, device: str = "cuda") -> dict:
+    """One job's prediction. `trace_lock` is held while it traces (the builder page's requests take turns).
+    `device` cpu: the job as it runs on this machine's CPU accelerator (its own dict: torch's AdamW, no card)."""
     cfg = compose(overrides)
-    gpu = gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
+    gpu = None if device == "cpu" else gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
     with trace_lock:
-        return predict(cfg, checked, gpu)
+        return predict(cfg, checked, gpu, device=device)
 
 
 def platform_for(gpu: gpus.GPU | None) -> Platform | None:
@@ -73,12 +76,15 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    if args.device == "cpu" and (args.all or args.gpu or args.gpu_mib is not None):
+        parser.error("--device cpu predicts this machine's CPU run: leave out --all, --gpu and --gpu-mib")
     try:
         config_search.choose_and_warn(args.config_dir)
         gpu = gpus.lookup(args.gpu, args.gpu_mib, key="--gpu") if args.gpu or args.gpu_mib is not None else None
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; keep it for the answer
-            answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu)
+            answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu, device=args.device)
     except ConfigError as exc:
         return report_config_error(exc)
     if args.json:

@@ -41,7 +41,7 @@ from zerotune.errors import ConfigError
 from zerotune.models import adapter, build_unet, conditioning, unet_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TRACE_FORMAT = 2  # bump when what a trace measures changes: older cache entries then miss
+TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
 _TRACES: dict[str, Trace] = {}  # this process's traces, by key
 
 
@@ -55,6 +55,7 @@ class Trace:
     checkpointing, a parameter gradient from the op that computes it until autograd hands it to the
     parameter). Sampled after every op, so each op's outputs count while its inputs are still alive.
     Kernel-internal workspaces (cuDNN, cuBLAS) and allocator caching/fragmentation are not included.
+    activation_and_grad_peak_bytes: the same, counting also the parameter gradients accumulated so far.
     param_bytes, grad_bytes: the parameters and the parameter gradients at the end of backward, at the
     traced precision (with an adapter, gradients of the adapter's parameters only) (DeepSpeed's fp32 master copies and gradient buckets are not part of the step).
     forward_flops: the forward pass and the loss; backward_flops: the backward pass, including the
@@ -63,6 +64,7 @@ class Trace:
     """
 
     activation_peak_bytes: int
+    activation_and_grad_peak_bytes: int
     param_bytes: int
     grad_bytes: int
     forward_flops: int
@@ -146,7 +148,8 @@ def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, preci
             inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[precision])
             _loss(unet, model_cfg, inputs).backward()
             params, grads = tracker.held(_MemRefType.PARAM), tracker.held(_MemRefType.GRAD)
-    return Trace(activation_peak_bytes=tracker.activation_peak, param_bytes=params, grad_bytes=grads,
+    return Trace(activation_peak_bytes=tracker.activation_peak,
+                 activation_and_grad_peak_bytes=tracker.activation_and_grad_peak, param_bytes=params, grad_bytes=grads,
                  forward_flops=tracker.flops["forward"], backward_flops=tracker.flops["backward"],
                  seconds=round(time.perf_counter() - start, 3), key=key)
 

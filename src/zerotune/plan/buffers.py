@@ -2,7 +2,8 @@
 place in DeepSpeed's source that allocates it.
 
 Each term says where it lives (gpu | host: pinned host memory), whether the figure is exact or an upper
-bound (`bound`), when it exists (`lifetime`: persistent | backward | step | forward+backward), and, where
+bound (`bound`), when it exists (`lifetime`: persistent | backward | forward+backward | reduce (the
+gradient reduction that ends backward) | step:flatten | step:update (plan/step_peak.py's moments)), and, where
 the same memory is already counted as a model state, which one (`overlaps`): a planner adds only the
 terms without `overlaps`. Sizes follow DeepSpeed's: only the optimizer's (trainable) parameters are
 flattened, bucketed, staged and stepped; with an adapter the frozen base U-Net counts only where stage 3
@@ -47,7 +48,7 @@ def _stage0(ds: dict, numels: list[int], prec: Any) -> list[dict]:
     bucket = min(sum(numels), MEMORY_OPT_ALLREDUCE_SIZE + max(numels, default=0))
     comm = _comm_elem(ds, prec.param)
     return [_term("allreduce_flat_bucket", bucket * (prec.param + (comm if comm != prec.param else 0)), "gpu",
-                  "upper", "backward", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
+                  "upper", "reduce", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
                   "(flattens gradients in buckets of MEMORY_OPT_ALLREDUCE_SIZE elements)")]
 
 
@@ -102,8 +103,8 @@ def _zero12(ds: dict, numels: list[int], world: int, rank: int | None, prec: Any
         return terms
     if stage == 2 and zero.contiguous_gradients:
         terms.append(_zero12_grads(numels, part, world, rank, prec))
-    terms.append(_term("step_fp32_grad_partition", part * prec.master, "gpu", "upper", "step",
-                       src + "step (flattened gradient partition, cast to the master dtype)"))
+    terms.append(_term("step_fp32_grad_partition", part * prec.master, "gpu", "exact", "step:update",
+                       src + "step (flattened gradient partition, cast to the master dtype; the gradients freed)"))
     return terms
 
 
@@ -157,7 +158,7 @@ def _stage3(ds: dict, numels: list[int], train: list[int], world: int, prec: Any
     if offload_device(zero.offload_optimizer) == "none":
         largest = max(stage3_sub_groups(parts, zero.sub_group_size))
         cast = prec.master if prec.master != prec.grad_accum else 0
-        terms.append(_term("step_fp32_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "upper", "step",
+        terms.append(_term("step_fp32_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "upper", "step:flatten",
                            src + "_prepare_fp32_grad_for_sub_group (flatten, then cast to the master dtype)"))
     return terms + _stage3_offload(ds, parts, prec, zero)
 

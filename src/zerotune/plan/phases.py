@@ -104,15 +104,18 @@ def _zero3_resident(checked: Any, plan: dict) -> list[dict]:
 
 
 def _step(plan: dict) -> dict:
-    return {"phase": "step", "peak_mib": plan["gpu_peak_mib"], "terms": list(plan["gpu_terms"]),
-            "source": "the step's prediction (plan/predict.py gpu_terms)"}
+    """What the step holds throughout and at its largest moment (plan/step_peak.py): its terms add up."""
+    moment = plan["step_peak_moment"]
+    return {"phase": "step", "peak_mib": plan["gpu_peak_mib"],
+            "terms": [t for t in plan["gpu_terms"] if t.get("moment", "persistent") in ("persistent", moment)],
+            "source": f"the step's prediction (plan/predict.py gpu_terms), at its largest moment: {moment}"}
 
 
 def _live_states(plan: dict) -> list[dict]:
     """What stays allocated after a step: the model states and the parameters' rounding (activations and the
     step's transients are freed, their blocks reserved)."""
     keep = ("params", "grads", "master_weights", "optimizer_states", "params_persistent", "allocator_rounding")
-    return [t for t in plan["gpu_terms"] if t["term"] in keep]
+    return [t for t in plan["gpu_terms"] if t["term"] in keep and t.get("moment", "persistent") == "persistent"]
 
 
 def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | None:

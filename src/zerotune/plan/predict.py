@@ -10,9 +10,11 @@ from typing import Any
 
 from zerotune.plan import allocator, cpu_optimizer, gpus
 from zerotune.plan.activations import trace_step
-from zerotune.plan.buffers import host_buffer_bytes
+from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
-from zerotune.plan.model_states import deepspeed_buffer_bytes, model_state_bytes
+from zerotune.plan.model_states import model_state_bytes
+from zerotune.plan.phases import run_peak, run_phases
+from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
 from zerotune.preflight import CheckedRun
 from zerotune.schema import launch_world_size
 
@@ -30,41 +32,107 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
-    """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only)."""
+def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+    """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
+    `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
+    accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
     ds, world = checked.ds_config, launch_world_size(cfg.launch)
-    stage = int(ds["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
-    precision = cfg.precision.name
-    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
+    use_ds = checked.use_deepspeed
+    stage = int(ds["zero_optimization"]["stage"]) if use_ds else 0
+    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), cfg.precision.name,
                        bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")),
                        cfg.get("adapter"))
     numels, train = _numels(checked)
-    use_ds = checked.use_deepspeed
     states = model_state_bytes(numels, ds, world, 0, use_ds, train)
-    opt_device, param_device = _offload(ds)
-    gpu_terms = _gpu_terms(gpu, states, deepspeed_buffer_bytes(ds, numels, world, precision, 0, use_ds, train),
-                           trace, param_blocks(numels, stage, precision, use_ds, states, train))
-    host_terms = _host_terms(cfg, checked, states)
-    host_terms += [_term(f"deepspeed:{name}", nbytes, "pinned")
-                   for name, nbytes in host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train).items()]
-    host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, precision)
+    buffers = buffer_terms(ds, numels, world, cfg.precision.name, 0, use_ds, train)
+    shape = _step_shape(states, stage, use_ds, train, device)
+    step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, cfg.precision.name, 0, use_ds,
+                                                                train), trace, shape)
+    host_terms = _host_terms(cfg, checked, states) + [
+        _term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
+            ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
+    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.get("adapter"), checked),
+            "device": device, "trainable_params": checked.model_stats.num_trainable,
+            "frozen_params": checked.model_stats.num_frozen, "gpu": gpu.as_dict() if gpu else None,
+            "world_size": world, "rank": 0, "trace": {"key": trace.key, "seconds": trace.seconds}}
+    plan.update(_memory(cfg, checked, gpu, device, step_terms, host_terms, states, stage, world,
+                        param_blocks(numels, stage, cfg.precision.name, use_ds, states, train)))
+    plan.update(_times(gpu, trace, states, ds, cfg.precision.name))
+    if device == "cuda":  # the whole run as nvidia-smi shows it: a block freed by an earlier phase stays reserved
+        plan["phases"] = run_phases(cfg, checked, gpu, plan)
+        top = run_peak(plan["phases"])
+        plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
+        plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
+    return plan
+
+
+def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device: str) -> StepShape:
+    part = states.get("partition_numel") or sum(train)
+    largest = {0: max(train, default=0), 1: part, 2: part}.get(stage if use_ds else 0)
+    if largest is None:  # ZeRO-3: the optimizer steps one sub-group at a time
+        largest = states["master_weights_bytes"] // max(1, states["elem_bytes"]["master_weights"]) // max(
+            1, states.get("sub_groups", 1))
+    return StepShape(stage, use_ds, states["optimizer"], states["elem_bytes"]["params"],
+                     states["elem_bytes"]["master_weights"], states["where"]["optimizer_state"] != "gpu",
+                     part if use_ds and stage else sum(train), largest, device)
+
+
+def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace, shape: StepShape) -> list[dict]:
+    """Every term the device holds during the step, each with its moment (step_peak.py)."""
+    terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
+    if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
+        terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
+    if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
+        terms.append(_term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
+    terms += gradient_terms(shape, states["grads_bytes"], trace)
+    lifetimes = {b["name"]: b["lifetime"] for b in buffers}
+    terms += [{**_term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
+              for name, nbytes in buffer_bytes.items()]
+    return terms + step_transients(shape)
+
+
+# buffers.py's lifetimes -> step_peak.py's moments
+_MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward", "reduce": "reduce",
+           "step:flatten": "step:flatten", "step:update": "step:update"}
+
+
+def _memory(cfg: Any, checked: CheckedRun, gpu, device: str, step_terms: list[dict], host_terms: list[dict],
+            states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
+    host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
+    per_node = int(cfg.launch.num_processes)
     nvme_terms = _state_terms(states, "nvme")
-    time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device, int(ds["gradient_accumulation_steps"]))
+    out = {"host_peak_mib": per_node * host_peak, "host_terms": [*host_terms, load],
+           "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms), "nvme_terms": nvme_terms}
+    if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
+        pool = step_terms + host_terms
+        peak, moment = step_peak(pool)
+        return {**out, "gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool,
+                "step_peak_mib": peak, "step_peak_moment": moment}
+    gpu_terms = _cuda_terms(gpu, blocks) + step_terms
+    peak, moment = step_peak(gpu_terms)
+    return {**out, "gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib,
+            "step_peak_mib": peak, "step_peak_moment": moment}
+
+
+def _cuda_terms(gpu, blocks: tuple[list[int], str]) -> list[dict]:
+    """What only a CUDA device holds: its context, cuBLAS's workspace, the caching allocator's rounding."""
+    family = gpu.family if gpu else "unknown"
+    context = CONTEXT.get(family)
+    sizes, how = blocks
+    return [_term("cuda_context", context["bytes"] if context else 0,
+                  context["source"] if context else "unknown card: no CUDA context figure"),
+            _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
+            _term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
+
+
+def _times(gpu, trace, states: dict, ds: dict, precision: str) -> dict:
+    opt_device, param_device = _offload(ds)
+    time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device,
+                             int(ds["gradient_accumulation_steps"]))
     known = [t for t in time_terms if t["seconds"] is not None]
     bound = max(known, key=lambda t: t["seconds"]) if known else None
-    gpu_peak = sum(t["mib"] for t in gpu_terms)
-    per_node = int(cfg.launch.num_processes)
-    return {
-        "workload": _workload(cfg, ds, world, stage, opt_device) + _adapter_words(cfg.get("adapter"), checked),
-        "trainable_params": checked.model_stats.num_trainable, "frozen_params": checked.model_stats.num_frozen,
-        "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
-        "gpu_peak_mib": gpu_peak, "gpu_terms": gpu_terms,
-        "fits": None if gpu is None else gpu_peak <= gpu.memory_mib,
-        "host_peak_mib": per_node * host_peak, "host_terms": [*host_terms, load],
-        "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms), "nvme_terms": nvme_terms,
-        "time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
-        "time_terms": time_terms, "trace": {"key": trace.key, "seconds": trace.seconds},
-    }
+    return {"time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
+            "time_terms": time_terms}
 
 
 def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
@@ -73,10 +141,10 @@ def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
     return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
 
 
-def _workload(cfg: Any, ds: dict, world: int, stage: int, opt_device: str) -> str:
+def _workload(cfg: Any, ds: dict, world: int, stage: int, offloaded: bool) -> str:
     return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
             f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
-            f"{opt_device}, {cfg.precision.name}, gradient checkpointing "
+            f"{_offload(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
 
 
@@ -136,22 +204,6 @@ def _frozen(numels: list[int], trainable: list[int]) -> list[int]:
         else:
             frozen.append(n)
     return frozen
-
-
-def _gpu_terms(gpu, states: dict, buffers: dict, trace, param_blocks: tuple[list[int], str]) -> list[dict]:
-    family = gpu.family if gpu else "unknown"
-    context = CONTEXT.get(family)
-    terms = [_term("cuda_context", context["bytes"] if context else 0,
-                   context["source"] if context else "unknown card: no CUDA context figure"),
-             _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
-             *_state_terms(states, "gpu")]
-    if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
-        terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the GPU"))
-    terms += [_term(f"deepspeed:{name}", nbytes) for name, nbytes in buffers.items()]
-    terms.append(_term("activations", trace.activation_peak_bytes, "fake-tensor trace of forward + backward"))
-    sizes, how = param_blocks
-    terms.append(_term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how))
-    return terms
 
 
 def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:

@@ -26,7 +26,12 @@ class Row:
     def fits(self, gpu: GPU | None) -> bool | None:
         if self.plan is None or gpu is None:
             return None
-        return self.plan["gpu_peak_mib"] <= gpu.memory_mib
+        return peak_mib(self.plan) <= gpu.memory_mib
+
+
+def peak_mib(plan: dict) -> float:
+    """What nvidia-smi would show at the run's peak: its phases' (plan/phases.py) when known, else the step's."""
+    return max(plan.get("run_peak_mib") or 0.0, plan["gpu_peak_mib"])
 
 
 def _cost(row: Row) -> tuple:
@@ -40,8 +45,9 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
     fitting = [r for r in ordered if r.fits(gpu)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
               "fits": r.fits(gpu), "refused": r.refused,
-              **({k: r.plan[k] for k in ("gpu_peak_mib", "host_peak_mib", "nvme_mib", "time_floor_s", "bound")}
-                 if r.plan else {})} for r in ordered]
+              **({k: r.plan.get(k) for k in ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase",
+                                             "host_peak_mib", "nvme_mib", "time_floor_s", "bound")} if r.plan else {}),
+              **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
     return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
 
 
@@ -49,16 +55,16 @@ def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:
     if gpu is None:
         return {"option": None, "why": "no GPU named: give --gpu or --gpu-mib to judge what fits"}
     if not fitting:
-        least = min((r for r in rows if r.plan), key=lambda r: r.plan["gpu_peak_mib"], default=None)
+        least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
         why = f"nothing fits {gpu.name} ({gpu.memory_mib:,} MiB)"
         if least is not None:
-            why += f"; the smallest is {least.label} at {least.plan['gpu_peak_mib']:,.0f} MiB: lower the batch or resolution"
+            why += f"; the smallest is {least.label} at {peak_mib(least.plan):,.0f} MiB: lower the batch or resolution"
         return {"option": None, "why": why}
     best = fitting[0]
     below = [r for r in rows if r.plan and r.stage < best.stage]
-    why = (f"the lowest ZeRO stage that fits {gpu.name}: {best.plan['gpu_peak_mib']:,.0f} of {gpu.memory_mib:,} MiB "
+    why = (f"the lowest ZeRO stage that fits {gpu.name}: {peak_mib(best.plan):,.0f} of {gpu.memory_mib:,} MiB "
            f"predicted, with the least offload and recomputation at that stage")
     if below:
-        closest = min(below, key=lambda r: r.plan["gpu_peak_mib"])
-        why += f"; stage {closest.stage} needs at least {closest.plan['gpu_peak_mib']:,.0f} MiB ({closest.label})"
+        closest = min(below, key=lambda r: peak_mib(r.plan))
+        why += f"; stage {closest.stage} needs at least {peak_mib(closest.plan):,.0f} MiB ({closest.label})"
     return {"option": best.label, "why": why}

@@ -9,16 +9,28 @@ def _terms(terms: list[dict], unit: str = "MiB") -> list[str]:
     out = []
     for t in terms:
         value = "unmeasured" if t[key] is None else (f"{t[key]:>10,.1f} MiB" if unit == "MiB" else f"{t[key]:>10.4f} s")
-        out.append(f"  {t['term']:<{width}}  {value}  {t.get('note', '')}".rstrip())
+        when = f"[{t['moment']}] " if t.get("moment", "persistent") != "persistent" else ""
+        out.append(f"  {t['term']:<{width}}  {value}  {when}{t.get('note', '')}".rstrip())
     return out
 
 
-def breakdown(plan: dict) -> str:
+def _device(plan: dict) -> list[str]:
+    """The step's peak on the device: held throughout, plus the largest moment's terms ([moment])."""
+    moment = plan["step_peak_moment"]
+    if plan.get("device") == "cpu":
+        return [f"the step on this CPU (one rank, what torch allocates; host memory): {plan['step_peak_mib']:,.1f} MiB "
+                f"at its largest moment, {moment}", *_terms(plan["step_terms"])]
     gpu = plan["gpu"]
     card = f"{gpu['name']} ({gpu['memory_mib']:,} MiB)" if gpu else "no GPU named (--gpu NAME or --gpu-mib N)"
     verdict = {True: "fits", False: "does NOT fit", None: "-"}[plan["fits"]]
-    lines = [f"workload: {plan['workload']}",
-             f"GPU peak per rank: {plan['gpu_peak_mib']:,.1f} MiB on {card}: {verdict}", *_terms(plan["gpu_terms"]),
+    run = plan.get("run_peak_mib")
+    return [f"GPU peak per rank: {max(run or 0, plan['gpu_peak_mib']):,.1f} MiB (the run's, in "
+            f"{plan.get('run_peak_phase', 'step')}) on {card}: {verdict}",
+            f"the step: {plan['gpu_peak_mib']:,.1f} MiB at its largest moment, {moment}", *_terms(plan["gpu_terms"])]
+
+
+def breakdown(plan: dict) -> str:
+    lines = [f"workload: {plan['workload']}", *_device(plan),
              f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_terms(plan["host_terms"]),
              f"NVMe: {plan['nvme_mib']:,.1f} MiB", *_terms(plan["nvme_terms"])]
     floor = plan["time_floor_s"]
@@ -47,15 +59,16 @@ def phases(found: list[dict]) -> list[str]:
 
 
 def ranking(answer: dict) -> str:
-    rows = [f"{'option':<62} {'fits':>5} {'GPU MiB':>10} {'host MiB':>10} {'NVMe MiB':>9} {'floor s':>8}"]
+    rows = [f"{'option':<62} {'fits':>5} {'GPU MiB':>10} {'step MiB':>10} {'host MiB':>10} {'NVMe MiB':>9} {'floor s':>8}"]
     for r in answer["options"]:
         if r.get("refused"):
             rows.append(f"{r['option']:<62} {'-':>5}  refused: {r['refused']}")
             continue
         floor = "-" if r["time_floor_s"] is None else f"{r['time_floor_s']:.3f}"
         fits = {True: "yes", False: "no", None: "-"}[r["fits"]]
-        rows.append(f"{r['option']:<62} {fits:>5} {r['gpu_peak_mib']:>10,.0f} {r['host_peak_mib']:>10,.0f} "
+        rows.append(f"{r['option']:<62} {fits:>5} {r['peak_mib']:>10,.0f} {r['gpu_peak_mib']:>10,.0f} {r['host_peak_mib']:>10,.0f} "
                     f"{r['nvme_mib']:>9,.0f} {floor:>8}")
+    rows.append("GPU MiB: the run's peak as nvidia-smi shows it (its phases); step MiB: the training step's alone")
     rec = answer["recommended"]
     rows.append(f"recommended: {rec['option'] or 'none'} ({rec['why']})")
     return "\n".join(rows)

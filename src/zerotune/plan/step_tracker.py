@@ -25,6 +25,7 @@ class StepTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self.activation_peak = 0
+        self.activation_and_grad_peak = 0
         self.flops = {"forward": 0, "backward": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -51,6 +52,9 @@ class StepTracker(MemTracker):
         for snapshot in self._curr_mem_snap.values():
             held = snapshot[_TOTAL_KEY] - sum(snapshot[kind] for kind in _MODEL_STATES)
             self.activation_peak = max(self.activation_peak, held)
+            # With the parameter gradients autograd has accumulated so far: where a step's backward peaks
+            # when the gradients stay in param.grad (ZeRO-0, ZeRO-1).
+            self.activation_and_grad_peak = max(self.activation_and_grad_peak, held + snapshot[_MemRefType.GRAD])
 
     def held(self, kind: _MemRefType) -> int:
         return sum(snapshot[kind] for snapshot in self._curr_mem_snap.values())
