@@ -14,7 +14,7 @@ import time
 import psutil
 
 from zerotune.telemetry.nvml import Nvml, in_child_pid_namespace
-from zerotune.telemetry.processes import child_pids, dir_bytes
+from zerotune.telemetry.processes import child_pids, dir_bytes, unexeced_child_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +92,18 @@ class ProcessTree:
         return pids
 
     def rss_bytes(self, pids: list[int]) -> int:
-        # Plain RSS summed over processes: pages shared between them (fork copy-on-write, shared libs, shm)
-        # count once per process. PSS would be exact but reads /proc/<pid>/smaps, far too slow at 20 Hz.
-        total = 0
+        # Plain RSS summed over processes: pages shared between them (shared libs, shm) count once per process.
+        # PSS would be exact but reads /proc/<pid>/smaps, far too slow at 20 Hz. A child that has not exec'd
+        # yet (a subprocess between fork and exec) counts its own pages only: its RSS is its parent's again.
+        inside, total = set(pids), 0
         for pid in pids:
             proc = self._proc(pid)
+            if proc is None:
+                continue
             try:
-                total += proc.memory_info().rss if proc else 0
+                parent = proc.ppid()
+                own = unexeced_child_bytes(pid, parent) if parent in inside else None
+                total += proc.memory_info().rss if own is None else own
             except psutil.Error:  # vanished mid-scan
                 continue
         return total

@@ -50,3 +50,28 @@ def child_pids(pid: int) -> list[int] | None:
         except OSError:
             continue
     return kids
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def unexeced_child_bytes(pid: int, ppid: int) -> int | None:
+    """What a child still running its parent's program (forked or vforked, not yet exec'd: the same command
+    line) holds of its own, or None when it is not such a child (or /proc cannot say): its RSS counts its
+    parent's pages again. A vforked child shares its parent's address space (the same statm): 0. A forked one
+    shares its pages copy-on-write: its private pages (smaps_rollup). A subprocess started by a worker of
+    800 MiB would otherwise add 800 MiB to the tree's sum for the moment before its exec."""
+    mine = _read(f"/proc/{pid}/cmdline")
+    if not mine or mine != _read(f"/proc/{ppid}/cmdline"):
+        return None
+    statm = _read(f"/proc/{pid}/statm")
+    if statm is not None and statm == _read(f"/proc/{ppid}/statm"):
+        return 0
+    rollup = (_read(f"/proc/{pid}/smaps_rollup") or b"").decode(errors="replace")
+    private = [int(line.split()[1]) for line in rollup.splitlines() if line.startswith(("Private_Clean:", "Private_Dirty:"))]
+    return sum(private) * 1024 if private else None
