@@ -14,6 +14,12 @@ from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
+from zerotune.plan.process import (
+    mark_process_prediction,
+    node_rss_prediction,
+    parent_baseline_mib,
+    process_baseline_mib,
+)
 from zerotune.platform import detect
 from zerotune.preflight import CheckedRun
 from zerotune.telemetry.host import read_host_memory
@@ -59,8 +65,14 @@ def check_plan_keys(plan: Any) -> None:
 def job_plan(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
+    # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
+    device = "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
-        plan = predict(cfg, checked, gpu)
+        plan = predict(cfg, checked, gpu, device=device)
+        if device == "cpu":
+            ranks = int(cfg.launch.num_processes)
+            mark_process_prediction(plan, node_rss_prediction(plan, ranks, process_baseline_mib(),
+                                                              parent_baseline_mib()))
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}

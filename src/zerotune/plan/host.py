@@ -7,6 +7,8 @@ puts on the host. Elsewhere the host holds the host terms alone.
 
 from __future__ import annotations
 
+from zerotune.plan.step_peak import terms_at_peak
+
 CUDA_ONLY = ("cuda_context", "cublas_workspace", "allocator_rounding")
 MODEL_LOAD = "model_load"
 # Model states and DeepSpeed's buffers: what ZeRO stages, offload and adapters change.
@@ -16,8 +18,12 @@ STATE_TERMS = ("params", "params_persistent", "grads", "master_weights", "optimi
 def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
     """{term: MiB} one rank holds in host memory at its training peak (the fp32 build, before, is apart)."""
     terms: dict[str, float] = {}
-    device = plan.get("gpu_terms", []) if accelerator == "cpu" else []
-    for term in [*device, *plan.get("host_terms", [])]:
+    if plan.get("device") == "cpu":  # --device cpu: one pool already, at the step's largest moment
+        held = terms_at_peak(plan["step_terms"], plan["step_peak_moment"])
+    else:
+        device = plan.get("gpu_terms", []) if accelerator == "cpu" else []
+        held = [*terms_at_peak(device, plan.get("step_peak_moment", "")), *plan.get("host_terms", [])]
+    for term in held:
         if term["term"] in CUDA_ONLY or term["term"] == MODEL_LOAD:
             continue
         terms[term["term"]] = terms.get(term["term"], 0.0) + term["mib"]

@@ -29,10 +29,12 @@ from zerotune import files
 from zerotune.plan.host import MODEL_LOAD, rank_terms
 
 PROCESS_RSS = "process_rss"   # plan["host_peak_kind"]: the host figure predicts the job tree's peak RSS
-CACHE_FILE = "process_baseline_v1.json"
-# What a worker imports before it builds the model (launch/bootstrap.py, launch/worker.py, training/run.py).
+CACHE_FILE = "process_baseline_v2.json"
+# What a worker imports before it builds the model (launch/bootstrap.py, launch/worker.py, training/run.py),
+# and torch's inductor, which it loads while DeepSpeed builds its engine (in a worker's sys.modules after its
+# first step; of the ~2,000 modules loaded then, the only one that adds tens of MiB: 43 MiB on this host).
 WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.launch.worker",
-                  "zerotune.training.trainer")
+                  "zerotune.training.trainer", "torch._inductor.compile_fx")
 _VERSIONED = ("torch", "deepspeed", "accelerate", "diffusers")
 MEASURE_TIMEOUT_S = 300
 _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
