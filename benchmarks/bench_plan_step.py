@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     cache = _cache(a.measured)
     rows = [compare(c, cache) for c in configs(a.models.split(","), [int(s) for s in a.stages.split(",")],
                                                a.offloads.split(","), a.precisions.split(","))]
-    print(f"| model | stage | offload | precision | optimizer | held at step start B | measured peak B | "
-          f"predicted B | predicted moment | ratio |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | stage | offload | precision | optimizer | held at step start B | measured peak B | "
+          "predicted B | predicted moment | ratio |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         model, stage, offload, precision = r["config"]
         print(f"| {model} | {stage} | {offload} | {precision} | {r['optimizer']} | {r['held']:,} | {r['measured']:,} | "

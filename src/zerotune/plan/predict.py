@@ -167,8 +167,11 @@ def _state_terms(states: dict, place: str) -> list[dict]:
     for name, where_key, key in _STATES:
         if name == "master_weights" and states.get("master_weights_alias_params"):
             continue  # fp32 ZeRO-3 without offload: the partitions are the parameters themselves
-        if states["where"][where_key] == place and states[key]:
-            terms.append(_term(name, states[key], f"{states['elem_bytes'][where_key]} B/element"))
+        nbytes = states[key]
+        if name == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
+            nbytes -= states.get("params_persistent_bytes") or 0
+        if states["where"][where_key] == place and nbytes:
+            terms.append(_term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
     return terms
 
 
