@@ -50,7 +50,7 @@ def test_the_cached_figure_is_keyed_by_the_probe_size(tmp_path: Path, monkeypatc
     (plan_dir / "cpu_adam.json").write_text(json.dumps({key.rsplit("|", 1)[0]: 1e-10}))
     (plan_dir / cpu_optimizer.CACHE_FILE).write_text(json.dumps({cpu_optimizer.host_key(4_000_000): 1e-10}))
     timed = []
-    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=3: timed.append(n) or 7e-10)
+    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: timed.append(n) or 7e-10)
     assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [params]
     stored = json.loads((plan_dir / cpu_optimizer.CACHE_FILE).read_text())
     assert stored[key] == 7e-10 and stored[cpu_optimizer.host_key(4_000_000)] == 1e-10
@@ -60,6 +60,6 @@ def test_the_cached_figure_is_keyed_by_the_probe_size(tmp_path: Path, monkeypatc
 
 def test_an_unmeasurable_floor_is_none_and_not_cached(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=3: None)
+    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: None)
     assert cpu_optimizer.seconds_per_param() is None
     assert not (tmp_path / "plan" / cpu_optimizer.CACHE_FILE).exists()

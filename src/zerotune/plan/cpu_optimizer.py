@@ -2,11 +2,13 @@
 
 Measured, not looked up: its speed depends on the host's cores, SIMD width and memory bandwidth. The probe is
 sized well past the last-level cache (PROBE_LLC_MULTIPLE × the LLC in fp32 parameters, and at least
-MIN_PROBE_PARAMS), because a real model's parameters, gradients and moments stream from memory: a probe that
-fits the cache times a faster op than the one a model runs (4M parameters, 64 MB: 0.19 ns/param here, against
-0.24 ns at 200M; experiments/results/planner.md, "The CPU optimizer's time floor"). The probe is capped to a
-share of the available memory. The figure is cached per host, thread count and probe size in the planner's
-cache folder; a host where the op cannot be built gets None (unmeasured), never a guess.
+MIN_PROBE_PARAMS), like the partitions a real model steps: a probe that fits the cache can time a faster op
+than a model runs (issue 29: 0.19 ns/param at 4M, 0.24 at 200M), and on a host where each step also pays a
+fixed few milliseconds (OpenMP's threads waking), a small probe times a slower one (here 4M took about 2.0
+ns/param against 0.76-0.95 at 200M; experiments/results/planner.md, "The CPU optimizer's time floor"). The
+probe is capped to a share of the available memory. The figure is the median of REPEATS steps after a warm-up,
+cached per host, thread count and probe size in the planner's cache folder; a host where the op cannot be
+built gets None (unmeasured), never a guess.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
 PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache
 PROBE_BYTES_PER_PARAM = 16      # the probe holds fp32 param + grad + two Adam moments
 MEMORY_SHARE = 8                # the probe takes at most 1/8 of the available memory
-REPEATS = 3                     # timed steps after the warm-up step; their median is the figure
+REPEATS = 5                     # timed steps after the warm-up step; their median is the figure
 CACHE_FILE = "cpu_adam_v2.json"  # v1 (cpu_adam.json) timed 4M parameters, inside the cache: not reused
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -88,18 +90,28 @@ def seconds_per_param() -> float | None:
 def time_step(params: int, repeats: int = REPEATS) -> float | None:
     """Seconds per parameter of one DeepSpeedCPUAdam step over `params` fp32 parameters: the median of
     `repeats` steps after a warm-up step (which allocates the moments). None where the op cannot be built."""
+    optimizer = build_optimizer(params)
+    if optimizer is None:
+        return None
+    optimizer.step()
+    times = [timed_step(optimizer) for _ in range(repeats)]
+    return sorted(times)[len(times) // 2] / params
+
+
+def build_optimizer(params: int):
+    """DeepSpeedCPUAdam over one fp32 parameter of `params` elements with its gradient set, or None where the
+    op cannot be built (no compiler, no op, no memory)."""
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         param = torch.nn.Parameter(torch.zeros(params))
         param.grad = torch.full_like(param, 1e-3)
-        optimizer = DeepSpeedCPUAdam([param], lr=1e-4)
-    except Exception:  # noqa: BLE001 (no compiler, no op, no memory: the floor is unmeasured, the plan goes on)
+        return DeepSpeedCPUAdam([param], lr=1e-4)
+    except Exception:  # noqa: BLE001 (the floor is unmeasured, the plan goes on)
         return None
+
+
+def timed_step(optimizer) -> float:
+    start = time.perf_counter()
     optimizer.step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] / params
+    return time.perf_counter() - start
