@@ -14,12 +14,6 @@ from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
-from zerotune.plan.process import (
-    mark_process_prediction,
-    node_rss_prediction,
-    parent_baseline_mib,
-    process_baseline_mib,
-)
 from zerotune.platform import detect
 from zerotune.preflight import CheckedRun
 from zerotune.telemetry.host import read_host_memory
@@ -69,10 +63,6 @@ def job_plan(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
     device = "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
         plan = predict(cfg, checked, gpu, device=device)
-        if device == "cpu":
-            ranks = int(cfg.launch.num_processes)
-            mark_process_prediction(plan, node_rss_prediction(plan, ranks, process_baseline_mib(),
-                                                              parent_baseline_mib()))
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from zerotune.plan import allocator, cpu_optimizer, gpus
+from zerotune.plan import allocator, cpu_optimizer, gpus, process
 from zerotune.plan.activations import trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
@@ -58,6 +58,10 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     plan.update(_memory(cfg, checked, gpu, device, step_terms, host_terms, states, stage, world,
                         param_blocks(numels, stage, cfg.precision.name, use_ds, states, train)))
     plan.update(_times(gpu, trace, states, ds, cfg.precision.name))
+    per_node = int(cfg.launch.num_processes)
+    if device == "cpu":  # what the job's processes hold: their import baseline and the step's tensors
+        baseline, parent = process.process_baseline_mib(), process.parent_baseline_mib()
+        process.mark_process_prediction(plan, process.node_rss_prediction(plan, per_node, baseline, parent))
     if device == "cuda":  # the whole run as nvidia-smi shows it: a block freed by an earlier phase stays reserved
         plan["phases"] = run_phases(cfg, checked, gpu, plan)
         top = run_peak(plan["phases"])

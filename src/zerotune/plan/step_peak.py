@@ -101,15 +101,16 @@ def _optimizer_temporaries(shape: StepShape) -> list[dict]:
     if not shape.optimizer.startswith("torch.optim."):
         return []  # FusedAdam/FusedLion (CUDA) and DeepSpeed's CPU ops update in place
     kind = shape.optimizer.rsplit(".", 1)[1]
+    module = "adagrad" if kind == "Adagrad" else "adam"  # torch's AdamW is adam.py's Adam, decoupled
     per_tensor = {"AdamW": 2, "Adam": 2, "Adagrad": 1}.get(kind, 0)
     if not per_tensor:
         return []
     if shape.device == "cuda":  # foreach: one new tensor per optimized tensor, all at once
         return [_t("optimizer_temporaries", shape.trained * shape.master_elem, "step:update",
-                   f"torch/optim/{kind.lower()}.py, foreach on CUDA tensors: torch._foreach_sqrt of the states")]
+                   f"torch/optim/{module}.py ({kind}), foreach on CUDA tensors: torch._foreach_sqrt of the states")]
     what = "exp_avg_sq.sqrt() / bias_correction2_sqrt" if per_tensor == 2 else "state_sum.sqrt()"
     return [_t("optimizer_temporaries", per_tensor * shape.largest_trained * shape.master_elem, "step:update",
-               f"torch/optim/{kind.lower()}.py, one tensor at a time on CPU tensors: {what} of the largest one")]
+               f"torch/optim/{module}.py ({kind}), one tensor at a time on CPU tensors: {what} of the largest one")]
 
 
 _TRACE = "fake-tensor trace of forward + backward"

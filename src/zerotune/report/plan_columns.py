@@ -43,6 +43,9 @@ def plan_figures(summary: dict) -> dict[str, Any]:
         row[PLAN_ERROR] = plan["error"]  # as written; collect shortens it like a job's error
         return row
     row.update({key: _number(plan.get(name)) for key, name in PLAN_FIELDS.items()})
+    run_peak = _number(plan.get("run_peak_mib"))
+    if run_peak is not None:  # nvidia-smi's peak is the whole run's: its phases (plan/phases.py)
+        row["plan_gpu_peak_mib"] = max(run_peak, row["plan_gpu_peak_mib"] or 0.0)
     kind = plan.get("host_peak_kind")
     row[PLAN_HOST_KIND] = kind if isinstance(kind, str) else None
     return row
