@@ -35,6 +35,9 @@ def test_the_import_baseline_is_measured_cached_and_keyed(tmp_path: Path, monkey
     stored = json.loads((tmp_path / "plan" / process.CACHE_FILE).read_text())
     assert stored[key]["rss_mib"] == baseline and stored[key]["hwm_mib"] >= baseline
     assert "zerotune.training.trainer" in stored[key]["modules"]
+    with monkeypatch.context() as patched:  # another import list is another figure
+        patched.setattr(process, "WORKER_IMPORTS", ("torch",))
+        assert process.baseline_key() != key
     # Read back, not measured again: a planted figure under the key is what comes out.
     stored[key]["rss_mib"] = 123.0
     (tmp_path / "plan" / process.CACHE_FILE).write_text(json.dumps(stored))

@@ -19,6 +19,7 @@ job's workers alone: launch/job.py samples with `MemorySampler(include_root=Fals
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import platform
 import re
@@ -41,14 +42,17 @@ _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
 
 
 def baseline_key() -> str:
-    """Host, Python and the imported packages' versions: a baseline is reused only where all of them match."""
+    """Host, Python, the imported packages' versions and the import list: a baseline is reused only where all
+    of them match."""
     versions = []
     for name in _VERSIONED:
         try:
             versions.append(f"{name}{importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{name}-absent")
-    return "|".join([platform.node(), platform.machine(), f"python{platform.python_version()}", *versions])
+    imports = hashlib.sha1(",".join(WORKER_IMPORTS).encode()).hexdigest()[:8]  # another list, another figure
+    return "|".join([platform.node(), platform.machine(), f"python{platform.python_version()}", *versions,
+                     f"imports-{imports}"])
 
 
 def process_baseline_mib() -> float | None:
