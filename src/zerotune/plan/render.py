@@ -29,9 +29,18 @@ def _device(plan: dict) -> list[str]:
             f"the step: {plan['gpu_peak_mib']:,.1f} MiB at its largest moment, {moment}", *_terms(plan["gpu_terms"])]
 
 
+def _host(plan: dict) -> list[str]:
+    """The host terms; on a CPU plan, the processes' RSS it predicts (plan/process.py) and how."""
+    process = plan.get("host_process_terms")
+    if not process:
+        return _terms(plan["host_terms"])
+    return [f"  the job's processes (RSS): {process['source']}", *("  " + line for line in _terms(process["terms"])),
+            "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan["host_terms"]))]
+
+
 def breakdown(plan: dict) -> str:
     lines = [f"workload: {plan['workload']}", *_device(plan),
-             f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_terms(plan["host_terms"]),
+             f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_host(plan),
              f"NVMe: {plan['nvme_mib']:,.1f} MiB", *_terms(plan["nvme_terms"])]
     floor = plan["time_floor_s"]
     lines.append("time per step: " + ("unmeasured (no GPU figures)" if floor is None else
