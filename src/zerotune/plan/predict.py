@@ -58,15 +58,20 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     plan.update(_memory(cfg, checked, gpu, device, step_terms, host_terms, states, stage, world,
                         param_blocks(numels, stage, cfg.precision.name, use_ds, states, train)))
     plan.update(_times(gpu, trace, states, ds, cfg.precision.name))
-    per_node = int(cfg.launch.num_processes)
-    if device == "cpu":  # what the job's processes hold: their import baseline and the step's tensors
-        baseline, parent = process.process_baseline_mib(), process.parent_baseline_mib()
-        process.mark_process_prediction(plan, process.node_rss_prediction(plan, per_node, baseline, parent))
-    if device == "cuda":  # the whole run as nvidia-smi shows it: a block freed by an earlier phase stays reserved
-        plan["phases"] = run_phases(cfg, checked, gpu, plan)
-        top = run_peak(plan["phases"])
-        plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
-        plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
+    return _whole_run(cfg, checked, gpu, plan)
+
+
+def _whole_run(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
+    """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
+    on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
+    if plan["device"] == "cpu":
+        node = process.node_rss_prediction(plan, int(cfg.launch.num_processes), process.process_baseline_mib(),
+                                           process.parent_baseline_mib())
+        return process.mark_process_prediction(plan, node)
+    plan["phases"] = run_phases(cfg, checked, gpu, plan)
+    top = run_peak(plan["phases"])
+    plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
+    plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
     return plan
 
 
