@@ -1,8 +1,8 @@
 """The planner's whole training step (plan/step_peak.py): what it holds throughout plus its largest moment,
 checked against what torch really allocates on this CPU for the same step through zerotune's own trainer
 (benchmarks/step_alloc.py); and the CUDA branches that differ from the CPU's, each where DeepSpeed and torch
-decide them. The whole grid (2 models x stages 0-3 x offload none/cpu x fp32/bf16) is slow; two
-configurations run in the default suite."""
+decide them. The whole grid (2 models x stages 0-3 x offload none/cpu x fp32/bf16) is slow; one
+configuration runs in the default suite."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
 
 GRID = configs(["tiny", "sdxl_tiny"], [0, 1, 2, 3], ["none", "cpu"], ["fp32", "bf16"])
-QUICK = [("tiny", 0, "none", "bf16"), ("sdxl_tiny", 2, "cpu", "fp32")]
+QUICK = [("tiny", 0, "none", "bf16")]  # the stage-0 step transient the planner lacked; the rest under -m slow
 
 
 def _check(config: tuple) -> None:

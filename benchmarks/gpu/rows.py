@@ -22,7 +22,8 @@ COMMON = ["plan.guard=warn", "checkpoint.final=false"]
 # --dry-run: the same rows on this CPU, shapes shrunk (sdxl_tiny, 32 px, batch 2, 1 step), and optimizer states
 # kept on the device: offload=cpu's CPU-Adam op is a JIT build of minutes on 2 cores (the env part times it on
 # the card).
-TINY = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "train.max_steps=1", "offload=none"]
+# plan.gpu=h100: the job's prediction is a card's, as on the GPU machine (a CPU run's own plan is --device cpu's).
+TINY = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "train.max_steps=1", "offload=none", "plan.gpu=h100"]
 
 
 @dataclass
@@ -95,7 +96,8 @@ def read_run(run_dir: Path) -> dict:
     if phases:  # its own NVML sampler: the card's whole use (the job is the only process on it)
         measured["phases_device_peak_mib"] = phases.get("nvml_device_peak_mib")
     peak = measured.get("gpu_peak_process_mib") or measured.get("phases_device_peak_mib")
-    out["ratio"] = ratio(peak, (out["predicted"] or {}).get("gpu_peak_mib"))
+    predicted = out["predicted"] or {}  # nvidia-smi's peak is the run's: its phases where the plan has them
+    out["ratio"] = ratio(peak, predicted.get("run_peak_mib") or predicted.get("gpu_peak_mib"))
     return out
 
 
@@ -107,7 +109,8 @@ def prediction(plan: dict | None) -> dict | None:
     """The planner's answer for the job: its GPU peak, its terms, and its phases where the planner gives them."""
     if not plan:
         return None
-    keep = ("gpu", "gpu_peak_mib", "gpu_terms", "fits", "host_peak_mib", "time_floor_s", "workload")
+    keep = ("gpu", "gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "gpu_terms", "fits",
+            "host_peak_mib", "time_floor_s", "workload")
     out = {k: plan.get(k) for k in keep}
     if "phases" in plan:  # the planner's per-phase prediction, once it has one: read, never required
         out["phases"] = plan["phases"]
