@@ -17,6 +17,7 @@ from typing import Any
 
 from zerotune.plan.model_states import (
     dtype_bytes,
+    model_state_bytes,
     offload_device,
     precision_of,
     stage3_partition_numel,
@@ -204,12 +205,10 @@ def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int,
     """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
     terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
     out = {t["name"]: t["bytes"] for t in terms if t["where"] == "host" and not t["overlaps"]}
-    for t in terms:  # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype
-        if t["where"] == "host" and t["overlaps"] == "grads_bytes":
-            from zerotune.plan.model_states import model_state_bytes
-
-            grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
-                                      trainable_numels)["grads_bytes"]
-            if t["bytes"] > grads:
-                out[t["name"] + "_beyond_grads"] = t["bytes"] - grads
+    # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype: the excess counts
+    wider = [t for t in terms if t["where"] == "host" and t["overlaps"] == "grads_bytes"]
+    if wider:
+        grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
+                                  trainable_numels)["grads_bytes"]
+        out.update({t["name"] + "_beyond_grads": t["bytes"] - grads for t in wider if t["bytes"] > grads})
     return out
