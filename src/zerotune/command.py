@@ -1,6 +1,7 @@
 """`zerotune <command> ...`: one command for everything zerotune does.
 
     zerotune train train.max_steps=3               # as `python train.py ...`: Hydra overrides, -m, --cfg job
+    zerotune tune model=sdxl_tiny data=synthetic resolution=64 hydra.sweeper.global_batch=32
     zerotune plan model=sdxl resolution=1024 --gpu rtx4090
     zerotune ds-config zero_stage=3 offload=cpu
     zerotune doctor
@@ -25,6 +26,7 @@ class Command(NamedTuple):
 # for torch.
 COMMANDS = {
     "train": Command("zerotune.cli.main", "train, or sweep with -m (Hydra overrides; --help lists the groups)"),
+    "tune": Command("zerotune.cli.main", "find the fastest configuration that fits: short measured trials (-m hydra/sweeper=tune)"),
     "plan": Command("zerotune.cli.plan", "predict GPU and host memory for a configuration, without training"),
     "ds-config": Command("zerotune.cli.ds_config", "print the DeepSpeed config a configuration composes to"),
     "import-config": Command("zerotune.import_config", "turn an accelerate YAML or DeepSpeed JSON into overrides"),
@@ -42,6 +44,20 @@ def usage() -> str:
         "`zerotune <command> --help` for a command's own options.\n"
 
 
+def tune_arguments(rest: list[str]) -> list[str]:
+    """`zerotune tune ...` is `zerotune train -m hydra/sweeper=tune ...`; `--gpu NAME` is hydra.sweeper.gpu=NAME."""
+    out, rest = ["-m", "hydra/sweeper=tune"], list(rest)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--gpu" and rest:
+            out.append(f"hydra.sweeper.gpu={rest.pop(0)}")
+        elif arg.startswith("--gpu="):
+            out.append(f"hydra.sweeper.gpu={arg.split('=', 1)[1]}")
+        elif arg not in ("-m", "--multirun"):
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
@@ -52,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zerotune: no command {name!r}\n  fix: one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name].module)
-    if name == "train":
+    if name in ("train", "tune"):
         # Hydra reads sys.argv itself, and shows argv[0] as the command in its --help.
-        sys.argv = [f"zerotune {name}", *rest]
+        sys.argv = [f"zerotune {name}", *(tune_arguments(rest) if name == "tune" else rest)]
         module.main()  # ends the process (train's own exit code)
     return module.main(rest)
 

@@ -85,9 +85,7 @@ def guard(cfg: Any, plan: dict) -> str | None:
     """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
     "predicted_oom"): on a CUDA device its free memory; on every host the available memory, against the
     device terms as well on a CPU accelerator (plan["host_fit"], from job_plan)."""
-    if "gpu_peak_mib" not in plan:
-        return None
-    problems = [p for p in (_cuda_problem(plan), _host_problem(plan.get("host_fit"))) if p]
+    problems = memory_problems(plan)
     if not problems:
         return None
     problem = "; and ".join(problems)
@@ -95,6 +93,13 @@ def guard(cfg: Any, plan: dict) -> str | None:
         raise ConfigError("plan.guard", problem, _fixes(cfg, plan))
     log.warning("%s (plan.guard=%s)", problem, cfg.plan.guard)
     return "predicted_oom" if cfg.plan.guard == "skip" else None
+
+
+def memory_problems(plan: dict) -> list[str]:
+    """Each memory the predicted peak is above: a present GPU's free memory, this host's available memory."""
+    if "gpu_peak_mib" not in plan:
+        return []
+    return [p for p in (_cuda_problem(plan), _host_problem(plan.get("host_fit"))) if p]
 
 
 def _cuda_problem(plan: dict) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume
+from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume, Trial
 
 SCHEMA_NAME = "zerotune_schema"
 
@@ -216,6 +216,7 @@ class Config:
     launch: Launch = field(default_factory=Launch)
     debug: Debug = field(default_factory=Debug)
     report: Report = field(default_factory=Report)
+    trial: Trial = field(default_factory=Trial)
     # An experiment's reference figures. {} rather than None: Hydra cannot apply an override (reference.name=x,
     # a builder form's reference={...}) onto a None node; null stays accepted (older run folders).
     reference: Optional[dict[str, Any]] = field(default_factory=dict)

@@ -1,5 +1,5 @@
 """The types of the keys that steer a job rather than the model it trains: checkpoints, resume, the
-planner, launching, fault injection and sweep reports (the schema's other half: schema/__init__.py)."""
+planner, launching, fault injection, sweep reports and tune trials (the schema's other half: schema/__init__.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,20 @@ class Debug:
     hang_at_step: Optional[int] = None
     kill_at_step: Optional[int] = None
     host_alloc_mib: Optional[int] = None
+
+
+@dataclass
+class Trial:
+    """What hydra/sweeper=tune sets on each of its jobs (zerotune/tune); null outside a tune sweep. The job
+    reports its samples/s at each rung to the study's Optuna journal, which may stop it there (status pruned)."""
+    storage: Optional[str] = None        # the study's journal file
+    study: Optional[str] = None          # the study's name in it
+    number: Optional[int] = None         # this job's Optuna trial number
+    warmup_steps: int = 3                # steps left out of samples/s (compilation, allocator growth, caches)
+    min_steps: int = 4                   # rung 0: timed steps after the warm-up
+    reduction_factor: int = 3            # each rung is this many times longer; 1/this of the trials go on
+    pruner: str = "successive_halving"   # successive_halving | hyperband (Optuna's)
+    max_steps: int = 36                  # timed steps of a trial that is never stopped
 
 
 @dataclass

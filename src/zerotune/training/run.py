@@ -24,6 +24,7 @@ from zerotune.training.measure import RunTelemetry
 from zerotune.training.stop import StopSignals
 from zerotune.training.threads import apply_threads
 from zerotune.training.trainer import Trainer
+from zerotune.tune.rungs import PRUNED
 
 log = logging.getLogger("zerotune")
 
@@ -55,7 +56,7 @@ def train(cfg: Any, spec: JobSpec, startup: dict | None = None) -> dict:
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
             distributed.init_accelerate_state(checked.use_deepspeed, cfg.launch.collective_timeout_s)
             _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary, marks)
-            summary["status"] = "interrupted" if "interrupted" in summary else "ok"
+            summary["status"] = "interrupted" if "interrupted" in summary else "pruned" if "pruned" in summary else "ok"
             return summary
         except ConfigError as exc:
             summary["error"] = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
@@ -128,7 +129,9 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
             telemetry.phases.end()
             summary.update(trainer.progress())
             marks["first_step_end"] = telemetry.timer.first_step_end_unix
-        if trainer.stopped_by is not None:
+        if trainer.stopped_by == PRUNED:  # a tune trial its study stopped at a rung
+            out["pruned"] = {"after_step": trainer.step}
+        elif trainer.stopped_by is not None:
             out["interrupted"] = {"signal": trainer.stopped_by, "after_step": trainer.step,
                                   "last_checkpoint": out["checkpoint"]["last_complete"]}
         out["optimizer_class"] = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded

@@ -24,6 +24,7 @@ from zerotune.training.checkpoint.run_saves import RunSaves
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
+from zerotune.tune.rungs import PRUNED, trial_rungs
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,7 @@ class Trainer:
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = faults.step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
+        rungs = trial_rungs(self.cfg.get("trial"), self.accelerator.is_main_process)  # a tune trial's, else None
         try:
             while self.step < max_steps:
                 self.stopped_by = stop.agreed(self.accelerator.device)
@@ -258,6 +260,9 @@ class Trainer:
                 if self.step % every == 0 or self.step in (1, max_steps):
                     self.log_row(row)
                 progress.update(row)
+                if rungs is not None and rungs.stop_here(self.step, telemetry.timer):
+                    self.stopped_by = PRUNED
+                    break
                 if self.saves.due(self.step):
                     self.save_checkpoint()
             # Only a run that completed its steps: a failure never gets here (its state may be what broke it,

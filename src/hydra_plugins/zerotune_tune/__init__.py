@@ -1,0 +1,74 @@
+"""`hydra/sweeper=tune` (conf/hydra/sweeper/tune.yaml): the fastest configuration that fits, by measured trials
+under Optuna's successive halving (zerotune/tune). Hydra takes sweepers from the hydra_plugins package only;
+the work is zerotune.tune's, this class hands it Hydra's launcher and composer.
+
+hydra-optuna-sweeper is not used: its 1.3.0 requires optuna<3, and it tells Optuna only each job's final value,
+so it cannot stop a trial at a rung, nor drop a configuration before it runs."""
+
+# No `from __future__ import annotations`: Hydra executes this module without registering it in sys.modules.
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, RunMode, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+
+class TuneSweeper(Sweeper):
+    def __init__(self, **params: Any) -> None:
+        super().__init__()
+        self.params = params
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.launcher = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from zerotune.errors import ConfigError, exit_config_error
+        from zerotune.tune.settings import read_settings
+        from zerotune.tune.sweep import tune_sweep
+
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        try:
+            settings = read_settings(_plain(self.params))
+            outcome = tune_sweep(settings, list(arguments), self._compose, self._launch, sweep_dir)
+        except ConfigError as exc:
+            exit_config_error(exc)
+        return outcome
+
+    def _compose(self, overrides: list[str]) -> DictConfig:
+        from zerotune import config_search
+        from zerotune.cli.compose import check_resolves
+        from zerotune.cli.overrides import normalize_overrides
+
+        args = normalize_overrides(list(overrides), config_search.current())
+        cfg = self.hydra_context.config_loader.load_configuration(
+            config_name=self.config.hydra.job.config_name, overrides=args, run_mode=RunMode.MULTIRUN)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        check_resolves(cfg, args)
+        return cfg
+
+    def _launch(self, overrides: list[str], job: int) -> Path:
+        from zerotune import config_search
+        from zerotune.cli.overrides import normalize_overrides
+
+        args = normalize_overrides(list(overrides), config_search.current())
+        returned: JobReturn = self.launcher.launch([args], initial_job_idx=job)[0]
+        return Path(returned.hydra_cfg.hydra.runtime.output_dir)
+
+
+def _plain(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in params.items()}

@@ -1,0 +1,111 @@
+"""What a tune sweep leaves in its folder: tune.md (the answer, then one row per candidate: trials with their
+rungs, samples/s and memory, and the candidates dropped before any trial, each with its reason) and tune.csv."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerotune.tune.rungs import PRUNED
+from zerotune.tune.screen import KEPT, Screened
+from zerotune.tune.study import Trial
+
+STATUS_ORDER = {"ok": 0, PRUNED: 1}
+
+
+@dataclass
+class Outcome:
+    workload: str
+    global_batch: int
+    machine: str
+    screened: list[Screened]
+    trials: list[Trial] = field(default_factory=list)
+    predicted: bool = False          # ranked by the planner's time floor: no trial ran
+    wall_s: float = 0.0
+    winner_file: Path | None = None
+
+    def winner(self) -> dict | None:
+        rows = self.rows()
+        return rows[0] if rows and rows[0]["samples_per_s"] and rows[0]["status"] in ("ok", "predicted") else None
+
+    def rows(self) -> list[dict]:
+        """Every candidate, best first: complete trials by samples/s, then stopped ones, failed ones, dropped."""
+        ran = {t.screened.number: t for t in self.trials}
+        rows = [_row(s, ran.get(s.number), self.global_batch, self.predicted) for s in self.screened]
+        return sorted(rows, key=_rank_key)
+
+
+def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -> dict:
+    row = {"candidate": s.number, "config": s.candidate.label(), "grad_accum": s.candidate.grad_accum,
+           "status": s.verdict, "timed_steps": None, "samples_per_s": None, "rungs": "", "reason": s.reason,
+           "gpu_peak_process_mib": None, "host_peak_rss_mib": None, "run_dir": None,
+           "plan_peak_mib": s.plan.get("run_peak_mib") or s.plan.get("gpu_peak_mib") or s.plan.get("step_peak_mib"),
+           "plan_time_floor_s": s.plan.get("time_floor_s"), "plan_bound": s.plan.get("bound")}
+    if predicted and s.verdict == KEPT:
+        floor = s.plan.get("time_floor_s")
+        row.update(status="predicted", samples_per_s=global_batch / floor if floor else None,
+                   reason=_binding(s.plan) or "the planner has no time floor for it")
+    elif trial is not None:
+        row.update(status=trial.status, timed_steps=trial.timed_steps, samples_per_s=trial.samples_per_s,
+                   rungs=" ".join(f"{k}:{v:.4g}" for k, v in trial.rungs.items()),
+                   reason="" if trial.status in ("ok", PRUNED) else (trial.row.get("error") or trial.status),
+                   gpu_peak_process_mib=trial.row.get("gpu_peak_process_mib"),
+                   host_peak_rss_mib=trial.row.get("host_peak_rss_mib"), run_dir=trial.row.get("run_dir"))
+    elif s.verdict == KEPT:
+        row.update(status="not_run", reason="beyond hydra.sweeper.n_trials")
+    return row
+
+
+def _binding(plan: dict) -> str:
+    terms = sorted((plan.get("terms") or {}).items(), key=lambda kv: -kv[1])[:3]
+    return "bound by " + ", ".join(f"{name} {seconds:.3g} s" for name, seconds in terms) if terms else ""
+
+
+def _rank_key(row: dict) -> tuple:
+    order = {"ok": 0, "predicted": 0, PRUNED: 1}.get(row["status"], 2 if row["run_dir"] else 3)
+    return order, -(row["samples_per_s"] or 0.0), row["candidate"]
+
+
+def write(outcome: Outcome, folder: Path) -> Path:
+    rows = outcome.rows()
+    with open(folder / "tune.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["candidate"])
+        writer.writeheader()
+        writer.writerows(rows)
+    (folder / "tune.md").write_text(markdown(outcome, rows))
+    return folder / "tune.md"
+
+
+def markdown(outcome: Outcome, rows: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    lines = [f"# tune: {outcome.workload}, global batch {outcome.global_batch}", "",
+             f"- machine: {outcome.machine}",
+             f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
+             f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "",
+             "| # | config | accum | status | timed steps | samples/s | rungs (steps:samples/s) | GPU peak MiB | "
+             "host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['candidate']} | {r['config']} | {r['grad_accum']} | {r['status']} | "
+                     f"{_cell(r['timed_steps'])} | {_cell(r['samples_per_s'], '{:.4g}')} | {r['rungs']} | "
+                     f"{_cell(r['gpu_peak_process_mib'], '{:,.0f}', 'unmeasured')} | "
+                     f"{_cell(r['host_peak_rss_mib'], '{:,.0f}')} | {_cell(r['plan_peak_mib'], '{:,.0f}')} | "
+                     f"{r['reason']} |")
+    return "\n".join(lines) + "\n"
+
+
+def answer(outcome: Outcome) -> str:
+    best = outcome.winner()
+    if best is None:
+        return "**No candidate completed its trial**: see the rows below for why."
+    how = "predicted by the planner's time floor (no trial ran)" if outcome.predicted else \
+        f"measured over {best['timed_steps']} timed steps"
+    saved = f"; saved as `{outcome.winner_file}`" if outcome.winner_file else ""
+    return f"**Fastest: {best['config']} (grad_accum {best['grad_accum']}), {best['samples_per_s']:.4g} samples/s, " \
+           f"{how}**{saved}."
+
+
+def _cell(value, fmt: str = "{}", missing: str = "-") -> str:
+    return missing if value is None else fmt.format(value)

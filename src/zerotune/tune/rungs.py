@@ -1,0 +1,83 @@
+"""Successive halving's rungs, shared by the sweeper (which creates the study) and each trial's job (which
+reports to it). A trial's job reports samples/s over its timed steps (after `warmup_steps`) at each rung;
+Optuna's pruner, reading every trial's value at that rung from the study's journal, may stop it there."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PRUNERS = ("successive_halving", "hyperband")
+PRUNED = "pruned"  # Trainer.stopped_by, and the job's status, when the study stopped it at a rung
+
+
+def rung_steps(min_steps: int, reduction_factor: int, max_steps: int) -> list[int]:
+    """Timed steps at which a trial reports: min_steps x reduction_factor^k up to max_steps, and max_steps."""
+    steps, rung = [], min_steps
+    while rung < max_steps:
+        steps.append(rung)
+        rung *= reduction_factor
+    return [*steps, max_steps]
+
+
+def make_pruner(trial: Any):
+    """Optuna's pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
+    import optuna
+
+    if trial.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=trial.min_steps, max_resource=trial.max_steps,
+                                              reduction_factor=trial.reduction_factor)
+    return optuna.pruners.SuccessiveHalvingPruner(min_resource=trial.min_steps,
+                                                  reduction_factor=trial.reduction_factor)
+
+
+def journal(path: str):
+    """The study's storage: an append-only journal file that the sweeper and its jobs (other processes, other
+    nodes over a shared file system) write with a lock."""
+    import optuna
+
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+
+
+class TrialRungs:
+    """A trial's job, at each rung: report samples/s, and ask whether to stop (rank 0 asks; every rank is told)."""
+
+    def __init__(self, trial: Any, is_main: bool) -> None:
+        self.warmup = int(trial.warmup_steps)
+        self.rungs = set(rung_steps(trial.min_steps, trial.reduction_factor, trial.max_steps))
+        self.reported: list[tuple[int, float]] = []
+        self._trial = _open_trial(trial) if is_main else None
+
+    def stop_here(self, step: int, timer: Any) -> bool:
+        timed = step - self.warmup
+        if timed not in self.rungs:
+            return False
+        stop = False
+        if self._trial is not None:
+            durations, samples = timer.durations[self.warmup:], timer.samples[self.warmup:]
+            value = sum(samples) / sum(durations)
+            self._trial.report(value, timed)
+            self.reported.append((timed, value))
+            stop = self._trial.should_prune()
+            if stop:
+                log.info("tune: stopped at rung %d timed steps (%.3g samples/s)", timed, value)
+        from zerotune.training import distributed
+
+        return bool(distributed.broadcast_object(stop))  # ranks stop after the same step
+
+
+def trial_rungs(trial: Any, is_main: bool) -> TrialRungs | None:
+    """The job's rungs when it is a tune trial (trial.storage set), else None."""
+    return TrialRungs(trial, is_main) if trial is not None and trial.get("storage") else None
+
+
+def _open_trial(trial: Any):
+    import optuna
+
+    storage = journal(trial.storage)
+    study = optuna.load_study(study_name=trial.study, storage=storage, pruner=make_pruner(trial))
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(trial.study),
+                                                                int(trial.number))
+    return optuna.trial.Trial(study, trial_id)

@@ -1,0 +1,84 @@
+"""Before any trial: each candidate composed, checked by the validator and planned. What the validator refuses,
+what the planner predicts will not fit, and what composes to the same run as an earlier candidate are dropped,
+each with its reason; the rest are the trials."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerotune.errors import ConfigError
+from zerotune.tune.space import Candidate
+
+log = logging.getLogger(__name__)
+
+KEPT, INVALID, NO_FIT, SAME = "kept", "invalid", "predicted_oom", "duplicate"
+
+
+@dataclass
+class Screened:
+    number: int                       # the candidate's place in the space, from 0
+    candidate: Candidate
+    verdict: str                      # kept | invalid | predicted_oom | duplicate
+    reason: str = ""
+    plan: dict = field(default_factory=dict)   # peak MiB, time floor and what binds it
+
+    def as_row(self) -> dict:
+        return {"candidate": self.number, **self.candidate.knobs, "train.grad_accum": self.candidate.grad_accum,
+                "verdict": self.verdict, "reason": self.reason, **{f"plan.{k}": v for k, v in self.plan.items()}}
+
+
+def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[str]], Any],
+           gpu_name: str | None) -> list[Screened]:
+    """Each candidate's verdict. `compose`: overrides -> the job's config; `gpu_name`: plan for that card
+    (not present) rather than this machine."""
+    from zerotune.launch.planning import job_gpu, job_plan, memory_problems
+    from zerotune.plan import gpus
+    from zerotune.preflight import preflight
+
+    out, runs = [], {}
+    for number, candidate in enumerate(found):
+        overrides = [*workload, *candidate.overrides()]
+        try:
+            cfg = compose(overrides)
+            checked = preflight(cfg, overrides=overrides)
+            gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(cfg)
+            plan = job_plan(cfg, checked, gpu)
+        except ConfigError as exc:
+            out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
+            continue
+        same = runs.setdefault(_run_key(cfg, checked.ds_config), number)
+        problems = [] if "error" in plan else _problems(plan, gpu_name, memory_problems)
+        verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
+                           (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.get("error", "")))
+        out.append(Screened(number, candidate, verdict, reason, _plan_view(plan)))
+    return out
+
+
+def _problems(plan: dict, gpu_name: str | None, memory_problems) -> list[str]:
+    if gpu_name:  # a card not here: its whole memory, as the catalog gives it
+        return [] if plan.get("fits") is not False else [
+            f"predicted GPU peak {plan.get('run_peak_mib') or plan['gpu_peak_mib']:,.0f} MiB is above the "
+            f"{gpu_name}'s memory"]
+    return memory_problems(plan)
+
+
+def _run_key(cfg: Any, ds: dict) -> str:
+    """What decides the run's speed: its DeepSpeed dict and how it is launched."""
+    from omegaconf import OmegaConf
+
+    launch = {k: OmegaConf.select(cfg, f"launch.{k}") for k in ("num_processes", "nnodes", "threads")}
+    return json.dumps({"ds": ds, "launch": launch, "checkpointing": bool(cfg.train.gradient_checkpointing)},
+                      sort_keys=True, default=str)
+
+
+def _plan_view(plan: dict) -> dict:
+    view = {k: plan.get(k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
+                                     "time_floor_s", "bound")}
+    view["host_need_mib"] = (plan.get("host_fit") or {}).get("needed_mib")
+    if plan.get("time_terms"):
+        view["terms"] = {t["term"]: t["seconds"] for t in plan["time_terms"] if t.get("seconds") is not None}
+    return view

@@ -1,0 +1,116 @@
+"""The measured search: the kept candidates as Optuna trials, one job each, in the order Optuna's grid sampler
+draws them. Each job reports samples/s at its rungs and the study's pruner (successive halving, or Hyperband)
+stops it where it falls behind; a job that runs out of memory or fails is told to the study as the worst
+score (0 samples/s), and the search goes on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotune.tune.rungs import PRUNED, journal, make_pruner
+from zerotune.tune.screen import KEPT, Screened
+from zerotune.tune.settings import TuneSettings
+
+log = logging.getLogger("zerotune")
+
+STUDY = "tune"
+JOURNAL = "tune.journal"
+# Trials are measurements: no checkpoint, no sampling, no logger; what the command line set for these is replaced.
+TRIAL_SETTINGS = ("checkpoint.final=false", "checkpoint.every_n_steps=0", "evaluate.enabled=false")
+
+
+@dataclass
+class Trial:
+    screened: Screened
+    number: int                      # Optuna's trial number
+    status: str                      # ok | pruned | oom | failed | timeout | ...
+    samples_per_s: float | None      # over every timed step it ran (after the sweeper's warm-up)
+    timed_steps: int
+    rungs: dict[int, float]          # timed steps -> samples/s reported there
+    row: dict                        # the job's report row (report/collect.py)
+    wall_s: float
+
+    @property
+    def score(self) -> float:
+        """What the study was told: samples/s, or 0 for a job that failed."""
+        return self.samples_per_s if self.status in ("ok", PRUNED) and self.samples_per_s else 0.0
+
+
+def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[str], sweep_dir: Path,
+               launch: Callable[[list[str], int], Path]) -> list[Trial]:
+    """Every kept candidate (or hydra.sweeper.n_trials of them) as a trial. `launch(overrides, job_number)`
+    runs one job and returns its run folder."""
+    import optuna
+
+    kept = [s for s in screened if s.verdict == KEPT]
+    if not kept:
+        return []
+    study = optuna.create_study(
+        storage=journal(str(sweep_dir / JOURNAL)), study_name=STUDY, direction="maximize", load_if_exists=False,
+        sampler=optuna.samplers.GridSampler({"candidate": [s.number for s in kept]}, seed=settings.seed),
+        pruner=make_pruner(_as_trial_settings(settings)))
+    by_number = {s.number: s for s in kept}
+    trials: list[Trial] = []
+
+    def objective(optuna_trial) -> float:
+        chosen = by_number[optuna_trial.suggest_categorical("candidate", list(by_number))]
+        started = time.perf_counter()
+        run_dir = launch(_trial_overrides(settings, chosen, workload, sweep_dir, optuna_trial.number), len(trials))
+        trial = _outcome(chosen, optuna_trial, sweep_dir, run_dir, time.perf_counter() - started)
+        trials.append(trial)
+        log.info(progress_line(trial, len(trials), len(kept), trials))
+        optuna_trial.set_user_attr("status", trial.status)
+        if trial.status == PRUNED:
+            raise optuna.TrialPruned()
+        return trial.score  # a failed or out-of-memory job: the worst score, and the search goes on
+
+    # optimize(), not ask/tell: the grid sampler ends the study from inside it once every candidate has run.
+    study.optimize(objective, n_trials=min(settings.n_trials or len(kept), len(kept)))
+    return trials
+
+
+def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[str], sweep_dir: Path,
+                     number: int) -> list[str]:
+    replaced = {line.split("=", 1)[0].lstrip("+~") for line in (*TRIAL_SETTINGS, "train.max_steps=")}
+    kept = [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in replaced]
+    return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *settings.trial_overrides(),
+            f"train.max_steps={settings.warmup_steps + settings.max_steps}",
+            f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={STUDY}", f"trial.number={number}"]
+
+
+def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wall_s: float) -> Trial:
+    from zerotune.report.collect import read_job
+
+    row = read_job(sweep_dir, run_dir)
+    # The study's own record of the rungs: what the job reported, whatever became of its summary.
+    frozen = next(t for t in optuna_trial.study.get_trials(deepcopy=False) if t.number == optuna_trial.number)
+    rungs = {int(step): float(value) for step, value in sorted(frozen.intermediate_values.items())}
+    timed = max(rungs) if rungs else 0
+    # Every trial's figure over the same warm-up (the sweeper's): the value its job reported at its last rung.
+    value = rungs[timed] if rungs else None
+    return Trial(chosen, optuna_trial.number, row["status"], value, timed, rungs, row, wall_s)
+
+
+def progress_line(trial: Trial, done: int, total: int, trials: list[Trial]) -> str:
+    best = max((t for t in trials if t.status == "ok" and t.samples_per_s), key=lambda t: t.samples_per_s,
+               default=None)
+    if trial.status == "ok" and trial.samples_per_s:
+        what = f"{trial.samples_per_s:.4g} samples/s over {trial.timed_steps} timed steps"
+    elif trial.status == PRUNED and trial.rungs:
+        what = f"stopped at rung {trial.timed_steps} steps, {trial.rungs[trial.timed_steps]:.4g} samples/s"
+    else:
+        what = f"{trial.status}: {trial.row.get('error') or 'no samples/s'} (scored 0)"
+    lead = f"best {best.samples_per_s:.4g} (candidate {best.screened.number})" if best else "no complete trial yet"
+    return (f"tune [{done}/{total}] candidate {trial.screened.number} {trial.screened.candidate.label()}: {what}; "
+            f"{lead}; {trial.wall_s:.1f} s")
+
+
+def _as_trial_settings(settings: TuneSettings):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(pruner=settings.pruner, min_steps=settings.min_steps, max_steps=settings.max_steps,
+                           reduction_factor=settings.reduction_factor)

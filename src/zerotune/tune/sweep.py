@@ -1,0 +1,76 @@
+"""One tune sweep, start to end: the workload's global batch, the candidates, the screen, then the trials (or,
+for a card not present, the planner's ranking), the report and the winner's file."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from zerotune.tune import report
+from zerotune.tune.report import Outcome
+from zerotune.tune.screen import INVALID, KEPT, Screened, screen
+from zerotune.tune.settings import TuneSettings
+from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
+from zerotune.tune.study import run_trials
+from zerotune.tune.winner import default_name, save_winner
+
+log = logging.getLogger("zerotune")
+
+
+def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
+               launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
+    started = time.perf_counter()
+    line = read_command_line(arguments)
+    fixed = [f"{k}={line.values[k][0]}" for k in sorted(line.fixed)]
+    base = compose([*line.workload, *line.accumulation, *fixed])
+    global_batch = settings.global_batch or _composed_global_batch(base)
+    gpus = _gpu_count()
+    values = knob_values(line, settings.space, gpus)
+    found, dropped = candidates(values, global_batch, int(base.launch.nnodes), settings.space.get("train.batch_size"))
+    screened = screen(found, line.workload, compose, settings.gpu)
+    screened += [Screened(len(found) + i, Candidate({"config": label}, 0), INVALID, why)
+                 for i, (label, why) in enumerate(dropped)]
+    kept = sum(s.verdict == KEPT for s in screened)
+    log.info("tune: %d candidates, %d kept for trials, %d dropped before any trial (%.1f s): see tune.md",
+             len(screened), kept, len(screened) - kept, time.perf_counter() - started)
+    device = settings.gpu or (_gpu_name() if gpus else "cpu")
+    outcome = Outcome(workload=" ".join(line.workload) or "the default job", global_batch=global_batch,
+                      machine=_machine(settings.gpu, gpus), screened=screened, predicted=bool(settings.gpu))
+    if not settings.gpu:
+        outcome.trials = run_trials(settings, screened, line.workload, sweep_dir, launch)
+    outcome.wall_s = time.perf_counter() - started
+    name = settings.name or default_name(base.model.name, base.resolution.size, global_batch, device)
+    outcome.winner_file = save_winner(outcome, line.workload, name, sweep_dir)
+    written = report.write(outcome, sweep_dir)
+    log.info("tune: %s\n  every candidate: %s", report.answer(outcome), written)
+    return outcome
+
+
+def _composed_global_batch(cfg: Any) -> int:
+    return int(cfg.train.batch_size) * int(cfg.train.grad_accum) * int(cfg.launch.num_processes) * \
+        int(cfg.launch.nnodes)
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0).replace(" ", "_").lower()
+
+
+def _machine(named_gpu: str | None, gpus: int) -> str:
+    import os
+
+    if named_gpu:
+        return f"{named_gpu} (not present: the planner's prediction)"
+    where = f"{gpus} x {_gpu_name()}" if gpus else f"CPU only, {len(os.sched_getaffinity(0))} cores"
+    return f"{socket.gethostname()}, {where}"
