@@ -112,16 +112,17 @@ def _fake_jobs(rates: dict[int, float | str], launched: list[list[str]]):
         run_dir.mkdir()
         rate = rates[int(given["train.batch_size"])]
         status, steps = "ok", int(given["train.max_steps"])
-        if isinstance(rate, str):
-            status, steps = rate, 2
-        else:
-            rungs, timer = TrialRungs(trial, is_main=True), SimpleNamespace(durations=[], samples=[])
-            for step in range(1, steps + 1):
-                timer.durations.append(32 / rate)
-                timer.samples.append(32)
-                if rungs.stop_here(step, timer):
-                    status, steps = "pruned", step
-                    break
+        if isinstance(rate, str):  # fast through its first rung, then it fails
+            status, steps, rate = rate, trial.warmup_steps + trial.min_steps + 1, 1000.0
+        rungs, timer = TrialRungs(trial, is_main=True), SimpleNamespace(durations=[], samples=[])
+        for step in range(1, steps + 1):
+            timer.durations.append(32 / rate)
+            timer.samples.append(32)
+            if status == "ok" and rungs.stop_here(step, timer):
+                status, steps = "pruned", step
+                break
+            if status != "ok" and step == trial.warmup_steps + trial.min_steps:
+                rungs.stop_here(step, timer)  # reported, then failed before the next rung
         error = {"type": "OutOfMemoryError", "message": "injected"} if status == "oom" else None
         (run_dir / "summary.json").write_text(json.dumps({"status": status, "steps": steps, "error": error}))
         return run_dir
@@ -129,10 +130,11 @@ def _fake_jobs(rates: dict[int, float | str], launched: list[list[str]]):
     return launch
 
 
-def test_the_study_stops_slow_trials_at_a_rung_and_scores_a_failure_worst(tmp_path):
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_study_stops_slow_trials_at_a_rung_and_scores_a_failure_worst(tmp_path, seed):
     rates = {1: 10.0, 2: 20.0, 4: "oom", 8: 40.0, 16: 30.0, 32: 5.0}
     kept = [Screened(i, Candidate({"train.batch_size": str(b)}, 32 // b), KEPT) for i, b in enumerate(rates)]
-    settings = TuneSettings(warmup_steps=1, min_steps=1, reduction_factor=3, max_steps=9, seed=3)
+    settings = TuneSettings(warmup_steps=1, min_steps=1, reduction_factor=3, max_steps=9, seed=seed)
     launched: list[list[str]] = []
     trials = run_trials(settings, kept, ["model=tiny"], tmp_path, _fake_jobs(rates, launched))
     assert len(trials) == len(rates)          # the OOM did not end the search

@@ -50,7 +50,7 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
         except ConfigError as exc:
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
-        same = runs.setdefault(_run_key(cfg, checked.ds_config), number)
+        same = runs.setdefault(_run_key(cfg), number)
         problems = [] if "error" in plan else _problems(plan, gpu_name, memory_problems)
         verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
                            (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.get("error", "")))
@@ -66,13 +66,11 @@ def _problems(plan: dict, gpu_name: str | None, memory_problems) -> list[str]:
     return memory_problems(plan)
 
 
-def _run_key(cfg: Any, ds: dict) -> str:
-    """What decides the run's speed: its DeepSpeed dict and how it is launched."""
+def _run_key(cfg: Any) -> str:
+    """Two candidates that compose to the same config (zero_stage=2 and zero_stage='2') are one run."""
     from omegaconf import OmegaConf
 
-    launch = {k: OmegaConf.select(cfg, f"launch.{k}") for k in ("num_processes", "nnodes", "threads")}
-    return json.dumps({"ds": ds, "launch": launch, "checkpointing": bool(cfg.train.gradient_checkpointing)},
-                      sort_keys=True, default=str)
+    return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
 
 
 def _plan_view(plan: dict) -> dict:

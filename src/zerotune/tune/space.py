@@ -35,7 +35,7 @@ class Candidate:
         return [f"{k}={v}" for k, v in self.knobs.items()] + [f"train.grad_accum={self.grad_accum}"]
 
     def label(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.knobs.items())
+        return _label(self.knobs)
 
 
 @dataclass
@@ -134,4 +134,7 @@ def _text(value: Any) -> str:
 
 
 def _label(knobs: dict[str, str]) -> str:
-    return " ".join(f"{k}={v}" for k, v in knobs.items())
+    """As a user types them: zero_stage=2, not Hydra's zero_stage='2'."""
+    from zerotune.cli.overrides import as_typed
+
+    return " ".join(as_typed([f"{k}={v}" for k, v in knobs.items()]))

@@ -49,8 +49,9 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     kept = [s for s in screened if s.verdict == KEPT]
     if not kept:
         return []
+    storage = journal(str(sweep_dir / JOURNAL))
     study = optuna.create_study(
-        storage=journal(str(sweep_dir / JOURNAL)), study_name=STUDY, direction="maximize", load_if_exists=False,
+        storage=storage, study_name=STUDY, direction="maximize", load_if_exists=False,
         sampler=optuna.samplers.GridSampler({"candidate": [s.number for s in kept]}, seed=settings.seed),
         pruner=make_pruner(_as_trial_settings(settings)))
     by_number = {s.number: s for s in kept}
@@ -66,11 +67,22 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
         optuna_trial.set_user_attr("status", trial.status)
         if trial.status == PRUNED:
             raise optuna.TrialPruned()
+        if trial.score == 0.0:
+            _worst_at_every_rung(storage, optuna_trial.number)
         return trial.score  # a failed or out-of-memory job: the worst score, and the search goes on
 
     # optimize(), not ask/tell: the grid sampler ends the study from inside it once every candidate has run.
     study.optimize(objective, n_trials=min(settings.n_trials or len(kept), len(kept)))
     return trials
+
+
+def _worst_at_every_rung(storage, number: int) -> None:
+    """A job that failed after a rung (an OOM at a later step) must not stop others with what it reported there:
+    its rungs take its score too, 0 (the pruner compares the rungs' values, kept as the trial's system attrs)."""
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(STUDY), number)
+    for key in storage.get_trial(trial_id).system_attrs:
+        if key.startswith("completed_rung_"):
+            storage.set_trial_system_attr(trial_id, key, 0.0)
 
 
 def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[str], sweep_dir: Path,
@@ -91,7 +103,7 @@ def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wal
     rungs = {int(step): float(value) for step, value in sorted(frozen.intermediate_values.items())}
     timed = max(rungs) if rungs else 0
     # Every trial's figure over the same warm-up (the sweeper's): the value its job reported at its last rung.
-    value = rungs[timed] if rungs else None
+    value = rungs[timed] if rungs and row["status"] in ("ok", PRUNED) else None
     return Trial(chosen, optuna_trial.number, row["status"], value, timed, rungs, row, wall_s)
 
 

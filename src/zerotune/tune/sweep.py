@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from zerotune.cli.overrides import as_typed
 from zerotune.tune import report
 from zerotune.tune.report import Outcome
 from zerotune.tune.screen import INVALID, KEPT, Screened, screen
@@ -38,7 +39,7 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     log.info("tune: %d candidates, %d kept for trials, %d dropped before any trial (%.1f s): see tune.md",
              len(screened), kept, len(screened) - kept, time.perf_counter() - started)
     device = settings.gpu or (_gpu_name() if gpus else "cpu")
-    outcome = Outcome(workload=" ".join(line.workload) or "the default job", global_batch=global_batch,
+    outcome = Outcome(workload=" ".join(as_typed(line.workload)) or "the default job", global_batch=global_batch,
                       machine=_machine(settings.gpu, gpus), screened=screened, predicted=bool(settings.gpu))
     if not settings.gpu:
         outcome.trials = run_trials(settings, screened, line.workload, sweep_dir, launch)
