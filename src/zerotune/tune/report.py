@@ -43,9 +43,12 @@ def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -
            "plan_peak_mib": s.plan.get("run_peak_mib") or s.plan.get("gpu_peak_mib") or s.plan.get("step_peak_mib"),
            "plan_time_floor_s": s.plan.get("time_floor_s"), "plan_bound": s.plan.get("bound")}
     if predicted and s.verdict == KEPT:
-        floor = s.plan.get("time_floor_s")
+        # A floor without its compute term would rank an offloaded run (whose optimizer term is known) above
+        # one whose compute is unknown: such a candidate has no prediction.
+        floor = s.plan.get("time_floor_s") if "compute" in s.plan.get("terms", {}) else None
         row.update(status="predicted", samples_per_s=global_batch / floor if floor else None,
-                   reason=_binding(s.plan) or "the planner has no time floor for it")
+                   reason=_binding(s.plan) if floor else "no time floor: unknown " +
+                   ", ".join(s.plan.get("terms_unknown") or ["terms"]))
     elif trial is not None:
         row.update(status=trial.status, timed_steps=trial.timed_steps, samples_per_s=trial.samples_per_s,
                    rungs=" ".join(f"{k}:{v:.4g}" for k, v in trial.rungs.items()),
@@ -63,8 +66,9 @@ def _binding(plan: dict) -> str:
 
 
 def _rank_key(row: dict) -> tuple:
+    """Fastest first; among equals, the one the planner gives the most room (a floor is often shared)."""
     order = {"ok": 0, "predicted": 0, PRUNED: 1}.get(row["status"], 2 if row["run_dir"] else 3)
-    return order, -(row["samples_per_s"] or 0.0), row["candidate"]
+    return order, -(row["samples_per_s"] or 0.0), row["plan_peak_mib"] or 0.0, row["candidate"]
 
 
 def write(outcome: Outcome, folder: Path) -> Path:
@@ -90,7 +94,7 @@ def markdown(outcome: Outcome, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['candidate']} | {r['config']} | {r['grad_accum']} | {r['status']} | "
                      f"{_cell(r['timed_steps'])} | {_cell(r['samples_per_s'], '{:.4g}')} | {r['rungs']} | "
-                     f"{_cell(r['gpu_peak_process_mib'], '{:,.0f}', 'unmeasured')} | "
+                     f"{_cell(r['gpu_peak_process_mib'], '{:,.0f}', 'unmeasured' if r['run_dir'] else '-')} | "
                      f"{_cell(r['host_peak_rss_mib'], '{:,.0f}')} | {_cell(r['plan_peak_mib'], '{:,.0f}')} | "
                      f"{r['reason']} |")
     return "\n".join(lines) + "\n"

@@ -77,6 +77,7 @@ def _plan_view(plan: dict) -> dict:
     view = {k: plan.get(k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
                                      "time_floor_s", "bound")}
     view["host_need_mib"] = (plan.get("host_fit") or {}).get("needed_mib")
-    if plan.get("time_terms"):
-        view["terms"] = {t["term"]: t["seconds"] for t in plan["time_terms"] if t.get("seconds") is not None}
+    terms = plan.get("time_terms") or []
+    view["terms"] = {t["term"]: t["seconds"] for t in terms if t.get("seconds") is not None}
+    view["terms_unknown"] = [f"{t['term']} ({t.get('note', 'unmeasured')})" for t in terms if t.get("seconds") is None]
     return view

@@ -30,7 +30,7 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     base = compose([*line.workload, *line.accumulation, *fixed])
     global_batch = settings.global_batch or _composed_global_batch(base)
     gpus = _gpu_count()
-    values = knob_values(line, settings.space, gpus)
+    values = knob_values(line, settings.space, 1 if settings.gpu else gpus)  # a named card: one process on it
     found, dropped = candidates(values, global_batch, int(base.launch.nnodes), settings.space.get("train.batch_size"))
     screened = screen(found, line.workload, compose, settings.gpu)
     screened += [Screened(len(found) + i, Candidate({"config": label}, 0), INVALID, why)
