@@ -13,7 +13,7 @@ from tests.helpers.cli import compose_cfg
 from zerotune.errors import ConfigError
 from zerotune.tune.report import Outcome, markdown
 from zerotune.tune.rungs import TrialRungs, journal, rung_steps
-from zerotune.tune.screen import INVALID, KEPT, NO_FIT, SAME, Screened, screen
+from zerotune.tune.screen import INVALID, KEPT, NO_FIT, SAME, SLOWER, Screened, screen
 from zerotune.tune.settings import TuneSettings, read_settings
 from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
 from zerotune.tune.study import JOURNAL, run_trials
@@ -90,6 +90,21 @@ def test_the_planner_drops_what_cannot_fit_and_the_validator_what_it_refuses():
     assert verdicts[1].verdict == KEPT
     assert verdicts[2].verdict == INVALID and "offload needs ZeRO stage 1 or more" in verdicts[2].reason
     assert verdicts[3].verdict == SAME and "candidate 1" in verdicts[3].reason
+
+
+def test_checkpointing_is_tried_only_where_the_run_without_it_does_not_fit():
+    workload = ["model=tiny", "data=synthetic", "resolution=32", "launch.num_processes=1", "zero_stage=2",
+                "offload=none"]
+    found = [Candidate({"train.batch_size": str(b), "train.gradient_checkpointing": gc}, 64 // b)
+             for b in (64, 8) for gc in ("false", "true")]
+    first = screen(found, workload, lambda o: compose_cfg(*o), None)
+    assert [s.verdict for s in first] == [KEPT, SLOWER, KEPT, SLOWER] and "candidate 0" in first[1].reason
+    need = {(s.candidate.knobs["train.batch_size"], s.candidate.knobs["train.gradient_checkpointing"]):
+            s.plan["host_need_mib"] for s in first}
+    assert need[("64", "true")] < need[("64", "false")]
+    budget = int((need[("64", "true")] + need[("64", "false")]) / 2)  # batch 64 fits only with checkpointing
+    again = screen(found, [*workload, f"plan.host_mib={budget}"], lambda o: compose_cfg(*o), None)
+    assert [s.verdict for s in again] == [NO_FIT, KEPT, KEPT, SLOWER]
 
 
 def test_rungs():

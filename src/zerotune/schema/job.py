@@ -71,7 +71,7 @@ class Trial:
     warmup_steps: int = 3                # steps left out of samples/s (compilation, allocator growth, caches)
     min_steps: int = 4                   # rung 0: timed steps after the warm-up
     reduction_factor: int = 3            # each rung is this many times longer; 1/this of the trials go on
-    pruner: str = "successive_halving"   # successive_halving | hyperband (Optuna's)
+    pruner: str = "successive_halving"   # successive_halving | hyperband (Optuna's) | none
     max_steps: int = 36                  # timed steps of a trial that is never stopped
 
 

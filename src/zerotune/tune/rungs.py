@@ -9,7 +9,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-PRUNERS = ("successive_halving", "hyperband")
+PRUNERS = ("successive_halving", "hyperband", "none")  # none: every trial runs max_steps (a grid)
 PRUNED = "pruned"  # Trainer.stopped_by, and the job's status, when the study stopped it at a rung
 
 
@@ -26,6 +26,8 @@ def make_pruner(trial: Any):
     """Optuna's pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
     import optuna
 
+    if trial.pruner == "none":
+        return optuna.pruners.NopPruner()
     if trial.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=trial.min_steps, max_resource=trial.max_steps,
                                               reduction_factor=trial.reduction_factor)

@@ -15,7 +15,8 @@ from zerotune.tune.space import Candidate
 
 log = logging.getLogger(__name__)
 
-KEPT, INVALID, NO_FIT, SAME = "kept", "invalid", "predicted_oom", "duplicate"
+KEPT, INVALID, NO_FIT, SAME, SLOWER = "kept", "invalid", "predicted_oom", "duplicate", "dominated"
+CHECKPOINTING = "train.gradient_checkpointing"
 
 
 @dataclass
@@ -55,7 +56,25 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
         verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
                            (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.get("error", "")))
         out.append(Screened(number, candidate, verdict, reason, _plan_view(plan)))
-    return out
+    return _drop_needless_checkpointing(out)
+
+
+def _drop_needless_checkpointing(found: list[Screened]) -> list[Screened]:
+    """Gradient checkpointing only adds a forward's recomputation: it is worth a trial only where the same run
+    without it is predicted not to fit."""
+    without = {_twin_key(s.candidate): s for s in found if str(s.candidate.knobs.get(CHECKPOINTING)).lower() == "false"}
+    for s in found:
+        twin = without.get(_twin_key(s.candidate))
+        if s.verdict == KEPT and str(s.candidate.knobs.get(CHECKPOINTING)).lower() == "true" and twin is not None \
+                and twin.verdict == KEPT:
+            s.verdict = SLOWER
+            s.reason = (f"candidate {twin.number}, the same without gradient checkpointing, is predicted to fit; "
+                        "checkpointing only adds recomputation")
+    return found
+
+
+def _twin_key(candidate: Candidate) -> str:
+    return " ".join(f"{k}={v}" for k, v in candidate.knobs.items() if k != CHECKPOINTING)
 
 
 def _problems(plan: dict, gpu_name: str | None, memory_problems) -> list[str]:

@@ -22,6 +22,7 @@ class TuneSettings:
     reduction_factor: int = 3
     max_steps: int = 36
     pruner: str = "successive_halving"
+    drop_by_plan: bool = True            # false: what the planner predicts won't fit (or needlessly checkpoints) runs too
     space: dict[str, Any] = field(default_factory=dict)
 
     def trial_overrides(self) -> list[str]:
@@ -42,6 +43,9 @@ def read_settings(params: dict[str, Any]) -> TuneSettings:
     _check_positive(settings, ("warmup_steps",), minimum=0)
     _check_positive(settings, ("min_steps", "max_steps", "global_batch", "n_trials"), minimum=1)
     _check_positive(settings, ("reduction_factor",), minimum=2)
+    if not isinstance(settings.drop_by_plan, bool):
+        raise ConfigError("hydra.sweeper.drop_by_plan", f"must be true or false, got {settings.drop_by_plan!r}",
+                          "hydra.sweeper.drop_by_plan=true")
     if settings.pruner not in PRUNERS:
         raise ConfigError("hydra.sweeper.pruner", f"unknown {settings.pruner!r}",
                           f"hydra.sweeper.pruner={' | '.join(PRUNERS)}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.tune.rungs import PRUNED, journal, make_pruner
-from zerotune.tune.screen import KEPT, Screened
+from zerotune.tune.screen import KEPT, NO_FIT, SLOWER, Screened
 from zerotune.tune.settings import TuneSettings
 
 log = logging.getLogger("zerotune")
@@ -46,7 +46,7 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     runs one job and returns its run folder."""
     import optuna
 
-    kept = [s for s in screened if s.verdict == KEPT]
+    kept = [s for s in screened if s.verdict == KEPT or (not settings.drop_by_plan and s.verdict in (NO_FIT, SLOWER))]
     if not kept:
         return []
     storage = journal(str(sweep_dir / JOURNAL))
