@@ -11,8 +11,8 @@ import pytest
 
 from tests.helpers.cli import compose_cfg
 from zerotune.errors import ConfigError
+from zerotune.training.rungs import TrialRungs, journal, rung_steps
 from zerotune.tune.report import Outcome, markdown
-from zerotune.tune.rungs import TrialRungs, journal, rung_steps
 from zerotune.tune.screen import INVALID, KEPT, NO_FIT, SAME, SLOWER, Screened, screen
 from zerotune.tune.settings import TuneSettings, read_settings
 from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line

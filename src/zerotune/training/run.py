@@ -21,10 +21,10 @@ from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
 from zerotune.training.measure import RunTelemetry
+from zerotune.training.rungs import PRUNED
 from zerotune.training.stop import StopSignals
 from zerotune.training.threads import apply_threads
 from zerotune.training.trainer import Trainer
-from zerotune.tune.rungs import PRUNED
 
 log = logging.getLogger("zerotune")
 

@@ -24,7 +24,7 @@ from zerotune.training.checkpoint.run_saves import RunSaves
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
-from zerotune.tune.rungs import PRUNED, trial_rungs
+from zerotune.training.rungs import PRUNED, trial_rungs
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotune.tune.rungs import PRUNED
+from zerotune.training.rungs import PRUNED
 from zerotune.tune.screen import KEPT, Screened
 from zerotune.tune.study import Trial
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.tune.rungs import PRUNERS
+from zerotune.training.rungs import PRUNERS
 
 
 @dataclass(frozen=True)

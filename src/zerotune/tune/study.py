@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotune.tune.rungs import PRUNED, journal, make_pruner
+from zerotune.training.rungs import PRUNED, journal, make_pruner
 from zerotune.tune.screen import KEPT, NO_FIT, SLOWER, Screened
 from zerotune.tune.settings import TuneSettings
 
