@@ -36,7 +36,7 @@ README_CONFIG = ["zero_stage=2", "offload=cpu", "train.batch_size=32", "train.gr
 
 def sweep(args: list[str], folder: Path, max_steps: int, env: dict) -> tuple[list[dict], float]:
     """One tune sweep; its tune.csv rows and its wall time (the whole command)."""
-    cmd = [sys.executable, "train.py", "-m", "hydra/sweeper=tune", *WORKLOAD, *args,
+    cmd = [sys.executable, str(ROOT / "train.py"), "-m", "hydra/sweeper=tune", *WORKLOAD, *args,
            f"hydra.sweeper.max_steps={max_steps}", f"hydra.sweeper.min_steps={min(4, max_steps)}",
            "hydra.sweeper.name=bench", f"hydra.sweep.dir={folder}"]
     started = time.perf_counter()

@@ -26,7 +26,8 @@ def zerotune(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 def test_the_one_script_is_zerotune_and_its_commands_are_the_ones_tested_here():
     assert SCRIPTS == {"zerotune": "zerotune.command:main"}
-    assert set(COMMANDS) == {"train", "plan", "ds-config", "import-config", "export", "report", "doctor", "builder"}
+    assert set(COMMANDS) == {"train", "tune", "plan", "ds-config", "import-config", "export", "report", "doctor",
+                             "builder"}
 
 
 def test_help_lists_every_command():
@@ -61,6 +62,26 @@ def test_train_cfg_job_prints_the_composed_config(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^zero_stage:\n  stage: 3$", proc.stdout, re.MULTILINE), proc.stdout
     assert not (tmp_path / "outputs").exists()  # printing the config runs nothing
+
+
+def test_zerotune_tune_for_a_card_not_here_ranks_by_the_planner_and_runs_nothing(tmp_path):
+    proc = zerotune("tune", "model=tiny", "data=synthetic", "resolution=8", "precision=bf16", "zero_stage=2",
+                    "offload=none,cpu", "train.gradient_checkpointing=false", "deepspeed.overlap_comm=false",
+                    "hydra.sweeper.global_batch=8", "--gpu", "rtx4090", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "sweep" / "tune.md").read_text()
+    assert "predicted by the planner's time floor (no trial ran)" in report and "bound by compute" in report
+    assert [p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()] == []  # no job ran
+    winner = tmp_path / "zerotune" / "experiment" / "tuned_tiny_8_gb8_rtx4090.yaml"
+    assert "not measured" in winner.read_text()
+
+
+@pytest.mark.parametrize(("args", "key"), [(["resolution=8,16"], "resolution"),
+                                           (["hydra.sweeper.pruner=median"], "hydra.sweeper.pruner")])
+def test_zerotune_tune_refuses_bad_input_naming_the_key(tmp_path, args, key):
+    proc = zerotune("tune", "model=tiny", "data=synthetic", *args, "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert proc.returncode == 2 and f"config error at `{key}`" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "sweep" / "0").exists()
 
 
 def test_zerotune_ds_config_prints_the_json():

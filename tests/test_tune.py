@@ -170,3 +170,11 @@ def test_the_study_stops_slow_trials_at_a_rung_and_scores_a_failure_worst(tmp_pa
     assert outcome.winner()["candidate"] == 3
     table = markdown(outcome, outcome.rows())
     assert "**Fastest: train.batch_size=8 (grad_accum 4), 40 samples/s" in table and "| oom |" in table
+
+
+def test_zerotune_tune_is_a_tune_sweep():
+    from zerotune.command import tune_arguments
+
+    assert tune_arguments(["model=sdxl", "--gpu", "h100", "-m"]) == \
+        ["-m", "hydra/sweeper=tune", "model=sdxl", "hydra.sweeper.gpu=h100"]
+    assert tune_arguments(["--gpu=rtx4090"]) == ["-m", "hydra/sweeper=tune", "hydra.sweeper.gpu=rtx4090"]
