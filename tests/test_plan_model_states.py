@@ -226,6 +226,7 @@ def lora_engine(tmp_path_factory) -> dict:
     return engine_partitions(LORA, tmp_path_factory.mktemp("lora"), TREE)  # one -m sweep of the two
 
 
+@pytest.mark.slow  # one -m sweep of real engines, 38 s; the meta build's LoRA count is checked by default
 @pytest.mark.parametrize("combo", LORA, ids=lambda c: "-".join(map(str, c)))
 def test_prediction_equals_the_engine_with_lora(combo, lora_engine):
     _check(combo, lora_engine[combo])

@@ -57,6 +57,7 @@ def test_nvme_offload_swaps_to_the_folder(tmp_path):
     assert summary["memory"]["nvme_peak_mib"] > 0
 
 
+@pytest.mark.slow  # 30 s; the default job's other tests run it shortened
 def test_default_job_loss_falls(tmp_path):
     proc = run_cli("train.max_steps=60", "scheduler.warmup_steps=10", "train.log_every=10", "evaluate.per_class=4", "evaluate.steps=4",
                    f"hydra.run.dir={tmp_path}")

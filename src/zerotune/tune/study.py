@@ -89,7 +89,9 @@ def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[st
                      number: int) -> list[str]:
     replaced = {line.split("=", 1)[0].lstrip("+~") for line in (*TRIAL_SETTINGS, "train.max_steps=")}
     kept = [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in replaced]
-    return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *settings.trial_overrides(),
+    # drop_by_plan=false runs what the planner predicts won't fit: its job's guard must let it try.
+    guard = [] if settings.drop_by_plan else ["plan.guard=warn"]
+    return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *guard, *settings.trial_overrides(),
             f"train.max_steps={settings.warmup_steps + settings.max_steps}",
             f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={STUDY}", f"trial.number={number}"]
 
