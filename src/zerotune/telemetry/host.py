@@ -60,9 +60,10 @@ class HostMemory:
                 "cgroup_limit_mib": self.cgroup_limit_mib, "limit_mib": self.limit_mib}
 
 
-def read_host_memory() -> HostMemory:
+def read_host_memory(cgroup: list[tuple[Path, Path]] | None = None) -> HostMemory:
+    """`cgroup`: the (limit, usage) files of `cgroup_files()`, found once by a caller that reads many times."""
     vm = psutil.virtual_memory()
-    limit, used = _cgroup_memory()
+    limit, used = _cgroup_memory(cgroup_files() if cgroup is None else cgroup)
     return HostMemory(vm.total / MIB, vm.available / MIB, limit, used)
 
 
@@ -95,22 +96,26 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
 
 
-def _cgroup_memory() -> tuple[float | None, float | None]:
-    """(limit, usage) in MiB of the tightest limit on this process's cgroup or one above it; (None, None) when
-    none is set."""
+def cgroup_files() -> list[tuple[Path, Path]]:
+    """The (limit, usage) files of this process's cgroup and of every one above it (a parent's limit binds its
+    children), up to the hierarchy's root; [] where none can be read."""
     v2 = _cgroup_dir("memory.max")
     folder = v2 or _cgroup_dir("memory.limit_in_bytes")
-    if folder is None:
-        return None, None
     names = ("memory.max", "memory.current") if v2 is not None else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    files: list[tuple[Path, Path]] = []
+    while folder is not None and (folder / names[0]).is_file():
+        files.append((folder / names[0], folder / names[1]))
+        folder = folder.parent if folder.parent != folder else None
+    return files
+
+
+def _cgroup_memory(files: list[tuple[Path, Path]]) -> tuple[float | None, float | None]:
+    """(limit, usage) in MiB of the tightest limit among `files`; (None, None) when none is set."""
     tightest: tuple[int, int | None] | None = None
-    while (folder / names[0]).is_file():  # up to the hierarchy's root: a parent's limit binds its children
-        limit = _read_int(folder / names[0])
+    for limit_file, usage_file in files:
+        limit = _read_int(limit_file)
         if limit is not None and limit < _NO_LIMIT_BYTES and (tightest is None or limit < tightest[0]):
-            tightest = (limit, _read_int(folder / names[1]))
-        if folder.parent == folder:
-            break
-        folder = folder.parent
+            tightest = (limit, _read_int(usage_file))
     if tightest is None:
         return None, None
     limit, used = tightest
@@ -219,6 +224,8 @@ class HostWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._oom_kills_at_start: int | None = None
+        # Found once: finding them (/proc/self/cgroup, a stat a level) costs twice what reading them does.
+        self._cgroup = cgroup_files()
 
     def start(self) -> HostWatch:
         self._oom_kills_at_start = cgroup_oom_kills()
@@ -242,7 +249,7 @@ class HostWatch:
 
     def sample_now(self) -> HostSample:
         pids = self._tree.pids()
-        sample = HostSample(time.monotonic(), self._tree.rss_bytes(pids) / MIB, read_host_memory())
+        sample = HostSample(time.monotonic(), self._tree.rss_bytes(pids) / MIB, read_host_memory(self._cgroup))
         with self._lock:
             self._recent.append(sample)
             for gone in self._alive - set(pids):
