@@ -71,7 +71,8 @@ def report(tune: tuple, grid: tuple, mine: list[float], readme: list[float], max
     ran = sum(1 for r in tune_rows if r["run_dir"])
     lines = [f"# zerotune tune: {datetime.now():%Y-%m-%d %H:%M}, {len(os.sched_getaffinity(0))} cores, "
              f"load average before {LOAD_BEFORE:.2f}", "",
-             f"workload: {' '.join(WORKLOAD)}; space: {' '.join(SPACE)} train.batch_size=auto; "
+             f"workload: {' '.join(WORKLOAD)}; space: {' '.join(SPACE)}"
+             f"{'' if any(k.startswith('train.batch_size=') for k in SPACE) else ' train.batch_size=auto'}; "
              f"{max_steps} timed steps after 3 warm-up", "",
              "| search | candidates run | best samples/s | its configuration | wall time |", "|---|---|---|---|---|",
              f"| tune | {ran} of {len(tune_rows)} | {float(t['samples_per_s']):.4g} | {t['config']} | {tune_wall:.0f} s |",

@@ -49,6 +49,7 @@ class TrialRungs:
     def __init__(self, trial: Any, is_main: bool) -> None:
         self.warmup = int(trial.warmup_steps)
         self.rungs = set(rung_steps(trial.min_steps, trial.reduction_factor, trial.max_steps))
+        self.last = int(trial.max_steps)
         self.reported: list[tuple[int, float]] = []
         self._trial = _open_trial(trial) if is_main else None
 
@@ -62,7 +63,8 @@ class TrialRungs:
             value = sum(samples) / sum(durations)
             self._trial.report(value, timed)
             self.reported.append((timed, value))
-            stop = self._trial.should_prune()
+            # The last rung is the trial's whole measurement: it completes, whatever the pruner would say.
+            stop = timed < self.last and self._trial.should_prune()
             if stop:
                 log.info("tune: stopped at rung %d timed steps (%.3g samples/s)", timed, value)
         from zerotune.training import distributed
