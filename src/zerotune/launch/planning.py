@@ -14,6 +14,7 @@ from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
+from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
 from zerotune.preflight import CheckedRun
 from zerotune.telemetry.host import read_host_memory
@@ -74,7 +75,9 @@ def job_plan(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
 def host_fit(cfg: Any, plan: dict) -> dict:
     """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
     accelerator, ranks = detect().device_type, int(cfg.launch.num_processes)
-    need, memory, budget = node_need_mib(plan, ranks, accelerator), read_host_memory(), cfg.plan.get("host_mib")
+    # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
+    need = plan["host_peak_mib"] if plan.get("host_peak_kind") == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
+    memory, budget = read_host_memory(), cfg.plan.get("host_mib")
     room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))
     return {"accelerator": accelerator, "ranks": ranks, "needed_mib": need, "available_mib": memory.headroom_mib,
             "total_mib": memory.total_mib, "cgroup_limit_mib": memory.cgroup_limit_mib, "budget_mib": budget,
