@@ -6,7 +6,6 @@ hydra-optuna-sweeper is not used: its 1.3.0 requires optuna<3, and it tells Optu
 so it cannot stop a trial at a rung, nor drop a configuration before it runs."""
 
 # No `from __future__ import annotations`: Hydra executes this module without registering it in sys.modules.
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,6 @@ from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
-
-log = logging.getLogger(__name__)
 
 
 class TuneSweeper(Sweeper):

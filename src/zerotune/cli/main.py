@@ -43,7 +43,7 @@ def job_spec() -> JobSpec:
 
 # The packaged configs; the user's folder is searched before them (hydra_plugins/zerotune_user_configs).
 @hydra.main(config_path=f"pkg://{config_search.PACKAGED_CONF}", config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> dict | None:
+def _hydra_main(cfg: DictConfig) -> None:
     _task_started()
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
@@ -61,7 +61,7 @@ def _hydra_main(cfg: DictConfig) -> dict | None:
     except ConfigError as exc:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
-            return None
+            return
         exit_config_error(exc)
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
@@ -73,7 +73,6 @@ def _hydra_main(cfg: DictConfig) -> dict | None:
     if summary["status"] not in ("ok", "planned", "pruned") and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
         sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
-    return summary  # a sweeper's JobReturn.return_value (hydra/sweeper=tune reads its samples/s)
 
 
 # Imported when called, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,

@@ -50,7 +50,6 @@ class TrialRungs:
         self.warmup = int(trial.warmup_steps)
         self.rungs = set(rung_steps(trial.min_steps, trial.reduction_factor, trial.max_steps))
         self.last = int(trial.max_steps)
-        self.reported: list[tuple[int, float]] = []
         self._trial = _open_trial(trial) if is_main else None
 
     def stop_here(self, step: int, timer: Any) -> bool:
@@ -62,7 +61,6 @@ class TrialRungs:
             durations, samples = timer.durations[self.warmup:], timer.samples[self.warmup:]
             value = sum(samples) / sum(durations)
             self._trial.report(value, timed)
-            self.reported.append((timed, value))
             # The last rung is the trial's whole measurement: it completes, whatever the pruner would say.
             stop = timed < self.last and self._trial.should_prune()
             if stop:

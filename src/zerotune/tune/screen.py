@@ -5,15 +5,12 @@ each with its reason; the rest are the trials."""
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.tune.space import Candidate
-
-log = logging.getLogger(__name__)
 
 KEPT, INVALID, NO_FIT, SAME, SLOWER = "kept", "invalid", "predicted_oom", "duplicate", "dominated"
 CHECKPOINTING = "train.gradient_checkpointing"
@@ -23,20 +20,16 @@ CHECKPOINTING = "train.gradient_checkpointing"
 class Screened:
     number: int                       # the candidate's place in the space, from 0
     candidate: Candidate
-    verdict: str                      # kept | invalid | predicted_oom | duplicate
+    verdict: str                      # kept | invalid | predicted_oom | duplicate | dominated
     reason: str = ""
     plan: dict = field(default_factory=dict)   # peak MiB, time floor and what binds it
-
-    def as_row(self) -> dict:
-        return {"candidate": self.number, **self.candidate.knobs, "train.grad_accum": self.candidate.grad_accum,
-                "verdict": self.verdict, "reason": self.reason, **{f"plan.{k}": v for k, v in self.plan.items()}}
 
 
 def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[str]], Any],
            gpu_name: str | None) -> list[Screened]:
     """Each candidate's verdict. `compose`: overrides -> the job's config; `gpu_name`: plan for that card
     (not present) rather than this machine."""
-    from zerotune.launch.planning import job_gpu, job_plan, memory_problems
+    from zerotune.launch.planning import job_gpu, job_plan
     from zerotune.plan import gpus
     from zerotune.preflight import preflight
 
@@ -52,7 +45,7 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
         same = runs.setdefault(_run_key(cfg), number)
-        problems = [] if "error" in plan else _problems(plan, gpu_name, memory_problems)
+        problems = [] if "error" in plan else _problems(plan, gpu_name)
         verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
                            (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.get("error", "")))
         out.append(Screened(number, candidate, verdict, reason, _plan_view(plan)))
@@ -77,7 +70,9 @@ def _twin_key(candidate: Candidate) -> str:
     return " ".join(f"{k}={v}" for k, v in candidate.knobs.items() if k != CHECKPOINTING)
 
 
-def _problems(plan: dict, gpu_name: str | None, memory_problems) -> list[str]:
+def _problems(plan: dict, gpu_name: str | None) -> list[str]:
+    from zerotune.launch.planning import memory_problems
+
     if gpu_name:  # a card not here: its whole memory, as the catalog gives it
         return [] if plan.get("fits") is not False else [
             f"predicted GPU peak {plan.get('run_peak_mib') or plan['gpu_peak_mib']:,.0f} MiB is above the "

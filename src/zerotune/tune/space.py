@@ -43,7 +43,11 @@ class CommandLine:
     workload: list[str] = field(default_factory=list)     # the same in every trial
     accumulation: list[str] = field(default_factory=list)  # train.grad_accum as given: for the global batch only
     values: dict[str, list[str]] = field(default_factory=dict)  # knob -> its values, given or bounded
-    fixed: set[str] = field(default_factory=set)           # knobs given one value
+
+    @property
+    def fixed(self) -> set[str]:
+        """The knobs given one value."""
+        return {key for key, given in self.values.items() if len(given) == 1}
 
 
 def read_command_line(arguments: list[str]) -> CommandLine:
@@ -56,8 +60,6 @@ def read_command_line(arguments: list[str]) -> CommandLine:
         elif key in KNOBS:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
             line.values[key] = values
-            if len(values) == 1:
-                line.fixed.add(key)
         elif o.is_sweep_override():
             raise ConfigError(key, "a list here would compare different workloads: tune searches one workload's "
                                    f"knobs ({', '.join(KNOBS)})",
@@ -125,8 +127,7 @@ def _auto(key: str, gpus: int) -> list[str]:
 
 
 def _as_list(value: Any) -> list:
-    return list(value) if isinstance(value, list | tuple) or hasattr(value, "__iter__") and not isinstance(value, str) \
-        else [value]
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _text(value: Any) -> str:

@@ -53,7 +53,7 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     study = optuna.create_study(
         storage=storage, study_name=STUDY, direction="maximize", load_if_exists=False,
         sampler=optuna.samplers.GridSampler({"candidate": [s.number for s in kept]}, seed=settings.seed),
-        pruner=make_pruner(_as_trial_settings(settings)))
+        pruner=make_pruner(settings))  # TuneSettings carries the trial's pruner fields under the same names
     by_number = {s.number: s for s in kept}
     trials: list[Trial] = []
 
@@ -85,10 +85,15 @@ def _worst_at_every_rung(storage, number: int) -> None:
             storage.set_trial_system_attr(trial_id, key, 0.0)
 
 
+def without_trial_settings(workload: list[str]) -> list[str]:
+    """The workload less what every trial sets itself (TRIAL_SETTINGS and train.max_steps)."""
+    replaced = {line.split("=", 1)[0] for line in TRIAL_SETTINGS} | {"train.max_steps"}
+    return [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in replaced]
+
+
 def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[str], sweep_dir: Path,
                      number: int) -> list[str]:
-    replaced = {line.split("=", 1)[0].lstrip("+~") for line in (*TRIAL_SETTINGS, "train.max_steps=")}
-    kept = [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in replaced]
+    kept = without_trial_settings(workload)
     # drop_by_plan=false runs what the planner predicts won't fit: its job's guard must let it try.
     guard = [] if settings.drop_by_plan else ["plan.guard=warn"]
     return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *guard, *settings.trial_overrides(),
@@ -122,9 +127,3 @@ def progress_line(trial: Trial, done: int, total: int, trials: list[Trial]) -> s
     return (f"tune [{done}/{total}] candidate {trial.screened.number} {trial.screened.candidate.label()}: {what}; "
             f"{lead}; {trial.wall_s:.1f} s")
 
-
-def _as_trial_settings(settings: TuneSettings):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(pruner=settings.pruner, min_steps=settings.min_steps, max_steps=settings.max_steps,
-                           reduction_factor=settings.reduction_factor)

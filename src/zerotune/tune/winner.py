@@ -9,7 +9,7 @@ from pathlib import Path
 
 from zerotune.cli.experiment_file import experiment_path, experiment_yaml, write_experiment
 from zerotune.tune.report import Outcome
-from zerotune.tune.study import TRIAL_SETTINGS
+from zerotune.tune.study import without_trial_settings
 
 NAME_KEY = "hydra.sweeper.name"
 
@@ -25,8 +25,7 @@ def save_winner(outcome: Outcome, workload: list[str], name: str, sweep_dir: Pat
         return None
     path = experiment_path(f"tuned_{name}", key=NAME_KEY)
     chosen = next(s for s in outcome.screened if s.number == best["candidate"])
-    trial_keys = {line.split("=", 1)[0] for line in TRIAL_SETTINGS} | {"train.max_steps"}
-    kept = [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in trial_keys]
+    kept = without_trial_settings(workload)
     how = ("predicted by the planner's time floor, not measured" if outcome.predicted else
            f"measured over {best['timed_steps']} timed steps after the warm-up")
     comments = [f"Found by `zerotune tune` on {outcome.machine}, {datetime.now():%Y-%m-%d %H:%M}: "
