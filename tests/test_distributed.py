@@ -356,3 +356,21 @@ def test_external_launchers_share_one_run_dir(launcher, tmp_path):
     assert p["grads_bytes"] == p["params_bytes"]  # stage 1 keeps whole gradients
     assert p["params_bytes"] / 2 <= p["master_weights_bytes"] <= p["params_bytes"] / 2 + partition_tolerance_bytes(2)
     assert len(read_losses(run)) == 2
+
+
+def test_launch_config_fits_an_older_torch(monkeypatch):
+    """torch 2.11 (the CUDA images') has no LaunchConfig.shutdown_timeout: the launch still builds, without it."""
+    import dataclasses
+
+    import torch.distributed.launcher.api as api
+
+    from zerotune.launch.elastic import launch_config
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(api.LaunchConfig) if f.name != "shutdown_timeout"]
+    older = dataclasses.make_dataclass("LaunchConfig", fields)
+    monkeypatch.setattr(api, "LaunchConfig", older)
+    built = launch_config(compose_cfg().launch, Path("/r"))
+    assert isinstance(built, older) and not hasattr(built, "shutdown_timeout")
+    assert built.signals_to_handle and built.nproc_per_node == 1
+    monkeypatch.undo()
+    assert launch_config(compose_cfg("launch.stop_grace_s=7").launch, Path("/r")).shutdown_timeout == 7

@@ -10,6 +10,7 @@ tells the kernel's OOM killer from a person's kill).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -84,7 +85,7 @@ def launch_config(launch: Any, run_dir: Path):
                                       else uuid.uuid4().hex[:12])
     # One log folder per node: over a shared file system, node 1's local rank 0 must not write node 0's.
     log_dir = run_dir / "logs" / (f"node{int(launch.node_rank)}" if nnodes > 1 else "")
-    return LaunchConfig(
+    settings = dict(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=int(launch.num_processes),
         run_id=str(run_id),
         # "static" is torchrun's default: node ranks are given, the master hosts the store.
@@ -97,6 +98,9 @@ def launch_config(launch: Any, run_dir: Path):
         # checkpoint.on_signal is set, and record "interrupted"; after stop_grace_s it kills them.
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=int(launch.stop_grace_s),
     )
+    # torch < 2.13 (the CUDA images' 2.11) has neither field: its agent keeps its own 30 s grace and SIGTERM.
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return LaunchConfig(**{key: value for key, value in settings.items() if key in known})
 
 
 class Launcher:
