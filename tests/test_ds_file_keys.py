@@ -1,6 +1,7 @@
 """The top-level keys of a user's DeepSpeed JSON: every key DeepSpeed reads has a decision (honoured, translated
-or refused, user_config/ds_keys.py), an unknown key is an error naming the nearest known one, and every fix
-an error of a user's file gives works when applied: the run is then accepted."""
+or refused, user_config/ds_keys.py), keys DeepSpeed ignores pass with a warning unless they ask for something,
+a misspelt key is an error naming the nearest known one, and every fix an error of a user's file gives works
+when applied: the run is then accepted."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ NO_DEEPSPEED = Platform("mps", False, "DeepSpeed does not support macOS/MPS", bf
 BASE = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
 
 # Keys of the table that DeepSpeed's config parser does not read: LLaMA-Factory's "fp8" (DeepSpeed has no such
-# key), an older spelling, and one it reads only once torch.distributed is up.
-NOT_READ_BY_DEEPSPEED_CONFIG = {"fp8", "fp32_allreduce", "sequence_parallel_size"}
+# key), an older spelling, one it reads only once torch.distributed is up, and what only the environment gives.
+# The "ignored" keys are not read either (test_every_key_deepspeed_reads_has_a_decision).
+NOT_READ_BY_DEEPSPEED_CONFIG = {"fp8", "fp32_allreduce", "sequence_parallel_size", "cuda_visible_devices",
+                                "CUDA_VISIBLE_DEVICES"}
 
 # For each refused key: a value asking for what is refused, and one asking for nothing.
 REFUSED_VALUES = {
@@ -52,6 +55,8 @@ REFUSED_VALUES = {
     "dataloader_drop_last": (False, True),
     "managed_gradient_accumulation": (False, True),
     "disable_allgather": (True, False),
+    "cuda_visible_devices": ("0,1", ""),
+    "CUDA_VISIBLE_DEVICES": (0, None),
     "amp": ({"enabled": True, "opt_level": "O1"}, {"enabled": False}),
     "sparse_attention": ({"mode": "fixed", "block": 16}, {}),
     "elasticity": ({"enabled": True, "max_train_batch_size": 64}, {"enabled": False}),
@@ -64,6 +69,14 @@ REFUSED_VALUES = {
     "graph_harvesting": (True, False),
     "curriculum_learning": ({"enabled": True, "curriculum_type": "seqlen"}, {"enabled": False}),
     "progressive_layer_drop": ({"enabled": True, "theta": 0.5}, {"enabled": False}),
+}
+
+# For each key DeepSpeed ignores: LLaMA-Factory's value (asks for nothing), and one asking for what DeepSpeed
+# would not do.
+IGNORED_VALUES = {
+    "comms_config": ({"verbose": False}, {"enabled": True, "verbose": True}),
+    "monitor_config": ({"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}},
+                       {"enabled": True, "csv_monitor": {"enabled": True, "output_path": "csv"}}),
 }
 
 # The fix of each refused key, applied to BASE + the key: what the file becomes, and the overrides it adds.
@@ -144,7 +157,9 @@ def test_every_key_deepspeed_reads_has_a_decision():
     read = keys_deepspeed_reads()
     assert len(read) > 40  # the recording saw the parser's look-ups
     assert read - set(ds_keys.KEYS) == set(), "a key DeepSpeed reads and the table does not decide"
-    assert set(ds_keys.KEYS) - read == NOT_READ_BY_DEEPSPEED_CONFIG
+    ignored = {name for name, d in ds_keys.KEYS.items() if d.kind == ds_keys.IGNORED}
+    assert ignored == set(IGNORED_VALUES) and ignored.isdisjoint(read)
+    assert set(ds_keys.KEYS) - read == NOT_READ_BY_DEEPSPEED_CONFIG | ignored
 
 
 def test_the_features_deepspeed_removed_are_the_ones_marked_removed():
@@ -156,9 +171,9 @@ def test_the_features_deepspeed_removed_are_the_ones_marked_removed():
 
 def test_every_decision_says_why_and_every_refusal_how():
     for name, decision in ds_keys.KEYS.items():
-        assert decision.kind in (ds_keys.HONOURED, ds_keys.TRANSLATED, ds_keys.REFUSED), name
+        assert decision.kind in (ds_keys.HONOURED, ds_keys.TRANSLATED, ds_keys.REFUSED, ds_keys.IGNORED), name
         assert decision.reason and "\n" not in decision.reason, name
-        assert (decision.kind == ds_keys.REFUSED) == bool(decision.fix), name
+        assert (decision.kind in (ds_keys.REFUSED, ds_keys.IGNORED)) == bool(decision.fix), name
     assert set(REFUSED_VALUES) == {n for n, d in ds_keys.KEYS.items() if d.kind == ds_keys.REFUSED}
 
 
@@ -191,6 +206,21 @@ def test_values_that_ask_for_nothing_are_accepted_together(tmp_path, caplog):
     removed = {name for name, d in ds_keys.KEYS.items() if d.removed}
     assert removed.isdisjoint(ds) and "curriculum_learning\", which asks for nothing" in caplog.text
     assert ds["flops_profiler"] == {"enabled": False} and ds["dataloader_drop_last"] is True
+    # DeepSpeed would turn its comms logger on for any "comms_logger" block, "enabled": false included
+    assert "comms_logger" not in ds and 'dropped "comms_logger"' in caplog.text
+
+
+def test_deepspeed_turns_its_comms_logger_on_for_a_disabled_block():
+    """Why a disabled "comms_logger" is dropped rather than passed on (deepspeed/comm/config.py)."""
+    from deepspeed.comm.comm import comms_logger, configure
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    was = comms_logger.enabled
+    try:
+        configure(DeepSpeedConfig({**BASE, "gradient_accumulation_steps": 1, "comms_logger": {"enabled": False}}))
+        assert comms_logger.enabled is True
+    finally:
+        comms_logger.enabled = was
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED_VALUES))
@@ -206,6 +236,58 @@ def test_the_fix_of_a_refused_key_works(name, tmp_path):
     check(write(tmp_path, fixed, "after.json"), *overrides)
 
 
+# ---------------------------------------------------------------- keys DeepSpeed ignores
+
+
+def warned_keys(warnings: list[str]) -> list[str]:
+    """The key each warning line names ('ds.json: "comms_config" is not ...')."""
+    return [re.match(r'\S+: (?:dropped )?"?([\w.]+)', line).group(1) for line in warnings]
+
+
+def test_keys_deepspeed_ignores_pass_with_one_warning_each_and_are_left_out(tmp_path, caplog):
+    data = {**BASE, **{name: nothing for name, (nothing, _) in IGNORED_VALUES.items()}}
+    with caplog.at_level(logging.WARNING):
+        checked = check(write(tmp_path, data))
+    assert warned_keys(checked.config_warnings) == ["comms_config", "monitor_config"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == checked.config_warnings
+    assert "DeepSpeed ignores it" in checked.config_warnings[0] and '"comms_logger"' in checked.config_warnings[0]
+    assert '"csv_monitor"' in checked.config_warnings[1]
+    assert set(IGNORED_VALUES).isdisjoint(checked.ds_config)
+
+
+@pytest.mark.parametrize("name", sorted(IGNORED_VALUES))
+def test_a_key_deepspeed_ignores_that_asks_for_something_is_refused_and_its_fix_works(name, tmp_path):
+    _, asks = IGNORED_VALUES[name]
+    err = refused(write(tmp_path, {**BASE, name: asks}, "before.json"))
+    assert err.key == name and "ignores" in err.problem and err.fix.startswith(f'delete "{name}"')
+    assert check(write(tmp_path, BASE, "after.json")).config_warnings == []
+
+
+def test_monitor_config_refused_for_a_csv_log_is_fixed_at_the_top_level(tmp_path):
+    """The fix's other half: DeepSpeed's CSV monitor, where DeepSpeed reads it."""
+    err = refused(write(tmp_path, {**BASE, "monitor_config": IGNORED_VALUES["monitor_config"][1]}))
+    assert '"csv_monitor" at the top level' in err.fix
+    ds = check(write(tmp_path, {**BASE, "csv_monitor": {"enabled": True, "output_path": "csv"}})).ds_config
+    assert ds["csv_monitor"]["enabled"] is True
+
+
+def test_an_unknown_key_whose_value_turns_nothing_on_passes_with_a_warning(tmp_path):
+    checked = check(write(tmp_path, {**BASE, "my_notes": {"draft": False, "ids": []}, "legacy_flag": None}))
+    assert warned_keys(checked.config_warnings) == ["my_notes", "legacy_flag"]
+    assert "my_notes" not in checked.ds_config and "legacy_flag" not in checked.ds_config
+
+
+@pytest.mark.parametrize("name", ["cuda_visible_devices", "CUDA_VISIBLE_DEVICES"])
+def test_visible_devices_in_the_file_are_refused_and_set_in_the_environment(name, tmp_path, monkeypatch):
+    """Refused, not ignored: the GPUs a process sees are fixed before any file is read, so the run would use
+    others than the file names. Its fix, applied: the key out of the file, the variable in the environment."""
+    err = refused(write(tmp_path, {**BASE, name: "0,1"}, "before.json"))
+    assert err.key == name and "CUDA_VISIBLE_DEVICES=0,1 zerotune train" in err.fix
+    assert refused(write(tmp_path, {**BASE, name: 0}, "zero.json")).key == name  # GPU 0 is a request too
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert check(write(tmp_path, BASE, "after.json")).config_warnings == []
+
+
 # ---------------------------------------------------------------- unknown keys
 
 
@@ -213,6 +295,8 @@ def test_an_unknown_key_names_the_nearest_known_one_and_the_renamed_file_runs(tm
     data = {**BASE, "gradient_clip": 0.5}
     err = refused(write(tmp_path, data))
     assert (err.key, err.fix) == ("gradient_clip", 'rename "gradient_clip" to "gradient_clipping" in ds.json')
+    # a misspelling is refused even where its value turns nothing on: the author meant the real key
+    assert refused(write(tmp_path, {**data, "gradient_clip": 0}, "zero.json")).key == "gradient_clip"
     data["gradient_clipping"] = data.pop("gradient_clip")
     checked = check(write(tmp_path, data))
     assert checked.ds_config["gradient_clipping"] == 0.5

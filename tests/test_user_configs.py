@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +27,22 @@ CORPUS = ROOT / "tests" / "data" / "ds_configs"
 EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text())
 SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
 QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false"]
-# CPU runs in the default suite: a stage-3 offload file with HF "auto", and a stage-2 one (every other file
-# is settled by preflight in the default suite, and trains in the slow one).
-FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json"}
+# CPU runs in the default suite: a stage-3 offload file with HF "auto", a stage-2 one, and LLaMA-Factory's files
+# with keys DeepSpeed does not read (every other file is settled by preflight in the default suite, and trains
+# in the slow one).
+FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json", "llamafactory_z0.json",
+             "llamafactory_z3_offload.json"}
 
 
 def file_override(name: str) -> list[str]:
     if name.endswith(".yaml"):
         return [f"accelerate.config_file={CORPUS / name}"]
     return [f"deepspeed.config_file={CORPUS / name}", "accelerate.config_file=null"]
+
+
+def warned_keys(warnings: list[str]) -> list[str]:
+    """The key each warning line names: 'f.json: "comms_config" is not ...', 'f.json: bfloat16 is a deprecated ...'."""
+    return [re.match(r'\S+: (?:dropped )?"?([\w.]+)', line).group(1) for line in warnings]
 
 
 def dotted(ds: dict, key: str):
@@ -80,6 +88,7 @@ def test_every_file_is_settled_before_training(name, monkeypatch):
         assert choices[key] == value, (key, choices)
     for key, value in expected.get("ds", {}).items():
         assert dotted(checked.ds_config, key) == value, key
+    assert warned_keys(checked.config_warnings) == expected.get("warnings", [])
     assert "auto" not in list(all_values(checked.ds_config))
     ds = checked.ds_config
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
@@ -105,7 +114,12 @@ def test_accepted_files_train_on_the_cpu(name, tmp_path):
     for key, value in EXPECTED[name].get("choices", {}).items():
         assert summary["choices"][key] == value, (key, summary["choices"])
     assert summary["config_sources"]["values"]
+    assert warned_keys(summary["config_warnings"]) == EXPECTED[name].get("warnings", [])
+    parent = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[default_role")]
+    for warning in summary["config_warnings"]:  # the job's process says each once (its workers, in their logs)
+        assert sum(line.endswith(warning) for line in parent) == 1, warning
     ds = json.loads((tmp_path / "ds_config.json").read_text())
+    assert not set(ds) & {"comms_config", "monitor_config"}  # left out: what DeepSpeed was given
     if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
         assert summary["optimizer_class"] == "DeepSpeedCPUAdam"  # not torch's AdamW: the file's offload counts
 

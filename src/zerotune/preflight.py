@@ -31,6 +31,7 @@ class CheckedRun:
     input_shape: tuple[int, int, int]
     platform: Platform
     config_sources: dict = field(default_factory=dict)  # the user's files, where each value came from, config folders
+    config_warnings: list[str] = field(default_factory=list)  # the DeepSpeed file's keys left out or translated
     resume: checkpoints.ResumeDecision | None = None     # the checkpoint to continue (checked), and how
 
 
@@ -125,4 +126,4 @@ def preflight(cfg: Any, world_size: int | None = None, platform: Platform | None
         resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size), ds)
     return CheckedRun(ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape, platform=platform,
                       config_sources={**user.summary(ds), "configs": config_search.current().describe()},
-                      resume=resume)
+                      config_warnings=list(user.warnings), resume=resume)

@@ -72,6 +72,7 @@ class JobChecks:
         checked = checked_job(cfg, spec, run_dir)
         self.marks.mark("checks")
         base = {**base_summary(cfg, spec), "config_sources": checked.config_sources,
+                "config_warnings": checked.config_warnings,
                 "plan": planning.job_plan(cfg, checked, planning.job_gpu(cfg))}
         self.marks.mark("plan")
         try:

@@ -95,7 +95,8 @@ def settled_launch(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) ->
     A refusal is recorded in summary.json and raised: no worker starts."""
     try:
         check_launch(cfg.launch)
-        resolve(cfg, spec.overrides)  # in place; preflight folds the same files again, to the same values
+        # In place; preflight folds the same files again, to the same values, and says their warnings.
+        resolve(cfg, spec.overrides, quiet=True)
         check_launch(cfg.launch)
         if cfg.launch.node_rank == 0:  # one lock per job: its other nodes write their shards into the same dir
             held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
@@ -119,6 +120,7 @@ def plan_only(cfg: Any, spec: JobSpec, run_dir: RunDir) -> dict:
     run_dir.write_config(cfg)
     run_dir.write_ds_config(checked.ds_config)
     summary = {**base_summary(cfg, spec), "status": "planned", "config_sources": checked.config_sources,
+               "config_warnings": checked.config_warnings,
                "plan": planning.job_plan(cfg, checked, gpu), "env": environment_info()}
     run_dir.write_summary(summary)
     return summary

@@ -96,6 +96,7 @@ def _record_checked(cfg: Any, checked, run_dir: RunDir, summary: dict) -> None:
     run_dir.write_config(cfg)
     run_dir.write_ds_config(checked.ds_config)
     summary.update({"choices": key_choices(cfg, distributed.world_size()), "config_sources": checked.config_sources,
+                    "config_warnings": checked.config_warnings,
                     "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params,
                     "trainable_params": checked.model_stats.num_trainable,
                     "frozen_params": checked.model_stats.num_frozen})

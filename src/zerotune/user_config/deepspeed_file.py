@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import NamedTuple
 
 from zerotune.errors import ConfigError
 from zerotune.user_config import ds_keys, legacy
 
+log = logging.getLogger(__name__)
+
 KEY = "deepspeed.config_file"
 
 
-def load(path: str, key: str = KEY) -> dict:
-    """The file's dict in today's DeepSpeed spelling; a syntax error names its line and column, an unknown or
-    refused top-level key its name (never its value: see ds_keys)."""
+class UserFile(NamedTuple):
+    ds: dict              # in today's DeepSpeed spelling, less the keys it ignores
+    warnings: list[str]   # one line per key left out or translated (summary.json's config_warnings)
+
+
+def load(path: str, key: str = KEY, quiet: bool = False) -> UserFile:
+    """The file's dict in today's DeepSpeed spelling and its warnings (logged unless `quiet`); a syntax error
+    names its line and column, an unknown or refused top-level key its name (never its value: see ds_keys)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(key, f"{file} does not exist", f"point {key} at a DeepSpeed JSON file")
@@ -31,4 +40,9 @@ def load(path: str, key: str = KEY) -> dict:
     data = data.get("deepspeed_config", data)
     if not isinstance(data, dict):
         raise ConfigError(key, f"\"deepspeed_config\" in {file} must be a JSON object", 'wrap it in { ... }')
-    return legacy.translate(ds_keys.check(data, file.name, key), file.name)
+    checked, dropped = ds_keys.check(data, file.name, key)
+    ds, translated = legacy.translate(checked, file.name)
+    if not quiet:
+        for line in dropped + translated:
+            log.warning("%s", line)
+    return UserFile(ds, dropped + translated)

@@ -4,27 +4,30 @@
 - translated: an older spelling, rewritten by `legacy` (with a warning).
 - refused: it asks for something zerotune's run does not do, so it would be ignored without a word (or fail
   mid-start-up). A value that asks for nothing (`"enabled": false`, `false`, an empty block) is accepted; where
-  DeepSpeed rejects the key itself (a feature it removed), such a value is dropped with a warning.
+  DeepSpeed rejects the key itself (a feature it removed), misreads it or does not read it, such a value is dropped
+  with a warning.
+- ignored: DeepSpeed does not read it, but circulating files carry it (LLaMA-Factory's `comms_config` and
+  `monitor_config`). A value that asks for nothing is dropped with a warning; one that asks for something is
+  refused, since DeepSpeed would not do it.
 
-A key in none of these is unknown: a config error naming the nearest known key. A file with no known key at
-all is not a DeepSpeed config. Errors name keys, never the values of keys they do not know (a pasted secret
-stays out of stderr, summary.json and the builder's answers). tests/test_ds_file_keys.py compares this
-table with the keys DeepSpeed's own config parser reads.
+Any other key is unknown. One that looks like a misspelling of a key DeepSpeed reads is refused with the
+rename; one whose value turns nothing on (false, 0, null, empty, or a block of such values) is dropped with a
+warning, as DeepSpeed ignores it; any other is refused, as what it asks for would not happen. A file with no
+key DeepSpeed reads is not a DeepSpeed config. Errors and warnings name keys, never the values of keys they do
+not know (a pasted secret stays out of stderr, summary.json and the builder's answers).
+tests/test_ds_file_keys.py compares this table with the keys DeepSpeed's own config parser reads.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from zerotune.errors import ConfigError
 
-log = logging.getLogger(__name__)
-
-HONOURED, TRANSLATED, REFUSED = "honoured", "translated", "refused"
+HONOURED, TRANSLATED, REFUSED, IGNORED = "honoured", "translated", "refused", "ignored"
 DOCS = "https://www.deepspeed.ai/docs/config-json/"
 
 
@@ -80,6 +83,34 @@ def _tensor_parallel(value: Any) -> bool:
     return _above_one(value.get("autotp_size")) or (isinstance(inner, dict) and _above_one(inner.get("tp_size")))
 
 
+def _off(value: Any) -> bool:
+    """Turns nothing on: false, 0, null, an empty string or container, or a block of such values."""
+    if isinstance(value, dict):
+        return all(_off(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_off(v) for v in value)
+    return not _truthy(value)
+
+
+def _given(value: Any) -> bool:
+    # 0 is a device number here, not "off"
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def _comms(value: Any) -> bool:
+    return _any_enabled(value) if isinstance(value, dict) else _truthy(value)
+
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")  # deepspeed/monitor/config.py get_monitor_config
+
+
+def _monitors(value: Any) -> bool:
+    """DeepSpeed's monitor is on only through one of its monitors; a block's own "enabled" switches nothing."""
+    if not isinstance(value, dict):
+        return _truthy(value)
+    return any(enabled(value.get(m)) for m in MONITORS)
+
+
 def _deepcompile(value: Any) -> bool:
     # Its other fields tune DeepCompile and mean nothing without it.
     return _truthy(value.get("deepcompile")) if isinstance(value, dict) else _truthy(value)
@@ -95,6 +126,14 @@ class Decision:
     fix: str = ""                                 # refused: what to write instead
     asks: Callable[[Any], bool] = _set            # refused: does this value ask for what is refused?
     removed: bool = False                         # DeepSpeed rejects the key itself, whatever its value
+    left_out: str = ""                            # why a value asking for nothing is not passed on either
+
+    @property
+    def dropped(self) -> str:
+        """Why a value asking for nothing is left out of the dict DeepSpeed gets ("" where it is passed on)."""
+        if self.kind == IGNORED:
+            return self.reason
+        return self.left_out or (self.reason if self.removed else "")
 
 
 def honoured(reason: str) -> Decision:
@@ -109,12 +148,25 @@ def refused(reason: str, fix: str, asks: Callable[[Any], bool] = enabled, remove
     return Decision(REFUSED, reason, fix, asks, removed)
 
 
+def ignored(reason: str, fix: str, asks: Callable[[Any], bool]) -> Decision:
+    return Decision(IGNORED, reason, fix, asks)
+
+
 def _delete(key: str) -> str:
     return f'delete "{key}" from the file (or set "enabled": false)'
 
 
 def _removed(key: str, reason: str, fix: str = "", asks: Callable[[Any], bool] = enabled) -> Decision:
     return refused(f"DeepSpeed 0.19.8 removed {reason}", fix or f'delete "{key}" from the file', asks, removed=True)
+
+
+def _environment(key: str) -> Decision:
+    """A file's `cuda_visible_devices` asks for what only the environment gives: the GPUs a process sees are fixed
+    before any file is read. Refused (with where to set it), not ignored: the run would use other GPUs."""
+    return Decision(REFUSED, "DeepSpeed does not read it, and the GPUs a process sees are fixed by its environment "
+                    "before any file is read", f'delete "{key}" from the file and set the variable where the command '
+                    "runs: CUDA_VISIBLE_DEVICES=0,1 zerotune train ...", asks=_given,
+                    left_out="DeepSpeed does not read it")
 
 
 KEYS: dict[str, Decision] = {
@@ -165,8 +217,12 @@ KEYS: dict[str, Decision] = {
     "flops_profiler": refused("its profiling step hooks every module and forces wall_clock_breakdown, "
                               "distorting the step time zerotune measures",
                               _delete("flops_profiler") + "; zerotune plan reports the step's FLOPs"),
-    "comms_logger": refused("DeepSpeed prints the log only when the script calls deepspeed.comm.log_summary(), "
-                            "which zerotune does not", _delete("comms_logger")),
+    "comms_logger": Decision(
+        REFUSED, "DeepSpeed prints the log only when the script calls deepspeed.comm.log_summary(), which "
+        "zerotune does not", _delete("comms_logger"), enabled,
+        # deepspeed/comm/config.py: comms_logger_enabled = 'comms_logger' in ds_config; "enabled" is never read
+        left_out='DeepSpeed 0.19.8 turns its comms logger on for any "comms_logger" block, "enabled": false '
+                "included, and synchronises the device after every collective"),
     "tensorboard": refused("DeepSpeed's TensorBoard writer needs the tensorboard package, which zerotune does "
                            "not install", _delete("tensorboard") + "; zerotune's metrics are in <run dir>/"
                            "metrics.jsonl (logger=wandb for W&B)"),
@@ -209,6 +265,21 @@ KEYS: dict[str, Decision] = {
         asks=lambda v: v is False),
     "disable_allgather": refused("DeepSpeed 0.19.8 reads it and never uses it", 'delete "disable_allgather"',
                                  asks=_truthy),
+    # What only the environment gives: the GPUs a process sees are fixed before any file is read. A value here
+    # asks for what zerotune cannot give from a file, so it is refused, not ignored; the fix sets it where it works.
+    "cuda_visible_devices": _environment("cuda_visible_devices"),
+    "CUDA_VISIBLE_DEVICES": _environment("CUDA_VISIBLE_DEVICES"),
+    # Keys DeepSpeed does not read, seen in circulating files: DeepSpeedConfig's attribute names for the blocks
+    # it reads from "comms_logger" and the four monitor keys (deepspeed/runtime/config.py _initialize_params).
+    "comms_config": ignored(
+        'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
+        'delete "comms_config" from the file (DeepSpeed\'s comms logger prints nothing in a zerotune run)',
+        asks=_comms),
+    "monitor_config": ignored(
+        'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
+        "only the name of its Python attribute)",
+        'delete "monitor_config" from the file; for DeepSpeed\'s CSV log give "csv_monitor" at the top level '
+        "(zerotune's metrics are in <run dir>/metrics.jsonl)", asks=_monitors),
     # features DeepSpeed 0.19.8 removed: it refuses the key itself
     "amp": _removed("amp", "its Apex AMP integration",
                     'replace "amp" with "bf16": {"enabled": true} or "fp16": {"enabled": true}'),
@@ -226,26 +297,48 @@ KEYS: dict[str, Decision] = {
 }
 
 
-def check(ds: dict, source: str, key: str) -> dict:
-    """`ds` less what asks for nothing of a feature DeepSpeed removed; a ConfigError for a file that is not a
-    DeepSpeed config, an unknown key, or a refused one. `source` names the file; `key` is its setting."""
-    if ds and not any(name in KEYS for name in ds):
+def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
+    """`ds` less what asks for nothing of a key DeepSpeed ignores, removed or misreads, and one warning line
+    for each key left out (deepspeed_file logs them); a ConfigError for a file that is not a DeepSpeed config,
+    a misspelt key, or a key whose value asks for what the run would not do. `source` names the file; `key`
+    is its setting."""
+    if ds and not any(name in KEYS and KEYS[name].kind != IGNORED for name in ds):
         raise ConfigError(key, f"{source} is not a DeepSpeed config: none of its {len(ds)} top-level keys is "
                           "one of DeepSpeed's", f"point {key} at a DeepSpeed JSON file (keys such as "
                           f"zero_optimization, train_micro_batch_size_per_gpu, optimizer; {DOCS})")
-    unknown = [name for name in ds if name not in KEYS]
+    unknown = [name for name in ds if name not in KEYS and (nearest(name) or not _off(ds[name]))]
     if unknown:
         raise _unknown(unknown, source)
-    out = {}
+    out, warnings = {}, []
     for name, value in ds.items():
-        decision = KEYS[name]
-        if decision.kind == REFUSED and decision.asks(value):
-            raise ConfigError(name, f"{decision.reason} ({source})", decision.fix)
-        if decision.kind == REFUSED and decision.removed:
-            log.warning("%s: dropped \"%s\", which asks for nothing: %s", source, name, decision.reason)
+        decision = KEYS.get(name)
+        if decision is None:  # unknown, and its value turns nothing on
+            warnings.append(_ignored_line(source, name, "its value turns nothing on"))
+            continue
+        if decision.kind in (REFUSED, IGNORED) and decision.asks(value):
+            raise ConfigError(name, f"{_why(decision)} ({source})", decision.fix)
+        if decision.dropped:
+            warnings.append(_dropped(source, name, decision))
             continue
         out[name] = value
-    return out
+    return out, warnings
+
+
+def _why(decision: Decision) -> str:
+    if decision.kind == IGNORED:
+        return f"DeepSpeed 0.19.8 ignores this key and what its value asks for: {decision.reason}"
+    return decision.reason
+
+
+def _dropped(source: str, name: str, decision: Decision) -> str:
+    if decision.kind == IGNORED:
+        return _ignored_line(source, name, decision.reason)
+    return f'{source}: dropped "{name}", which asks for nothing: {decision.dropped}'
+
+
+def _ignored_line(source: str, name: str, why: str) -> str:
+    return (f'{source}: "{name}" is not a DeepSpeed key, so DeepSpeed ignores it (left out of the run\'s DeepSpeed '
+            f"config): {why}")
 
 
 def nearest(name: str) -> str | None:
@@ -259,9 +352,11 @@ def _unknown(names: list[str], source: str) -> ConfigError:
     first, others = names[0], names[1:]
     also = f"; also unknown: {', '.join(others)}" if others else ""
     guess = nearest(first)
-    fix = (f"rename \"{first}\" to \"{guess}\" in {source}" if guess
-           else f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
-    return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}", fix)
+    if guess:
+        return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}",
+                           f"rename \"{first}\" to \"{guess}\" in {source}")
+    return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks for "
+                       f"({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
 
 
 def table() -> list[tuple[str, str, str]]:

@@ -5,11 +5,9 @@ with an exception, so they are settled here first. Removed features are refused 
 from __future__ import annotations
 
 import copy
-import logging
+from collections.abc import Callable
 
 from zerotune.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 # zero_optimization keys renamed without a change of meaning.
 RENAMED_ZERO = {
@@ -26,34 +24,40 @@ SYNONYMS_ZERO = {
 }
 
 
-def translate(ds: dict, source: str) -> dict:
-    """A copy of the user's dict in today's spelling; every change is logged as a warning."""
+def translate(ds: dict, source: str) -> tuple[dict, list[str]]:
+    """A copy of the user's dict in today's spelling, and one warning line for each change (deepspeed_file logs
+    them)."""
     ds = copy.deepcopy(ds)
+    notes: list[str] = []
+
+    def warn(old: str, new: str) -> None:
+        notes.append(f"{source}: {old} is a deprecated DeepSpeed key; read as {new}")
+
     if "bfloat16" in ds:  # DeepSpeed's older alias of "bf16"
-        _warn(source, "bfloat16", "bf16")
+        warn("bfloat16", "bf16")
         ds["bf16"] = {**ds.pop("bfloat16"), **ds.get("bf16", {})}
     if "fp32_allreduce" in ds:  # older DeepSpeed's flag: all-reduce gradients in fp32
         on = bool(ds.pop("fp32_allreduce"))
-        _warn(source, f"fp32_allreduce: {str(on).lower()}", "communication_data_type: \"fp32\"" if on else "nothing")
+        warn(f"fp32_allreduce: {str(on).lower()}", "communication_data_type: \"fp32\"" if on else "nothing")
         if on:
             ds.setdefault("communication_data_type", "fp32")
     zero = ds.get("zero_optimization")
     if isinstance(zero, bool):  # the oldest form: "zero_optimization": true means stage 1
-        _warn(source, f"zero_optimization: {str(zero).lower()}", f"zero_optimization: {{\"stage\": {int(zero)}}}")
+        warn(f"zero_optimization: {str(zero).lower()}", f"zero_optimization: {{\"stage\": {int(zero)}}}")
         ds["zero_optimization"] = {"stage": int(zero)}
     elif isinstance(zero, dict):
-        ds["zero_optimization"] = _translate_zero(zero, source)
-    return ds
+        ds["zero_optimization"] = _translate_zero(zero, source, warn)
+    return ds, notes
 
 
-def _translate_zero(zero: dict, source: str) -> dict:
+def _translate_zero(zero: dict, source: str, warn: Callable[[str, str], None]) -> dict:
     zero = dict(zero)
     for name, alias in SYNONYMS_ZERO.items():
         if name in zero:
             zero.setdefault(alias, zero.pop(name))
     for old, new in RENAMED_ZERO.items():
         if old in zero:
-            _warn(source, f"zero_optimization.{old}", f"zero_optimization.{new}")
+            warn(f"zero_optimization.{old}", f"zero_optimization.{new}")
             zero.setdefault(new, zero.pop(old))
     pin = zero.pop("cpu_offload_use_pin_memory", None)
     for old, block in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param"),
@@ -66,10 +70,6 @@ def _translate_zero(zero: dict, source: str) -> dict:
                               f"delete {old}; {block} says where it goes")
         if on:
             zero[block] = {"device": "cpu", "pin_memory": bool(pin)}
-            _warn(source, f"zero_optimization.{old}: true",
+            warn(f"zero_optimization.{old}: true",
                   f"zero_optimization.{block}: {{\"device\": \"cpu\", \"pin_memory\": {str(bool(pin)).lower()}}}")
     return zero
-
-
-def _warn(source: str, old: str, new: str) -> None:
-    log.warning("%s: %s is a deprecated DeepSpeed key; read as %s", source, old, new)

@@ -55,6 +55,7 @@ class UserConfig:
     typed: dict[str, str] = field(default_factory=dict)    # key typed on the command line -> the override
     batch: Batch | None = None
     batch_origins: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)     # the DeepSpeed file's keys left out or translated
 
     def origin_of(self, key: str) -> str:
         if key in self.origins:
@@ -121,8 +122,9 @@ def pinned_by(typed: dict[str, str], key: str) -> str | None:
 
 
 def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None = None,
-            environ: dict | None = None) -> UserConfig:
-    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg`, in place; return what was used."""
+            environ: dict | None = None, quiet: bool = False) -> UserConfig:
+    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg`, in place; return what was used.
+    `quiet`: the file's warnings are only recorded (a later resolve of the same files says them)."""
     user = UserConfig(typed=typed_keys(list(overrides)))
     applied: dict[str, Setting] = {}
     for acc in accelerate_config.find(cfg.accelerate.config_file, environ):
@@ -134,7 +136,7 @@ def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None 
     path = cfg.deepspeed.config_file
     if path:
         user.deepspeed_path = str(Path(str(path)).expanduser())
-        user.deepspeed = deepspeed_file.load(user.deepspeed_path)
+        user.deepspeed, user.warnings = deepspeed_file.load(user.deepspeed_path, quiet=quiet)
         for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
             _apply(cfg, s, applied, user)
     if world_size is None:
