@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import psutil
 from filelock import FileLock, Timeout
+
+from zerotune.torch_extensions import extensions_root
 
 log = logging.getLogger("zerotune")
 
@@ -56,24 +57,6 @@ class LockState:
         if self.state == "stale":
             return f"{self.path} is stale: no process has it open (a JIT build was killed mid-way)"
         return f"{self.path} is {self.state}"
-
-
-def extensions_root() -> Path:
-    """The folder torch builds extensions in, as its _get_build_directory computes it (without creating it)."""
-    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if explicit is not None:
-        return Path(explicit)
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
-    return Path(get_default_build_root()) / tag
 
 
 def lock_path(op: str, root: Path | None = None) -> Path:

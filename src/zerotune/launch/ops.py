@@ -20,6 +20,7 @@ from typing import Any
 from zerotune.errors import ConfigError
 from zerotune.launch import ext_lock
 from zerotune.telemetry import MemorySampler
+from zerotune.torch_extensions import link_torch_lib
 
 log = logging.getLogger("zerotune")
 
@@ -91,6 +92,7 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool, before_compiling: Callabl
         return record
     from deepspeed.accelerator import get_accelerator  # the parent imported DeepSpeed already (preflight)
 
+    link_torch_lib()  # torch under a path with a space: its builds link through a link to its libraries
     accelerator = get_accelerator()
     start = time.perf_counter()
     for name in names:
@@ -211,8 +213,9 @@ def _child_build(name: str, send: Any) -> None:
 
     builder = get_accelerator().create_op_builder(name)
     try:
+        link_torch_lib()  # a process of its own: torch's module state is not the parent's
         send.send(load_op(name, builder))
-    except OpBuildError as exc:
+    except ConfigError as exc:
         send.send({"error": str(exc.__cause__ or exc), "op": builder.NAME})
     finally:
         send.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from zerotune import files
+from zerotune.torch_extensions import link_torch_lib
 
 MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
 PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache
@@ -104,6 +105,7 @@ def build_optimizer(params: int):
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        link_torch_lib()  # torch under a path with a space: the op links through a link to its libraries
         param = torch.nn.Parameter(torch.zeros(params))
         param.grad = torch.full_like(param, 1e-3)
         return DeepSpeedCPUAdam([param], lr=1e-4)

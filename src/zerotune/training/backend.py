@@ -12,6 +12,7 @@ from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
 from zerotune.preflight import CheckedRun
+from zerotune.torch_extensions import link_torch_lib
 from zerotune.user_config.accelerate_config import absorbed_launch_environment
 
 
@@ -32,6 +33,7 @@ def make_accelerator(checked: CheckedRun, collective_timeout_s: float) -> Accele
     if checked.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
+        link_torch_lib()  # before DeepSpeed loads its ops (torch under a path with a space)
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
             return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds), kwargs_handlers=handlers)
