@@ -231,3 +231,71 @@ def test_a_plan_for_a_named_card_is_checked_as_a_config_for_that_card():
     with pytest.raises(ConfigError) as err:
         plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], None)
     assert err.value.key == "optimizer.type" and "FusedLion" in err.value.problem
+
+
+# ------------------------------------------------------------------------------------------ the micro batch planned
+
+EXPERIMENTS = {
+    "tiny_bs4": "# @package _global_\ndefaults:\n  - override /model: tiny\ntrain:\n  batch_size: 4\n",
+    # chooses data=digits, whose recipe gives the batch
+    "on_digits": "# @package _global_\ndefaults:\n  - override /data: digits\n",
+}
+
+
+@pytest.fixture
+def own_experiments(tmp_path, monkeypatch):
+    folder = tmp_path / "zerotune" / "experiment"
+    folder.mkdir(parents=True)
+    for name, text in EXPERIMENTS.items():
+        (folder / f"{name}.yaml").write_text(text)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    monkeypatch.chdir(tmp_path)  # ./zerotune/ is the user's config folder
+    return folder
+
+
+@pytest.mark.parametrize(("overrides", "value", "source", "said", "file"), [
+    ([], 64, "default config", "the default config's data=digits", "data/digits.yaml"),
+    (["data=synthetic"], 64, "default config", "the default config (", "conf/config.yaml"),
+    (["data=digits"], 64, "option", "data=digits, typed on the command line", "data/digits.yaml"),
+    (["train.batch_size=8"], 8, "command line", "the command line: train.batch_size=8", None),
+    (["experiment=tiny_bs4"], 4, "experiment", "experiment=tiny_bs4 (zerotune/experiment/tiny_bs4.yaml)",
+     "zerotune/experiment/tiny_bs4.yaml"),
+    (["experiment=on_digits"], 64, "option", "data=digits, chosen by experiment=on_digits", "data/digits.yaml"),
+    (["deepspeed.config_file=ds.json"], 2, "file", "ds.json: train_micro_batch_size_per_gpu", "ds.json"),
+])
+def test_the_plan_says_which_micro_batch_it_planned_and_where_it_came_from(own_experiments, overrides, value,
+                                                                           source, said, file):
+    from zerotune.cli.plan import plan_one
+
+    plan = plan_one([*overrides, "accelerate.config_file=null"], None)
+    found = plan["micro_batch"]
+    assert (found["value"], found["source"]) == (value, source)
+    assert said in found["from"], found["from"]
+    assert found["file"] is None if file is None else found["file"].endswith(file)
+    assert f"batch {value}x1 per rank" in plan["workload"]  # the batch named is the batch planned
+
+
+def test_the_plan_text_names_the_micro_batch_and_how_to_plan_another():
+    from zerotune.plan import render
+
+    default = {"value": 64, "source": "default config", "from": "the default config's data=digits (d.yaml)"}
+    typed = {"value": 8, "source": "command line", "from": "the command line: train.batch_size=8"}
+    ranked = {"micro_batch": default, "options": [], "recommended": {"option": None, "why": "no GPU named"}}
+    assert render.ranking(ranked).splitlines()[0] == (
+        "micro batch: 64 per rank, from the default config's data=digits (d.yaml); train.batch_size=N plans another")
+    assert render.micro_batch(typed) == ["micro batch: 8 per rank, from the command line: train.batch_size=8"]
+
+
+def test_the_readmes_plan_example_plans_the_batch_it_names():
+    """README's wheel section: SDXL at 1024², micro batch 8 in bf16 on a 4090 (the default job's batch is 64)."""
+    from tests.helpers.cli import ROOT
+
+    example = "zerotune plan model=sdxl resolution=1024 train.batch_size=8 precision=bf16 --gpu rtx4090"
+    assert (ROOT / "README.md").read_text().count(example) >= 2  # the wheel section and "Will it fit?"
+    proc = run_cli(*example.split()[2:], module="zerotune.plan")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "micro batch: 8 per rank, from the command line: train.batch_size=8"
+    assert "batch 8x1 per rank" in lines[0] and "bf16" in lines[0]
+    peak = float(lines[2].split("GPU peak per rank: ")[1].split(" MiB")[0].replace(",", ""))
+    assert 20_000 < peak < 200_000  # batch 8's (batch 64 in fp32 planned 895,169 MiB)

@@ -6,13 +6,17 @@ from __future__ import annotations
 import difflib
 import re
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -48,6 +52,45 @@ def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
         del cfg["hydra"]
     check_resolves(cfg, args)
     return cfg, choices
+
+
+@dataclass(frozen=True)
+class Setter:
+    """The config file whose value of a key the composed config holds."""
+
+    config_path: str                # Hydra's name for it: "config", "data/digits", "experiment/sdxl_4090_1024_bs8"
+    file: Path
+    chosen: dict[str, str]          # {group: option} a command line or a config's `override` chose
+
+
+def value_setter(overrides: list[str], key: str) -> Setter | None:
+    """Which config gives `key` its value when composed with `overrides` (typed overrides aside): the last file
+    in Hydra's defaults list that sets it, as Hydra merges them in that order. None where no file does (the
+    schema's default)."""
+    search = config_search.current()
+    args = normalize_overrides(list(overrides), search)
+    try:
+        with _HYDRA_STATE, initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
+            found = GlobalHydra.instance().config_loader().compute_defaults_list("config", args, RunMode.RUN)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise as_config_error(exc, args) from None
+    chosen = dict(found.overrides.override_choices)
+    setter = None
+    for element in found.defaults:
+        path = element.config_path or ""
+        file = next((f / f"{path}.yaml" for f in search.folders() if (f / f"{path}.yaml").is_file()), None)
+        if file is None or path.startswith("hydra/"):
+            continue  # the schema (a structured config), Hydra's own settings
+        package = element.package or ""
+        if package and not key.startswith(package + "."):
+            continue
+        relative = key[len(package) + 1:] if package else key
+        if OmegaConf.select(OmegaConf.load(file), relative, default=_UNSET) is not _UNSET:
+            setter = Setter(path, file, chosen)
+    return setter
+
+
+_UNSET = object()
 
 
 def check_resolves(cfg: Any, args: list[str]) -> None:

@@ -38,8 +38,17 @@ def _host(plan: dict) -> list[str]:
             "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan["host_terms"]))]
 
 
+def micro_batch(found: dict | None) -> list[str]:
+    """Which micro batch was planned and where its value came from; how to plan another, unless it was typed
+    or a file of the user's gives it (there, the command line may not contradict it)."""
+    if not found:
+        return []
+    hint = "" if found["source"] in ("command line", "file") else "; train.batch_size=N plans another"
+    return [f"micro batch: {found['value']} per rank, from {found['from']}{hint}"]
+
+
 def breakdown(plan: dict) -> str:
-    lines = [f"workload: {plan['workload']}", *_device(plan),
+    lines = [f"workload: {plan['workload']}", *micro_batch(plan.get("micro_batch")), *_device(plan),
              f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_host(plan),
              f"NVMe: {plan['nvme_mib']:,.1f} MiB", *_terms(plan["nvme_terms"])]
     floor = plan["time_floor_s"]
@@ -68,7 +77,8 @@ def phases(found: list[dict]) -> list[str]:
 
 
 def ranking(answer: dict) -> str:
-    rows = [f"{'option':<62} {'fits':>5} {'GPU MiB':>10} {'step MiB':>10} {'host MiB':>10} {'NVMe MiB':>9} {'floor s':>8}"]
+    rows = [*micro_batch(answer.get("micro_batch")),
+            f"{'option':<62} {'fits':>5} {'GPU MiB':>10} {'step MiB':>10} {'host MiB':>10} {'NVMe MiB':>9} {'floor s':>8}"]
     for r in answer["options"]:
         if r.get("refused"):
             rows.append(f"{r['option']:<62} {'-':>5}  refused: {r['refused']}")
