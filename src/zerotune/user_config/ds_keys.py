@@ -26,94 +26,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.errors import ConfigError
+from zerotune.user_config.ds_values import (
+    above_one,
+    activation_checkpointing,
+    any_enabled,
+    checkpoint_switches,
+    comms,
+    deepcompile,
+    enabled,
+    given,
+    monitors,
+    off,
+    present,
+    tensor_parallel,
+    truthy,
+)
 
 HONOURED, TRANSLATED, REFUSED, IGNORED = "honoured", "translated", "refused", "ignored"
 DOCS = "https://www.deepspeed.ai/docs/config-json/"
-
-
-# ---- what a value asks for
-
-
-def enabled(value: Any) -> bool:
-    """A feature block asks for its feature with `"enabled": true`; DeepSpeed's default is off."""
-    if isinstance(value, dict):
-        return value.get("enabled", False) not in (False, None)
-    return _truthy(value)
-
-
-def _truthy(value: Any) -> bool:
-    return value not in (None, False, 0, "", {}, [])
-
-
-def _set(value: Any) -> bool:
-    return value is not None and value != {}
-
-
-def _any_enabled(value: Any) -> bool:
-    """compression_training enables each technique in its own nested block."""
-    if isinstance(value, dict):
-        return value.get("enabled") not in (None, False) or any(_any_enabled(v) for v in value.values())
-    return False
-
-
-def _above_one(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
-
-
-def _activation_checkpointing(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return _truthy(value)
-    switches = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                "synchronize_checkpoint_boundary", "profile")
-    return any(_truthy(value.get(s)) for s in switches) or value.get("number_checkpoints") is not None
-
-
-def _checkpoint(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return _truthy(value)
-    parallel = value.get("parallel_write")
-    return (any(_truthy(value.get(s)) for s in ("load_universal", "use_node_local_storage", "writer"))
-            or (isinstance(parallel, dict) and _truthy(parallel.get("pipeline_stage"))))
-
-
-def _tensor_parallel(value: Any) -> bool:
-    if not isinstance(value, dict):
-        return _truthy(value)
-    inner = value.get("tp", value.get("tensor_parallel")) or {}
-    return _above_one(value.get("autotp_size")) or (isinstance(inner, dict) and _above_one(inner.get("tp_size")))
-
-
-def _off(value: Any) -> bool:
-    """Turns nothing on: false, 0, null, an empty string or container, or a block of such values."""
-    if isinstance(value, dict):
-        return all(_off(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_off(v) for v in value)
-    return not _truthy(value)
-
-
-def _given(value: Any) -> bool:
-    # 0 is a device number here, not "off"
-    return value is not None and value != "" and value != [] and value != {}
-
-
-def _comms(value: Any) -> bool:
-    return _any_enabled(value) if isinstance(value, dict) else _truthy(value)
-
-
-MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")  # deepspeed/monitor/config.py get_monitor_config
-
-
-def _monitors(value: Any) -> bool:
-    """DeepSpeed's monitor is on only through one of its monitors; a block's own "enabled" switches nothing."""
-    if not isinstance(value, dict):
-        return _truthy(value)
-    return any(enabled(value.get(m)) for m in MONITORS)
-
-
-def _deepcompile(value: Any) -> bool:
-    # Its other fields tune DeepCompile and mean nothing without it.
-    return _truthy(value.get("deepcompile")) if isinstance(value, dict) else _truthy(value)
 
 
 # ---- the table
@@ -123,8 +53,8 @@ def _deepcompile(value: Any) -> bool:
 class Decision:
     kind: str
     reason: str                                   # one line: why
-    fix: str = ""                                 # refused: what to write instead
-    asks: Callable[[Any], bool] = _set            # refused: does this value ask for what is refused?
+    fix: str = ""                                 # refused, ignored: what to write instead
+    asks: Callable[[Any], bool] = present         # refused, ignored: does this value ask for something?
     removed: bool = False                         # DeepSpeed rejects the key itself, whatever its value
     left_out: str = ""                            # why a value asking for nothing is not passed on either
 
@@ -165,7 +95,7 @@ def _environment(key: str) -> Decision:
     before any file is read. Refused (with where to set it), not ignored: the run would use other GPUs."""
     return Decision(REFUSED, "DeepSpeed does not read it, and the GPUs a process sees are fixed by its environment "
                     "before any file is read", f'delete "{key}" from the file and set the variable where the command '
-                    "runs: CUDA_VISIBLE_DEVICES=0,1 zerotune train ...", asks=_given,
+                    "runs: CUDA_VISIBLE_DEVICES=0,1 zerotune train ...", asks=given,
                     left_out="DeepSpeed does not read it")
 
 
@@ -213,7 +143,7 @@ KEYS: dict[str, Decision] = {
     "activation_checkpointing": refused(
         "DeepSpeed applies it only to deepspeed.checkpointing calls, which a diffusers U-Net never makes",
         'delete "activation_checkpointing"; train.gradient_checkpointing=true checkpoints the U-Net\'s blocks',
-        asks=_activation_checkpointing),
+        asks=activation_checkpointing),
     "flops_profiler": refused("its profiling step hooks every module and forces wall_clock_breakdown, "
                               "distorting the step time zerotune measures",
                               _delete("flops_profiler") + "; zerotune plan reports the step's FLOPs"),
@@ -235,24 +165,24 @@ KEYS: dict[str, Decision] = {
     "data_efficiency": refused("needs DeepSpeed's data sampler and random-LTD layers; zerotune's data loader "
                                "is its own", _delete("data_efficiency")),
     "pipeline": refused("pipeline parallelism needs a PipelineModule; zerotune trains the U-Net data-parallel",
-                        'delete "pipeline"', asks=_set),
+                        'delete "pipeline"', asks=present),
     "hybrid_engine": refused("DeepSpeed-Chat's RLHF generation engine; zerotune trains a diffusion U-Net",
                              _delete("hybrid_engine")),
     "tensor_parallel": refused("AutoTP shards transformer layers by name; zerotune trains the U-Net data-parallel",
-                               'delete "tensor_parallel" (or set autotp_size to 0)', asks=_tensor_parallel),
+                               'delete "tensor_parallel" (or set autotp_size to 0)', asks=tensor_parallel),
     "sequence_parallel_size": refused("Ulysses sequence parallelism shards a token sequence; a U-Net has none",
-                                      'delete "sequence_parallel_size" (or set it to 1)', asks=_above_one),
+                                      'delete "sequence_parallel_size" (or set it to 1)', asks=above_one),
     "expert_parallel": refused("the U-Net has no mixture-of-experts layers", _delete("expert_parallel")),
     "use_data_before_expert_parallelism": refused("lays out mixture-of-experts process groups; the U-Net has none",
-                                                  'delete "use_data_before_expert_parallelism"', asks=_truthy),
+                                                  'delete "use_data_before_expert_parallelism"', asks=truthy),
     "weight_quantization": refused("quantises weights as zero.Init builds them; zerotune builds the U-Net whole",
-                                   'delete "weight_quantization"', asks=_set),
+                                   'delete "weight_quantization"', asks=present),
     "compile": refused("DeepCompile applies only when the script calls engine.compile(), which zerotune does not",
-                       'delete "compile" (or set "deepcompile": false)', asks=_deepcompile),
+                       'delete "compile" (or set "deepcompile": false)', asks=deepcompile),
     "checkpoint": refused("zerotune saves and resumes checkpoints itself (checkpoint.*, resume=): it chooses "
                           "native or universal loading and marks a save complete once written",
                           'keep only "tag_validation" in "checkpoint" (load_universal, use_node_local_storage, '
-                          "parallel_write and writer are zerotune's to decide)", asks=_checkpoint),
+                          "parallel_write and writer are zerotune's to decide)", asks=checkpoint_switches),
     "datastates_ckpt": refused("asynchronous checkpoints would still be writing when zerotune marks a save "
                                "complete (and need the datastates package)", 'delete "datastates_ckpt"',
                                asks=lambda v: v is not None and v is not False),
@@ -264,7 +194,7 @@ KEYS: dict[str, Decision] = {
         "accumulation boundary", 'delete "managed_gradient_accumulation" (true is what runs)',
         asks=lambda v: v is False),
     "disable_allgather": refused("DeepSpeed 0.19.8 reads it and never uses it", 'delete "disable_allgather"',
-                                 asks=_truthy),
+                                 asks=truthy),
     # What only the environment gives: the GPUs a process sees are fixed before any file is read. A value here
     # asks for what zerotune cannot give from a file, so it is refused, not ignored; the fix sets it where it works.
     "cuda_visible_devices": _environment("cuda_visible_devices"),
@@ -274,24 +204,24 @@ KEYS: dict[str, Decision] = {
     "comms_config": ignored(
         'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
         'delete "comms_config" from the file (DeepSpeed\'s comms logger prints nothing in a zerotune run)',
-        asks=_comms),
+        asks=comms),
     "monitor_config": ignored(
         'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
         "only the name of its Python attribute)",
         'delete "monitor_config" from the file; for DeepSpeed\'s CSV log give "csv_monitor" at the top level '
-        "(zerotune's metrics are in <run dir>/metrics.jsonl)", asks=_monitors),
+        "(zerotune's metrics are in <run dir>/metrics.jsonl)", asks=monitors),
     # features DeepSpeed 0.19.8 removed: it refuses the key itself
     "amp": _removed("amp", "its Apex AMP integration",
                     'replace "amp" with "bf16": {"enabled": true} or "fp16": {"enabled": true}'),
-    "sparse_attention": _removed("sparse_attention", "sparse attention", asks=_set),
+    "sparse_attention": _removed("sparse_attention", "sparse attention", asks=present),
     "elasticity": _removed("elasticity", "elastic training",
                            'delete "elasticity" and give train_batch_size or train_micro_batch_size_per_gpu'),
     "nebula": _removed("nebula", "Nebula checkpointing"),
-    "compression_training": _removed("compression_training", "its compression library", asks=_any_enabled),
+    "compression_training": _removed("compression_training", "its compression library", asks=any_enabled),
     "quantize_training": _removed("quantize_training", "Mixture-of-Quantization training"),
     "eigenvalue": _removed("eigenvalue", "eigenvalue-based quantization"),
-    "sparse_gradients": _removed("sparse_gradients", "sparse embedding gradients", asks=_truthy),
-    "graph_harvesting": _removed("graph_harvesting", "graph harvesting", asks=_truthy),
+    "sparse_gradients": _removed("sparse_gradients", "sparse embedding gradients", asks=truthy),
+    "graph_harvesting": _removed("graph_harvesting", "graph harvesting", asks=truthy),
     "curriculum_learning": _removed("curriculum_learning", "top-level curriculum learning"),
     "progressive_layer_drop": _removed("progressive_layer_drop", "progressive layer dropping"),
 }
@@ -306,7 +236,7 @@ def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
         raise ConfigError(key, f"{source} is not a DeepSpeed config: none of its {len(ds)} top-level keys is "
                           "one of DeepSpeed's", f"point {key} at a DeepSpeed JSON file (keys such as "
                           f"zero_optimization, train_micro_batch_size_per_gpu, optimizer; {DOCS})")
-    unknown = [name for name in ds if name not in KEYS and (nearest(name) or not _off(ds[name]))]
+    unknown = [name for name in ds if name not in KEYS and (nearest(name) or not off(ds[name]))]
     if unknown:
         raise _unknown(unknown, source)
     out, warnings = {}, []
