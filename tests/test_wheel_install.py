@@ -88,22 +88,26 @@ def run_dirs(root: Path) -> list[dict]:
     return [json.loads(s.read_text()) for s in sorted(root.rglob("summary.json"))]
 
 
+def install(steps: Steps, tmp: Path) -> None:
+    """The wheel built from the tracked files, installed after the pinned torch into a new venv at steps.venv."""
+    start = time.monotonic()
+    wheel = build_wheel(tmp / "build")
+    steps.record(f"build {wheel.name}", time.monotonic() - start)
+    # From the suite's interpreter (the same Python the torch wheel is built for); a venv without
+    # --system-site-packages inherits none of the dev venv's packages.
+    steps.timed("python -m venv", [sys.executable, "-m", "venv", str(steps.venv)], timeout=300)
+    pip = [str(steps.venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    steps.timed(f"pip install {TORCH}", [*pip, TORCH], timeout=1200)
+    steps.timed(f"pip install {wheel.name}", [*pip, str(wheel)], timeout=1800)
+
+
 def test_the_wheel_installs_into_a_fresh_venv_and_every_command_runs_from_an_empty_folder(tmp_path):
     venv, work = tmp_path / "venv", tmp_path / "work"
     work.mkdir()
     steps = Steps(venv, work, user_env(tmp_path))
     print()
     try:
-        start = time.monotonic()
-        wheel = build_wheel(tmp_path / "build")
-        steps.record(f"build {wheel.name}", time.monotonic() - start)
-        # From the suite's interpreter (the same Python the torch wheel is built for); a venv without
-        # --system-site-packages inherits none of the dev venv's packages.
-        steps.timed("python -m venv", [sys.executable, "-m", "venv", str(venv)], timeout=300)
-        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-        steps.timed(f"pip install {TORCH}", [*pip, TORCH], timeout=1200)
-        steps.timed(f"pip install {wheel.name}", [*pip, str(wheel)], timeout=1800)
-
+        install(steps, tmp_path)
         where = steps.timed("import zerotune", [str(venv / "bin" / "python"), "-c",
                                                 "import sys, zerotune; print(zerotune.__file__); print(sys.path)"])
         package = Path(where.stdout.splitlines()[0]).parent
@@ -190,3 +194,41 @@ def check_user_experiment(steps: Steps, work: Path) -> None:
     assert summary["choices"]["zero_stage"] == 1 and summary["choices"]["batch_size"] == 8
     hydra = yaml.safe_load((Path(summary["run_dir"]) / ".hydra" / "hydra.yaml").read_text())["hydra"]
     assert hydra["runtime"]["choices"]["experiment"] == "mine"
+
+
+def test_a_venv_under_a_path_with_a_space_trains_with_deepspeed(tmp_path):
+    """torch's JIT build passes `-L<torch>/lib` to the linker unquoted: from a venv in "über proj", DeepSpeed's
+    ops link through a link in the extensions cache. A cache whose path has a space too is refused before any
+    build, naming TORCH_EXTENSIONS_DIR, and the fix it gives, applied, trains."""
+    venv, work = tmp_path / "über proj" / "venv", tmp_path / "work dir"
+    work.mkdir()
+    env = user_env(tmp_path)
+    steps = Steps(venv, work, env)
+    print()
+    try:
+        install(steps, tmp_path)
+        # A home of its own: the fix names a folder in it.
+        env.update(HOME=str(tmp_path / "home"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext cache"))
+        start = time.monotonic()
+        refused = subprocess.run([str(venv / "bin" / "zerotune"), "train", "train.max_steps=2"], cwd=work, env=env,
+                                 capture_output=True, text=True, timeout=900)
+        steps.record("zerotune train (a cache with a space): refused", time.monotonic() - start)
+        assert refused.returncode == 2, tail(refused.stdout) + tail(refused.stderr)
+        assert "config error at `TORCH_EXTENSIONS_DIR`" in refused.stderr and "-lc10" in refused.stderr
+        assert not (tmp_path / "ext cache").exists()
+
+        name, value = re.search(r"^  fix: .*export (\w+)=(\S+)$", refused.stderr, re.MULTILINE).groups()
+        env[name] = value  # the fix, as given
+        steps.zerotune("train", "train.max_steps=2")
+        refusal, summary = run_dirs(work / "outputs")  # in the order they ran
+        assert refusal["status"] == "failed" and refusal["error"]["key"] == "TORCH_EXTENSIONS_DIR"
+        assert summary["status"] == "ok" and summary["steps"] == 2 and summary["use_deepspeed"]
+        [shm] = [op for op in summary["ops_build"]["ops"] if op["name"] == "deepspeed_shm_comm"]
+        assert not shm["was_cached"] and Path(shm["path"]).is_relative_to(value)
+        ninja = (Path(shm["path"]).parent / "build.ninja").read_text()
+        [link] = re.findall(r"^ldflags = .*-L(\S+) ", ninja, re.MULTILINE)
+        assert Path(link).parent == Path(value) and Path(link).resolve() == (
+            next(venv.glob("lib/python*/site-packages/torch/lib")).resolve())
+        shutil.rmtree(venv)
+    finally:
+        steps.report()
