@@ -104,6 +104,24 @@ def test_a_job_without_a_result_is_recorded_and_reported(tmp_path, own, state, s
     assert row["status"] == status and row["overrides"] == {"zero_stage": 2}  # read from .hydra/overrides.yaml
 
 
+def test_a_job_whose_last_attempt_left_no_record_keeps_the_earlier_attempts_and_slurms_restart_count(tmp_path):
+    """The summary in the folder is the first attempt's (restart 0); SLURM requeued the job twice and the last
+    attempt ended before writing its own: the first attempt's summary stays its record, the job's is the lost
+    attempt's, with SLURM's count of requeues."""
+    run_dir = tmp_path / "multirun" / "day" / "time" / "0"
+    (run_dir / "attempts" / "1").mkdir(parents=True)
+    (run_dir / "attempts" / "1" / "summary.json").write_text(json.dumps({"status": "failed"}))
+    first = {"status": "interrupted", "steps": 7, "slurm": {"job_id": "7", "array_job": "7_0", "restart_count": 0}}
+    (run_dir / "summary.json").write_text(json.dumps(first))
+    summary = slurm_end.record_lost_job(run_dir, "7_0", "FAILED", ["zero_stage=2"], "task 1: User defined signal 2",
+                                        restarts=2)
+    assert json.loads((run_dir / "attempts" / "2" / "summary.json").read_text()) == first
+    assert summary["status"] == "failed" and "steps" not in summary
+    assert summary["slurm"]["restart_count"] == 2 and summary["previous_attempts"] == ["attempts/1", "attempts/2"]
+    again = slurm_end.record_lost_job(run_dir, "7_0", "FAILED", ["zero_stage=2"], "", restarts=2)  # its own: kept
+    assert again["previous_attempts"] == ["attempts/1", "attempts/2"] and again["slurm"]["restart_count"] == 2
+
+
 def peer(folder: Path, k: int, status: str, **error) -> None:
     record = {"status": status, "node_rank": k, "node": f"zt-node{k + 1}"}
     if error:

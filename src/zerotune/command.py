@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"zerotune: no command {name!r}\n  fix: one of: {', '.join(COMMANDS)}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name in ("train", "tune"):
+        from zerotune.held_signals import hold
+
+        hold()  # before the imports: a stop signal during them (`srun zerotune train` under SLURM) is the job's
     module = importlib.import_module(COMMANDS[name].module)
     if name in ("train", "tune"):
         # Hydra reads sys.argv itself, and shows argv[0] as the command in its --help.

@@ -1,8 +1,10 @@
-"""The sbatch script hydra/launcher=slurm would submit, rendered without a cluster (submitit's own writer)."""
+"""The sbatch script hydra/launcher=slurm would submit, rendered without a cluster (submitit's own writer); which
+signals a process catches."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -30,3 +32,14 @@ def sbatch_script(launcher: Mapping[str, Any], folder: str) -> str:
         executor = submitit.AutoExecutor(cluster="slurm", folder=folder)
     executor.update_parameters(**params)
     return executor._executor._make_submission_file_text("python -u -m submitit.core._submit", "0")
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` now (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+

@@ -1,7 +1,9 @@
 """`hydra/launcher=zerotune_slurm`, what conf/hydra/launcher/slurm.yaml builds on: hydra-submitit-launcher's SLURM
-launcher and config, with two changes.
+launcher and config, with three changes.
 
 - `srun_args`, submitit's, which the plugin's config does not expose (slurm.yaml sets --kill-on-bad-exit=1).
+- The task srun starts on each node is submitit's, through zerotune/launch/slurm_task.py: a stop signal that
+  comes while it starts (a pre-emption soon after a requeue) is held for the job, not the death of the task.
 - How a job's end is awaited. The plugin's `launch` ends in `[j.results()[0] for j in jobs]`: that waits forever
   on a job that ended without a result where there is no `sacct` (zerotune/launch/slurm_end.py), and the first
   job that failed raises, which ends the sweep. Here each job is waited on until it wrote its result or left
@@ -15,6 +17,7 @@ extra there is nothing to extend, and nothing is registered.
 # No `from __future__ import annotations`: Hydra executes this module without registering it in sys.modules,
 # where dataclasses look string annotations up.
 import logging
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +30,14 @@ from omegaconf import open_dict
 try:
     from hydra_plugins.hydra_submitit_launcher import submitit_launcher
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
+    from submitit.slurm.slurm import SlurmExecutor
 except ImportError:  # pip install 'zerotune[slurm]'
     submitit_launcher = None
 
 log = logging.getLogger(__name__)
 
 if submitit_launcher is not None:
-    from zerotune.launch.slurm_end import record_lost_job, stderr_tail, wait_for_end
+    from zerotune.launch.slurm_end import job_restarts, record_lost_job, stderr_tail, wait_for_end
 
     @dataclass
     class ZerotuneSlurmConf(SlurmQueueConf):
@@ -42,6 +46,10 @@ if submitit_launcher is not None:
 
     ConfigStore.instance().store(group="hydra/launcher", name="zerotune_slurm", node=ZerotuneSlurmConf,
                                  provider="zerotune")
+
+    def task_command(executor) -> str:
+        """What srun runs on each node: submitit's task, its stop signals held from its first line."""
+        return " ".join([executor.python, "-u -m zerotune.launch.slurm_task", shlex.quote(str(executor.folder))])
 
     class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """hydra-submitit-launcher's, each job waited on until it wrote its result or left SLURM's queue."""
@@ -63,7 +71,8 @@ if submitit_launcher is not None:
                 captured.extend(real_map_array(executor, fn, *iterables))
                 return []  # the plugin then waits on no job: `_outcome` does, one by one
 
-            with patch.object(submitit.AutoExecutor, "map_array", map_array):
+            with patch.object(submitit.AutoExecutor, "map_array", map_array), \
+                    patch.object(SlurmExecutor, "_submitit_command_str", property(task_command)):
                 super().launch(job_overrides, initial_job_idx)
             return captured
 
@@ -78,7 +87,7 @@ if submitit_launcher is not None:
             run_dir = self.job_run_dir(overrides, idx)
             detail = failure or stderr_tail(job, lines=1)
             summary = record_lost_job(run_dir, str(job.job_id), None if state == "COMPLETED" else state, overrides,
-                                      detail)
+                                      detail, restarts=job_restarts(str(job.job_id)))
             # COMPLETED, as zerotune's own task returns for a job that failed in a sweep: recorded, and the sweep goes on.
             return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
                              _return_value=summary)

@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zerotune import config_search
+from zerotune import config_search, held_signals
 from zerotune.cli.compose import as_config_error, check_command_line, check_resolves, is_multirun
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
@@ -155,6 +155,9 @@ def _main() -> None:
         sys.argv[1:] = normalize_overrides(args, search)
         check_command_line(sys.argv[1:])  # added keys; and for a sweep, every job's types and keys, before Hydra starts
         if is_multirun(sys.argv[1:]):
+            # A sweep's jobs act on a stop signal where they run (each job process holds its own); this process
+            # only submits or runs them, and ends on one as it always did.
+            held_signals.release()
             _hydra_main()
             return
         with _composition_errors_raised():

@@ -24,9 +24,11 @@ from typing import Any
 
 import psutil
 
+from zerotune import held_signals
 from zerotune.errors import ConfigError
 from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.launch.gate import Gate
+from zerotune.pause_hook import pause
 from zerotune.telemetry.host import HostExit, HostWatch
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
@@ -126,7 +128,11 @@ class Launcher:
         self._host.start()
         before = _stop_handlers()
         try:
-            self._launch(*self._args)
+            pause("before_workers")
+            # A stop signal held since this process began (held_signals.py) starts no worker; one that comes until
+            # torch's agent takes the signals over (its rendezvous is before) stops it as the agent's own would.
+            with held_signals.raising(_signal_exception):
+                self._launch(*self._args)
             return LaunchResult("ok")
         except SignalException as exc:
             self.gate.decide("abort")  # workers still at the gate leave at once
@@ -152,6 +158,12 @@ class Launcher:
             _kill_children()
 
 
+def _signal_exception(name: str) -> Exception:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException(f"Process {os.getpid()} got signal: {name}", sigval=signal.Signals[name])
+
+
 def _stop_handlers() -> dict:
     """This process's handlers for the stop signals, before torch's agent puts its own (which it leaves behind)."""
     if threading.current_thread() is not threading.main_thread():
@@ -162,8 +174,8 @@ def _stop_handlers() -> dict:
 
 def _restore(handlers: dict) -> None:
     # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
-    # under checkpoint.on_signal), the handlers before it are back: under submitit its SIGUSR2 handler, which
-    # requeues the job (launch/slurm.py requeue_if_preempted calls it then, not before the save).
+    # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the job
+    # (held_signals.py), while it records itself and, under submitit, requeues (launch/slurm.py).
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
 

@@ -18,6 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from zerotune import held_signals
+
 log = logging.getLogger(__name__)
 
 # The port every node derives from the job id (no exchange needed); launch.master_port overrides it.
@@ -135,12 +137,13 @@ def requeue_if_preempted(summary: dict) -> None:
 
     Why here and not when the signal comes: submitit's handler requeues at once, and `scontrol requeue` has
     SLURM send SIGTERM, then SIGKILL after KillWait, to every process of the job, the workers in the middle of
-    their save included. So while the workers run, torch's agent holds the signal (it passes it on to them:
-    launch/elastic.py), and submitit's handler, put back when they are gone, is called only now. Only node 0's
-    task requeues (submitit's handler does nothing on the others)."""
+    their save included. So the job process holds the signal from its first line (launch/slurm_task.py sets
+    submitit's handler aside), torch's agent passes it on to the workers while they run (launch/elastic.py), and
+    submitit's handler is called only now, once the attempt is recorded. Only node 0's task requeues (submitit's
+    handler does nothing on the others)."""
     name = (summary.get("interrupted") or {}).get("job_signal")
     sig = getattr(signal, str(name), None)
-    handler = signal.getsignal(sig) if sig is not None else None
+    handler = (held_signals.set_aside(sig) or signal.getsignal(sig)) if sig is not None else None
     if getattr(handler, "__name__", None) != "checkpoint_and_try_requeue":  # submitit's SignalHandler method
         return
     try:

@@ -18,6 +18,7 @@ import yaml
 
 from zerotune.files import read_json, write_json_atomic, write_text_atomic
 from zerotune.launch.slurm_cluster import SCONTROL_TIMEOUT_S, show_job
+from zerotune.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,29 @@ def wait_for_end(job, state_of: Callable[[str], str | None] = job_state, poll_s:
         time.sleep(poll_s)
 
 
-def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str) -> dict:
-    """summary.json for a job SLURM ended without a result: the job's own summary, if it wrote one, with SLURM's
-    account added; its status from SLURM's state unless the job recorded a precise one itself."""
+def job_restarts(job_id: str) -> int | None:
+    """How many times SLURM requeued the job (scontrol's Restarts), or None where it no longer knows the job."""
+    restarts = (show_job(job_id) or {}).get("Restarts", "")
+    return int(restarts) if restarts.isdigit() else None
+
+
+def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str,
+                    restarts: int | None = None) -> dict:
+    """summary.json for a job SLURM ended without a result: its last attempt's own summary, if it wrote one, with
+    SLURM's account added; its status from SLURM's state unless the job recorded a precise one itself.
+    `restarts`: SLURM's count of the job's requeues. A summary an earlier attempt wrote (the last one ended before
+    writing its own) stays that attempt's record, in attempts/<n>/, like any earlier attempt's."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = read_json(run_dir / "summary.json") or {"run_dir": str(run_dir)}
+    summary = read_json(run_dir / "summary.json")
+    if summary is not None and not _last_attempts(summary, job_id, restarts):
+        RunDir(run_dir, is_writer=False).archive_previous_attempt()
+        summary = None
+    summary = summary or {"run_dir": str(run_dir)}
+    summary["previous_attempts"] = RunDir(run_dir, is_writer=False).previous_attempts()
     shown = state or "unknown to SLURM"
     summary["slurm"] = {**(summary.get("slurm") or {"job_id": job_id}), "state": shown}
+    if restarts is not None:
+        summary["slurm"]["restart_count"] = restarts
     said = (f"SLURM job {job_id} ended without a result (state {shown})"
             + (f": {detail}" if detail else ""))
     if summary.get("status") not in FINAL:
@@ -89,6 +106,16 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
         write_text_atomic(hydra_overrides, yaml.safe_dump(list(overrides)))
     log.error("%s: %s", run_dir, said)
     return summary
+
+
+def _last_attempts(summary: dict, job_id: str, restarts: int | None) -> bool:
+    """Whether a summary found in the run folder is the SLURM job's last attempt's (not an earlier attempt's, or an
+    earlier job's in the same folder)."""
+    slurm = summary.get("slurm") or {}
+    ids = {slurm.get("array_job"), slurm.get("job_id")} - {None}  # submitit's id of an array task: <array>_<task>
+    if ids and job_id not in ids:
+        return False
+    return restarts is None or int(slurm.get("restart_count") or 0) == restarts
 
 
 def stderr_tail(job, lines: int = 20) -> str:

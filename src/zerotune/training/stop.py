@@ -10,11 +10,12 @@ import logging
 import signal
 import threading
 
+from zerotune.held_signals import STOP_SIGNALS, received
 from zerotune.training import distributed
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+__all__ = ["STOP_SIGNALS", "StopSignals"]
 
 
 class StopSignals:
@@ -23,6 +24,10 @@ class StopSignals:
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignals:
+        # One that came while the worker imported, held since its first line (launch/bootstrap.py), stops it too.
+        self.received = received()
+        if self.received is not None:
+            log.warning("%s received before training began: stopping at the first step", self.received)
         if threading.current_thread() is threading.main_thread():  # Python delivers signals there only
             for name in STOP_SIGNALS:
                 sig = getattr(signal, name)

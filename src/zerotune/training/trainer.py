@@ -15,6 +15,7 @@ from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
 from zerotune.models import adapter, build_unet, conditioning
+from zerotune.pause_hook import pause
 from zerotune.preflight import CheckedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
@@ -79,6 +80,7 @@ class Trainer:
             self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         opt, sched = optimizer_and_scheduler(self.checked, adapter.trainable_parameters(unet))
+        pause("engine_build")
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
             self.scheduler = None

@@ -28,7 +28,7 @@ class RunSaves:
 
     def save(self, accelerator: Any, step: int, request: Callable[[], store.SaveRequest]) -> None:
         """Save `step` (every rank calls it) unless it is saved already; `request` builds what it holds."""
-        if self.saved and self.saved[-1]["step"] == step:
+        if (self.saved and self.saved[-1]["step"] == step) or self._resumed_at(step):
             return
         info = store.save(accelerator, request())
         self.saved.append({"step": step, **info})
@@ -39,12 +39,17 @@ class RunSaves:
         resumed from already holds it. Every rank calls it."""
         if not self.settings.final or step == 0:
             return
-        here = checkpoints.step_dir(self.root, step)
-        if self.resumed is not None and self.resumed.path.absolute() == here.absolute():
-            self.final = str(here)  # resumed at max_steps: nothing trained since, nothing to rewrite
+        if self._resumed_at(step):
+            self.final = str(checkpoints.step_dir(self.root, step))  # resumed at max_steps: nothing to rewrite
             return
         save()
         self.final = self.saved[-1]["path"]
+
+    def _resumed_at(self, step: int) -> bool:
+        """Whether `step` is this run's own checkpoint it resumed from: nothing trained since, and rewriting it (a
+        stop signal before the first step of a requeued attempt) would only put the job's newest save at risk."""
+        here = checkpoints.step_dir(self.root, step)
+        return self.resumed is not None and self.resumed.path.absolute() == here.absolute()
 
     def summary(self) -> dict:
         last = checkpoints.latest(self.root)

@@ -32,6 +32,7 @@ from zerotune.checkpoints.layout import (
     tmp_dir,
 )
 from zerotune.files import write_text_atomic
+from zerotune.pause_hook import pause
 
 
 @dataclass
@@ -66,6 +67,7 @@ def save(acc, request: SaveRequest) -> dict:
             _write_rank0_files(tmp, request)
     except Exception as exc:
         raise _failed_save(exc, tmp, request) from exc
+    pause(f"save-{request.step}")
     acc.wait_for_everyone()
     size = _publish(tmp, final, request) if acc.is_main_process else 0
     acc.wait_for_everyone()

@@ -1,0 +1,28 @@
+"""A submitit job for tests/test_slurm_preemption.py. A task imports the job's code as it unpickles it (Hydra and
+zerotune: seconds, before submitit installs its handler); with HELD_JOB_DIR set, importing this module says so
+(`importing`) and waits for the test's word (`imported`), so that the test signals the task right then."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+if os.environ.get("HELD_JOB_DIR"):
+    (Path(os.environ["HELD_JOB_DIR"]) / "importing").touch()
+    while not (Path(os.environ["HELD_JOB_DIR"]) / "imported").exists():
+        time.sleep(0.05)
+
+
+def held_job(folder: str) -> str:
+    """Says it runs, waits for the test's word (`go`), then does what a job process does once its attempt is
+    recorded: submitit's requeue, on the signal it held."""
+    from zerotune import held_signals
+    from zerotune.launch.slurm import requeue_if_preempted
+
+    Path(folder, "running").touch()
+    while not Path(folder, "go").exists():
+        time.sleep(0.05)
+    Path(folder, "recorded").write_text(str(held_signals.received()))
+    requeue_if_preempted({"status": "interrupted", "interrupted": {"job_signal": held_signals.received()}})
+    return "not requeued"
