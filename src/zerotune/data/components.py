@@ -8,7 +8,9 @@ U-Net before any weights load, and they load only when the latent cache misses.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,29 @@ def component_ids(paths: ComponentPaths, hasher: FileHasher) -> dict[str, str]:
     return {"vae": component_id(paths.vae, hasher), "text": text}
 
 
+@contextlib.contextmanager
+def whole_frozen_models() -> Iterator[None]:
+    """The encoders are loaded whole, never partitioned. At ZeRO-3 accelerate registers its DeepSpeed config
+    with transformers (`DeepSpeedPlugin.dschf`), whose from_pretrained then builds under zero.Init and leaves
+    each rank a 1-D placeholder of every weight, which no engine ever gathers. accelerate's own
+    `zero3_init_context_manager(enable=False)` registers the same ZeRO-3 config again (it builds the
+    HfDeepSpeedConfig whatever the flag), so transformers' registration is lifted here and put back after."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
+    registered = getattr(plugin, "dschf", None)
+    if registered is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
+
+
 class SDXLEncoders:
     """The frozen encoders, each loaded on first use, in fp32, on `device`."""
 
@@ -174,8 +199,9 @@ class SDXLEncoders:
         if self._vae is None:
             from diffusers import AutoencoderKL
 
-            self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
-                                                      torch_dtype=torch.float32).to(self.device).eval()
+            with whole_frozen_models():
+                self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
+                                                          torch_dtype=torch.float32).to(self.device).eval()
         return self._vae
 
     def _load_text(self):
@@ -185,10 +211,11 @@ class SDXLEncoders:
             def model(cls, path: Path):
                 return cls.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(self.device).eval()
 
-            self._text = ((CLIPTokenizer.from_pretrained(self.paths.tokenizer, local_files_only=True),
-                           model(CLIPTextModel, self.paths.text_encoder)),
-                          (CLIPTokenizer.from_pretrained(self.paths.tokenizer_2, local_files_only=True),
-                           model(CLIPTextModelWithProjection, self.paths.text_encoder_2)))
+            with whole_frozen_models():
+                self._text = ((CLIPTokenizer.from_pretrained(self.paths.tokenizer, local_files_only=True),
+                               model(CLIPTextModel, self.paths.text_encoder)),
+                              (CLIPTokenizer.from_pretrained(self.paths.tokenizer_2, local_files_only=True),
+                               model(CLIPTextModelWithProjection, self.paths.text_encoder_2)))
         return self._text
 
     def release(self) -> None:

@@ -24,6 +24,7 @@ class ModelStats:
     largest_param_numel: int
     param_numels: tuple[int, ...] = ()   # in model.parameters() order: what DeepSpeed partitions
     trainable_numels: tuple[int, ...] = ()  # those the optimizer gets, in the same order (all without an adapter)
+    adapter_target_numel: int = 0  # the adapted modules' own weights: gathered whole while peft wraps them at ZeRO-3
 
     @property
     def num_trainable(self) -> int:
@@ -88,7 +89,7 @@ def _stats_key(model_cfg: Any, adapter_cfg: Any) -> str:
             return None
 
     what = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
-            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 1}
+            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 2}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -96,11 +97,14 @@ def _measure_stats(model_cfg: Any, adapter_cfg: Any) -> ModelStats:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        unet = adapter.add_adapter(_from_config(model_cfg), adapter_cfg)
+        unet = _from_config(model_cfg)
+        targets = adapter.targeted_modules(unet, adapter_cfg)
+        target_numel = sum(p.numel() for m in targets for p in m.parameters(recurse=False))
+        unet = adapter.add_adapter(unet, adapter_cfg)
     numels = [p.numel() for p in unet.parameters()]
     trainable = [p.numel() for p in unet.parameters() if p.requires_grad]
     return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels),
-                      trainable_numels=tuple(trainable))
+                      trainable_numels=tuple(trainable), adapter_target_numel=target_numel)
 
 
 def build_unet(model_cfg: Any, zero_init=None):

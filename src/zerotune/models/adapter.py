@@ -3,6 +3,7 @@ adapters trainable. The layers, their names and their saving are peft's and diff
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -78,8 +79,33 @@ def add_adapter(unet: torch.nn.Module, adapter_cfg: Any) -> torch.nn.Module:
     check(adapter_cfg)
     _check_targets(unet, [str(m) for m in adapter_cfg.target_modules])
     unet.requires_grad_(False)
-    unet.add_adapter(lora_config(adapter_cfg), adapter_name=ADAPTER_NAME)
+    with gathered_targets(targeted_modules(unet, adapter_cfg)):
+        unet.add_adapter(lora_config(adapter_cfg), adapter_name=ADAPTER_NAME)
     return unet
+
+
+def targeted_modules(unet: torch.nn.Module, adapter_cfg: Any) -> list[torch.nn.Module]:
+    """The modules peft wraps (none for full training)."""
+    if not enabled(adapter_cfg):
+        return []
+    targets = [str(t) for t in adapter_cfg.target_modules]
+    return [m for n, m in unet.named_modules() if n and any(_matches(n, t) for t in targets)]
+
+
+def gathered_targets(targets: list[torch.nn.Module]):
+    """At ZeRO-3 (built under zero.Init) each target's weight is a 1-D placeholder; peft sizes its layers from the
+    base weight (a conv's kernel from `weight.dim()`), so the targets are gathered whole while peft wraps them,
+    as peft itself gathers a base weight for its data-dependent inits (`gather_params_ctx`). peft only reads
+    them (modifier_rank=None: nothing is broadcast back). Its adapters are built outside zero.Init, as plain
+    tensors: DeepSpeed's engine partitions every parameter it finds unpartitioned when it is built (rank 0's
+    values broadcast), so all ranks start from the same adapter. The cost is transient: the targets' weights
+    whole, once, before any optimizer state exists. Elsewhere: a no-op."""
+    params = [p for module in targets for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not params:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def is_adapter_weight(name: str) -> bool:

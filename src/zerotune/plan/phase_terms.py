@@ -10,7 +10,7 @@ from zerotune.plan import allocator, encoders
 from zerotune.schema import launch_world_size
 
 MIB = 2**20
-_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
 _S12 = "runtime/zero/stage_1_and_2.py"
 
 
@@ -52,7 +52,7 @@ def _param_blocks(checked: Any, elem: int) -> tuple[list[int], list[int]]:
 def _separate(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict:
     """Stage 0 / plain accelerate: the module cast and moved parameter by parameter (engine.py
     _configure_distributed_model: _cast_module_mixed_precision on the host, then module.to(device))."""
-    sizes, _ = _param_blocks(checked, _ELEM[cfg.precision.name])
+    sizes, _ = _param_blocks(checked, ELEM[cfg.precision.name])
     terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes),
                          "one block per parameter, run dtype (engine.py _configure_distributed_model module.to)")]
     return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
@@ -66,7 +66,7 @@ def _zero12(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> d
     (_update_model_bit16_weights) but stay reserved. The fp32 master partition is cloned on the GPU first
     (`.detach().clone().to(device=self.device, dtype=fp32)`, line 560): a copy of the partition in the run's
     dtype, freed once converted (and moved to the host under offload)."""
-    elem, world = _ELEM[cfg.precision.name], launch_world_size(cfg.launch)
+    elem, world = ELEM[cfg.precision.name], launch_world_size(cfg.launch)
     sizes, frozen = _param_blocks(checked, elem)
     flat = sum(sizes) - sum(frozen)
     separate = allocator.reserved_bytes(sizes)
@@ -98,7 +98,7 @@ def _zero3(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict:
     to the host, empties the cache and copies them back as one flat buffer (runtime/zero/utils.py defragment,
     line 234); without optimizer offload the fp32 master is `.to(device, fp32).clone()` of each sub-group
     (stage3.py _create_fp32_partitions, line 1170): one sub-group's fp32 copy is transient."""
-    elem = _ELEM[cfg.precision.name]
+    elem = ELEM[cfg.precision.name]
     params = (state_mib(plan, "params") + state_mib(plan, "params_persistent")) * MIB
     master = state_mib(plan, "master_weights") * MIB
     module = encoders.largest_module_numel(cfg.model, cfg.get("adapter"))

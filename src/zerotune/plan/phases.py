@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerotune.plan import allocator, encoders
-from zerotune.plan.phase_terms import MIB, loading_phase, state_mib, term
+from zerotune.plan.phase_terms import ELEM, MIB, loading_phase, state_mib, term
 
 _BASE = ("cuda_context", "cublas_workspace")
 
@@ -35,7 +35,8 @@ def run_phases(cfg: Any, checked: Any, gpu: Any, plan: dict) -> list[dict]:
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
     before = base if caching else [t for t in base if t["term"] == "cuda_context"]
-    found = [caching, loading_phase(cfg, checked, gpu, plan, before), _step(plan),
+    found = [_adapter_injection(cfg, checked, plan, before), caching, loading_phase(cfg, checked, gpu, plan, before),
+             _step(plan),
              _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
     return _carry([p for p in found if p is not None])
 
@@ -101,6 +102,20 @@ def _zero3_resident(checked: Any, plan: dict) -> list[dict]:
         return []
     mib = state_mib(plan, "params") + state_mib(plan, "params_persistent")
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
+
+
+def _adapter_injection(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | None:
+    """ZeRO-3 with an adapter: right after the partitioned build, peft wraps its targets while they are gathered
+    whole in the run's dtype (models/adapter.py gathered_targets). Freed after, but still reserved: nothing
+    empties the cache until DeepSpeed's engine does."""
+    resident = _zero3_resident(checked, plan)
+    targets = checked.model_stats.adapter_target_numel
+    if not resident or not targets:
+        return None
+    terms = [*base, *resident, term("adapter_targets_gathered", targets * ELEM[cfg.precision.name],
+                                    "deepspeed.zero.GatheredParameters over peft's targets (transient)")]
+    return {"phase": "adapter_injection", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": "models/adapter.py add_adapter under gathered_targets (trainer.py _prepare)"}
 
 
 def _step(plan: dict) -> dict:

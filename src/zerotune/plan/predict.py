@@ -234,8 +234,13 @@ def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, wor
     stats = checked.model_stats
     if stage == 3:
         partition = -(-stats.num_params // world) * _DTYPE_BYTES.get(precision, 4)
-        load = _term("model_load", partition + 2 * 4 * stats.largest_param_numel,
-                     f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)")
+        # adapter=lora: the targets are gathered whole while peft wraps them (models/adapter.py gathered_targets),
+        # onto the device the run trains on: the host's only on a CPU run.
+        on_host = checked.platform.device_type == "cpu"
+        gathered = stats.adapter_target_numel * _DTYPE_BYTES.get(precision, 4) if on_host else 0
+        load = _term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
+                     f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)"
+                     + (", or the adapter's targets gathered whole while peft wraps them" if gathered else ""))
     else:
         load = _term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
     return max(sum(t["mib"] for t in terms), load["mib"]), load

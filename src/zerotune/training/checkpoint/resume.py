@@ -26,10 +26,23 @@ def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restore
         acc.load_state(str(convert.universal_folder(acc, decision.path)))
     else:
         convert.load_full(acc, decision.path, decision.meta, module, optimizer, scheduler)
+    _steps_as_tensors(optimizer)
     ema_file = decision.path / EMA_FILE
     ema = torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None
     acc.wait_for_everyone()
     return Restored(position_state=_trainer_state(decision.path, acc.process_index), ema_state=ema)
+
+
+def _steps_as_tensors(optimizer) -> None:
+    """A checkpoint saved with offload=cpu (DeepSpeed's CPU Adam) holds each parameter's step as an int; torch's
+    Adam and AdamW, which step the same run without offload, require a singleton tensor, and their
+    load_state_dict converts nothing. The count is the same; CPU Adam itself takes either."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # a ZeRO optimizer wraps the one that steps
+    if not isinstance(inner, torch.optim.Optimizer) or type(inner).__module__.startswith("deepspeed."):
+        return
+    for state in inner.state.values():
+        if "step" in state and not torch.is_tensor(state["step"]):
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
 
 
 def _trainer_state(path: Path, rank: int) -> dict:
