@@ -369,3 +369,24 @@ def test_a_slurm_task_signalled_as_it_starts_requeues_its_job_once_recorded(tmp_
     assert proc.returncode == 255, err[-3000:]
     assert (tmp_path / "recorded").read_text() == "SIGUSR2"
     assert (tmp_path / "scontrol.calls").read_text().split() == ["requeue", "42"]
+
+
+def test_an_attempt_that_left_no_record_gets_one_so_the_job_keeps_one_per_attempt(tmp_path):
+    """The fourth attempt of SLURM job 7 (three requeues) finds records of the first (its summary) and the second
+    (killed before its summary: its config names the job), and of an earlier job in the same folder; the third
+    attempt left nothing. It is recorded as lost, so the job's attempts are as many as SLURM's restarts."""
+    from zerotune.launch.slurm import record_lost_attempts
+
+    def attempt(n: int, name: str, text: str) -> None:
+        (tmp_path / "attempts" / str(n)).mkdir(parents=True)
+        (tmp_path / "attempts" / str(n) / name).write_text(text)
+
+    attempt(1, "summary.json", json.dumps({"status": "ok", "slurm": {"job_id": "3"}}))  # an earlier job's
+    attempt(2, "summary.json", json.dumps({"status": "interrupted", "slurm": {"job_id": "7", "restart_count": 0}}))
+    attempt(3, "config.yaml", "launch:\n  run_id: slurm-7\n")
+    env = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3", "SLURM_JOB_NODELIST": "zt-node1"}
+    assert record_lost_attempts(tmp_path, env) == ["attempts/4"]
+    lost = read_summary(tmp_path / "attempts" / "4")
+    assert lost["status"] == "lost" and lost["slurm"]["job_id"] == "7" and lost["slurm"]["restart_count"] == 2
+    assert record_lost_attempts(tmp_path, env) == []  # on record now
+    assert record_lost_attempts(tmp_path / "elsewhere", {**env, "SLURM_RESTART_COUNT": "0"}) == []

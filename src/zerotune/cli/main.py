@@ -22,7 +22,13 @@ from zerotune.cli.compose import as_config_error, check_command_line, check_reso
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
-from zerotune.launch.slurm import ends_the_step, job_node_rank, job_start_time, requeue_if_preempted
+from zerotune.launch.slurm import (
+    ends_the_step,
+    job_node_rank,
+    job_start_time,
+    record_lost_attempts,
+    requeue_if_preempted,
+)
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec, run_name
 from zerotune.rundir.summary import print_result
@@ -53,6 +59,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         # start of this process, not a clock read at import: under submitit this function arrives pickled by
         # value, its globals as they were in the submitting process (a requeued attempt's would move nothing).
         RunDir(spec.run_dir).archive_previous_attempt(started=process_start_time())
+        record_lost_attempts(spec.run_dir, os.environ)  # in a requeued SLURM job: one record per attempt
     try:
         check_resolves(cfg, spec.overrides)  # an interpolation typed on the command line, e.g. ${oc.env:...}
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.

@@ -54,6 +54,45 @@ def slurm_record(env: Mapping[str, str]) -> dict | None:
             "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": int(env.get("SLURM_JOB_NUM_NODES") or 1)}
 
 
+def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[str]:
+    """In a requeued SLURM job (SLURM_RESTART_COUNT > 0), once earlier records are in attempts/: an attempt of this
+    job that left no record at all (killed before it wrote one, its node lost) gets one, status "lost", so that the
+    job keeps one folder per attempt, as many as SLURM's restarts. Each attempt does this as it starts: the ones
+    missing are the latest. Returns the folders added."""
+    from zerotune.rundir import ATTEMPTS, SUMMARY, RunDir, write_json_atomic
+
+    restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
+    run = RunDir(run_dir, is_writer=False)
+    recorded = sum(_of_job(run.path / folder, env["SLURM_JOB_ID"]) for folder in run.previous_attempts()) \
+        if restarts else 0
+    added = []
+    for restart in range(recorded, restarts):
+        added.append(f"{ATTEMPTS}/{len(run.previous_attempts()) + 1}")
+        (run.path / added[-1]).mkdir(parents=True)
+        write_json_atomic(run.path / added[-1] / SUMMARY, {
+            "status": "lost", "run_dir": str(run.path), "slurm": {**slurm_record(env), "restart_count": restart},
+            "error": {"type": "lost", "message": f"attempt {restart + 1} of SLURM job {env['SLURM_JOB_ID']} left no "
+                      "record: it ended (killed, or its node lost) before it wrote one"}})
+    return added
+
+
+def _of_job(folder: Path, job_id: str) -> bool:
+    """Whether an attempt's records are this SLURM job's: its summary says so, or its config's launch run id (an
+    attempt killed before its summary)."""
+    import yaml
+
+    from zerotune.files import read_json
+
+    summary = read_json(folder / "summary.json") or {}
+    if summary:
+        return (summary.get("slurm") or {}).get("job_id") == job_id
+    try:
+        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return (config.get("launch") or {}).get("run_id") == f"slurm-{job_id}"
+
+
 def job_start_time(env: Mapping[str, str]) -> datetime | None:
     """When SLURM started this job (scontrol's StartTime), in an srun step of several nodes; else None. Each
     node's task composes its own config: this one clock gives `${now:...}` in hydra.run.dir one folder."""
