@@ -129,3 +129,28 @@ def test_a_cpu_run_records_its_phases(tmp_path):
         assert p["start"] <= p["end"]
         assert p["gpu_max_reserved_mib"] is None and p["gpu_max_allocated_mib"] is None  # no CUDA: unmeasured
         assert p["host_peak_rss_mib"] > 0  # sampled at the phase's start and end at least
+
+
+def test_lora_at_zero3_gathers_its_targets_before_caching():
+    """peft wraps LoRA's targets while they are gathered whole (models/adapter.py gathered_targets): a phase of its
+    own at ZeRO-3, the targets' own weights in the run's dtype on top of the partitions; none without an adapter
+    or below ZeRO-3."""
+    import torch
+    from accelerate import init_empty_weights
+
+    from zerotune.models import adapter, build_unet
+
+    tiny = ("model=sdxl_tiny", "resolution.size=64", "train.batch_size=2", "precision=bf16")
+    cfg = compose_cfg(*tiny, "adapter=lora")
+    with init_empty_weights():
+        unet = build_unet(cfg.model)
+        want = sum(p.numel() for m in adapter.targeted_modules(unet, cfg.adapter) for p in m.parameters(recurse=False))
+    assert want > 0 and all(isinstance(m, torch.nn.Linear) for m in adapter.targeted_modules(unet, cfg.adapter))
+    _, phases = plan_with_phases(*tiny, "adapter=lora", "zero_stage=3")
+    check_accounting(phases)
+    assert [p["phase"] for p in phases][0] == "adapter_injection"
+    gathered = next(t for t in by_name(phases)["adapter_injection"]["terms"] if t["term"] == "adapter_targets_gathered")
+    assert gathered["mib"] * 2**20 == want * 2
+    for overrides in (("zero_stage=2", "adapter=lora"), ("zero_stage=3", "adapter=none")):
+        _, phases = plan_with_phases(*tiny, *overrides)
+        assert "adapter_injection" not in by_name(phases)
