@@ -143,7 +143,9 @@ def paused_at(moment: str, folder: Path) -> dict:
 def preempt(cluster, job_id: str, restarts: int, how: str = "usr2") -> None:
     """Signal every task of the job as SLURM does before a pre-emption (or requeue it), and see the attempt after
     `restarts` requeues start."""
-    cmd = ["scancel", "--signal=USR2", job_id] if how == "usr2" else ["scontrol", "requeue", job_id]
+    cmd = {"usr2": ["scancel", "--signal=USR2", job_id], "scontrol_requeue": ["scontrol", "requeue", job_id],
+           # the batch script's shell too, which would end the job FAILED without its trap (hydra_plugins)
+           "usr2_full": ["scancel", "--full", "--signal=USR2", job_id]}[how]
     done = cluster.run(*cmd)
     assert done.returncode == 0, done.stderr
     wait_for(lambda: requeued_and_running(cluster, job_id, restarts), 240, f"attempt {restarts + 1} to start")
@@ -213,16 +215,18 @@ def test_an_attempt_preempted_before_it_trains_is_recorded_requeued_and_continue
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", [8, STEPS])
-def test_an_attempt_preempted_while_it_saves_finishes_the_save_and_is_continued_from_it(slurm_cluster, tmp_path, step):
+@pytest.mark.parametrize(("step", "how"), [(8, "usr2"), (STEPS, "usr2"), (8, "usr2_full")])
+def test_an_attempt_preempted_while_it_saves_finishes_the_save_and_is_continued_from_it(slurm_cluster, tmp_path, step,
+                                                                                        how):
     """USR2 in the middle of a periodic save (step 8), or of the final one: the save completes, the attempt is
-    recorded as interrupted after that step and requeued, and the next continues from that checkpoint."""
+    recorded as interrupted after that step and requeued, and the next continues from that checkpoint. usr2_full:
+    the batch script's shell is signalled too."""
     cwd, pauses = tmp_path / "job", tmp_path / "pauses"
     proc = sweep(cwd, slurm_cluster, 1, "checkpoint.every_n_steps=8", env=paused_at(f"save-{step}", pauses))
     try:
         wait_for(lambda: list(pauses.glob(f"save-{step}.*")), 300, f"the save of step {step}")
         (job_id, _), = queued(slurm_cluster)
-        preempt(slurm_cluster, job_id, restarts=1)
+        preempt(slurm_cluster, job_id, restarts=1, how=how)
         out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()

@@ -3,7 +3,8 @@ launcher and config, with three changes.
 
 - `srun_args`, submitit's, which the plugin's config does not expose (slurm.yaml sets --kill-on-bad-exit=1).
 - The task srun starts on each node is submitit's, through zerotune/launch/slurm_task.py: a stop signal that
-  comes while it starts (a pre-emption soon after a requeue) is held for the job, not the death of the task.
+  comes while it starts (a pre-emption soon after a requeue) is held for the job, not the death of the task;
+  and the batch script's shell ignores the pre-emption signal.
 - How a job's end is awaited. The plugin's `launch` ends in `[j.results()[0] for j in jobs]`: that waits forever
   on a job that ended without a result where there is no `sacct` (zerotune/launch/slurm_end.py), and the first
   job that failed raises, which ends the sweep. Here each job is waited on until it wrote its result or left
@@ -30,7 +31,7 @@ from omegaconf import open_dict
 try:
     from hydra_plugins.hydra_submitit_launcher import submitit_launcher
     from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
-    from submitit.slurm.slurm import SlurmExecutor
+    from submitit.slurm.slurm import SlurmExecutor, SlurmJobEnvironment, _make_sbatch_string
 except ImportError:  # pip install 'zerotune[slurm]'
     submitit_launcher = None
 
@@ -50,6 +51,12 @@ if submitit_launcher is not None:
     def task_command(executor) -> str:
         """What srun runs on each node: submitit's task, its stop signals held from its first line."""
         return " ".join([executor.python, "-u -m zerotune.launch.slurm_task", shlex.quote(str(executor.folder))])
+
+    def batch_script(executor, command: str, uid: str) -> str:  # noqa: ARG001 (submitit's signature)
+        """submitit's sbatch script, whose shell ignores the pre-emption signal: SLURM signals the shell too when
+        asked to (`scancel --full`), and the shell, which only waits on srun, would end the job FAILED of it."""
+        setup = [f"trap '' {SlurmJobEnvironment.USR_SIG}", *(executor.parameters.get("setup") or [])]
+        return _make_sbatch_string(command=command, folder=executor.folder, **{**executor.parameters, "setup": setup})
 
     class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """hydra-submitit-launcher's, each job waited on until it wrote its result or left SLURM's queue."""
@@ -72,7 +79,8 @@ if submitit_launcher is not None:
                 return []  # the plugin then waits on no job: `_outcome` does, one by one
 
             with patch.object(submitit.AutoExecutor, "map_array", map_array), \
-                    patch.object(SlurmExecutor, "_submitit_command_str", property(task_command)):
+                    patch.object(SlurmExecutor, "_submitit_command_str", property(task_command)), \
+                    patch.object(SlurmExecutor, "_make_submission_file_text", batch_script):
                 super().launch(job_overrides, initial_job_idx)
             return captured
 
