@@ -45,16 +45,25 @@ def queued(cluster) -> list[tuple[str, str]]:
     return list(zip(out[::2], out[1::2], strict=True))
 
 
-def requeued_and_running(cluster, job_id: str, restarts: int = 1) -> bool:
-    """The job's next attempt (after `restarts` requeues) has started; a requeued job that still waits (SLURM holds
-    one back for about two minutes) is let go at once."""
-    shown = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
-    state, done = re.search(r"\bJobState=(\w+)", shown), re.search(r"\bRestarts=(\d+)", shown)
-    if not (state and done and int(done[1]) >= restarts):
-        return False
-    if state[1] == "PENDING":
-        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    return state[1] == "RUNNING"  # not COMPLETING: the last attempt's end, before the job is pending again
+def await_next_attempt(cluster, job_id: str, restarts: int = 1, timeout: float = 240) -> None:
+    """Until the job's attempt after `restarts` requeues runs. SLURM holds a requeued job back for about two
+    minutes; here it is let go once it has been pending two seconds (slurmd refuses to start a job in the second
+    it killed it: its credential counts as revoked, and the job ends FAILED)."""
+    pending_since = None
+
+    def running() -> bool:
+        nonlocal pending_since
+        shown = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+        state, done = re.search(r"\bJobState=(\w+)", shown), re.search(r"\bRestarts=(\d+)", shown)
+        if not (state and done and int(done[1]) >= restarts):
+            return False
+        if state[1] == "PENDING":
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since > 2:
+                cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        return state[1] == "RUNNING"  # not COMPLETING: the last attempt's end, before the job is pending again
+
+    wait_for(running, timeout, f"attempt {restarts + 1} of job {job_id} to start")
 
 
 def exported(run_dir: Path, out: Path) -> dict:
@@ -81,7 +90,7 @@ def interrupt_and_release(cluster, cwd: Path, how: str) -> str:
         cmd = ["scontrol", "requeue", job_id]
     done = cluster.run(*cmd)
     assert done.returncode == 0, done.stderr
-    wait_for(lambda: requeued_and_running(cluster, job_id), 180, "the requeued job to start")
+    await_next_attempt(cluster, job_id)
     return job_id
 
 
@@ -148,7 +157,7 @@ def preempt(cluster, job_id: str, restarts: int, how: str = "usr2") -> None:
            "usr2_full": ["scancel", "--full", "--signal=USR2", job_id]}[how]
     done = cluster.run(*cmd)
     assert done.returncode == 0, done.stderr
-    wait_for(lambda: requeued_and_running(cluster, job_id, restarts), 240, f"attempt {restarts + 1} to start")
+    await_next_attempt(cluster, job_id, restarts)
 
 
 def task_pids(cluster, restarts: int) -> list[int]:
