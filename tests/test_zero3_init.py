@@ -107,19 +107,22 @@ LOAD = textwrap.dedent("""
 
     deepspeed.init_distributed(dist_backend="gloo")
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    loaded = []
+    loaded, draws = [], []
     for path in sys.argv[2:]:
+        torch.manual_seed(0)
         unet = build_unet(compose_cfg(f"model.pretrained={path}").model, zero_init=deepspeed.zero.Init(config_dict_or_path=ds))
+        draws.append(torch.randn(4))  # what draws next (peft's LoRA init) gets
         params = list(unet.named_parameters())
         assert all(p.data.numel() == 0 for _, p in params)
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
             loaded.append({n: p.detach().clone() for n, p in params})
-    torch.save(loaded, sys.argv[1])
+    torch.save((loaded, draws), sys.argv[1])
 """)
 
 
 def test_zero3_loads_pretrained_into_the_partitions(tmp_path):
-    """A .safetensors state dict and a diffusers folder, each loaded module by module into the partitions."""
+    """A .safetensors state dict and a diffusers folder, each loaded module by module into the partitions; each
+    build leaves the global RNG where the plain build leaves it (so LoRA's init matches the other stages')."""
     import torch
     from safetensors.torch import save_file
 
@@ -137,8 +140,14 @@ def test_zero3_loads_pretrained_into_the_partitions(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "loaded.pt"), str(tmp_path / "unet.safetensors"),
                            str(tmp_path / "folder")], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from_file, from_folder = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    (from_file, from_folder), draws = torch.load(tmp_path / "loaded.pt", weights_only=False)
     assert _equal(from_file, weights) and _equal(from_folder, weights)
+    plain_draws = []
+    for path in (tmp_path / "unet.safetensors", tmp_path / "folder"):
+        torch.manual_seed(0)
+        build_unet(compose_cfg(f"model.pretrained={path}").model)
+        plain_draws.append(torch.randn(4))
+    assert torch.equal(draws[0], plain_draws[0]) and torch.equal(draws[1], plain_draws[1])
 
 
 @pytest.mark.slow

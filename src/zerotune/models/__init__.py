@@ -127,7 +127,10 @@ def build_unet(model_cfg: Any, zero_init=None):
 
 
 def _build_partitioned(model_cfg: Any, zero_init, path: Path | None):
+    # Imported before zero.Init is entered: diffusers' first import creates tensors, which zero.Init's patched
+    # tensor constructors would take.
     from diffusers import UNet2DConditionModel
+    from diffusers.models.modeling_utils import no_init_weights
 
     from zerotune.models import partitioned
 
@@ -137,7 +140,15 @@ def _build_partitioned(model_cfg: Any, zero_init, path: Path | None):
         config, weight_files = read_folder(path)
         if not weight_files:  # .bin weights: read_folder only looks for them
             weight_files = _bin_files(unet_folder(path))
-        unet = partitioned.build(lambda: UNet2DConditionModel.from_config(config), zero_init, weight_files, str(path))
+
+        def make_unet():
+            # As from_pretrained builds it: torch.nn.init's functions skipped, since the files replace every weight.
+            # So the build draws nothing from the global RNG, and what draws next (peft's LoRA init, the data)
+            # draws what it does after from_pretrained at the other stages.
+            with no_init_weights():
+                return UNet2DConditionModel.from_config(config)
+
+        unet = partitioned.build(make_unet, zero_init, weight_files, str(path))
         return unet.eval()  # as from_pretrained leaves it
     if path.suffix == ".safetensors" and path.is_file():
         return partitioned.build(lambda: _from_config(model_cfg), zero_init, [path], str(path))
