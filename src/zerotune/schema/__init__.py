@@ -228,6 +228,15 @@ def launch_world_size(launch: Any) -> int:
     return launch.num_processes * launch.nnodes
 
 
+def as_dict(block: Any) -> dict[str, Any]:
+    """A config block as a plain dict (values resolved), whether it is the typed object or Hydra's DictConfig."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(block) and not isinstance(block, type):
+        return dataclasses.asdict(block)
+    return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
+
+
 def register() -> None:
     """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
