@@ -24,7 +24,8 @@ from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, recommend, render
 from zerotune.plan.predict import predict
 from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.preflight import CheckedRun, preflight
+from zerotune.preflight import preflight
+from zerotune.resolved import ResolvedRun
 from zerotune.user_config.precedence import pinned_by, typed_keys
 
 # What --all varies: ZeRO stage x offload x gradient checkpointing (NVMe offload is ZeRO-3's only).
@@ -64,7 +65,7 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
 BATCH_KEY = "train.batch_size"
 
 
-def micro_batch(cfg: Any, checked: CheckedRun, overrides: list[str]) -> dict:
+def micro_batch(cfg: Any, checked: ResolvedRun, overrides: list[str]) -> dict:
     """The micro batch the plan is for, and where its value came from: {"value", "source" (command line,
     experiment, default config, option or file), "from" (in words), "file"}."""
     value = int(cfg.train.batch_size)

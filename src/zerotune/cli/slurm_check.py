@@ -117,7 +117,7 @@ def job_times(config: DictConfig, cluster: Cluster, partition: Partition, req: R
 def steps_to_first_checkpoint(cfg: Any) -> int | None:
     """Optimizer steps to the job's first scheduled save; None where none is scheduled, or where they are not
     known (a resumed job starts part way; a plan.only job does not train)."""
-    if cfg.resume.get("path") is not None or cfg.plan.get("only"):
+    if cfg.resume.path is not None or cfg.plan.only:
         return None
     every, last = int(cfg.checkpoint.every_n_steps or 0), cfg.train.max_steps
     if every > 0 and (last is None or every <= int(last)):
@@ -145,7 +145,7 @@ def gres_card(nodes: list) -> gpus.GPU | None:
 
 
 def _named_card(cfg: Any) -> gpus.GPU | None:
-    name = cfg.plan.get("gpu")
+    name = cfg.plan.gpu
     return gpus.CATALOG.get(str(name).lower()) if name else None
 
 

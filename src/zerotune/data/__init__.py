@@ -46,7 +46,7 @@ def check_data(spec: DataSpec) -> None:
 
 def check_invert(spec: DataSpec) -> None:
     """data.invert draws the digits inverted; no other data set has an ink and a paper to swap."""
-    if spec.data.get("invert", False) and spec.data.name != "digits":
+    if spec.data.invert and spec.data.name != "digits":
         raise ConfigError("data.invert", f"inverts the digits (ink <-> paper); data={spec.data.name} has no "
                           "such images to invert", "data.invert=false, or data=digits data.invert=true")
 

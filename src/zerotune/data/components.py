@@ -42,14 +42,14 @@ class ComponentPaths:
 
 def resolve_components(model_cfg: Any) -> ComponentPaths:
     """Where each component lives; a ConfigError naming the key for one that is missing."""
-    base = model_cfg.get("components")
+    base = model_cfg.components
     base = Path(str(base)).expanduser() if base else None
     if base is not None and not base.is_dir():
         raise ConfigError("model.components", f"{base} is not a folder",
                           "model.components=/path/to/a/local/sdxl/pipeline (with vae/, text_encoder/, ...)")
     found = {}
     for name in NAMES:
-        own = model_cfg.get(name)
+        own = getattr(model_cfg, name)
         path = Path(str(own)).expanduser() if own else (base / name if base is not None else None)
         key = f"model.{name}" if own or base is None else "model.components"
         marker = "tokenizer_config.json" if name.startswith("tokenizer") else "config.json"
@@ -101,7 +101,7 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
     if int(te2.get("projection_dim", -1)) != pooled:
         raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
                           f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
-    seq = int(model_cfg.get("text_seq_len", 77))
+    seq = int(model_cfg.text_seq_len)
     for key, cfg in (("model.text_encoder", te1), ("model.text_encoder_2", te2)):
         if int(cfg.get("max_position_embeddings", seq)) < seq:
             raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "

@@ -16,7 +16,7 @@ from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
 from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.telemetry.host import read_host_memory
 
 log = logging.getLogger("zerotune")
@@ -51,13 +51,13 @@ def job_gpu(cfg: Any) -> gpus.GPU | None:
 def check_plan_keys(plan: Any) -> None:
     if plan.guard not in GUARDS:
         raise ConfigError("plan.guard", f"unknown {plan.guard!r}", f"plan.guard={' | '.join(GUARDS)}")
-    budget = plan.get("host_mib")
+    budget = plan.host_mib
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ConfigError("plan.host_mib", f"must be a positive number of MiB, got {budget!r}",
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
+def job_plan(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
@@ -77,7 +77,7 @@ def host_fit(cfg: Any, plan: dict) -> dict:
     accelerator, ranks = detect().device_type, int(cfg.launch.num_processes)
     # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
     need = plan["host_peak_mib"] if plan.get("host_peak_kind") == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
-    memory, budget = read_host_memory(), cfg.plan.get("host_mib")
+    memory, budget = read_host_memory(), cfg.plan.host_mib
     room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))
     return {"accelerator": accelerator, "ranks": ranks, "needed_mib": need, "available_mib": memory.headroom_mib,
             "total_mib": memory.total_mib, "cgroup_limit_mib": memory.cgroup_limit_mib, "budget_mib": budget,
@@ -141,7 +141,7 @@ def _fixes(cfg: Any, plan: dict) -> str:
         states, activations = largest_share(plan, fit["accelerator"])
         if fit["ranks"] > 1:
             fixes.append("launch.num_processes=1 (each rank holds its own copy)")
-        if states >= 0.5 and (cfg.get("adapter") is None or cfg.adapter.get("name", "none") == "none"):
+        if states >= 0.5 and (cfg.adapter is None or cfg.adapter.name == "none"):
             fixes.append("adapter=lora (trains an adapter, the U-Net frozen)")
         if OmegaConf.select(cfg, "offload.device") != "nvme":
             fixes.append("zero_stage=3 offload=nvme offload.path=<folder> (parameters and optimizer states on a "

@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, build_unet, conditioning, unet_config
+from zerotune.schema import as_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
@@ -97,13 +98,13 @@ def trace_key(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, pr
     its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
     adapter and its rank: `full` without one) and the torch version."""
     fields = adapter.settings(adapter_cfg)
-    model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.get("conditioning"),
-             "text_seq_len": model_cfg.get("text_seq_len"), "prediction_type": model_cfg.get("prediction_type"),
+    model = {"unet": unet_config(model_cfg), "conditioning": getattr(model_cfg, "conditioning", None),
+             "text_seq_len": getattr(model_cfg, "text_seq_len", None), "prediction_type": getattr(model_cfg, "prediction_type", None),
              "adapter": fields}
     digest = hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()[:12]
     shape = "x".join(str(int(n)) for n in latent_shape)
     tuned = f"{fields['name']}-r{fields.get('rank')}" if fields else "full"
-    key = (f"{model_cfg.get('name', 'model')}-{digest}-{shape}-b{int(batch)}-{precision}-"
+    key = (f"{getattr(model_cfg, 'name', 'model')}-{digest}-{shape}-b{int(batch)}-{precision}-"
            f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-{tuned}-torch{torch.__version__}-v{TRACE_FORMAT}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
 
@@ -159,7 +160,7 @@ def _unet_as_trained(model_cfg: Any, precision: str, gradient_checkpointing: boo
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
     with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
-    fields = model_cfg if isinstance(model_cfg, dict) else OmegaConf.to_container(model_cfg, resolve=True)
+    fields = model_cfg if isinstance(model_cfg, dict) else as_dict(model_cfg)
     cfg = OmegaConf.create({**fields, "pretrained": None, "attention": attention})
     tuned = adapter.settings(adapter_cfg)
     unet = adapter.add_adapter(build_unet(cfg), OmegaConf.create(tuned) if tuned else None)
@@ -184,10 +185,10 @@ def _inputs(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, dtyp
     x0 = torch.randn(batch, *latent_shape, dtype=dtype)
     drawn = {"x0": x0, "noise": torch.randn_like(x0), "timesteps": torch.randint(0, 1000, (batch,))}
     if model_cfg.conditioning == "class":
-        cond = {"class_labels": torch.randint(int(model_cfg.get("num_classes", 10)), (batch,))}
+        cond = {"class_labels": torch.randint(int(getattr(model_cfg, "num_classes", 10)), (batch,))}
     else:
         pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
-        seq = int(model_cfg.get("text_seq_len", 77))
+        seq = int(getattr(model_cfg, "text_seq_len", 77))
         cond = {"encoder_hidden_states": torch.randn(batch, seq, int(unet["cross_attention_dim"]), dtype=dtype),
                 "text_embeds": torch.randn(batch, pooled, dtype=dtype),
                 "time_ids": torch.randn(batch, 6, dtype=dtype)}
@@ -200,7 +201,7 @@ def _loss(unet, model_cfg: Any, inputs: dict) -> torch.Tensor:
     from zerotune.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
 
     # A fresh scheduler: add_noise caches its tables on the device of the samples it last saw.
-    sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(model_cfg.get("prediction_type", "epsilon")))
+    sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(getattr(model_cfg, "prediction_type", "epsilon")))
     x0 = inputs["x0"]
     return diffusion_loss(unet, x0, inputs["cond"], sched, None, x0.dtype, noise=inputs["noise"],
                           timesteps=inputs["timesteps"])

@@ -57,17 +57,17 @@ _MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
 def configs(model_cfg: Any) -> tuple[dict, str] | None:
     """The three architectures and where they come from; None when neither local folders nor a built-in set
     describe them."""
-    base = model_cfg.get("components")
+    base = model_cfg.components
     found = {}
     for name in _MODEL_KEYS:
-        own = model_cfg.get(name) or (Path(str(base)) / name if base else None)
+        own = getattr(model_cfg, name, None) or (Path(str(base)) / name if base else None)
         file = Path(str(own)).expanduser() / "config.json" if own else None
         if file is None or not file.is_file():
             break
         found[name] = {k: v for k, v in json.loads(file.read_text()).items() if not k.startswith("_")}
     else:
         return found, "the components' own config.json (model.components / model.vae, ...)"
-    return BUILTIN.get(str(model_cfg.get("name")))
+    return BUILTIN.get(str(model_cfg.name))
 
 
 def trace_encoders(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
@@ -159,7 +159,7 @@ def largest_module_numel(model_cfg: Any, adapter_cfg: Any = None) -> int:
     if key not in _CACHE:
         found = files.read_json(file)
         if found is None:
-            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.get("attention", "default")), adapter_cfg)
+            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
             found = _write(file, {"numel": max(sum(p.numel() for p in m.parameters(recurse=False))
                                                for m in unet.modules())})
         _CACHE[key] = found

@@ -101,7 +101,7 @@ def _zero3(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict:
     elem = ELEM[cfg.precision.name]
     params = (state_mib(plan, "params") + state_mib(plan, "params_persistent")) * MIB
     master = state_mib(plan, "master_weights") * MIB
-    module = encoders.largest_module_numel(cfg.model, cfg.get("adapter"))
+    module = encoders.largest_module_numel(cfg.model, cfg.adapter)
     build = allocator.reserved_bytes([module * elem, module * 4])
     sub = int(checked.ds_config["zero_optimization"].get("sub_group_size", 1_000_000_000))
     transient = min(master, sub * 4) if master else 0

@@ -61,7 +61,7 @@ def _carry(phases: list[dict]) -> list[dict]:
 
 
 def _cache_device_is_gpu(cfg: Any, gpu: Any) -> bool:
-    choice = str(cfg.data.get("cache_device", "auto"))
+    choice = str(cfg.data.cache_device)
     return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
 
 
@@ -76,7 +76,7 @@ def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> 
     archs, where = found
     size, batch = int(cfg.resolution.size), int(cfg.data.cache_batch_size)
     images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
-    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.get("text_seq_len", 77)))
+    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.text_seq_len))
     weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
     resident = _zero3_resident(checked, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
@@ -143,7 +143,7 @@ def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | No
     stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
     terms = [*base, *_live_states(plan)]
     if stage == 3:
-        numel = encoders.largest_module_numel(cfg.model, cfg.get("adapter"))
+        numel = encoders.largest_module_numel(cfg.model, cfg.adapter)
         elem = 4 if cfg.precision.name == "fp32" else 2
         terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),
                           f"the largest module's own parameters whole ({numel:,} elements), "

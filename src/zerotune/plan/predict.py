@@ -15,7 +15,7 @@ from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.schema import launch_world_size
 
 MIB = 2**20
@@ -32,7 +32,7 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+def predict(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
     """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
@@ -40,8 +40,8 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     use_ds = checked.use_deepspeed
     stage = int(ds["zero_optimization"]["stage"]) if use_ds else 0
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), cfg.precision.name,
-                       bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")),
-                       cfg.get("adapter"))
+                       bool(cfg.train.gradient_checkpointing), str(cfg.model.attention),
+                       cfg.adapter)
     numels, train = _numels(checked)
     states = model_state_bytes(numels, ds, world, 0, use_ds, train)
     buffers = buffer_terms(ds, numels, world, cfg.precision.name, 0, use_ds, train)
@@ -51,7 +51,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     host_terms = _host_terms(cfg, checked, states) + [
         _term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
             ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
-    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.get("adapter"), checked),
+    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.adapter, checked),
             "device": device, "trainable_params": checked.model_stats.num_trainable,
             "frozen_params": checked.model_stats.num_frozen, "gpu": gpu.as_dict() if gpu else None,
             "world_size": world, "rank": 0, "trace": {"key": trace.key, "seconds": trace.seconds}}
@@ -61,7 +61,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     return _whole_run(cfg, checked, gpu, plan)
 
 
-def _whole_run(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
+def _whole_run(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
     """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
     if plan["device"] == "cpu":
@@ -105,7 +105,7 @@ _MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward
            "step:flatten": "step:flatten", "step:update": "step:update"}
 
 
-def _memory(cfg: Any, checked: CheckedRun, gpu, device: str, step_terms: list[dict], host_terms: list[dict],
+def _memory(cfg: Any, checked: ResolvedRun, gpu, device: str, step_terms: list[dict], host_terms: list[dict],
             states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
     host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
     per_node = int(cfg.launch.num_processes)
@@ -144,7 +144,7 @@ def _times(gpu, trace, states: dict, ds: dict, precision: str) -> dict:
             "time_terms": time_terms}
 
 
-def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
+def _numels(checked: ResolvedRun) -> tuple[list[int], list[int]]:
     """Every module parameter's size and the optimizer's, in unet.parameters() order (models.model_stats)."""
     stats = checked.model_stats
     return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
@@ -157,11 +157,11 @@ def _workload(cfg: Any, ds: dict, world: int, stage: int, offloaded: bool) -> st
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
 
 
-def _adapter_words(adapter_cfg: Any, checked: CheckedRun) -> str:
-    if adapter_cfg is None or adapter_cfg.get("name", "none") == "none":
+def _adapter_words(adapter_cfg: Any, checked: ResolvedRun) -> str:
+    if adapter_cfg is None or adapter_cfg.name == "none":
         return ""
     stats = checked.model_stats
-    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.get('rank')}: {stats.num_trainable:,} parameters "
+    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.rank}: {stats.num_trainable:,} parameters "
             f"trained, {stats.num_frozen:,} frozen")
 
 
@@ -218,14 +218,14 @@ def _frozen(numels: list[int], trainable: list[int]) -> list[int]:
     return frozen
 
 
-def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
+def _host_terms(cfg: Any, checked: ResolvedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         terms.append(_term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
-def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, world: int,
+def _host_peak(cfg: Any, checked: ResolvedRun, terms: list[dict], stage: int, world: int,
                precision: str) -> tuple[float, dict]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init

@@ -11,18 +11,19 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
+
+from zerotune.schema import Debug, as_dict
 
 log = logging.getLogger(__name__)
 
 KEYS = ("fail_at_step", "oom_at_step", "hang_at_step", "kill_at_step", "host_alloc_mib")
 
 
-def step_hook(debug: Any, rank: int) -> Callable[[int], None] | None:
+def step_hook(debug: Debug, rank: int) -> Callable[[int], None] | None:
     """A function called before each step (with the steps done so far), or None when nothing is injected."""
-    debug = dict(debug or {})
+    debug = as_dict(debug)
     if not any(debug.get(k) is not None for k in KEYS):
         return None
     if debug.get("fail_rank") is not None and int(debug["fail_rank"]) != rank:
