@@ -20,6 +20,7 @@ import torch
 from zerotune.data.hashing import FileHasher, digest
 from zerotune.errors import ConfigError
 from zerotune.models import downsample_factor, unet_config
+from zerotune.schema import Model
 
 NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 # Files from_pretrained loads, in the order it looks for them; anything else in the folder
@@ -40,7 +41,7 @@ class ComponentPaths:
     tokenizer_2: Path
 
 
-def resolve_components(model_cfg: Any) -> ComponentPaths:
+def resolve_components(model_cfg: Model) -> ComponentPaths:
     """Where each component lives; a ConfigError naming the key for one that is missing."""
     base = model_cfg.components
     base = Path(str(base)).expanduser() if base else None
@@ -78,7 +79,7 @@ def _field(config: dict, name: str, key: str, path: Path) -> Any:
     return config[name]
 
 
-def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
+def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
     """The components' output shapes against what the U-Net takes, from their configs alone."""
     unet = unet_config(model_cfg)
     vae = _config(paths.vae, "model.vae")
@@ -108,7 +109,7 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
                               f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
 
 
-def check_bucket_step(model_cfg: Any, step: int) -> None:
+def check_bucket_step(model_cfg: Model, step: int) -> None:
     """Every bucket side must become a latent side the U-Net can halve down to its bottleneck."""
     unit = model_cfg.vae_scale_factor * downsample_factor(model_cfg)
     if step <= 0 or step % unit:

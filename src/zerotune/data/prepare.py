@@ -107,7 +107,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     folder = check_folder_data(spec)
     micro_batch = int(micro_batch or spec.batch_size)
     cache = LatentCache(cache_dir(spec))
-    seq_len = int(spec.model.get("text_seq_len", 77))
+    seq_len = int(spec.model.text_seq_len)
     items, unreadable = _cache_items(spec, folder, cache, seq_len)
     encoders = SDXLEncoders(folder.components, device or _device(spec), seq_len)
     try:

@@ -64,7 +64,7 @@ def zero_block(cfg: Config, stats: ModelStats) -> dict:
                      "stage3_param_persistence_threshold": int(ds.stage3_param_persistence_threshold),
                      "contiguous_gradients": bool(ds.contiguous_gradients),
                      "stage3_gather_16bit_weights_on_model_save":
-                         bool(ds.get("stage3_gather_16bit_weights_on_model_save", True))})
+                         bool(ds.stage3_gather_16bit_weights_on_model_save)})
     zero.update(offload_mod.offload_blocks(cfg.offload, stage, stats.largest_param_numel))
     return zero
 

@@ -46,7 +46,8 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> dict:
     marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
     run_dir = RunDir(spec.run_dir)
     settled = settle_job(cfg, spec, run_dir)
-    run_dir.write_config(settled.config)
+    if settled.config.launch.node_rank == 0:  # the job's other nodes share this folder, or keep no record of it
+        run_dir.write_config(settled.config)
     spec = replace(spec, from_parent=True)
     spec.save()
     if settled.config.plan.only:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from zerotune import config_search
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
@@ -143,14 +141,14 @@ def _fixes(cfg: Any, plan: dict) -> str:
             fixes.append("launch.num_processes=1 (each rank holds its own copy)")
         if states >= 0.5 and (cfg.adapter is None or cfg.adapter.name == "none"):
             fixes.append("adapter=lora (trains an adapter, the U-Net frozen)")
-        if OmegaConf.select(cfg, "offload.device") != "nvme":
+        if cfg.offload.device != "nvme":
             fixes.append("zero_stage=3 offload=nvme offload.path=<folder> (parameters and optimizer states on a "
                          "fast disk; its own buffers stay in memory: see its plan with plan.only=true first)")
         if activations >= 0.25:
             fixes.append(f"a lower resolution or train.batch_size (activations are {activations:.0%} of the peak)")
     else:
         fixes.append("zerotune plan ... --all for options that fit")
-    model = OmegaConf.select(cfg, "model.name")
+    model = cfg.model.name
     others = [name for name in config_search.current().group_options().get("model", []) if model and name != model]
     fixes += [f"model={name}" for name in others]
     fixes += ["plan.only=true to predict without training", "plan.guard=warn to run anyway"]

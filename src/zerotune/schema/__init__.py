@@ -222,7 +222,7 @@ class Config:
     reference: Optional[dict[str, Any]] = field(default_factory=dict)
 
 
-def launch_world_size(launch: Any) -> int:
+def launch_world_size(launch: Launch) -> int:
     """The processes a job will start: per node x nodes. (A running rank reads its launcher's WORLD_SIZE
     instead: training.distributed.world_size.)"""
     return launch.num_processes * launch.nnodes
@@ -259,12 +259,12 @@ def register() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=structured())
 
 
-def typed(cfg: Any) -> DictConfig:
+def typed(cfg: DictConfig | dict[str, Any]) -> DictConfig:
     """A plain config (a run's config.yaml) with the schema's types again, still a DictConfig."""
     return OmegaConf.merge(structured(), cfg)  # type: ignore[return-value]
 
 
-def to_config(cfg: Any) -> Config:
+def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
     """The composed config (Hydra's DictConfig, or a plain mapping) as the schema's frozen dataclasses: what
     every function past the command line is given. Interpolations are resolved here, once."""
     node = cfg if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config else typed(cfg)
