@@ -64,24 +64,25 @@ class JobChecks:
     def _run(self) -> None:
         self.marks = Marks()
         try:
-            self.base = self._check()
+            self.base = self._check(self.marks)
         except BaseException as exc:  # re-raised by join(), in the job's own thread
             self.error = exc
         finally:
             self.gate.decide("abort")  # no-op after go or skip: the first decision stands
 
-    def _check(self) -> dict:
+    def _check(self, marks: Marks) -> dict:
         config, spec, run_dir = self.settled.config, self.spec, self.run_dir
         run = resolved_job(self.settled, spec, run_dir)
-        self.marks.mark("checks")
-        run = replace(run, plan=planning.job_plan(config, run, planning.job_gpu(config)))
+        marks.mark("checks")
+        plan = planning.job_plan(config, run, planning.job_gpu(config))
+        run = replace(run, plan=plan)
         base = {**base_summary(config, spec), "config_sources": run.config_sources,
-                "config_warnings": list(run.config_warnings), "plan": run.plan}
-        self.marks.mark("plan")
+                "config_warnings": list(run.config_warnings), "plan": plan}
+        marks.mark("plan")
         try:
-            decision = planning.guard(config, run.plan)
+            decision = planning.guard(config, plan)
         except ConfigError as exc:  # the predicted peak is above the memory there is: recorded with the plan
-            record_refusal(config, spec, run_dir, exc, plan=run.plan)
+            record_refusal(config, spec, run_dir, exc, plan=plan)
             raise
         if decision == "predicted_oom":
             self.gate.decide("skip")
@@ -93,7 +94,7 @@ class JobChecks:
         except ConfigError as exc:
             record_refusal(config, spec, run_dir, exc)
             raise
-        self.marks.mark("ops_build")
+        marks.mark("ops_build")
         self.sampler.start()  # the job's memory: its workers from here on
         self.gate.decide("go")
         return base

@@ -22,7 +22,7 @@ from zerotune.training.run import train
 
 
 def main(run_dir: str, gate: GateWatch) -> int:
-    return record(_main)(run_dir, gate)  # an exception reaches the launcher's report (error.message in the summary)
+    return record(_main)(run_dir, gate) or 0  # an exception reaches the launcher's report (error.message in the summary)
 
 
 def _main(run_dir: str, gate: GateWatch) -> int:
