@@ -79,6 +79,7 @@ def check(settled: Settled, platform: Platform | None = None, run_dir: str | Pat
     try:
         ds = builder.build(cfg, world_size, stats, given=set(user.deepspeed or ()))
         if user.deepspeed is not None:
+            assert user.batch is not None and user.deepspeed_path is not None  # settled with the file
             ds = autofill.fill(merge.merge(ds, user.deepspeed), cfg, stats, user.batch, user.deepspeed_path)
     except ConfigError as exc:
         raise user.attribute(exc) from None

@@ -4,17 +4,19 @@ adapters trainable. The layers, their names and their saving are peft's and diff
 from __future__ import annotations
 
 import contextlib
+from typing import TypeGuard, TypeVar
 
 import torch
 
 from zerotune.errors import ConfigError
 from zerotune.schema import Adapter, as_dict
 
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 ADAPTER_NAME = "default"  # peft's name for a model's first adapter; the exported keys carry no name
 INITS = {"gaussian": "gaussian", "default": True}  # adapter.init -> peft's init_lora_weights
 
 
-def enabled(adapter_cfg: Adapter | None) -> bool:
+def enabled(adapter_cfg: Adapter | None) -> TypeGuard[Adapter]:
     return adapter_cfg is not None and adapter_cfg.name != "none"
 
 
@@ -72,7 +74,7 @@ def _check_targets(unet: torch.nn.Module, targets: list[str]) -> None:
                               "their full suffix)", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
 
 
-def add_adapter(unet: torch.nn.Module, adapter_cfg: Adapter | None) -> torch.nn.Module:
+def add_adapter(unet: ModuleT, adapter_cfg: Adapter | None) -> ModuleT:
     """Freeze `unet` and add the LoRA adapter `adapter_cfg` describes (in place; returns it)."""
     if not enabled(adapter_cfg):
         return unet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,14 +32,15 @@ def evaluate_digits(trainer: Trainer, cfg: Config, run_dir: RunDir) -> dict | No
     unet.eval()
     ev = cfg.evaluate
     labels = torch.arange(10).repeat_interleave(int(ev.per_class))
-    images = sample_images(unet, dict(trainer.noise_schedule.config), labels, trainer.run.input_shape,
+    schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
+    images = sample_images(unet, schedule, labels, trainer.run.input_shape,
                            int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(cfg.train.seed),
                            cfg.diffusion.prediction_type)
     clf = DigitClassifier()
     grid = run_dir.path / SAMPLES / "grid.png"
     if run_dir.is_writer:
         save_grid(images, labels, grid, nrow=min(int(ev.per_class), 10))
-    result = {"digit_accuracy": clf.accuracy(images, labels),
+    result: dict[str, Any] = {"digit_accuracy": clf.accuracy(images, labels),
               "per_class_accuracy": {str(k): v for k, v in clf.per_class_accuracy(images, labels).items()},
               "samples": len(labels), "weights": "ema" if use_ema else "model",
               "sampling_s": time.perf_counter() - t0, "grid": str(grid.relative_to(run_dir.path))}

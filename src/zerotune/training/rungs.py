@@ -38,9 +38,10 @@ def make_pruner(trial: Any):
 def journal(path: str):
     """The study's storage: an append-only journal file that the sweeper and its jobs (other processes, other
     nodes over a shared file system) write with a lock."""
-    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
 
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    return JournalStorage(JournalFileBackend(path))
 
 
 class TrialRungs:

@@ -55,10 +55,12 @@ class Trainer:
         self._prepare(seed)
         self.ema = self._make_ema()
         self.step, self.samples_seen, self.epoch = 0, 0, 0
-        self.batches_in_epoch, self._skip, self._epoch_gen_states = 0, 0, []
+        self.batches_in_epoch, self._skip = 0, 0
+        self._epoch_gen_states: list[torch.Tensor] = []
         self._batches = self._infinite_batches()
         self.saves = RunSaves(cfg.checkpoint, run_dir.path, self.resume_decision)
-        self.loss_first = self.loss_last = None
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
         self.stopped_by: str | None = None
         self.partition: dict | None = None
         self.logged_losses: dict[int, float] = {}
@@ -175,7 +177,7 @@ class Trainer:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
         if self.resume_decision is not None and self.cfg.offload.device == "nvme":
             if self.accelerator.is_local_main_process:
-                removed = ckpt.clean_stale_swap(self.cfg.offload.path)
+                removed = ckpt.clean_stale_swap(str(self.run.nvme_dir))
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
@@ -196,7 +198,7 @@ class Trainer:
         batch = self._to_device(batch)
         p = self.cfg.diffusion.cond_dropout
         draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
-                                               self.noise_schedule.config.num_train_timesteps, p)
+                                               self.noise_schedule.config.num_train_timesteps, p)  # type: ignore[attr-defined]
         cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
         loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise_schedule,
                               self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"])
@@ -279,10 +281,10 @@ class Trainer:
         telemetry.timer.start_step()
         metrics = self.train_step()
         step_s = telemetry.timer.end_step(self.micro_batch * self.grad_accum * self.accelerator.num_processes)
-        self.loss_last = metrics["loss/train"]
-        self.loss_first = self.loss_last if self.loss_first is None else self.loss_first
-        if not math.isfinite(self.loss_last):
-            raise FloatingPointError(f"loss is {self.loss_last} at step {self.step}")
+        loss = self.loss_last = float(metrics["loss/train"])
+        self.loss_first = loss if self.loss_first is None else self.loss_first
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step}")
         return {"step": self.step, **metrics, "perf/step_time_s": step_s, **telemetry.step_memory()}
 
     def progress(self) -> dict:

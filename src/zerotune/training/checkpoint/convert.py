@@ -155,7 +155,7 @@ def load_full(acc, path: Path, meta: dict, module, optimizer, scheduler) -> None
     state = optimizer.state_dict()
     index = {name: i for i, name in enumerate(n for n, p in module.named_parameters() if p.requires_grad)}
     state["state"] = {index[n]: {k: (v.clone() if k == "step" else v.reshape(shapes[n]).clone()) for k, v in s.items()}
-                      for n, s in opt_by_name.items()}
+                      for n, s in (opt_by_name or {}).items()}
     optimizer.load_state_dict(state)
     if sched is not None and scheduler is not None:
         scheduler.load_state_dict(sched)

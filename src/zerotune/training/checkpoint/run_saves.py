@@ -53,7 +53,7 @@ class RunSaves:
 
     def summary(self) -> dict:
         last = checkpoints.latest(self.root)
-        out = {"saved": self.saved, "last_complete": str(last) if last is not None else None, "final": self.final}
+        out: dict[str, Any] = {"saved": self.saved, "last_complete": str(last) if last is not None else None, "final": self.final}
         rp = self.resumed
         if rp is not None:
             out["resumed_from"] = {"path": str(rp.path), "step": rp.meta.get("step"), "mode": rp.mode,
