@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import read_summary, run_cli
 from zerotune.errors import ConfigError
-from zerotune.launch import planning
+from zerotune.plan import guard as planning
 from zerotune.plan import allocator, gpus, recommend
 
 MIB = 2**20

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.launch import planning
+from zerotune.plan import guard as planning
 from zerotune.launch.elastic import check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.ops import prebuild_ops

@@ -108,7 +108,7 @@ def settled_launch(cfg: Any, spec: JobSpec, run_dir: RunDir, held: ExitStack) ->
 
 def plan_only(cfg: Any, spec: JobSpec, run_dir: RunDir) -> dict:
     """plan.only=true: the checks and the prediction, no training; summary.json says "planned"."""
-    from zerotune.launch import planning
+    from zerotune.plan import guard as planning
     from zerotune.preflight import preflight
 
     try:

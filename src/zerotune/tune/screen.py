@@ -29,7 +29,7 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
            gpu_name: str | None) -> list[Screened]:
     """Each candidate's verdict. `compose`: overrides -> the job's config; `gpu_name`: plan for that card
     (not present) rather than this machine."""
-    from zerotune.launch.planning import job_gpu, job_plan
+    from zerotune.plan.guard import job_gpu, job_plan
     from zerotune.plan import gpus
     from zerotune.preflight import preflight
 
@@ -71,7 +71,7 @@ def _twin_key(candidate: Candidate) -> str:
 
 
 def _problems(plan: dict, gpu_name: str | None) -> list[str]:
-    from zerotune.launch.planning import memory_problems
+    from zerotune.plan.guard import memory_problems
 
     if gpu_name:  # a card not here: its whole memory, as the catalog gives it
         return [] if plan.get("fits") is not False else [

@@ -18,6 +18,7 @@ from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
 from zerotune.preflight import CheckedRun
 from zerotune.telemetry.host import read_host_memory
+from zerotune.units import MIB
 
 log = logging.getLogger("zerotune")
 
@@ -32,7 +33,7 @@ def present_gpu() -> gpus.GPU | None:
 
     if not torch.cuda.is_available():
         return None
-    name, total = torch.cuda.get_device_name().lower(), torch.cuda.get_device_properties(0).total_memory // 2**20
+    name, total = torch.cuda.get_device_name().lower(), torch.cuda.get_device_properties(0).total_memory // MIB
     for part, known in _NAMES:
         if part in name:
             return gpus.CATALOG[known]
@@ -110,7 +111,7 @@ def _cuda_problem(plan: dict) -> str | None:
 
     if not torch.cuda.is_available():
         return None
-    free_mib = torch.cuda.mem_get_info()[0] / 2**20
+    free_mib = torch.cuda.mem_get_info()[0] / MIB
     if plan["gpu_peak_mib"] <= free_mib:
         return None
     return f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB is above the {free_mib:,.0f} MiB free on this GPU"
