@@ -13,11 +13,11 @@ import threading
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.plan import guard as planning
 from zerotune.launch.elastic import check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.records import base_summary, record_refusal
+from zerotune.plan import guard as planning
 from zerotune.preflight import CheckedRun, preflight
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
