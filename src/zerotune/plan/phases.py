@@ -22,7 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from zerotune.plan import allocator, encoders
-from zerotune.plan.phase_terms import ELEM, MIB, loading_phase, state_mib, term
+from zerotune.plan.gpus import GPU
+from zerotune.plan.rules import state_mib, term, zero_stage
+from zerotune.plan.stages import rules_for
+from zerotune.preflight import CheckedRun
+from zerotune.schema import Config
+from zerotune.units import DTYPE_BYTES, MIB
 
 _BASE = ("cuda_context", "cublas_workspace")
 
@@ -35,10 +40,15 @@ def run_phases(cfg: Any, checked: Any, gpu: Any, plan: dict) -> list[dict]:
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
     before = base if caching else [t for t in base if t["term"] == "cuda_context"]
-    found = [_adapter_injection(cfg, checked, plan, before), caching, loading_phase(cfg, checked, gpu, plan, before),
+    found = [_adapter_injection(cfg, checked, plan, before), caching, _loading(cfg, checked, gpu, plan, before),
              _step(plan),
              _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
     return _carry([p for p in found if p is not None])
+
+
+def _loading(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+    """DeepSpeed's engine and ZeRO optimizer take the U-Net: each stage's own rule (stage0, zero12, zero3)."""
+    return rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, base)
 
 
 def run_peak(phases: list[dict]) -> dict:
@@ -61,7 +71,7 @@ def _carry(phases: list[dict]) -> list[dict]:
 
 
 def _cache_device_is_gpu(cfg: Any, gpu: Any) -> bool:
-    choice = str(cfg.data.get("cache_device", "auto"))
+    choice = str(cfg.data.cache_device)
     return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
 
 
@@ -76,7 +86,7 @@ def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> 
     archs, where = found
     size, batch = int(cfg.resolution.size), int(cfg.data.cache_batch_size)
     images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
-    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.get("text_seq_len", 77)))
+    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.text_seq_len))
     weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
     resident = _zero3_resident(checked, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
@@ -97,8 +107,7 @@ def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> 
 
 def _zero3_resident(checked: Any, plan: dict) -> list[dict]:
     """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
-    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
-    if stage != 3:
+    if zero_stage(checked) != 3:
         return []
     mib = state_mib(plan, "params") + state_mib(plan, "params_persistent")
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
@@ -112,7 +121,7 @@ def _adapter_injection(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> 
     targets = checked.model_stats.adapter_target_numel
     if not resident or not targets:
         return None
-    terms = [*base, *resident, term("adapter_targets_gathered", targets * ELEM[cfg.precision.name],
+    terms = [*base, *resident, term("adapter_targets_gathered", targets * DTYPE_BYTES[cfg.precision.name],
                                     "deepspeed.zero.GatheredParameters over peft's targets (transient)")]
     return {"phase": "adapter_injection", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
             "source": "models/adapter.py add_adapter under gathered_targets (trainer.py _prepare)"}
@@ -140,10 +149,9 @@ def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | No
     parameters' device)."""
     if not (cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits"):
         return None
-    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
     terms = [*base, *_live_states(plan)]
-    if stage == 3:
-        numel = encoders.largest_module_numel(cfg.model, cfg.get("adapter"))
+    if zero_stage(checked) == 3:
+        numel = encoders.largest_module_numel(cfg.model, cfg.adapter)
         elem = 4 if cfg.precision.name == "fp32" else 2
         terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),
                           f"the largest module's own parameters whole ({numel:,} elements), "

@@ -5,7 +5,6 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from zerotune.plan import allocator, cpu_optimizer, gpus, process
@@ -14,16 +13,11 @@ from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_by
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
+from zerotune.plan.rules import frozen_numels, term
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
 from zerotune.preflight import CheckedRun
 from zerotune.schema import launch_world_size
-
-MIB = 2**20
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def _term(name: str, nbytes: float, note: str = "") -> dict:
-    return {"term": name, "mib": nbytes / MIB, "note": note}
+from zerotune.units import DTYPE_BYTES, MIB
 
 
 def _offload(ds: dict) -> tuple[str, str]:
@@ -49,7 +43,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, cfg.precision.name, 0, use_ds,
                                                                 train), trace, shape)
     host_terms = _host_terms(cfg, checked, states) + [
-        _term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
+        term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
             ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
     plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.get("adapter"), checked),
             "device": device, "trainable_params": checked.model_stats.num_trainable,
@@ -90,12 +84,12 @@ def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace, sh
     """Every term the device holds during the step, each with its moment (step_peak.py)."""
     terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
-        terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
+        terms.append(term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
     if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
-        terms.append(_term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
+        terms.append(term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
     terms += gradient_terms(shape, states["grads_bytes"], trace)
     lifetimes = {b["name"]: b["lifetime"] for b in buffers}
-    terms += [{**_term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
+    terms += [{**term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
               for name, nbytes in buffer_bytes.items()]
     return terms + step_transients(shape)
 
@@ -128,10 +122,10 @@ def _cuda_terms(gpu, blocks: tuple[list[int], str]) -> list[dict]:
     family = gpu.family if gpu else "unknown"
     context = CONTEXT.get(family)
     sizes, how = blocks
-    return [_term("cuda_context", context["bytes"] if context else 0,
+    return [term("cuda_context", context["bytes"] if context else 0,
                   context["source"] if context else "unknown card: no CUDA context figure"),
-            _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
-            _term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
+            term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
+            term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
 
 
 def _times(gpu, trace, states: dict, ds: dict, precision: str) -> dict:
@@ -180,7 +174,7 @@ def _state_terms(states: dict, place: str) -> list[dict]:
         if name == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
             nbytes -= states.get("params_persistent_bytes") or 0
         if states["where"][where_key] == place and nbytes:
-            terms.append(_term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
+            terms.append(term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
     return terms
 
 
@@ -193,35 +187,23 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
     (None: all)."""
     if stage >= 3 or states["where"]["params"] != "gpu":
         return [], "no parameter blocks on the GPU outside ZeRO-3's buffers"
-    elem = _DTYPE_BYTES[precision]
+    elem = DTYPE_BYTES[precision]
     separate = "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"
     if not (use_ds and stage in (1, 2)):
         return [n * elem for n in numels], separate
     train = numels if trainable is None else trainable
     flat = [sum(train) * elem]
-    frozen = _frozen(numels, train)
+    frozen = frozen_numels(numels, train)
     if not frozen:
         return flat, "one flat parameter buffer: rounded up to 2 MiB"
     return flat + [n * elem for n in frozen], "the trainable parameters' flat buffer (rounded up to 2 MiB); the " \
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _frozen(numels: list[int], trainable: list[int]) -> list[int]:
-    """The sizes of the parameters the optimizer does not get (as a multiset: order does not matter here)."""
-    left = Counter(trainable)
-    frozen = []
-    for n in numels:
-        if left[n]:
-            left[n] -= 1
-        else:
-            frozen.append(n)
-    return frozen
-
-
 def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
-        terms.append(_term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
+        terms.append(term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
@@ -233,16 +215,16 @@ def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, wor
     until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
     stats = checked.model_stats
     if stage == 3:
-        partition = -(-stats.num_params // world) * _DTYPE_BYTES.get(precision, 4)
+        partition = -(-stats.num_params // world) * DTYPE_BYTES.get(precision, 4)
         # adapter=lora: the targets are gathered whole while peft wraps them (models/adapter.py gathered_targets),
         # onto the device the run trains on: the host's only on a CPU run.
         on_host = checked.platform.device_type == "cpu"
-        gathered = stats.adapter_target_numel * _DTYPE_BYTES.get(precision, 4) if on_host else 0
-        load = _term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
+        gathered = stats.adapter_target_numel * DTYPE_BYTES.get(precision, 4) if on_host else 0
+        load = term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
                      f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)"
                      + (", or the adapter's targets gathered whole while peft wraps them" if gathered else ""))
     else:
-        load = _term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
+        load = term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
     return max(sum(t["mib"] for t in terms), load["mib"]), load
 
 

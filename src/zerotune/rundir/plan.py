@@ -14,7 +14,11 @@ PERSISTENT = "persistent"  # a step term held throughout the step (written witho
 @dataclass(frozen=True)
 class Term:
     """One named figure of a plan: memory (MiB) or, for a time term (`timed`), seconds; with what it is
-    (`note`) and, for the training step's terms, the moment it lives in (None: written without one)."""
+    (`note`) and, for the training step's terms, the moment it lives in (None: written without one).
+
+    The planner's DeepSpeed buffers are terms too, with where they live (`where`: gpu | host), whether the
+    figure is exact or an upper bound (`bound`) and the model state they share memory with (`overlaps`);
+    their `moment` is DeepSpeed's lifetime of the buffer. These three are the planner's own: not written."""
 
     term: str
     mib: float | None = None
@@ -22,10 +26,19 @@ class Term:
     moment: str | None = None
     seconds: float | None = None
     timed: bool = False
+    where: str = ""
+    bound: str = ""
+    overlaps: str = ""
 
     @classmethod
-    def of_bytes(cls, name: str, nbytes: float, note: str = "", moment: str | None = None) -> Term:
-        return cls(name, nbytes / MIB, note, moment)
+    def of_bytes(cls, name: str, nbytes: float, note: str = "", moment: str | None = None, *, where: str = "",
+                 bound: str = "", overlaps: str = "") -> Term:
+        return cls(name, nbytes / MIB, note, moment, where=where, bound=bound, overlaps=overlaps)
+
+    @property
+    def nbytes(self) -> int:
+        """The figure in bytes (exact for a term made of bytes: dividing by a power of two loses nothing)."""
+        return round((self.mib or 0.0) * MIB)
 
     @classmethod
     def timing(cls, name: str, seconds: float | None, note: str) -> Term:
