@@ -19,11 +19,11 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from zerotune import files
+from zerotune.schema import Adapter, Model
 
 FORMAT = 1
 _CACHE: dict[str, dict] = {}
@@ -49,25 +49,25 @@ SDXL_TINY = {
     "text_encoder": {**_TINY_TEXT, "hidden_size": 32},
     "text_encoder_2": {**_TINY_TEXT, "hidden_size": 64, "projection_dim": 64},
 }
-BUILTIN = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
+BUILTIN: dict[str, tuple[dict, str]] = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
            "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)")}
 _MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
 
 
-def configs(model_cfg: Any) -> tuple[dict, str] | None:
+def configs(model_cfg: Model) -> tuple[dict, str] | None:
     """The three architectures and where they come from; None when neither local folders nor a built-in set
     describe them."""
-    base = model_cfg.get("components")
+    base = model_cfg.components
     found = {}
     for name in _MODEL_KEYS:
-        own = model_cfg.get(name) or (Path(str(base)) / name if base else None)
+        own = getattr(model_cfg, name) or (Path(str(base)) / name if base else None)
         file = Path(str(own)).expanduser() / "config.json" if own else None
         if file is None or not file.is_file():
             break
         found[name] = {k: v for k, v in json.loads(file.read_text()).items() if not k.startswith("_")}
     else:
         return found, "the components' own config.json (model.components / model.vae, ...)"
-    return BUILTIN.get(str(model_cfg.get("name")))
+    return BUILTIN.get(str(model_cfg.name))
 
 
 def trace_encoders(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
@@ -147,7 +147,7 @@ def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
     return torch.cat(states, dim=-1)
 
 
-def largest_module_numel(model_cfg: Any, adapter_cfg: Any = None) -> int:
+def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -> int:
     """The most parameters one U-Net module holds itself (recurse=False): what ZeRO-3 gathers whole at once when
     zero.Init partitions a module as it is built, and when a 16-bit state dict is consolidated module by module."""
     from zerotune.models import adapter, unet_config
@@ -159,7 +159,7 @@ def largest_module_numel(model_cfg: Any, adapter_cfg: Any = None) -> int:
     if key not in _CACHE:
         found = files.read_json(file)
         if found is None:
-            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.get("attention", "default")), adapter_cfg)
+            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
             found = _write(file, {"numel": max(sum(p.numel() for p in m.parameters(recurse=False))
                                                for m in unet.modules())})
         _CACHE[key] = found

@@ -5,10 +5,8 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from zerotune.plan import allocator, cpu_optimizer, gpus, process
-from zerotune.plan.activations import trace_step
+from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
@@ -16,7 +14,7 @@ from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.rules import frozen_numels, term
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
 from zerotune.preflight import CheckedRun
-from zerotune.schema import launch_world_size
+from zerotune.schema import Adapter, Config, launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
 
 
@@ -26,7 +24,7 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+def predict(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
     """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
@@ -34,8 +32,8 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     use_ds = checked.use_deepspeed
     stage = int(ds["zero_optimization"]["stage"]) if use_ds else 0
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), cfg.precision.name,
-                       bool(cfg.train.gradient_checkpointing), str(cfg.model.get("attention", "default")),
-                       cfg.get("adapter"))
+                       bool(cfg.train.gradient_checkpointing), str(cfg.model.attention),
+                       cfg.adapter)
     numels, train = _numels(checked)
     states = model_state_bytes(numels, ds, world, 0, use_ds, train)
     buffers = buffer_terms(ds, numels, world, cfg.precision.name, 0, use_ds, train)
@@ -45,7 +43,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     host_terms = _host_terms(cfg, checked, states) + [
         term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
             ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
-    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.get("adapter"), checked),
+    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.adapter, checked),
             "device": device, "trainable_params": checked.model_stats.num_trainable,
             "frozen_params": checked.model_stats.num_frozen, "gpu": gpu.as_dict() if gpu else None,
             "world_size": world, "rank": 0, "trace": {"key": trace.key, "seconds": trace.seconds}}
@@ -55,7 +53,7 @@ def predict(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "
     return _whole_run(cfg, checked, gpu, plan)
 
 
-def _whole_run(cfg: Any, checked: CheckedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
+def _whole_run(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
     """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
     if plan["device"] == "cpu":
@@ -80,7 +78,7 @@ def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device
                      part if use_ds and stage else sum(train), largest, device)
 
 
-def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace, shape: StepShape) -> list[dict]:
+def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace: Trace, shape: StepShape) -> list[dict]:
     """Every term the device holds during the step, each with its moment (step_peak.py)."""
     terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
@@ -99,7 +97,7 @@ _MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward
            "step:flatten": "step:flatten", "step:update": "step:update"}
 
 
-def _memory(cfg: Any, checked: CheckedRun, gpu, device: str, step_terms: list[dict], host_terms: list[dict],
+def _memory(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
             states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
     host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
     per_node = int(cfg.launch.num_processes)
@@ -117,7 +115,7 @@ def _memory(cfg: Any, checked: CheckedRun, gpu, device: str, step_terms: list[di
             "step_peak_mib": peak, "step_peak_moment": moment}
 
 
-def _cuda_terms(gpu, blocks: tuple[list[int], str]) -> list[dict]:
+def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dict]:
     """What only a CUDA device holds: its context, cuBLAS's workspace, the caching allocator's rounding."""
     family = gpu.family if gpu else "unknown"
     context = CONTEXT.get(family)
@@ -128,7 +126,7 @@ def _cuda_terms(gpu, blocks: tuple[list[int], str]) -> list[dict]:
             term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
 
 
-def _times(gpu, trace, states: dict, ds: dict, precision: str) -> dict:
+def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str) -> dict:
     opt_device, param_device = _offload(ds)
     time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device,
                              int(ds["gradient_accumulation_steps"]))
@@ -144,18 +142,18 @@ def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
     return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
 
 
-def _workload(cfg: Any, ds: dict, world: int, stage: int, offloaded: bool) -> str:
+def _workload(cfg: Config, ds: dict, world: int, stage: int, offloaded: bool) -> str:
     return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
             f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
             f"{_offload(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
 
 
-def _adapter_words(adapter_cfg: Any, checked: CheckedRun) -> str:
-    if adapter_cfg is None or adapter_cfg.get("name", "none") == "none":
+def _adapter_words(adapter_cfg: Adapter | None, checked: CheckedRun) -> str:
+    if adapter_cfg is None or adapter_cfg.name == "none":
         return ""
     stats = checked.model_stats
-    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.get('rank')}: {stats.num_trainable:,} parameters "
+    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.rank}: {stats.num_trainable:,} parameters "
             f"trained, {stats.num_frozen:,} frozen")
 
 
@@ -200,14 +198,14 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _host_terms(cfg: Any, checked: CheckedRun, states: dict) -> list[dict]:
+def _host_terms(cfg: Config, checked: CheckedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         terms.append(term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
-def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, world: int,
+def _host_peak(cfg: Config, checked: CheckedRun, terms: list[dict], stage: int, world: int,
                precision: str) -> tuple[float, dict]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
@@ -228,7 +226,7 @@ def _host_peak(cfg: Any, checked: CheckedRun, terms: list[dict], stage: int, wor
     return max(sum(t["mib"] for t in terms), load["mib"]), load
 
 
-def _time_terms(gpu, trace, states: dict, ds: dict, precision: str, opt_device: str, param_device: str,
+def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str, opt_device: str, param_device: str,
                 accum: int) -> list[dict]:
     flops = (trace.forward_flops + trace.backward_flops) * accum
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None

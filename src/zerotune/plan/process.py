@@ -25,6 +25,7 @@ import platform
 import re
 import subprocess
 import sys
+from typing import Any
 
 from zerotune import files
 from zerotune.plan.host import MODEL_LOAD, rank_terms
@@ -108,15 +109,15 @@ def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: 
     """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
     "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
     tensors, tensor_source = rank_tensors_mib(plan)
-    terms = [
+    terms: list[dict[str, Any]] = [
         {"term": "parent_process", "mib": parent, "note": "the job process: outside the sampled tree"},
         {"term": "process_baseline", "mib": None if baseline is None else ranks * baseline,
          "note": f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host)"},
         {"term": "rank_tensors", "mib": None if tensors is None else ranks * tensors,
          "note": f"{ranks} rank(s) × {tensor_source}"},
     ]
-    known = [t["mib"] for t in terms]
-    mib = None if any(v is None for v in known) else sum(known)
+    known: list[float | None] = [t["mib"] for t in terms]
+    mib = None if any(v is None for v in known) else sum(v for v in known if v is not None)
     return {"mib": mib, "terms": terms, "source": "process RSS: parent + ranks × (import baseline + tensors)"}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotune.plan.gpus import GPU
+from zerotune.rundir.plan import Plan
 
 _OFFLOAD_COST = {"none": 0, "cpu": 1, "nvme": 2}
 
@@ -29,9 +30,12 @@ class Row:
         return peak_mib(self.plan) <= gpu.memory_mib
 
 
-def peak_mib(plan: dict) -> float:
+def peak_mib(plan: dict | None) -> float:
     """What nvidia-smi would show at the run's peak: its phases' (plan/phases.py) when known, else the step's."""
-    return max(plan.get("run_peak_mib") or 0.0, plan["gpu_peak_mib"])
+    found = Plan.from_dict(plan)
+    if found is None or found.peak_mib is None:
+        raise ValueError("an option without a GPU plan has no peak")
+    return found.peak_mib
 
 
 def _cost(row: Row) -> tuple:

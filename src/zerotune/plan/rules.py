@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from zerotune.preflight import CheckedRun
 from zerotune.rundir.plan import Term
 from zerotune.units import DTYPE_BYTES
+
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 FP32_STEP_BYTES = 4  # torch optimizers keep `step` as a 0-d float32 tensor per optimized tensor
 
@@ -69,11 +73,11 @@ def precision_of(ds_config: dict) -> Precision:
                      bool(bf16.bf16_optimizer_states))
 
 
-def zero_config(ds_config: dict):
+def zero_config(ds_config: dict) -> DeepSpeedZeroConfig:
     """DeepSpeed's own parse of `zero_optimization`: its defaults and aliases (stage3_* names, overlap_comm)."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero import config
 
-    return DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+    return config.DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
 
 
 def offload_device(block: Any) -> str:
@@ -152,7 +156,7 @@ def state_mib(plan: dict, name: str) -> float:
     return sum(t["mib"] for t in plan["gpu_terms"] if t["term"] == name)
 
 
-def zero_stage(checked: Any) -> int:
+def zero_stage(checked: CheckedRun) -> int:
     return int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
 
 
@@ -168,7 +172,7 @@ def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
     return frozen
 
 
-def module_blocks(checked: Any, elem: int) -> tuple[list[int], list[int]]:
+def module_blocks(checked: CheckedRun, elem: int) -> tuple[list[int], list[int]]:
     """(every parameter's bytes, the frozen ones'), in the run's dtype: module.to(device) gives each its own block."""
     stats = checked.model_stats
     numels = list(stats.param_numels)

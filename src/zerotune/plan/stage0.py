@@ -3,7 +3,7 @@ DeepSpeed's gradient all-reduce bucket, the step's fp32 gradient copies, and the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
@@ -24,6 +24,9 @@ from zerotune.rundir.plan import Term
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES
 
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
 
 def plain_states(numels: list[int], train: list[int], ds: dict, world: int, rank: int) -> dict:
     # Plain accelerate keeps fp32 weights (autocast for bf16/fp16) and builds torch's optimizer on them.
@@ -36,7 +39,7 @@ def plain_states(numels: list[int], train: list[int], ds: dict, world: int, rank
                          trainable_params_bytes=trained * 4)
 
 
-def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: Any) -> dict:
+def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: DeepSpeedZeroConfig) -> dict:
     kind, trained = optimizer_kind(ds, False, prec), sum(train)
     if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
         master, tensors = 0, len(train)
@@ -53,7 +56,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int,
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: Any) -> list[Term]:
+            zero: DeepSpeedZeroConfig) -> list[Term]:
     from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
     # A bucket closes once it passes MEMORY_OPT_ALLREDUCE_SIZE elements; it is cast when the comm dtype differs.

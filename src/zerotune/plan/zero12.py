@@ -5,7 +5,7 @@ in one place: the model states, DeepSpeed's buffers, the step's flattened gradie
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
@@ -26,6 +26,9 @@ from zerotune.rundir.plan import Term
 from zerotune.schema import Config, launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
 
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
 _NORM_BYTES = 8  # zero/utils.py:get_norm_dtype: fp64 on every device that has it (CUDA does)
 
 
@@ -45,7 +48,7 @@ def zero12_flat(numels: list[int], world: int, parameter_alignment: bool, param_
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
-           zero: Any) -> dict:
+           zero: DeepSpeedZeroConfig) -> dict:
     out = _states(numels, train, ds, world, rank, prec, zero)
     if int(zero.stage) == 1 and prec.name == "bf16" and prec.grad_accum == 4 and \
             offload_device(zero.offload_optimizer) == "none":
@@ -56,7 +59,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int,
 
 
 def _states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
-            zero: Any) -> dict:
+            zero: DeepSpeedZeroConfig) -> dict:
     stage, trained = int(zero.stage), sum(train)
     opt_dev = offload_device(zero.offload_optimizer)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
@@ -96,7 +99,7 @@ def _zero12_grads(numels: list[int], part: int, world: int, rank: int | None, pr
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: Any) -> list[Term]:
+            zero: DeepSpeedZeroConfig) -> list[Term]:
     stage, offload = int(zero.stage), offload_device(zero.offload_optimizer) != "none"
     flat = zero12_flat(train, world, zero.parameter_alignment, prec.param)
     part, largest, src = flat // world, max(train, default=0), "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer."

@@ -5,7 +5,7 @@ the loading phase."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
@@ -27,6 +27,9 @@ from zerotune.rundir.plan import Term
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
 
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
 _SRC = "runtime/zero/stage3.py:DeepSpeedZeroOptimizer_Stage3."
 
 
@@ -36,7 +39,7 @@ def stage3_partition_numel(numel: int, world: int) -> int:
     return (numel + (-numel) % world) // world
 
 
-def stage3_persistent(numels: list[int], zero: Any) -> list[bool]:
+def stage3_persistent(numels: list[int], zero: DeepSpeedZeroConfig) -> list[bool]:
     """DeepSpeedZeRoOffload.mark_persistent_parameters: small parameters stay whole, up to a model total."""
     out, total = [], 0
     for n in numels:
@@ -60,7 +63,7 @@ def stage3_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
-            zero: Any) -> dict:
+            zero: DeepSpeedZeroConfig) -> dict:
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
     # zero.Init partitions every module parameter (parameter_offload.py:_convert_to_zero_parameters) and
@@ -92,7 +95,7 @@ def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
     return numel + (-numel) % align
 
 
-def _offload(ds: dict, parts: list[int], prec: Precision, zero: Any) -> list[Term]:
+def _offload(ds: dict, parts: list[int], prec: Precision, zero: DeepSpeedZeroConfig) -> list[Term]:
     src, terms = _SRC, []
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     if opt_dev == "cpu":
@@ -115,7 +118,7 @@ def _offload(ds: dict, parts: list[int], prec: Precision, zero: Any) -> list[Ter
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: Any) -> list[Term]:
+            zero: DeepSpeedZeroConfig) -> list[Term]:
     src = _SRC
     parts = [stage3_partition_numel(n, world) for n in train]  # the optimizer's partitions
     persist = stage3_persistent(numels, zero)

@@ -78,7 +78,7 @@ def _problems(plan: Plan, gpu_name: str | None) -> list[str]:
         return [] if plan.fits is not False else [
             f"predicted GPU peak {plan.run_peak_mib or plan.gpu_peak_mib:,.0f} MiB is above the "
             f"{gpu_name}'s memory"]
-    return memory_problems(plan.to_dict())
+    return memory_problems(plan)
 
 
 def _run_key(cfg: Any) -> str:
