@@ -84,12 +84,12 @@ def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
     """
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
-    fields = adapter.settings(adapter_cfg)
-    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, fields)
+    # The run's own adapter block all the way down: each step reads its settings from it.
+    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg)
     if key not in _TRACES:
         _TRACES[key] = _read_cached(key) or _write_cached(
             _trace(model_cfg, cast("tuple[int, int, int]", tuple(latent_shape)), batch, precision,
-                   gradient_checkpointing, attention, key, fields))
+                   gradient_checkpointing, attention, key, adapter_cfg))
     return _TRACES[key]
 
 
@@ -132,7 +132,7 @@ def _write_cached(trace: Trace) -> Trace:
 
 
 def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: dict | None = None) -> Trace:
+           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | dict | None = None) -> Trace:
     # Here, on a cache miss only: importing torch's MemTracker takes ~1 s, which every job start would pay.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
