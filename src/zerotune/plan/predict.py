@@ -14,6 +14,7 @@ from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.rules import frozen_numels, term
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
 from zerotune.preflight import CheckedRun
+from zerotune.rundir.plan import Term
 from zerotune.schema import Adapter, Config, launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
 
@@ -226,13 +227,13 @@ def _host_peak(cfg: Config, checked: CheckedRun, terms: list[dict], stage: int, 
     return max(sum(t["mib"] for t in terms), load["mib"]), load
 
 
-def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str, opt_device: str, param_device: str,
-                accum: int) -> list[dict]:
+def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str, opt_device: str,
+                param_device: str, accum: int) -> list[dict]:
     flops = (trace.forward_flops + trace.backward_flops) * accum
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
-    terms = [{"term": "compute", "seconds": compute,
-              "note": f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
-              else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops else "fp32 peak in the catalog")}]
+    terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
+                         else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops
+                                                   else "fp32 peak in the catalog")).to_dict()]
     moved = 0
     if opt_device != "none":  # gradients down, updated (trainable) params up, every step
         moved += states["grads_bytes"] + states["trainable_params_bytes"]
@@ -240,11 +241,11 @@ def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, prec
         moved += 2 * states["params_bytes"]
     if moved:
         link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
-        terms.append({"term": "pcie", "seconds": moved / (link * 1e9) if link else None,
-                      "note": f"{moved / MIB:,.0f} MiB per step over the host link"})
+        terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
+                                 f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
     if opt_device != "none":
         per_param = cpu_optimizer.seconds_per_param()
         partition = states["master_weights_bytes"] // 4
-        terms.append({"term": "cpu_optimizer", "seconds": per_param * partition if per_param else None,
-                      "note": "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here"})
+        terms.append(Term.timing("cpu_optimizer", per_param * partition if per_param else None,
+                                 "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here").to_dict())
     return terms
