@@ -157,7 +157,7 @@ def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, pre
 
 
 def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
-                     adapter_cfg: Adapter | dict | None = None):
+                     adapter_cfg: Adapter | dict | None = None) -> torch.nn.Module:
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
     with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
@@ -172,7 +172,7 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
 
 
 def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
-               adapter_cfg: Adapter | dict | None = None):
+               adapter_cfg: Adapter | dict | None = None) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -196,7 +196,7 @@ def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dt
     return {**drawn, "cond": conditioning.unet_kwargs(model_cfg.conditioning, cond)}
 
 
-def _loss(unet, model_cfg: Model, inputs: dict) -> torch.Tensor:
+def _loss(unet: torch.nn.Module, model_cfg: Model, inputs: dict) -> torch.Tensor:
     from diffusers import DDPMScheduler
 
     from zerotune.diffusion import diffusion_loss  # here: the trace runs on a cache miss only

@@ -18,12 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zerotune import files
 from zerotune.schema import Adapter, Model
+
+if TYPE_CHECKING:  # step_tracker imports torch's MemTracker (~1 s): only where a trace runs
+    from zerotune.plan.step_tracker import StepTracker
 
 FORMAT = 1
 _CACHE: dict[str, dict] = {}
@@ -94,7 +99,7 @@ def _meta_models(archs: dict) -> dict:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    def text(cls, fields: dict):
+    def text(cls: type, fields: dict) -> torch.nn.Module:
         return cls(CLIPTextConfig(**{k: v for k, v in fields.items() if k in CLIPTextConfig().to_dict()}))
 
     with init_empty_weights():
@@ -121,7 +126,7 @@ def _trace(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def _peak(tracker, modules: list, run) -> int:
+def _peak(tracker: StepTracker, modules: list[torch.nn.Module], run: Callable[[], object]) -> int:
     for m in modules:
         tracker.track_external(m)
     with tracker:
@@ -129,8 +134,9 @@ def _peak(tracker, modules: list, run) -> int:
     return int(tracker.activation_peak)
 
 
-def _encode_images(vae, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
-    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host."""
+def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
+    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host. `vae`:
+    diffusers' AutoencoderKL (Any: its decorated `encode` is opaque to a type checker)."""
     pixels = torch.randn(batch, 3, *image_hw)
     latents = vae.encode(pixels).latent_dist.mean
     return (latents - 0.0) * 0.13025

@@ -49,10 +49,19 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
     fitting = [r for r in ordered if r.fits(gpu)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
               "fits": r.fits(gpu), "refused": r.refused,
-              **({k: r.plan.get(k) for k in ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase",
-                                             "host_peak_mib", "nvme_mib", "time_floor_s", "bound")} if r.plan else {}),
+              **_figures(r.plan),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
     return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
+
+
+_FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",
+            "time_floor_s", "bound")
+
+
+def _figures(plan: dict | None) -> dict:
+    """A row's figures from its plan ({} for a refused option)."""
+    found = Plan.from_dict(plan) if plan else None
+    return {k: getattr(found, k) for k in _FIGURES} if found else {}
 
 
 def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:

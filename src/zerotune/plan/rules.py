@@ -125,7 +125,8 @@ def trainable_or_all(param_numels: list[int], trainable_numels: list[int] | None
     return [int(n) for n in (param_numels if trainable_numels is None else trainable_numels)]
 
 
-def states_record(stage: int, world: int, rank: int, params: int, grads: int, master: int, state: int, **extra) -> dict:
+def states_record(stage: int, world: int, rank: int, params: int, grads: int, master: int, state: int,
+                  **extra: Any) -> dict:
     where = extra.pop("where")
     return {"zero_stage": stage, "world_size": world, "rank": rank, "params_bytes": params, "grads_bytes": grads,
             "master_weights_bytes": master, "optimizer_state_bytes": state, "where": where,

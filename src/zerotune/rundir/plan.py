@@ -97,6 +97,7 @@ class Plan:
     phases: tuple[dict[str, Any], ...] = ()
     host_fit: dict[str, Any] | None = None
     host_process_terms: dict[str, Any] | None = None
+    micro_batch: dict[str, Any] | None = None             # `zerotune plan`'s answer: which batch was planned
     extra: dict[str, Any] = field(default_factory=dict)   # the keys this record does not type, as written
     keys: tuple[str, ...] = ()
 
