@@ -286,14 +286,14 @@ def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monke
 
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     first = cfg()
-    assert not continue_requeued(first, tmp_path) and first.resume.path is None  # nothing saved yet: as at first
+    assert not continue_requeued(first, tmp_path)  # nothing saved yet: as at first
     folder = checkpoints.step_dir(tmp_path / "checkpoints", 4)
     folder.mkdir(parents=True)
     (folder / checkpoints.META).write_text('{"step": 4}')
     (folder / checkpoints.COMPLETE).write_text("4\n")
     for start in (None, "/elsewhere/step-0000100"):  # the first attempt's start gives way to the job's own save
         again = cfg(start)
-        assert continue_requeued(again, tmp_path) and again.resume.path == "auto"
+        assert continue_requeued(again, tmp_path) and again.resume.path == start  # the config itself is left alone
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert not continue_requeued(cfg(), tmp_path)
 

@@ -83,7 +83,7 @@ def test_every_file_is_settled_before_training(name, monkeypatch):
             assert err.value.fix == expected["fix"]
         return
     checked = preflight(cfg, platform=platform)
-    choices = key_choices(cfg, int(cfg.launch.num_processes) * int(cfg.launch.nnodes))
+    choices = key_choices(checked.config, checked.world_size)
     for key, value in expected.get("choices", {}).items():
         assert choices[key] == value, (key, choices)
     for key, value in expected.get("ds", {}).items():
@@ -196,7 +196,7 @@ def test_file_blocks_are_taken_whole(tmp_path):
 def test_an_unset_group_yields_to_the_file_and_is_recorded():
     cfg = compose_cfg(*file_override("zero3_cpu_offload_bf16.json"))
     checked = preflight(cfg)
-    assert cfg.zero_stage.stage == 3 and cfg.offload.device == "cpu" and cfg.precision.name == "bf16"
+    assert checked.config.zero_stage.stage == 3 and checked.config.offload.device == "cpu" and checked.config.precision.name == "bf16"
     assert checked.config_sources["origins"]["zero_stage.stage"] == "zero3_cpu_offload_bf16.json: zero_optimization.stage"
     assert checked.config_sources["values"]["train_batch_size"].startswith("derived")
 
@@ -228,7 +228,7 @@ def test_legacy_keys_are_translated_with_a_warning(caplog):
         checked = preflight(cfg)
     assert "cpu_offload: true is a deprecated DeepSpeed key" in caplog.text
     assert "cpu_offload" not in checked.ds_config["zero_optimization"]
-    assert cfg.offload.device == "cpu" and "torch_adam" not in checked.ds_config["optimizer"]["params"]
+    assert checked.config.offload.device == "cpu" and "torch_adam" not in checked.ds_config["optimizer"]["params"]
 
 
 def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
@@ -239,7 +239,7 @@ def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
     file.write_text(json.dumps(data))
     cfg = compose_cfg(f"deepspeed.config_file={file}")
     checked = preflight(cfg)
-    assert cfg.offload.device == "nvme" and cfg.offload.path == str(tmp_path / "swap")  # the sampler's folder
+    assert checked.config.offload.device == "nvme" and checked.config.offload.path == str(tmp_path / "swap")  # the sampler's folder
     assert checked.ds_config["aio"]["queue_depth"] == 32  # the file's aio block, whole
 
 
@@ -267,7 +267,7 @@ def test_accelerate_default_location_is_read_and_reported(isolated_accelerate_co
     default.write_text((CORPUS / "accelerate_reference.yaml").read_text())
     cfg = compose_cfg()
     checked = preflight(cfg)
-    assert cfg.zero_stage.stage == 1 and cfg.train.grad_accum == 4 and cfg.precision.name == "bf16"
+    assert checked.config.zero_stage.stage == 1 and checked.config.train.grad_accum == 4 and checked.config.precision.name == "bf16"
     assert checked.config_sources["accelerate_config"] == [
         {"origin": "default_config.yaml", "how": "default location", "path": str(default)}]
     cfg = compose_cfg("accelerate.config_file=null")
@@ -300,7 +300,7 @@ def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(m
         monkeypatch.setenv(name, value)
     cfg = compose_cfg()
     checked = preflight(cfg)
-    assert (cfg.zero_stage.stage, cfg.offload.device, cfg.train.grad_accum, cfg.precision.name) == (3, "cpu", 2, "bf16")
+    assert (checked.config.zero_stage.stage, checked.config.offload.device, checked.config.train.grad_accum, checked.config.precision.name) == (3, "cpu", 2, "bf16")
     from accelerate.utils import DeepSpeedPlugin
 
     with pytest.raises(ValueError, match="will be ignored"):  # what killed the worker before

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
-
-from omegaconf import OmegaConf
 
 from zerotune import config_search
 from zerotune.cli import experiment_file
@@ -25,6 +24,7 @@ from zerotune.cli.overrides import override
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
+from zerotune.schema import Config, as_dict
 
 # The file is usually meant for a GPU machine, not this one.
 ANY_GPU = ANY_CUDA_GPU
@@ -45,7 +45,7 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
     cfg = compose(file_only)
     checked = preflight(cfg, platform=ANY_GPU)
-    overrides = [_override(key, _value(cfg, key)) for key in _ordered(checked.config_sources["origins"])]
+    overrides = [_override(key, _value(checked.config, key)) for key in _ordered(checked.config_sources["origins"])]
     from_file = checked.ds_config
     for key, ds_key in (("train.batch_size", "train_micro_batch_size_per_gpu"),
                         ("train.grad_accum", "gradient_accumulation_steps")):
@@ -68,9 +68,12 @@ def _comparable(ds: dict) -> dict:
     return {k: v for k, v in ds.items() if not (k in ("fp16", "bf16") and not v.get("enabled"))}
 
 
-def _value(cfg: Any, key: str) -> Any:
-    value = OmegaConf.select(cfg, key)
-    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+def _value(cfg: Config, key: str) -> Any:
+    """The value at a dotted key of the resolved config (a block as a plain dict)."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return as_dict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _ordered(keys: dict) -> list[str]:

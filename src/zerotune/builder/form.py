@@ -12,7 +12,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from zerotune import config_search, schema
 from zerotune.cli.compose import compose_with_choices
@@ -86,7 +86,7 @@ def _train_keys() -> list[str]:
     return [f"train.{f.name}" for f in dataclasses.fields(schema.Train)]
 
 
-def knob_values(cfg: Any) -> dict[str, Any]:
+def knob_values(cfg: DictConfig) -> dict[str, Any]:
     return {key: OmegaConf.select(cfg, key, throw_on_missing=False) for key in knob_keys()}
 
 
@@ -141,7 +141,7 @@ def composition(overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, A
     return choices, knob_values(cfg)
 
 
-def extra_overrides(cfg: Any, choices: dict[str, str]) -> list[str]:
+def extra_overrides(cfg: DictConfig, choices: dict[str, str]) -> list[str]:
     """The keys `cfg` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
     say), as overrides, so that loading and saving an experiment keeps them."""
     _, plain = composed([f"{g}={o}" for g, o in choices.items()])

@@ -6,13 +6,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from omegaconf import OmegaConf
 
 from zerotune import __version__
 from zerotune.checkpoints.layout import read_meta
 from zerotune.errors import ConfigError
+from zerotune.schema import Config, as_dict
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +18,7 @@ log = logging.getLogger(__name__)
 _TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload", "offload_params")
 
 
-def current_meta(cfg: Any, ds_config: dict, use_deepspeed: bool, world_size: int) -> dict:
+def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: int) -> dict:
     """What this run would record in meta.json."""
     zero = ds_config["zero_optimization"]
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
@@ -30,20 +28,17 @@ def current_meta(cfg: Any, ds_config: dict, use_deepspeed: bool, world_size: int
             "adapter_config": _adapter_config(cfg), "zerotune_version": __version__}
 
 
-def _adapter(cfg: Any) -> str:
-    adapter = cfg.get("adapter")
-    if adapter is None or adapter.get("name", "none") == "none":
+def _adapter(cfg: Config) -> str:
+    adapter = cfg.adapter
+    if adapter.name == "none":
         return "none"
     targets = ",".join(str(m) for m in adapter.target_modules)
     return f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
 
 
-def _adapter_config(cfg: Any) -> dict | None:
+def _adapter_config(cfg: Config) -> dict | None:
     """The adapter's keys, for export to rebuild it (models/adapter.py reads them)."""
-    adapter = cfg.get("adapter")
-    if adapter is None or adapter.get("name", "none") == "none":
-        return None
-    return OmegaConf.to_container(adapter, resolve=True)
+    return None if cfg.adapter.name == "none" else as_dict(cfg.adapter)
 
 
 def _adapter_fix(path: Path, meta: dict) -> str:

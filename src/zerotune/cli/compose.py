@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import config_search, schema
@@ -93,7 +93,7 @@ def value_setter(overrides: list[str], key: str) -> Setter | None:
 _UNSET = object()
 
 
-def check_resolves(cfg: Any, args: list[str]) -> None:
+def check_resolves(cfg: DictConfig, args: list[str]) -> None:
     """Every interpolation resolves, to a value of its key's type: `train.seed=${oc.env:HOME}` is a config
     error naming train.seed, not a traceback from the first code that reads it."""
     try:

@@ -92,9 +92,9 @@ def _run_job(cfg: DictConfig, spec: JobSpec) -> dict:
 
 
 def _train_here(cfg: DictConfig, spec: JobSpec) -> dict:
-    from zerotune.training.run import train
+    from zerotune.training.run import train_launched_externally
 
-    return train(cfg, spec)
+    return train_launched_externally(cfg, spec)
 
 
 def _interrupted_exit(summary: dict) -> int:

@@ -16,7 +16,6 @@ import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 from zerotune import config_search
 from zerotune.cli.compose import compose, value_setter
@@ -24,8 +23,10 @@ from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, recommend, render
 from zerotune.plan.predict import predict
 from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.preflight import CheckedRun, preflight
+from zerotune.preflight import preflight
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Plan
+from zerotune.schema import Config
 from zerotune.user_config.precedence import pinned_by, typed_keys
 
 # What --all varies: ZeRO stage x offload x gradient checkpointing (NVMe offload is ZeRO-3's only).
@@ -58,14 +59,14 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
     gpu = None if device == "cpu" else gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
     with trace_lock:
-        answer = predict(cfg, checked, gpu, device=device)
-    return {**answer, "micro_batch": micro_batch(cfg, checked, overrides)}
+        answer = predict(checked.config, checked, gpu, device=device)
+    return {**answer, "micro_batch": micro_batch(checked.config, checked, overrides)}
 
 
 BATCH_KEY = "train.batch_size"
 
 
-def micro_batch(cfg: Any, checked: CheckedRun, overrides: list[str]) -> dict:
+def micro_batch(cfg: Config, checked: ResolvedRun, overrides: list[str]) -> dict:
     """The micro batch the plan is for, and where its value came from: {"value", "source" (command line,
     experiment, default config, option or file), "from" (in words), "file"}."""
     value = int(cfg.train.batch_size)

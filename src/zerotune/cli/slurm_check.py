@@ -114,10 +114,10 @@ def job_times(config: DictConfig, cluster: Cluster, partition: Partition, req: R
     return times
 
 
-def steps_to_first_checkpoint(cfg: Any) -> int | None:
+def steps_to_first_checkpoint(cfg: DictConfig) -> int | None:
     """Optimizer steps to the job's first scheduled save; None where none is scheduled, or where they are not
     known (a resumed job starts part way; a plan.only job does not train)."""
-    if cfg.resume.get("path") is not None or cfg.plan.get("only"):
+    if cfg.resume.path is not None or cfg.plan.only:
         return None
     every, last = int(cfg.checkpoint.every_n_steps or 0), cfg.train.max_steps
     if every > 0 and (last is None or every <= int(last)):
@@ -144,12 +144,12 @@ def gres_card(nodes: list) -> gpus.GPU | None:
     return max(cards, key=lambda g: (g.bf16_tflops, g.host_link_gbps), default=None)
 
 
-def _named_card(cfg: Any) -> gpus.GPU | None:
-    name = cfg.plan.get("gpu")
+def _named_card(cfg: DictConfig) -> gpus.GPU | None:
+    name = cfg.plan.gpu
     return gpus.CATALOG.get(str(name).lower()) if name else None
 
 
-def step_floor(cfg: Any, overrides: list[str], card: gpus.GPU, req: Request) -> float | None:
+def step_floor(cfg: DictConfig, overrides: list[str], card: gpus.GPU, req: Request) -> float | None:
     """The planner's lower bound on one optimizer step of this job on `card`, from the terms that do not depend
     on this machine (the card's compute and host link; not the CPU optimizer, timed here). None where the
     planner cannot tell (it fails on this job: the job reports why itself)."""
@@ -164,7 +164,7 @@ def step_floor(cfg: Any, overrides: list[str], card: gpus.GPU, req: Request) -> 
     try:
         checked = preflight(job, world_size=req.gpus_per_node * req.nodes, platform=ANY_CUDA_GPU,
                             overrides=overrides)
-        terms = predict(job, checked, card)["time_terms"]
+        terms = predict(checked.config, checked, card)["time_terms"]
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)
         log.debug("no time floor for %s: %s", overrides, exc)
         return None

@@ -46,7 +46,7 @@ def check_data(spec: DataSpec) -> None:
 
 def check_invert(spec: DataSpec) -> None:
     """data.invert draws the digits inverted; no other data set has an ink and a paper to swap."""
-    if spec.data.get("invert", False) and spec.data.name != "digits":
+    if spec.data.invert and spec.data.name != "digits":
         raise ConfigError("data.invert", f"inverts the digits (ink <-> paper); data={spec.data.name} has no "
                           "such images to invert", "data.invert=false, or data=digits data.invert=true")
 
@@ -60,9 +60,9 @@ def _synthetic(spec: DataSpec, shape: tuple[int, int, int]) -> Dataset:
         unet.get("addition_time_embed_dim", 256))
     return SyntheticDataset(
         num_samples=spec.data.num_samples, latent_shape=shape, conditioning=spec.model.conditioning,
-        pixel_size=spec.resolution, text_seq_len=int(spec.model.get("text_seq_len", 77)),
+        pixel_size=spec.resolution, text_seq_len=int(spec.model.text_seq_len),
         cross_attention_dim=int(unet.get("cross_attention_dim") or 0), text_embeds_dim=pooled,
-        num_classes=int(spec.model.get("num_classes", 10)), seed=spec.seed)
+        num_classes=int(spec.model.num_classes), seed=spec.seed)
 
 
 def build_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:

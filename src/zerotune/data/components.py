@@ -20,6 +20,7 @@ import torch
 from zerotune.data.hashing import FileHasher, digest
 from zerotune.errors import ConfigError
 from zerotune.models import downsample_factor, unet_config
+from zerotune.schema import Model
 
 NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 # Files from_pretrained loads, in the order it looks for them; anything else in the folder
@@ -40,16 +41,16 @@ class ComponentPaths:
     tokenizer_2: Path
 
 
-def resolve_components(model_cfg: Any) -> ComponentPaths:
+def resolve_components(model_cfg: Model) -> ComponentPaths:
     """Where each component lives; a ConfigError naming the key for one that is missing."""
-    base = model_cfg.get("components")
+    base = model_cfg.components
     base = Path(str(base)).expanduser() if base else None
     if base is not None and not base.is_dir():
         raise ConfigError("model.components", f"{base} is not a folder",
                           "model.components=/path/to/a/local/sdxl/pipeline (with vae/, text_encoder/, ...)")
     found = {}
     for name in NAMES:
-        own = model_cfg.get(name)
+        own = getattr(model_cfg, name)
         path = Path(str(own)).expanduser() if own else (base / name if base is not None else None)
         key = f"model.{name}" if own or base is None else "model.components"
         marker = "tokenizer_config.json" if name.startswith("tokenizer") else "config.json"
@@ -78,7 +79,7 @@ def _field(config: dict, name: str, key: str, path: Path) -> Any:
     return config[name]
 
 
-def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
+def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
     """The components' output shapes against what the U-Net takes, from their configs alone."""
     unet = unet_config(model_cfg)
     vae = _config(paths.vae, "model.vae")
@@ -101,14 +102,14 @@ def check_compatible(model_cfg: Any, paths: ComponentPaths) -> None:
     if int(te2.get("projection_dim", -1)) != pooled:
         raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
                           f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
-    seq = int(model_cfg.get("text_seq_len", 77))
+    seq = int(model_cfg.text_seq_len)
     for key, cfg in (("model.text_encoder", te1), ("model.text_encoder_2", te2)):
         if int(cfg.get("max_position_embeddings", seq)) < seq:
             raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "
                               f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
 
 
-def check_bucket_step(model_cfg: Any, step: int) -> None:
+def check_bucket_step(model_cfg: Model, step: int) -> None:
     """Every bucket side must become a latent side the U-Net can halve down to its bottleneck."""
     unit = model_cfg.vae_scale_factor * downsample_factor(model_cfg)
     if step <= 0 or step % unit:

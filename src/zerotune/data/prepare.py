@@ -54,7 +54,7 @@ def default_cache_dir() -> Path:
 
 
 def cache_dir(spec: DataSpec) -> Path:
-    configured = spec.data.get("cache_dir")
+    configured = spec.data.cache_dir
     return Path(str(configured)).expanduser() if configured else default_cache_dir()
 
 
@@ -63,7 +63,7 @@ def check_folder_data(spec: DataSpec) -> CheckedFolder:
     if spec.model.conditioning != "text_time":
         raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={spec.model.name} "
                           f"takes {spec.model.conditioning!r}", "model=sdxl or model=sdxl_tiny with data=folder")
-    if not spec.data.get("path"):
+    if not spec.data.path:
         raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
     step = spec.data.bucket_step
     check_bucket_step(spec.model, step)
@@ -72,7 +72,7 @@ def check_folder_data(spec: DataSpec) -> CheckedFolder:
         raise ConfigError("resolution.size", f"{size} px is below the smallest bucket side ({step})",
                           f"resolution.size={step * 2} or more")
     root = Path(str(spec.data.path)).expanduser().resolve()
-    scan = scan_folder(root, dict(spec.data.get("repeats") or {}))
+    scan = scan_folder(root, dict(spec.data.repeats or {}))
     if not scan.records:
         found = (f"its {len(scan.skipped)} jpg, png and webp files are all unreadable" if scan.skipped else
                  "no jpg, png or webp file in it or its subfolders (hidden ones are not searched)")
@@ -107,7 +107,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     folder = check_folder_data(spec)
     micro_batch = int(micro_batch or spec.batch_size)
     cache = LatentCache(cache_dir(spec))
-    seq_len = int(spec.model.get("text_seq_len", 77))
+    seq_len = int(spec.model.text_seq_len)
     items, unreadable = _cache_items(spec, folder, cache, seq_len)
     encoders = SDXLEncoders(folder.components, device or _device(spec), seq_len)
     try:

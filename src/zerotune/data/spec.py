@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from zerotune.schema import Config
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -16,5 +18,5 @@ class DataSpec:
     seed: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> DataSpec:
+    def from_config(cls, cfg: Config) -> DataSpec:
         return cls(cfg.data, cfg.model, cfg.resolution.size, cfg.train.batch_size, cfg.train.seed)

@@ -13,9 +13,8 @@ import argparse
 import contextlib
 import sys
 from collections.abc import Callable
-from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
 from zerotune import config_search
 from zerotune.cli.compose import compose
@@ -36,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_checks(cfg: Any, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
+def run_checks(cfg: DictConfig, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
     nvme_wanted = cfg.offload.device == "nvme"
     checks = [_guarded("configs", files.configs_check), _guarded("platform", system.platform_check)]
     table = _guarded_table()
@@ -67,10 +66,8 @@ def _guarded_table() -> dict[str, dict]:
         return {}  # no DeepSpeed: the platform check says so
 
 
-def configured_offload_path(cfg: Any) -> str | None:
-    if OmegaConf.is_missing(cfg.offload, "path") or cfg.offload.path is None:
-        return None
-    return str(cfg.offload.path)
+def configured_offload_path(cfg: DictConfig) -> str | None:
+    return None if cfg.offload.path is None else str(cfg.offload.path)
 
 
 def main(argv: list[str] | None = None) -> int:

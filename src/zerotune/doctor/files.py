@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
@@ -16,7 +18,7 @@ from zerotune.launch import ext_lock
 from zerotune.units import MIB
 
 
-def offload_path_check(path: str | None, cfg: Any, overrides: list[str]) -> Check:
+def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) -> Check:
     """Can files be created there, and is there room: for the composed config's NVMe swap where it uses one
     (the planner's prediction), else the free space alone."""
     from zerotune.ds_config.offload import check_nvme_path
@@ -54,14 +56,15 @@ def _existing(folder: Path) -> Path:
     return folder
 
 
-def _nvme_need_mib(cfg: Any, overrides: list[str]) -> float | None:
+def _nvme_need_mib(cfg: DictConfig, overrides: list[str]) -> float | None:
     """What the planner predicts the run writes to the NVMe folder; None where the config cannot be planned."""
     from zerotune.plan.predict import predict
     from zerotune.preflight import preflight
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
-            return float(predict(cfg, preflight(cfg, overrides=overrides), None)["nvme_mib"])
+            run = preflight(cfg, overrides=overrides)
+            return float(predict(run.config, run, None)["nvme_mib"])
     except ConfigError:
         return None
 

@@ -3,31 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.ds_config.schedulers import scheduler_block
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
+from zerotune.schema import Config, DeepSpeed, Optimizer, Precision, as_dict
 
 
-def optimizer_block(opt: Any) -> dict:
+def optimizer_block(opt: Optimizer) -> dict:
     name = normalize(opt.name)
     # The schema gives every optimizer every key; an option's unused ones are null and not DeepSpeed's.
-    params = {k: (list(v) if k == "betas" else v) for k, v in opt.items() if k != "name" and v is not None}
+    params = {k: (list(v) if k == "betas" else v) for k, v in as_dict(opt).items() if k != "name" and v is not None}
     return {"type": DEEPSPEED_TYPES[name], "params": params}
 
 
-def precision_blocks(prec: Any) -> dict:
+def precision_blocks(prec: Precision) -> dict:
     if prec.name == "bf16":
         return {"bf16": {"enabled": True}}
     if prec.name == "fp16":
         # DeepSpeed's own loss-scaling defaults where the precision came from a user's file, not fp16.yaml.
-        return {"fp16": {"enabled": True, "initial_scale_power": int(prec.get("initial_scale_power", 16)),
-                         "loss_scale_window": int(prec.get("loss_scale_window", 1000)),
-                         "hysteresis": int(prec.get("hysteresis", 2)),
-                         "min_loss_scale": float(prec.get("min_loss_scale", 1))}}
+        return {"fp16": {"enabled": True, "initial_scale_power": int(prec.initial_scale_power),
+                         "loss_scale_window": int(prec.loss_scale_window),
+                         "hysteresis": int(prec.hysteresis),
+                         "min_loss_scale": float(prec.min_loss_scale)}}
     return {}
 
 
@@ -36,10 +36,10 @@ DEFAULT_BUCKETS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 5
                    "stage3_prefetch_bucket_size": 50_000_000}
 
 
-def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
+def bucket_size(ds: DeepSpeed, key: str, stats: ModelStats) -> int:
     """A configured size, or for `auto` DeepSpeed's default capped at what the bucket can hold (rounded up
     to 1M): gradients and updated weights of the trained parameters, or any parameter for stage 3's prefetch."""
-    value = ds[key]
+    value = getattr(ds, key)
     if value != "auto":
         if isinstance(value, bool) or not isinstance(value, (int, float, str)) or not str(value).isdigit() \
                 and not (isinstance(value, float) and value.is_integer() and value >= 0):
@@ -50,7 +50,7 @@ def bucket_size(ds: Any, key: str, stats: ModelStats) -> int:
     return min(DEFAULT_BUCKETS[key], -(-count // 1_000_000) * 1_000_000)
 
 
-def zero_block(cfg: Any, stats: ModelStats) -> dict:
+def zero_block(cfg: Config, stats: ModelStats) -> dict:
     stage, ds = cfg.zero_stage.stage, cfg.deepspeed
     zero: dict = {"stage": stage}
     if stage >= 1:
@@ -64,12 +64,12 @@ def zero_block(cfg: Any, stats: ModelStats) -> dict:
                      "stage3_param_persistence_threshold": int(ds.stage3_param_persistence_threshold),
                      "contiguous_gradients": bool(ds.contiguous_gradients),
                      "stage3_gather_16bit_weights_on_model_save":
-                         bool(ds.get("stage3_gather_16bit_weights_on_model_save", True))})
+                         bool(ds.stage3_gather_16bit_weights_on_model_save)})
     zero.update(offload_mod.offload_blocks(cfg.offload, stage, stats.largest_param_numel))
     return zero
 
 
-def use_torch_adam(cfg: Any) -> bool:
+def use_torch_adam(cfg: Config) -> bool:
     """torch's AdamW wherever DeepSpeed would otherwise JIT-build its fused kernel for no gain (no offload)."""
     setting = cfg.deepspeed.torch_adam
     if setting == "auto":
@@ -77,7 +77,7 @@ def use_torch_adam(cfg: Any) -> bool:
     return bool(setting)
 
 
-def choose_adam(ds: dict, cfg: Any) -> None:
+def choose_adam(ds: dict, cfg: Config) -> None:
     """Apply `deepspeed.torch_adam` to an Adam/AdamW block, generated or the user's, unless it says itself."""
     opt = ds.get("optimizer")
     if not isinstance(opt, dict) or normalize(str(opt.get("type", "")), key="optimizer.type") not in ("adam", "adamw"):
@@ -87,7 +87,7 @@ def choose_adam(ds: dict, cfg: Any) -> None:
         params["torch_adam"] = True
 
 
-def build(cfg: Any, world_size: int, stats: ModelStats, given: Collection[str] = ()) -> dict:
+def build(cfg: Config, world_size: int, stats: ModelStats, given: Collection[str] = ()) -> dict:
     """The DeepSpeed dict for composed config `cfg`. Blocks in `given` (a user file supplies them whole,
     user_config.merge) are not generated: the config values behind them may be the file's, not a group's."""
     micro, accum = cfg.train.batch_size, cfg.train.grad_accum

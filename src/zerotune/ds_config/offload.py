@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
 from zerotune.folders import file_system, write_probe
+from zerotune.schema import Offload
 
 # DeepSpeed's own default parameter swap buffer (100M elements).
 DEFAULT_PARAM_BUFFER = 100_000_000
@@ -20,7 +18,7 @@ def param_buffer_size(largest_param_numel: int) -> int:
     return -(-need // 1_000_000) * 1_000_000
 
 
-def offload_params_enabled(offload: Any, stage: int) -> bool:
+def offload_params_enabled(offload: Offload, stage: int) -> bool:
     """`params: auto` means: offload parameters wherever DeepSpeed can (stage 3)."""
     if offload.device == "none":
         return False
@@ -29,26 +27,24 @@ def offload_params_enabled(offload: Any, stage: int) -> bool:
     return bool(offload.params)
 
 
-def offload_blocks(offload: Any, stage: int, largest_param_numel: int) -> dict:
+def offload_blocks(offload: Offload, stage: int, largest_param_numel: int) -> dict:
     """The `offload_optimizer` / `offload_param` entries of `zero_optimization`."""
     if offload.device == "none":
         return {}
-    pin = bool(offload.get("pin_memory", True))
+    pin = bool(offload.pin_memory)
     blocks: dict = {"offload_optimizer": {"device": offload.device, "pin_memory": pin}}
     if offload_params_enabled(offload, stage):
         blocks["offload_param"] = {"device": offload.device, "pin_memory": pin}
     if offload.device == "nvme":
-        missing = OmegaConf.is_config(offload) and OmegaConf.is_missing(offload, "path")
-        path = None if missing or offload.path is None else str(offload.path)
+        path = None if offload.path is None else str(offload.path)
         blocks["offload_optimizer"].update({"nvme_path": path, "buffer_count": 4, "fast_init": False})
         if "offload_param" in blocks:
-            # .get: an offload that came from a user's file has no nvme.yaml values behind it.
-            size = offload.get("buffer_size", "auto")
+            size = offload.buffer_size
             blocks["offload_param"].update({
                 "nvme_path": path,
-                "buffer_count": int(offload.get("buffer_count", 5)),
+                "buffer_count": int(offload.buffer_count),
                 "buffer_size": param_buffer_size(largest_param_numel) if size == "auto" else int(size),
-                "max_in_cpu": int(offload.get("max_in_cpu", 1_000_000_000)),
+                "max_in_cpu": int(offload.max_in_cpu),
             })
     return blocks
 

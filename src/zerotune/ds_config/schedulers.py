@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from zerotune.errors import ConfigError
+from zerotune.schema import Scheduler
 
 NAMES = ("warmup", "warmup_decay", "cosine", "onecycle", "constant")
 TYPES = {"warmup": "WarmupLR", "warmup_decay": "WarmupDecayLR", "cosine": "WarmupCosineLR", "onecycle": "OneCycle"}
@@ -19,7 +18,7 @@ PARAMS = {
 }
 
 
-def derived_params(sched: Any, lr: float, max_steps: int) -> dict:
+def derived_params(sched: Scheduler, lr: float, max_steps: int) -> dict:
     """Every scheduler parameter zerotune derives from the scheduler group, the optimizer's lr and
     train.max_steps: for its own blocks, and for "auto" in a user's."""
     half = max(max_steps // 2, 1)
@@ -30,7 +29,7 @@ def derived_params(sched: Any, lr: float, max_steps: int) -> dict:
             "cycle_second_step_size": max(max_steps - half, 1), "cycle_momentum": False, "decay_lr_rate": 0.0}
 
 
-def scheduler_block(sched: Any, lr: float, max_steps: int) -> dict | None:
+def scheduler_block(sched: Scheduler, lr: float, max_steps: int) -> dict | None:
     """DeepSpeed scheduler dict for `sched` (cfg.scheduler); None means a constant lr."""
     name = sched.name
     if name == "constant":

@@ -1,26 +1,29 @@
 """A job's checks, run in a thread of the job's parent while its workers import (launch/gate.py).
 
-Everything that fails in seconds: the config with the user's files folded in, the DeepSpeed dict, the
-checkpoint to resume, the weights to load, the plan (and its guard), then DeepSpeed's ops, built or
-loaded before the job's memory sampler starts (a one-off JIT compile is not this configuration's cost).
-A refusal is recorded in summary.json, the gate turns the workers away, and the job's parent raises it.
+From the settled config (frozen before the workers started), everything that fails in seconds: the
+DeepSpeed dict, the checkpoint to resume, the weights to load, the plan (and its guard); the resolved run
+is written once (resolved.json) for the workers to read. Then DeepSpeed's ops, built or loaded before the
+job's memory sampler starts (a one-off JIT compile is not this configuration's cost). A refusal is recorded
+in summary.json, the gate turns the workers away, and the job's parent raises it. The thread writes files;
+it changes no configuration.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from dataclasses import replace
 
 from zerotune.errors import ConfigError
-from zerotune.launch.elastic import check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.records import base_summary, record_refusal
 from zerotune.plan import guard as planning
-from zerotune.preflight import CheckedRun, preflight
+from zerotune.preflight import check
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
+from zerotune.settle import Settled
 from zerotune.telemetry import MemorySampler
 from zerotune.telemetry.startup import Marks
 
@@ -35,8 +38,8 @@ class JobChecks:
     """`start()` the checks; `join()` returns the summary's base (config sources, plan, op builds) or raises
     what refused the job. The gate is decided whatever happens: go, skip (predicted OOM) or abort."""
 
-    def __init__(self, cfg: Any, spec: JobSpec, run_dir: RunDir, gate: Gate, sampler: MemorySampler) -> None:
-        self.cfg, self.spec, self.run_dir, self.gate, self.sampler = cfg, spec, run_dir, gate, sampler
+    def __init__(self, settled: Settled, spec: JobSpec, run_dir: RunDir, gate: Gate, sampler: MemorySampler) -> None:
+        self.settled, self.spec, self.run_dir, self.gate, self.sampler = settled, spec, run_dir, gate, sampler
         self.marks: Marks | None = None
         self.base: dict | None = None
         self.error: BaseException | None = None
@@ -61,58 +64,54 @@ class JobChecks:
     def _run(self) -> None:
         self.marks = Marks()
         try:
-            self.base = self._check()
+            self.base = self._check(self.marks)
         except BaseException as exc:  # re-raised by join(), in the job's own thread
             self.error = exc
         finally:
             self.gate.decide("abort")  # no-op after go or skip: the first decision stands
 
-    def _check(self) -> dict:
-        cfg, spec, run_dir = self.cfg, self.spec, self.run_dir
-        checked = checked_job(cfg, spec, run_dir)
-        self.marks.mark("checks")
-        base = {**base_summary(cfg, spec), "config_sources": checked.config_sources,
-                "config_warnings": checked.config_warnings,
-                "plan": planning.job_plan(cfg, checked, planning.job_gpu(cfg))}
-        self.marks.mark("plan")
+    def _check(self, marks: Marks) -> dict:
+        config, spec, run_dir = self.settled.config, self.spec, self.run_dir
+        run = resolved_job(self.settled, spec, run_dir)
+        marks.mark("checks")
+        plan = planning.job_plan(config, run, planning.job_gpu(config))
+        run = replace(run, plan=plan)
+        base = {**base_summary(config, spec), "config_sources": run.config_sources,
+                "config_warnings": list(run.config_warnings), "plan": plan}
+        marks.mark("plan")
         try:
-            decision = planning.guard(cfg, base["plan"])
+            decision = planning.guard(config, plan)
         except ConfigError as exc:  # the predicted peak is above the memory there is: recorded with the plan
-            record_refusal(cfg, spec, run_dir, exc, plan=base["plan"])
+            record_refusal(config, spec, run_dir, exc, plan=plan)
             raise
         if decision == "predicted_oom":
             self.gate.decide("skip")
             return base
-        run_dir.write_ds_config(checked.ds_config)
+        run_dir.write_ds_config(run.ds_config)
+        run.save(run_dir.path)  # what every worker trains from
         try:
-            base["ops_build"] = prebuild_ops(checked.ds_config, checked.use_deepspeed, self._workers_imported)
+            base["ops_build"] = prebuild_ops(run.ds_config, run.use_deepspeed, self._workers_imported)
         except ConfigError as exc:
-            record_refusal(cfg, spec, run_dir, exc)
+            record_refusal(config, spec, run_dir, exc)
             raise
-        self.marks.mark("ops_build")
+        marks.mark("ops_build")
         self.sampler.start()  # the job's memory: its workers from here on
         self.gate.decide("go")
         return base
 
     def _workers_imported(self) -> None:
         """A cold op build takes every core: it starts once this node's workers wait at the gate (a bounded wait)."""
-        arrived = self.gate.wait_for_arrivals(int(self.cfg.launch.num_processes), ARRIVAL_TIMEOUT_S)
+        arrived = self.gate.wait_for_arrivals(int(self.settled.config.launch.num_processes), ARRIVAL_TIMEOUT_S)
         log.info("%d worker(s) done importing; building DeepSpeed's ops", arrived)
 
 
-def checked_job(cfg: Any, spec: JobSpec, run_dir: RunDir) -> CheckedRun:
-    """preflight, with the job's run dir; what the workers take from it is written for them (config.yaml with
-    the user's files folded in, and in launch.json the checkpoint chosen and checksummed once, not per rank)."""
+def resolved_job(settled: Settled, spec: JobSpec, run_dir: RunDir) -> ResolvedRun:
+    """preflight's checks, with the job's run dir: the checkpoint to resume is chosen and checksummed once,
+    here, not per rank. A refusal is recorded in summary.json and raised."""
     try:
-        checked = preflight(cfg, overrides=spec.overrides, run_dir=spec.run_dir)
-        check_launch(cfg.launch)
-        planning.job_gpu(cfg)  # a card the planner does not know
+        run = check(settled, run_dir=spec.run_dir)
+        planning.job_gpu(settled.config)  # a card the planner does not know
     except ConfigError as exc:
-        record_refusal(cfg, spec, run_dir, exc)
+        record_refusal(settled.config, spec, run_dir, exc)
         raise
-    spec.from_parent = True
-    if checked.resume is not None:
-        cfg.resume.path = spec.resume_verified = str(checked.resume.path)
-    run_dir.write_config(cfg)
-    spec.save()
-    return checked
+    return run

@@ -60,11 +60,11 @@ def _kill_children() -> None:
 def check_launch(launch: Any) -> None:
     """The launch block's own rules (seconds, before any worker starts)."""
     nnodes, node_rank = int(launch.nnodes), int(launch.node_rank)
-    check_threads(launch.get("threads", "auto"))
+    check_threads(launch.threads)
     if int(launch.num_processes) < 1 or nnodes < 1:
         raise ConfigError("launch.num_processes", "a job needs at least one process on one node",
                           "launch.num_processes=1 launch.nnodes=1")
-    if float(launch.get("collective_timeout_s", 1800)) <= 0:
+    if float(launch.collective_timeout_s) <= 0:
         raise ConfigError("launch.collective_timeout_s", f"{launch.collective_timeout_s} s: a collective needs time to "
                           "complete", "launch.collective_timeout_s=1800 (torch's default; at least a step's time)")
     if not 0 <= node_rank < nnodes:
@@ -83,7 +83,7 @@ def launch_config(launch: Any, run_dir: Path):
     nnodes = int(launch.nnodes)
     port = free_port() if str(launch.master_port) == "auto" else int(launch.master_port)
     # The static rendezvous keys its store by run id: every node of a job must use the same one.
-    run_id = launch.get("run_id") or (f"zerotune-{launch.master_addr}-{port}" if nnodes > 1
+    run_id = launch.run_id or (f"zerotune-{launch.master_addr}-{port}" if nnodes > 1
                                       else uuid.uuid4().hex[:12])
     # One log folder per node: over a shared file system, node 1's local rank 0 must not write node 0's.
     log_dir = run_dir / "logs" / (f"node{int(launch.node_rank)}" if nnodes > 1 else "")

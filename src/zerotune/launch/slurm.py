@@ -18,6 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from zerotune import held_signals
 
 log = logging.getLogger(__name__)
@@ -107,9 +109,9 @@ def job_start_time(env: Mapping[str, str]) -> datetime | None:
         return None
 
 
-def job_node_rank(cfg: Any) -> int:
+def job_node_rank(cfg: DictConfig) -> int:
     """This process's node in its job: SLURM's node index inside a SLURM job, else launch.node_rank."""
-    if in_slurm_job(os.environ, cfg.launch.get("slurm", "auto")):
+    if in_slurm_job(os.environ, cfg.launch.slurm):
         return int(os.environ.get("SLURM_NODEID", 0))
     return int(cfg.launch.node_rank)
 
@@ -144,11 +146,11 @@ def launch_from_slurm(launch: Mapping[str, Any]) -> dict:
     return out
 
 
-def continue_requeued(cfg: Any, run_dir: str | Path) -> bool:
-    """A requeued attempt (SLURM_RESTART_COUNT > 0: pre-empted, timed out and requeued, `scontrol requeue`)
-    runs the same command in the same run dir: it continues the newest complete checkpoint its job saved
-    (resume=auto), not the first attempt's starting point again; before the job saved one, it starts as the
-    first attempt did. Returns whether it switched to resume=auto."""
+def continue_requeued(cfg: DictConfig, run_dir: str | Path) -> bool:
+    """Whether this attempt resumes with resume=auto. A requeued attempt (SLURM_RESTART_COUNT > 0: pre-empted,
+    timed out and requeued, `scontrol requeue`) runs the same command in the same run dir: it continues the
+    newest complete checkpoint its job saved, not the first attempt's starting point again; before the job
+    saved one, it starts as the first attempt did."""
     from zerotune import checkpoints
 
     if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0 or str(cfg.resume.path) in ("auto", "latest"):
@@ -157,7 +159,6 @@ def continue_requeued(cfg: Any, run_dir: str | Path) -> bool:
         return False
     log.info("requeued SLURM job (restart %s): resume=auto instead of resume=%s", os.environ["SLURM_RESTART_COUNT"],
              cfg.resume.path)
-    cfg.resume.path = "auto"
     return True
 
 

@@ -1,8 +1,8 @@
 """One training process of a job, started by the launcher through launch/bootstrap.py.
 
-It imports while the parent checks the job, waits at the job's gate, then reads the config the parent
-resolved (so every rank trains the same thing, in the same folder) and trains with the rank
-torch.distributed's environment gives it.
+It imports while the parent checks the job, waits at the job's gate, then reads the run the parent
+resolved (resolved.json: every rank trains the same thing, in the same folder, and none resolves it again)
+and trains with the rank torch.distributed's environment gives it.
 """
 
 from __future__ import annotations
@@ -12,28 +12,26 @@ import logging
 # The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
 # pass while the parent checks the job.
 from diffusers import UNet2DConditionModel  # noqa: F401
-from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from zerotune import schema
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.launch.gate import GateWatch
-from zerotune.rundir import CONFIG
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.spec import JobSpec
 from zerotune.training.run import train
 
 
 def main(run_dir: str, gate: GateWatch) -> int:
-    return record(_main)(run_dir, gate)  # an exception reaches the launcher's report (error.message in the summary)
+    return record(_main)(run_dir, gate) or 0  # an exception reaches the launcher's report (error.message in the summary)
 
 
 def _main(run_dir: str, gate: GateWatch) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     waited = gate.wait_for_go()  # a refused job ends this process in there
     spec = JobSpec.load(run_dir)
-    cfg = schema.typed(OmegaConf.load(f"{run_dir}/{CONFIG}"))
+    run = ResolvedRun.load(run_dir)
     try:
-        train(cfg, spec, waited)
+        train(run, spec, waited)
     except ConfigError as exc:
         return report_config_error(exc)
     return 0

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
-
-from omegaconf import OmegaConf
 
 from zerotune.errors import ConfigError
 from zerotune.loggers.base import NullLogger, RunLogger
+from zerotune.schema import Config, Logger, as_dict
 
 
-def make_logger(cfg: Any, run_dir: str, name: str, group: str | None, is_main: bool) -> RunLogger:
+def make_logger(cfg: Config, run_dir: str, name: str, group: str | None, is_main: bool) -> RunLogger:
     """Only rank 0 talks to W&B; the other ranks get a logger that drops everything."""
     if cfg.logger.name == "none" or not is_main:
         return NullLogger()
     from zerotune.loggers.wandb_logger import WandbLogger
 
     lg = cfg.logger
-    return WandbLogger(project=lg.project, run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True),
+    return WandbLogger(project=lg.project, run_dir=run_dir, config=as_dict(cfg),
                        name=name, group=group, mode=lg.mode, tags=list(lg.tags), entity=lg.entity)
 
 
-def check_logger(logger_cfg: Any) -> None:
+def check_logger(logger_cfg: Logger) -> None:
     """For the job's parent: what would stop W&B at wandb.init in a worker, found in a second."""
     if logger_cfg.name != "wandb":
         return

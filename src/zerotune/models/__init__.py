@@ -6,7 +6,6 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -14,6 +13,7 @@ from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter
 from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
+from zerotune.schema import Adapter, Model
 
 
 @dataclass(frozen=True)
@@ -35,17 +35,17 @@ class ModelStats:
         return self.num_params - self.num_trainable
 
 
-def unet_config(model_cfg: Any) -> dict:
+def unet_config(model_cfg: Model) -> dict:
     return OmegaConf.to_container(model_cfg.unet, resolve=True) if not isinstance(model_cfg.unet, dict) \
         else dict(model_cfg.unet)
 
 
-def downsample_factor(model_cfg: Any) -> int:
+def downsample_factor(model_cfg: Model) -> int:
     """How many times the U-Net halves its input: one less than the number of blocks."""
     return 2 ** (len(unet_config(model_cfg)["block_out_channels"]) - 1)
 
 
-def latent_shape(model_cfg: Any, size: int) -> tuple[int, int, int]:
+def latent_shape(model_cfg: Model, size: int) -> tuple[int, int, int]:
     """(channels, height, width) of the U-Net's input at pixel side `size`; refuses sizes it cannot take."""
     vae, down = model_cfg.vae_scale_factor, downsample_factor(model_cfg)
     if not isinstance(size, int) or size <= 0:
@@ -58,13 +58,13 @@ def latent_shape(model_cfg: Any, size: int) -> tuple[int, int, int]:
     return int(unet_config(model_cfg)["in_channels"]), size // vae, size // vae
 
 
-def _from_config(model_cfg: Any):
+def _from_config(model_cfg: Model):
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(**unet_config(model_cfg))
 
 
-def model_stats(model_cfg: Any, adapter_cfg: Any = None) -> ModelStats:
+def model_stats(model_cfg: Model, adapter_cfg: Adapter | None = None) -> ModelStats:
     """Parameter counts from a meta-device build, with its adapter if any: no memory, no weights.
 
     Cached per architecture: building it imports diffusers' whole model zoo (about 2 s and 300 MiB), which
@@ -78,7 +78,7 @@ def model_stats(model_cfg: Any, adapter_cfg: Any = None) -> ModelStats:
     return stats
 
 
-def _stats_key(model_cfg: Any, adapter_cfg: Any) -> str:
+def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
     """The architecture, the adapter, and the versions of the libraries that build them."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -93,7 +93,7 @@ def _stats_key(model_cfg: Any, adapter_cfg: Any) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _measure_stats(model_cfg: Any, adapter_cfg: Any) -> ModelStats:
+def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -107,26 +107,26 @@ def _measure_stats(model_cfg: Any, adapter_cfg: Any) -> ModelStats:
                       trainable_numels=tuple(trainable), adapter_target_numel=target_numel)
 
 
-def build_unet(model_cfg: Any, zero_init=None):
+def build_unet(model_cfg: Model, zero_init=None):
     """A U-Net from `model.pretrained` (a diffusers folder or a .safetensors state dict) or from its config.
 
     `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
     as it is built and the weights are loaded into the partitions (models/partitioned.py)."""
-    pretrained = model_cfg.get("pretrained")
+    pretrained = model_cfg.pretrained
     if zero_init is not None:
         unet = _build_partitioned(model_cfg, zero_init, Path(str(pretrained)).expanduser() if pretrained else None)
     elif not pretrained:
         unet = _from_config(model_cfg)
     else:
         unet = load_pretrained(model_cfg, Path(str(pretrained)).expanduser())
-    if model_cfg.get("attention") == "sdpa":
+    if model_cfg.attention == "sdpa":
         from diffusers.models.attention_processor import AttnProcessor2_0
 
         unet.set_attn_processor(AttnProcessor2_0())
     return unet
 
 
-def _build_partitioned(model_cfg: Any, zero_init, path: Path | None):
+def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
     # Imported before zero.Init is entered: diffusers' first import creates tensors, which zero.Init's patched
     # tensor constructors would take.
     from diffusers import UNet2DConditionModel
@@ -164,7 +164,7 @@ def _bin_files(folder: Path) -> list[Path]:
     return [folder / names.WEIGHTS_NAME]
 
 
-def load_pretrained(model_cfg: Any, path: Path):
+def load_pretrained(model_cfg: Model, path: Path):
     from diffusers import UNet2DConditionModel
 
     key = "model.pretrained"
@@ -200,11 +200,11 @@ def state_dict_shapes(unet_kwargs: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
 
 
-def check_pretrained(model_cfg: Any) -> None:
+def check_pretrained(model_cfg: Model) -> None:
     """What `load_pretrained` needs, checked in seconds without reading a tensor: the path exists, a folder
     has a U-Net config and weights, and every safetensors header is whole and names the tensors (and shapes)
     of the U-Net it loads into: a folder's own config.json, or the model option's for a single file."""
-    if not model_cfg.get("pretrained"):
+    if not model_cfg.pretrained:
         return
     path = Path(str(model_cfg.pretrained)).expanduser()
     if path.is_dir():

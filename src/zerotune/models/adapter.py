@@ -4,31 +4,31 @@ adapters trainable. The layers, their names and their saving are peft's and diff
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
 from zerotune.errors import ConfigError
+from zerotune.schema import Adapter, as_dict
 
 ADAPTER_NAME = "default"  # peft's name for a model's first adapter; the exported keys carry no name
 INITS = {"gaussian": "gaussian", "default": True}  # adapter.init -> peft's init_lora_weights
 
 
-def enabled(adapter_cfg: Any) -> bool:
-    return adapter_cfg is not None and adapter_cfg.get("name", "none") != "none"
+def enabled(adapter_cfg: Adapter | None) -> bool:
+    return adapter_cfg is not None and adapter_cfg.name != "none"
 
 
-def settings(adapter_cfg: Any) -> dict | None:
-    """The adapter's settings as a plain dict (interpolations such as ${model.lora_targets} resolved), or
-    None for full training."""
-    if not enabled(adapter_cfg):
-        return None
-    from omegaconf import OmegaConf
-
-    return dict(adapter_cfg) if isinstance(adapter_cfg, dict) else OmegaConf.to_container(adapter_cfg, resolve=True)
+def settings(adapter_cfg: Adapter | None) -> dict | None:
+    """The adapter's settings as a plain dict (what a checkpoint's meta.json records), or None for full training."""
+    return as_dict(adapter_cfg) if adapter_cfg is not None and enabled(adapter_cfg) else None
 
 
-def check(adapter_cfg: Any) -> None:
+def from_settings(recorded: dict | None) -> Adapter | None:
+    """A checkpoint's recorded adapter settings (`settings`) as the schema's type again."""
+    return Adapter(**recorded) if recorded else None
+
+
+def check(adapter_cfg: Adapter | None) -> None:
     """The adapter's own keys, before any model is built."""
     if not enabled(adapter_cfg):
         return
@@ -46,7 +46,7 @@ def check(adapter_cfg: Any) -> None:
         raise ConfigError("adapter.target_modules", "is empty", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
 
 
-def lora_config(adapter_cfg: Any):
+def lora_config(adapter_cfg: Adapter):
     from peft import LoraConfig
 
     return LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
@@ -72,7 +72,7 @@ def _check_targets(unet: torch.nn.Module, targets: list[str]) -> None:
                               "their full suffix)", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
 
 
-def add_adapter(unet: torch.nn.Module, adapter_cfg: Any) -> torch.nn.Module:
+def add_adapter(unet: torch.nn.Module, adapter_cfg: Adapter | None) -> torch.nn.Module:
     """Freeze `unet` and add the LoRA adapter `adapter_cfg` describes (in place; returns it)."""
     if not enabled(adapter_cfg):
         return unet
@@ -84,7 +84,7 @@ def add_adapter(unet: torch.nn.Module, adapter_cfg: Any) -> torch.nn.Module:
     return unet
 
 
-def targeted_modules(unet: torch.nn.Module, adapter_cfg: Any) -> list[torch.nn.Module]:
+def targeted_modules(unet: torch.nn.Module, adapter_cfg: Adapter | None) -> list[torch.nn.Module]:
     """The modules peft wraps (none for full training)."""
     if not enabled(adapter_cfg):
         return []
@@ -132,7 +132,7 @@ def adapter_state_dict(unet: torch.nn.Module, state: dict | None = None) -> dict
 _WHOLE_MODEL_OPTIMIZERS = {"MuAdam", "MuAdamW", "MuSGD"}
 
 
-def check_optimizer(adapter_cfg: Any, optimizer_type: str) -> None:
+def check_optimizer(adapter_cfg: Adapter | None, optimizer_type: str) -> None:
     if enabled(adapter_cfg) and optimizer_type in _WHOLE_MODEL_OPTIMIZERS:
         raise ConfigError("optimizer", f"{optimizer_type} (muP) scales each parameter by its base shape, which the "
                           f"LoRA weights do not have: it cannot train adapter={adapter_cfg.name}",

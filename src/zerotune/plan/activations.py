@@ -75,7 +75,7 @@ class Trace:
 
 
 def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | dict | None = None) -> Trace:
+               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> Trace:
     """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape`
     ((channels, height, width): models.latent_shape), from this process's or the disk cache if it holds it.
 
@@ -94,7 +94,7 @@ def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
 
 
 def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-              gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | dict | None = None) -> str:
+              gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> str:
     """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
     its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
     adapter and its rank: `full` without one) and the torch version."""
@@ -132,7 +132,7 @@ def _write_cached(trace: Trace) -> Trace:
 
 
 def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | dict | None = None) -> Trace:
+           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | None = None) -> Trace:
     # Here, on a cache miss only: importing torch's MemTracker takes ~1 s, which every job start would pay.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
@@ -157,14 +157,15 @@ def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, pre
 
 
 def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
-                     adapter_cfg: Adapter | dict | None = None) -> torch.nn.Module:
+                     adapter_cfg: Adapter | None = None) -> torch.nn.Module:
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
     with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
     fields = model_cfg if isinstance(model_cfg, dict) else as_dict(model_cfg)
-    cfg = OmegaConf.create({**fields, "pretrained": None, "attention": attention})
+    # DictConfigs read as the schema's blocks (attribute access): the model without weights, the adapter's settings
+    cfg = cast(Model, OmegaConf.create({**fields, "pretrained": None, "attention": attention}))
     tuned = adapter.settings(adapter_cfg)
-    unet = adapter.add_adapter(build_unet(cfg), OmegaConf.create(tuned) if tuned else None)
+    unet = adapter.add_adapter(build_unet(cfg), cast(Adapter, OmegaConf.create(tuned)) if tuned else None)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin method
@@ -172,7 +173,7 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
 
 
 def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
-               adapter_cfg: Adapter | dict | None = None) -> torch.nn.Module:
+               adapter_cfg: Adapter | None = None) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
@@ -215,7 +216,7 @@ class MeasuredPeaks(NamedTuple):
 
 def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
                         gradient_checkpointing: bool, attention: str, precision: str = "fp32",
-                        adapter_cfg: Adapter | dict | None = None) -> MeasuredPeaks:
+                        adapter_cfg: Adapter | None = None) -> MeasuredPeaks:
     """The same step run for real on this CPU, its activation peak measured by the allocator: the check on
     trace_step, independent of MemTracker.
 

@@ -14,7 +14,7 @@ from zerotune.plan.host import largest_share, node_need_mib
 from zerotune.plan.predict import predict
 from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Plan
 from zerotune.schema import Config
 from zerotune.schema.job import Plan as PlanSettings
@@ -59,7 +59,7 @@ def check_plan_keys(plan: PlanSettings) -> None:
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None) -> dict:
+def job_plan(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).

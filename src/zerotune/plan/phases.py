@@ -23,14 +23,14 @@ from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
 from zerotune.plan.rules import state_mib, term, zero_stage
 from zerotune.plan.stages import rules_for
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
 
 _BASE = ("cuda_context", "cublas_workspace")
 
 
-def run_phases(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict) -> list[dict]:
+def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -> list[dict]:
     """One dict per phase: {"phase", "peak_mib" (its own peak, from an empty pool), "carried_mib" (reserved when
     it starts), "reserved_mib" (what nvidia-smi shows during it), "terms" (adding up to peak_mib), "source",
     "run_peak" (True for the phase that gives the run's peak)}, in run order. `plan`: predict.predict's answer."""
@@ -44,7 +44,7 @@ def run_phases(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict) ->
     return _carry([p for p in found if p is not None])
 
 
-def _loading(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def _loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
     """DeepSpeed's engine and ZeRO optimizer take the U-Net: each stage's own rule (stage0, zero12, zero3)."""
     return rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, base)
 
@@ -73,7 +73,7 @@ def _cache_device_is_gpu(cfg: Config, gpu: GPU | None) -> bool:
     return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
 
 
-def _caching(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
+def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
     """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
     if cfg.data.name != "folder" or not _cache_device_is_gpu(cfg, gpu):
@@ -103,7 +103,7 @@ def _caching(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base
             "end_live_mib": live}
 
 
-def _zero3_resident(checked: CheckedRun, plan: dict) -> list[dict]:
+def _zero3_resident(checked: ResolvedRun, plan: dict) -> list[dict]:
     """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
     if zero_stage(checked) != 3:
         return []
@@ -111,7 +111,7 @@ def _zero3_resident(checked: CheckedRun, plan: dict) -> list[dict]:
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
 
 
-def _adapter_injection(cfg: Config, checked: CheckedRun, plan: dict, base: list[dict]) -> dict | None:
+def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """ZeRO-3 with an adapter: right after the partitioned build, peft wraps its targets while they are gathered
     whole in the run's dtype (models/adapter.py gathered_targets). Freed after, but still reserved: nothing
     empties the cache until DeepSpeed's engine does."""
@@ -140,7 +140,7 @@ def _live_states(plan: dict) -> list[dict]:
     return [t for t in plan["gpu_terms"] if t["term"] in keep and t.get("moment", "persistent") == "persistent"]
 
 
-def _sampling(cfg: Config, checked: CheckedRun, plan: dict, base: list[dict]) -> dict | None:
+def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
     parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
     each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its

@@ -13,7 +13,7 @@ from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.rules import frozen_numels, term
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Adapter, Config, launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
@@ -25,7 +25,7 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+def predict(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
     """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
@@ -54,7 +54,7 @@ def predict(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, device: str 
     return _whole_run(cfg, checked, gpu, plan)
 
 
-def _whole_run(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
+def _whole_run(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
     """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
     if plan["device"] == "cpu":
@@ -98,7 +98,7 @@ _MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward
            "step:flatten": "step:flatten", "step:update": "step:update"}
 
 
-def _memory(cfg: Config, checked: CheckedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
+def _memory(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
             states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
     host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
     per_node = int(cfg.launch.num_processes)
@@ -137,7 +137,7 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
             "time_terms": time_terms}
 
 
-def _numels(checked: CheckedRun) -> tuple[list[int], list[int]]:
+def _numels(checked: ResolvedRun) -> tuple[list[int], list[int]]:
     """Every module parameter's size and the optimizer's, in unet.parameters() order (models.model_stats)."""
     stats = checked.model_stats
     return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
@@ -150,7 +150,7 @@ def _workload(cfg: Config, ds: dict, world: int, stage: int, offloaded: bool) ->
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
 
 
-def _adapter_words(adapter_cfg: Adapter | None, checked: CheckedRun) -> str:
+def _adapter_words(adapter_cfg: Adapter | None, checked: ResolvedRun) -> str:
     if adapter_cfg is None or adapter_cfg.name == "none":
         return ""
     stats = checked.model_stats
@@ -199,14 +199,14 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _host_terms(cfg: Config, checked: CheckedRun, states: dict) -> list[dict]:
+def _host_terms(cfg: Config, checked: ResolvedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         terms.append(term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
-def _host_peak(cfg: Config, checked: CheckedRun, terms: list[dict], stage: int, world: int,
+def _host_peak(cfg: Config, checked: ResolvedRun, terms: list[dict], stage: int, world: int,
                precision: str) -> tuple[float, dict]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init

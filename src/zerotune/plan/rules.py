@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.units import DTYPE_BYTES
 
@@ -157,7 +157,7 @@ def state_mib(plan: dict, name: str) -> float:
     return sum(t["mib"] for t in plan["gpu_terms"] if t["term"] == name)
 
 
-def zero_stage(checked: CheckedRun) -> int:
+def zero_stage(checked: ResolvedRun) -> int:
     return int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
 
 
@@ -173,7 +173,7 @@ def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
     return frozen
 
 
-def module_blocks(checked: CheckedRun, elem: int) -> tuple[list[int], list[int]]:
+def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]]:
     """(every parameter's bytes, the frozen ones'), in the run's dtype: module.to(device) gives each its own block."""
     stats = checked.model_stats
     numels = list(stats.param_numels)

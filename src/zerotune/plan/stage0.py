@@ -19,7 +19,7 @@ from zerotune.plan.rules import (
     states_record,
     term,
 )
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES
@@ -81,7 +81,7 @@ def step_transients(shape: StepShape) -> list[dict]:
                  "step:update")]
 
 
-def loading(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
     """Stage 0 / plain accelerate: the module cast and moved parameter by parameter (engine.py
     _configure_distributed_model: _cast_module_mixed_precision on the host, then module.to(device))."""
     sizes, _ = module_blocks(checked, DTYPE_BYTES[cfg.precision.name])

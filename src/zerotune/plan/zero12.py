@@ -21,7 +21,7 @@ from zerotune.plan.rules import (
     states_record,
     term,
 )
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Config, launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
@@ -145,7 +145,7 @@ def step_transients(shape: StepShape) -> list[dict]:
                  src + " (the gradients flattened" + (", then cast" if cast else "") + ")", "step:flatten")]
 
 
-def loading(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
     """ZeRO-1/2: the parameters arrive one block each (module.to); the optimizer flattens them into one buffer,
     on the GPU when NVML's free memory holds it (stage_1_and_2.py line 453, `flatten_on_accelerator`), else after
     moving them to the host and emptying the cache (line 462); the separate blocks are then freed

@@ -22,7 +22,7 @@ from zerotune.plan.rules import (
     states_record,
     term,
 )
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
@@ -149,7 +149,7 @@ def step_transients(shape: StepShape) -> list[dict]:
                  _SRC + "_prepare_fp32_grad_for_sub_group (the sub-group's fp32 gradient)", "step:update")]
 
 
-def loading(cfg: Config, checked: CheckedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
     """ZeRO-3: zero.Init builds each module on the GPU in fp32 and casts it (partition_parameters.py
     zero_wrapper_for_fp_tensor_constructor), then keeps this rank's partition; the optimizer moves the partitions
     to the host, empties the cache and copies them back as one flat buffer (runtime/zero/utils.py defragment,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
 from zerotune.files import jsonable, write_json_atomic, write_text_atomic
+from zerotune.schema import Config
 
 __all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
 
@@ -20,7 +20,7 @@ SUMMARY = "summary.json"
 SAMPLES = "samples"
 ATTEMPTS = "attempts"
 # What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
-_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "launch.json", "telemetry.png", "ranks")
+_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "launch.json", "resolved.json", "telemetry.png", "ranks")
 
 
 class RunDir:
@@ -56,9 +56,13 @@ class RunDir:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def write_config(self, cfg: Any) -> None:
-        if self.is_writer:
-            write_text_atomic(self.path / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+    def write_config(self, cfg: Config) -> None:
+        """config.yaml: the config the run resolved to, written once (a rerun's earlier one is archived first)."""
+        if not self.is_writer:
+            return
+        if (self.path / CONFIG).exists():
+            raise RuntimeError(f"{self.path / CONFIG} is written once per run, and it exists already")
+        write_text_atomic(self.path / CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
 
     def write_ds_config(self, ds: dict) -> None:
         if self.is_writer:

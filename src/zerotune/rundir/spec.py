@@ -21,8 +21,7 @@ class JobSpec:
     run_name: str = "default"             # from the overrides; W&B's run name
     group: str | None = None              # the sweep id under -m; W&B's group
     overrides: list[str] = field(default_factory=list)
-    from_parent: bool = False             # a zerotune parent checked this job and holds its checkpoint dir's lock
-    resume_verified: str | None = None    # the checkpoint folder the parent chose and checksummed
+    from_parent: bool = False             # a zerotune parent resolved this job and holds its checkpoint dir's lock
 
     def save(self) -> None:
         write_json_atomic(Path(self.run_dir) / SPEC_FILE, asdict(self))

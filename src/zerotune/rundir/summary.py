@@ -23,21 +23,22 @@ def key_choices(cfg: Any, world_size: int) -> dict:
             "resolution": cfg.resolution.size, "batch_size": cfg.train.batch_size,
             "grad_accum": cfg.train.grad_accum, "precision": cfg.precision.name, "model": cfg.model.name,
             "data": cfg.data.name, "gradient_checkpointing": cfg.train.gradient_checkpointing,
-            "world_size": world_size, "adapter": _adapter_choice(cfg.get("adapter"))}
+            "world_size": world_size, "adapter": _adapter_choice(cfg.adapter)}
 
 
 def _adapter_choice(adapter: Any) -> str:
     """none, or the adapter and its rank (lora-r16): what changes its size."""
-    name = adapter.get("name", "none") if adapter is not None else "none"
-    return name if name == "none" else f"{name}-r{adapter.get('rank')}"
+    name = adapter.name if adapter is not None else "none"
+    return name if name == "none" else f"{name}-r{adapter.rank}"
 
 
 def experiment_info(cfg: Any) -> dict | None:
     """An experiment's name and the reference figures it reproduces, for reports to compare against."""
-    ref = cfg.get("reference")
+    ref = cfg.reference
     if not ref:
         return None
-    return {"name": ref.get("name"), "reference": OmegaConf.to_container(ref, resolve=True)}
+    ref = dict(ref) if isinstance(ref, dict) else OmegaConf.to_container(ref, resolve=True)
+    return {"name": ref.get("name"), "reference": ref}
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume, Trial
 
@@ -26,12 +26,12 @@ SCHEMA_NAME = "zerotune_schema"
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroStage:
     stage: int = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class Offload:
     device: str = "none"                 # none | cpu | nvme
     params: Any = False                  # auto | true | false
@@ -42,7 +42,7 @@ class Offload:
     max_in_cpu: int = 1_000_000_000
 
 
-@dataclass
+@dataclass(frozen=True)
 class Optimizer:
     name: str = "adamw"
     lr: float = 1e-4
@@ -52,7 +52,7 @@ class Optimizer:
     momentum: Optional[float] = None     # musgd
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scheduler:
     name: str = "warmup"
     warmup_steps: int = 0
@@ -63,12 +63,12 @@ class Scheduler:
     div_factor: float = 25.0             # onecycle
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolution:
     size: int = 128
 
 
-@dataclass
+@dataclass(frozen=True)
 class Model:
     name: str = MISSING
     unet: dict[str, Any] = field(default_factory=dict)   # diffusers UNet2DConditionModel's arguments
@@ -89,7 +89,7 @@ class Model:
     tokenizer_2: Optional[str] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Data:
     name: str = MISSING                  # digits | synthetic | folder
     invert: bool = False                 # digits: ink and paper swapped (x -> 16 - x); others refuse it
@@ -106,7 +106,7 @@ class Data:
     cache_device: str = "auto"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Precision:
     name: str = "fp32"                   # fp32 | bf16 | fp16
     initial_scale_power: int = 16        # fp16's loss scaling (DeepSpeed's defaults)
@@ -115,7 +115,7 @@ class Precision:
     min_loss_scale: float = 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Logger:
     name: str = "none"                   # none | wandb
     project: str = "zerotune"
@@ -124,7 +124,7 @@ class Logger:
     tags: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Train:
     batch_size: int = 64
     grad_accum: int = 1
@@ -137,7 +137,7 @@ class Train:
     timeout_s: Optional[float] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Diffusion:
     num_train_timesteps: int = 1000
     beta_schedule: str = "scaled_linear"
@@ -147,7 +147,7 @@ class Diffusion:
     cond_dropout: float = 0.1
 
 
-@dataclass
+@dataclass(frozen=True)
 class Evaluate:
     enabled: bool = True
     per_class: int = 50
@@ -155,7 +155,7 @@ class Evaluate:
     guidance_scale: float = 3.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Adapter:
     name: str = "none"                   # none | lora
     rank: int = 16
@@ -165,7 +165,7 @@ class Adapter:
     init: str = "gaussian"               # gaussian | default
 
 
-@dataclass
+@dataclass(frozen=True)
 class Ema:
     enabled: bool = False
     decay: float = 0.999
@@ -173,7 +173,7 @@ class Ema:
     use_for_samples: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeepSpeed:
     enabled: Any = "auto"                # auto | true | false
     config_file: Optional[str] = None
@@ -187,12 +187,12 @@ class DeepSpeed:
     stage3_gather_16bit_weights_on_model_save: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Accelerate:
     config_file: Optional[str] = "auto"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     zero_stage: ZeroStage = field(default_factory=ZeroStage)
     offload: Offload = field(default_factory=Offload)
@@ -222,7 +222,7 @@ class Config:
     reference: Optional[dict[str, Any]] = field(default_factory=dict)
 
 
-def launch_world_size(launch: Any) -> int:
+def launch_world_size(launch: Launch) -> int:
     """The processes a job will start: per node x nodes. (A running rank reads its launcher's WORLD_SIZE
     instead: training.distributed.world_size.)"""
     return launch.num_processes * launch.nnodes
@@ -237,14 +237,38 @@ def as_dict(block: Any) -> dict[str, Any]:
     return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
 
 
+def structured() -> DictConfig:
+    """The schema as a config Hydra can compose into. The dataclasses are frozen (a resolved run's config is
+    never changed), which OmegaConf carries over as read-only nodes; composition must write into them
+    (defaults, then overrides), so the nodes are made writable here."""
+    node = OmegaConf.structured(Config)
+
+    def writable(container: DictConfig) -> None:
+        OmegaConf.set_readonly(container, None)
+        for key in container:
+            child = container._get_node(key)  # the node itself: reading it as a value would resolve it
+            if isinstance(child, DictConfig):
+                writable(child)
+
+    writable(node)
+    return node
+
+
 def register() -> None:
     """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=structured())
 
 
-def typed(cfg: Any) -> Any:
-    """A plain config (a run's config.yaml, read by a worker) with the schema's types again."""
-    return OmegaConf.merge(OmegaConf.structured(Config), cfg)
+def typed(cfg: DictConfig | dict[str, Any]) -> DictConfig:
+    """A plain config (a run's config.yaml) with the schema's types again, still a DictConfig."""
+    return OmegaConf.merge(structured(), cfg)  # type: ignore[return-value]
+
+
+def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
+    """The composed config (Hydra's DictConfig, or a plain mapping) as the schema's frozen dataclasses: what
+    every function past the command line is given. Interpolations are resolved here, once."""
+    node = cfg if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config else typed(cfg)
+    return OmegaConf.to_object(node)  # type: ignore[return-value]
 
 
 register()

@@ -10,7 +10,7 @@ from typing import Any, Optional
 # ruff: noqa: UP045
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checkpoint:
     every_n_steps: int = 0
     final: bool = True                   # a run that completes its steps saves its last one
@@ -19,7 +19,7 @@ class Checkpoint:
     on_signal: bool = False              # SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2: save before stopping
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     only: bool = False                   # predict the job's memory and time floor, train nothing
     gpu: Optional[str] = None            # the card to plan for (plan/gpus.py); null: the one present, if any
@@ -30,13 +30,13 @@ class Plan:
     guard: str = "refuse"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resume:
     path: Optional[str] = None           # `resume=<path>` on the command line is short for resume.path
     strict: bool = False                 # a damaged newest checkpoint: stop (true) or use the previous one
 
 
-@dataclass
+@dataclass(frozen=True)
 class Launch:
     num_processes: int = 1
     nnodes: int = 1
@@ -51,7 +51,7 @@ class Launch:
     threads: Any = "auto"                # auto | N: torch intra-op threads per worker (training/threads.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Debug:
     fail_at_step: Optional[int] = None
     fail_rank: Optional[int] = None
@@ -61,7 +61,7 @@ class Debug:
     host_alloc_mib: Optional[int] = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Trial:
     """What hydra/sweeper=tune sets on each of its jobs (zerotune/tune); null outside a tune sweep. The job
     reports its samples/s at each rung to the study's Optuna journal, which may stop it there (status pruned)."""
@@ -75,7 +75,7 @@ class Trial:
     max_steps: int = 36                  # timed steps of a trial that is never stopped
 
 
-@dataclass
+@dataclass(frozen=True)
 class Report:
     budget_mib: float = 24576
     metric: str = "gpu"

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.torch_extensions import link_torch_lib
 from zerotune.user_config.accelerate_config import absorbed_launch_environment
 
@@ -24,28 +24,28 @@ def mixed_precision(ds: dict) -> str:
     return "no"
 
 
-def make_accelerator(checked: CheckedRun, collective_timeout_s: float) -> Accelerator:
+def make_accelerator(run: ResolvedRun, collective_timeout_s: float) -> Accelerator:
     """collective_timeout_s: the process group's timeout, where accelerate creates the group (launch.*)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    ds = checked.ds_config
+    ds = run.ds_config
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))]
-    if checked.use_deepspeed:
+    if run.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
         link_torch_lib()  # before DeepSpeed loads its ops (torch under a path with a space)
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
             return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds), kwargs_handlers=handlers)
-    return Accelerator(mixed_precision=mixed_precision(ds), cpu=checked.platform.device_type == "cpu",
+    return Accelerator(mixed_precision=mixed_precision(ds), cpu=run.platform.device_type == "cpu",
                        gradient_accumulation_steps=ds["gradient_accumulation_steps"], kwargs_handlers=handlers)
 
 
-def zero3_init(accelerator: Accelerator, checked: CheckedRun):
+def zero3_init(accelerator: Accelerator, run: ResolvedRun):
     """At ZeRO-3, a `deepspeed.zero.Init` for building the U-Net, so each rank only ever holds its partition;
     else None. accelerate's `zero3_init_flag` decides (on at stage 3 unless ACCELERATE_DEEPSPEED_ZERO3_INIT says
     otherwise), the run's DeepSpeed dict sets the dtype (bf16, fp16 or fp32) and any parameter offload."""
-    plugin = accelerator.state.deepspeed_plugin if checked.use_deepspeed else None
+    plugin = accelerator.state.deepspeed_plugin if run.use_deepspeed else None
     if plugin is None or not plugin.is_zero3_init_enabled():
         return None
     import deepspeed
@@ -53,10 +53,10 @@ def zero3_init(accelerator: Accelerator, checked: CheckedRun):
     return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config)
 
 
-def optimizer_and_scheduler(checked: CheckedRun, params):
+def optimizer_and_scheduler(run: ResolvedRun, params):
     """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders); the plain path mirrors it."""
-    ds = checked.ds_config
-    if checked.use_deepspeed:
+    ds = run.ds_config
+    if run.use_deepspeed:
         from accelerate.utils import DummyOptim, DummyScheduler
 
         opt = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,11 +12,15 @@ from zerotune.models import adapter, build_unet
 from zerotune.quality import DigitClassifier, save_grid
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.sampling import sample_images
+from zerotune.schema import Config
+
+if TYPE_CHECKING:
+    from zerotune.training.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
-def evaluate_digits(trainer, cfg: Any, run_dir: RunDir) -> dict | None:
+def evaluate_digits(trainer: Trainer, cfg: Config, run_dir: RunDir) -> dict | None:
     """Accuracy of class-conditional samples, as judged by an SVC trained on the real digits."""
     use_ema = bool(cfg.ema.enabled and cfg.ema.use_for_samples)
     state = trainer.full_state_dict(use_ema)  # every rank: a collective under ZeRO-3
@@ -28,7 +32,7 @@ def evaluate_digits(trainer, cfg: Any, run_dir: RunDir) -> dict | None:
     unet.eval()
     ev = cfg.evaluate
     labels = torch.arange(10).repeat_interleave(int(ev.per_class))
-    images = sample_images(unet, dict(trainer.noise_schedule.config), labels, trainer.checked.input_shape,
+    images = sample_images(unet, dict(trainer.noise_schedule.config), labels, trainer.run.input_shape,
                            int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(cfg.train.seed),
                            cfg.diffusion.prediction_type)
     clf = DigitClassifier()

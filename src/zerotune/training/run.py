@@ -6,16 +6,19 @@ import logging
 import time
 import traceback
 from contextlib import ExitStack
-from typing import Any
+
+from omegaconf import DictConfig
 
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.loggers import make_logger
 from zerotune.loggers.base import NullLogger, RunLogger
 from zerotune.preflight import preflight
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
+from zerotune.schema import Config, to_config
 from zerotune.telemetry import environment_info, node_identity
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
@@ -29,33 +32,28 @@ from zerotune.training.trainer import Trainer
 log = logging.getLogger("zerotune")
 
 
-def train(cfg: Any, spec: JobSpec, startup: dict | None = None) -> dict:
-    """Train as `cfg` says, in `spec.run_dir`; returns the summary rank 0 writes there.
+def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> dict:
+    """Train the resolved `run` in `spec.run_dir`; returns the summary rank 0 writes there.
 
-    A ConfigError is re-raised after its summary is written: bad input never reaches model building.
     A stop signal ends training after the current step, with the summary's status "interrupted".
     """
     start = time.time()
     # telemetry/startup.py; `startup`: when this worker reached the job's gate and when it opened (launch/gate.py)
     marks = {"process_start": process_start_time(), **(startup or {}), "train_start": start}
     distributed.ensure_single_process_env()
-    rank = distributed.rank()
+    cfg, rank = run.config, distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
-    run_dir.write_config(cfg)
-    summary = _initial_summary(cfg, run_dir)
+    summary = _initial_summary(run, run_dir)
     logger: RunLogger = NullLogger()
     with StopSignals() as stop, ExitStack() as held:
         try:
-            checked = preflight(cfg, distributed.world_size(), overrides=spec.overrides, run_dir=spec.run_dir,
-                                verified_resume=spec.resume_verified)
-            _record_checked(cfg, checked, run_dir, summary)
             summary["threads"] = apply_threads(cfg.launch)
             if not spec.from_parent and rank == 0:  # under torchrun & co. no zerotune parent holds it
                 held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
-            # After preflight: W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
+            # W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
-            distributed.init_accelerate_state(checked.use_deepspeed, cfg.launch.collective_timeout_s)
-            _train_and_evaluate(cfg, checked, run_dir, logger, stop, summary, marks)
+            distributed.init_accelerate_state(run.use_deepspeed, cfg.launch.collective_timeout_s)
+            _train_and_evaluate(run, run_dir, logger, stop, summary, marks)
             summary["status"] = "interrupted" if "interrupted" in summary else "pruned" if "pruned" in summary else "ok"
             return summary
         except ConfigError as exc:
@@ -71,10 +69,60 @@ def train(cfg: Any, spec: JobSpec, startup: dict | None = None) -> dict:
             _close(summary, run_dir, logger, marks)
 
 
-def _initial_summary(cfg: Any, run_dir: RunDir) -> dict:
-    """What the summary says before training: failed until it is known otherwise."""
+def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> dict:
+    """Under torchrun / `accelerate launch` / `deepspeed` / `srun` with no zerotune parent, every rank runs
+    this: rank 0 resolves the run (and writes config.yaml, ds_config.json, resolved.json), the other ranks
+    receive it, and all train it. A refusal is recorded in summary.json and raised on every rank."""
+    try:
+        run = _resolved_by_rank0(cfg, spec)
+    except ConfigError as exc:
+        if distributed.rank() == 0:
+            record_refusal(cfg, spec, exc)
+        raise
+    return train(run, spec)
+
+
+def _resolved_by_rank0(cfg: DictConfig, spec: JobSpec) -> ResolvedRun:
+    run: ResolvedRun | None = None
+    error: ConfigError | None = None
+    if distributed.rank() == 0:
+        try:
+            run = preflight(cfg, distributed.world_size(), overrides=spec.overrides, run_dir=spec.run_dir)
+        except ConfigError as exc:
+            error = exc
+        else:
+            run_dir = RunDir(spec.run_dir)
+            run_dir.write_config(run.config)
+            run_dir.write_ds_config(run.ds_config)
+            run.save(spec.run_dir)
+    if distributed.world_size() > 1:
+        run, error = distributed.broadcast_object((run, error))
+    if error is not None:
+        raise error
+    assert run is not None
+    return run
+
+
+def record_refusal(cfg: DictConfig, spec: JobSpec, exc: ConfigError) -> None:
+    """What rank 0 writes for a run refused before training: config.yaml as composed, and the error."""
+    run_dir, composed = RunDir(spec.run_dir), to_config(cfg)
+    run_dir.write_config(composed)
+    run_dir.write_summary({"status": "failed", "choices": key_choices(composed, distributed.world_size()),
+                           "run_dir": str(run_dir.path), "experiment": experiment_info(composed),
+                           "previous_attempts": run_dir.previous_attempts(),
+                           "error": {"type": "ConfigError", "key": exc.key, "message": str(exc)},
+                           "env": environment_info()})
+
+
+def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> dict:
+    """What the summary says before training: failed until it is known otherwise; and what the resolution
+    settled: the summary's choices and sources."""
+    cfg, stats = run.config, run.model_stats
     return {"status": "failed", "choices": key_choices(cfg, distributed.world_size()), "run_dir": str(run_dir.path),
-            "experiment": experiment_info(cfg), "previous_attempts": run_dir.previous_attempts()}
+            "experiment": experiment_info(cfg), "previous_attempts": run_dir.previous_attempts(),
+            "config_sources": run.config_sources, "config_warnings": list(run.config_warnings),
+            "use_deepspeed": run.use_deepspeed, "num_params": stats.num_params,
+            "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen}
 
 
 def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
@@ -90,18 +138,6 @@ def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
     _finish_logger(logger, summary, run_dir)
 
 
-def _record_checked(cfg: Any, checked, run_dir: RunDir, summary: dict) -> None:
-    """What preflight settled, written before training: the effective config (the user's files folded in),
-    the DeepSpeed dict, and the summary's choices and sources."""
-    run_dir.write_config(cfg)
-    run_dir.write_ds_config(checked.ds_config)
-    summary.update({"choices": key_choices(cfg, distributed.world_size()), "config_sources": checked.config_sources,
-                    "config_warnings": checked.config_warnings,
-                    "use_deepspeed": checked.use_deepspeed, "num_params": checked.model_stats.num_params,
-                    "trainable_params": checked.model_stats.num_trainable,
-                    "frozen_params": checked.model_stats.num_frozen})
-
-
 def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
     images = [p for p in (run_dir.file("samples/grid.png"), run_dir.file("telemetry.png")) if p.is_file()]
     if images:
@@ -110,17 +146,17 @@ def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
     logger.finish(0 if summary["status"] == "ok" else 1)
 
 
-def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSignals, summary: dict,
+def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, stop: StopSignals, summary: dict,
                         marks: dict) -> None:
     """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
     through is there even when it fails)."""
-    nvme = cfg.offload.path if cfg.offload.device == "nvme" else None
+    cfg = run.config
     out: dict = {}
     # perf.startup_s leaves out the wait at the job's gate: a cold op build there is reported apart (startup.*),
     # so the first job of a sweep does not look slower than the next.
-    with RunTelemetry(nvme_dir=nvme, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
+    with RunTelemetry(nvme_dir=run.nvme_dir, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
         telemetry.phases.begin("loading")
-        trainer = Trainer(cfg, checked, run_dir, logger, phases=telemetry.phases)
+        trainer = Trainer(run, run_dir, logger, phases=telemetry.phases)
         marks["ready"] = time.time()
         telemetry.timer.synchronize = _device_sync(trainer)
         telemetry.phases.begin("step")
@@ -150,7 +186,7 @@ def _train_and_evaluate(cfg: Any, checked, run_dir: RunDir, logger, stop: StopSi
     summary.update(out)
 
 
-def _evaluate(trainer: Trainer, cfg: Any, run_dir: RunDir, phases, out: dict) -> None:
+def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases, out: dict) -> None:
     # Imported when evaluating only: it brings scikit-learn's classifier.
     from zerotune.training.evaluate import evaluate_digits
 

@@ -72,7 +72,7 @@ class TrialRungs:
 
 def trial_rungs(trial: Any, is_main: bool) -> TrialRungs | None:
     """The job's rungs when it is a tune trial (trial.storage set), else None."""
-    return TrialRungs(trial, is_main) if trial is not None and trial.get("storage") else None
+    return TrialRungs(trial, is_main) if trial is not None and trial.storage else None
 
 
 def _open_trial(trial: Any):

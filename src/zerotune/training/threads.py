@@ -50,7 +50,7 @@ def apply_threads(launch: Any) -> dict:
     import torch
 
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    threads, rule = choose_threads(launch.get("threads", "auto"), available_cores(), local_workers,
+    threads, rule = choose_threads(launch.threads, available_cores(), local_workers,
                                    os.environ.get("OMP_NUM_THREADS"))
     torch.set_num_threads(threads)
     log.info("torch intra-op threads: %d (%s)", threads, rule)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch
 from accelerate.utils import set_seed
@@ -16,7 +15,7 @@ from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
 from zerotune.models import adapter, build_unet, conditioning
 from zerotune.pause_hook import pause
-from zerotune.preflight import CheckedRun
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
 from zerotune.training import checkpoint as ckpt
 from zerotune.training import distributed, faults
@@ -31,15 +30,16 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: Any, checked: CheckedRun, run_dir: RunDir, logger: RunLogger, phases=None):
+    def __init__(self, run: ResolvedRun, run_dir: RunDir, logger: RunLogger, phases=None):
         """`phases`: the run's PhaseTimeline (telemetry/phases.py), told when data=folder's caching starts."""
-        self.cfg, self.checked, self.run_dir, self.logger = cfg, checked, run_dir, logger
+        self.run, self.run_dir, self.logger = run, run_dir, logger
+        self.cfg = cfg = run.config
         self._phases = phases
-        ds = checked.ds_config
+        ds = run.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
-        self.resume_decision = checked.resume  # found, checked and judged in preflight
-        self.accelerator = make_accelerator(checked, cfg.launch.collective_timeout_s)
+        self.resume_decision = run.resume  # found, checked and judged in preflight
+        self.accelerator = make_accelerator(run, cfg.launch.collective_timeout_s)
         self._clean_stale_swap()
         seed = cfg.train.seed
         set_seed(seed)
@@ -68,7 +68,7 @@ class Trainer:
     def _prepare(self, seed: int) -> None:
         """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
         # ZeRO-3: built partitioned (zero.Init), from the same seeded RNG stream as the other stages' plain build.
-        unet = build_unet(self.cfg.model, zero_init=zero3_init(self.accelerator, self.checked))
+        unet = build_unet(self.cfg.model, zero_init=zero3_init(self.accelerator, self.run))
         unet = adapter.add_adapter(unet, self.cfg.adapter)  # adapter=none: unchanged
         if self.cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
@@ -79,7 +79,7 @@ class Trainer:
         if caching:
             self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
-        opt, sched = optimizer_and_scheduler(self.checked, adapter.trainable_parameters(unet))
+        opt, sched = optimizer_and_scheduler(self.run, adapter.trainable_parameters(unet))
         pause("engine_build")
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
@@ -101,11 +101,11 @@ class Trainer:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.checked.ds_config["zero_optimization"]["stage"]) if self.checked.use_deepspeed else 0
+        return self.run.zero_stage
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
-        inner = getattr(self.unet, "basic_optimizer", None) if self.checked.use_deepspeed else None
+        inner = getattr(self.unet, "basic_optimizer", None) if self.run.use_deepspeed else None
         inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
@@ -157,7 +157,7 @@ class Trainer:
         self.batches_in_epoch = self._skip
 
     def _meta(self, world_size: int) -> dict:
-        return checkpoints.current_meta(self.cfg, self.checked.ds_config, self.checked.use_deepspeed, world_size)
+        return checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, world_size)
 
     def _restore(self, decision: checkpoints.ResumeDecision) -> None:
         raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
@@ -167,7 +167,7 @@ class Trainer:
             self.ema.load_state_dict(restored.ema_state)
 
     def raw_scheduler(self):
-        if self.checked.use_deepspeed:
+        if self.run.use_deepspeed:
             return getattr(self.unet, "lr_scheduler", None)
         return getattr(self.scheduler, "scheduler", self.scheduler)
 
@@ -184,7 +184,7 @@ class Trainer:
             root=self.saves.root, step=self.step, meta=self._meta(self.accelerator.num_processes),
             position_state=self.position_state(), unet=self._module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones
-            size_estimate=self.checked.model_stats.num_params * 4 + self.checked.model_stats.num_trainable * 8,
+            size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             keep_last=self.cfg.checkpoint.keep_last))
 
@@ -248,7 +248,7 @@ class Trainer:
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = faults.step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
-        rungs = trial_rungs(self.cfg.get("trial"), self.accelerator.is_main_process)  # a tune trial's, else None
+        rungs = trial_rungs(self.cfg.trial, self.accelerator.is_main_process)  # a tune trial's, else None
         try:
             while self.step < max_steps:
                 self.stopped_by = stop.agreed(self.accelerator.device)

@@ -11,6 +11,7 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.rundir.plan import Plan
+from zerotune.schema import Config, as_dict
 from zerotune.tune.space import Candidate
 
 KEPT, INVALID, NO_FIT, SAME, SLOWER = "kept", "invalid", "predicted_oom", "duplicate", "dominated"
@@ -38,14 +39,13 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
     for number, candidate in enumerate(found):
         overrides = [*workload, *candidate.overrides()]
         try:
-            cfg = compose(overrides)
-            checked = preflight(cfg, overrides=overrides)
-            gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(cfg)
-            plan = Plan.from_dict(job_plan(cfg, checked, gpu)) or Plan()
+            run = preflight(compose(overrides), overrides=overrides)
+            gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
+            plan = Plan.from_dict(job_plan(run.config, run, gpu)) or Plan()
         except ConfigError as exc:
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
-        same = runs.setdefault(_run_key(cfg), number)
+        same = runs.setdefault(_run_key(run.config), number)
         problems = [] if "error" in plan else _problems(plan, gpu_name)
         verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
                            (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.error or ""))
@@ -81,11 +81,9 @@ def _problems(plan: Plan, gpu_name: str | None) -> list[str]:
     return memory_problems(plan)
 
 
-def _run_key(cfg: Any) -> str:
-    """Two candidates that compose to the same config (zero_stage=2 and zero_stage='2') are one run."""
-    from omegaconf import OmegaConf
-
-    return json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+def _run_key(cfg: Config) -> str:
+    """Two candidates that resolve to the same config (zero_stage=2 and zero_stage='2') are one run."""
+    return json.dumps(as_dict(cfg), sort_keys=True, default=str)
 
 
 def _plan_view(plan: Plan) -> dict:

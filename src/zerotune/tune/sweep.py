@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
+
 from zerotune.cli.overrides import as_typed
 from zerotune.tune import report
 from zerotune.tune.report import Outcome
@@ -51,7 +53,7 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     return outcome
 
 
-def _composed_global_batch(cfg: Any) -> int:
+def _composed_global_batch(cfg: DictConfig) -> int:
     return int(cfg.train.batch_size) * int(cfg.train.grad_accum) * int(cfg.launch.num_processes) * \
         int(cfg.launch.nnodes)
 

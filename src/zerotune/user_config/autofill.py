@@ -16,11 +16,12 @@ from zerotune.ds_config.builder import bucket_size, optimizer_block
 from zerotune.ds_config.schedulers import derived_params
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
+from zerotune.schema import Config
 
 AUTO = "auto"
 
 
-def fill(ds: dict, cfg: Any, stats: ModelStats, batch: Batch, source: str) -> dict:
+def fill(ds: dict, cfg: Config, stats: ModelStats, batch: Batch, source: str) -> dict:
     """`ds` with every "auto" replaced; `source` names the file in errors."""
     ds = dict(ds)
     top = {"train_batch_size": batch.total, "train_micro_batch_size_per_gpu": batch.micro,
@@ -43,13 +44,13 @@ def fill(ds: dict, cfg: Any, stats: ModelStats, batch: Batch, source: str) -> di
     return ds
 
 
-def _zero(zero: dict, cfg: Any, stats: ModelStats) -> dict:
+def _zero(zero: dict, cfg: Config, stats: ModelStats) -> dict:
     zero = dict(zero)
     knobs = cfg.deepspeed
     values = {"stage": cfg.zero_stage.stage,
               "stage3_param_persistence_threshold": int(knobs.stage3_param_persistence_threshold),
               "stage3_gather_16bit_weights_on_model_save":
-                  bool(knobs.get("stage3_gather_16bit_weights_on_model_save", True))}
+                  bool(knobs.stage3_gather_16bit_weights_on_model_save)}
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         values[key] = bucket_size(knobs, key, stats)
     for key, value in values.items():

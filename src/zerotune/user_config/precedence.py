@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.errors import ConfigError
@@ -121,9 +121,10 @@ def pinned_by(typed: dict[str, str], key: str) -> str | None:
     return None
 
 
-def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None = None,
+def resolve(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
             environ: dict | None = None, quiet: bool = False) -> UserConfig:
-    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg`, in place; return what was used.
+    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg` (settle's own copy of the composed
+    config), in place; return what was used.
     `quiet`: the file's warnings are only recorded (a later resolve of the same files says them)."""
     user = UserConfig(typed=typed_keys(list(overrides)))
     applied: dict[str, Setting] = {}
@@ -145,7 +146,7 @@ def resolve(cfg: Any, overrides: list[str] | tuple = (), world_size: int | None 
     return user
 
 
-def _apply(cfg: Any, s: Setting, applied: dict[str, Setting], user: UserConfig) -> None:
+def _apply(cfg: DictConfig, s: Setting, applied: dict[str, Setting], user: UserConfig) -> None:
     if s.key == "precision.not":  # a file says "fp16.enabled: false"
         if cfg.precision.name != s.value:
             return
@@ -180,7 +181,7 @@ def _same(key: str, a: Any, b: Any) -> bool:
     return a == b
 
 
-def _settle_batch(cfg: Any, user: UserConfig, world: int) -> None:
+def _settle_batch(cfg: DictConfig, user: UserConfig, world: int) -> None:
     ds = user.deepspeed or {}
     name = Path(user.deepspeed_path).name if user.deepspeed_path else None
 

@@ -1,0 +1,78 @@
+"""A run, resolved once: everything a training process needs to know, frozen.
+
+The job's parent (or rank 0, under torchrun / `accelerate launch` / `srun` without a zerotune parent) builds
+it in preflight, from the composed config and the user's files, and writes it to the run directory once;
+every worker reads it back and never folds a file or runs a check again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zerotune.checkpoints import ResumeDecision
+from zerotune.files import write_json_atomic
+from zerotune.models import ModelStats
+from zerotune.platform import Platform
+from zerotune.schema import Config, as_dict, to_config
+
+RESOLVED_FILE = "resolved.json"
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    config: Config                # the schema's frozen dataclasses, the user's files folded in
+    ds_config: dict[str, Any]     # validated; what DeepSpeed (or the plain path) is given
+    use_deepspeed: bool           # False: plain accelerate, stage 0 only
+    model_stats: ModelStats
+    input_shape: tuple[int, int, int]
+    platform: Platform
+    world_size: int
+    config_sources: dict[str, Any] = field(default_factory=dict)  # where each value came from, config folders
+    config_warnings: tuple[str, ...] = ()  # the DeepSpeed file's keys left out or translated
+    resume: ResumeDecision | None = None  # the checkpoint to continue (checked), and how
+    plan: dict[str, Any] | None = None    # the planner's prediction, as summary.json's "plan" holds it
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage that runs: the DeepSpeed dict's; 0 on the plain accelerate path, whatever zero_stage says."""
+        return int(self.ds_config["zero_optimization"]["stage"]) if self.use_deepspeed else 0
+
+    @property
+    def nvme_dir(self) -> str | None:
+        """The folder DeepSpeed swaps to, when offloading to NVMe."""
+        offload = self.config.offload
+        return offload.path if offload.device == "nvme" else None
+
+    def to_json(self) -> dict[str, Any]:
+        resume = None if self.resume is None else {**asdict(self.resume), "path": str(self.resume.path)}
+        return {"config": as_dict(self.config), "ds_config": self.ds_config, "use_deepspeed": self.use_deepspeed,
+                "model_stats": asdict(self.model_stats), "input_shape": list(self.input_shape),
+                "platform": asdict(self.platform), "world_size": self.world_size,
+                "config_sources": self.config_sources, "config_warnings": list(self.config_warnings),
+                "resume": resume, "plan": self.plan}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ResolvedRun:
+        stats = data["model_stats"]
+        resume = data["resume"]
+        return cls(config=to_config(data["config"]), ds_config=data["ds_config"],
+                   use_deepspeed=bool(data["use_deepspeed"]),
+                   model_stats=ModelStats(**{**stats, "param_numels": tuple(stats["param_numels"]),
+                                             "trainable_numels": tuple(stats["trainable_numels"])}),
+                   input_shape=tuple(data["input_shape"]),  # type: ignore[arg-type]
+                   platform=Platform(**data["platform"]), world_size=int(data["world_size"]),
+                   config_sources=data["config_sources"], config_warnings=tuple(data["config_warnings"]),
+                   resume=None if resume is None else ResumeDecision(
+                       path=Path(resume["path"]), mode=resume["mode"], meta=resume["meta"],
+                       changed={k: tuple(v) for k, v in resume["changed"].items()}),
+                   plan=data["plan"])
+
+    def save(self, run_dir: str | Path) -> None:
+        write_json_atomic(Path(run_dir) / RESOLVED_FILE, self.to_json())
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> ResolvedRun:
+        return cls.from_json(json.loads((Path(run_dir) / RESOLVED_FILE).read_text()))
