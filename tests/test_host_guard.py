@@ -21,9 +21,9 @@ from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from tests.helpers.fixes import check_fix
 from tests.test_faults import steps_logged, wait_for, workers_of
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.launch import planning
 from zerotune.launch.elastic import LaunchResult
 from zerotune.launch.records import host_oom_error
+from zerotune.plan import guard as planning
 from zerotune.plan.host import node_need_mib
 from zerotune.platform import Platform
 from zerotune.report import collect, plots

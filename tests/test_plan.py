@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import read_summary, run_cli
 from zerotune.errors import ConfigError
-from zerotune.launch import planning
 from zerotune.plan import allocator, gpus, recommend
+from zerotune.plan import guard as planning
 
 MIB = 2**20
 

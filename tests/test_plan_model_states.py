@@ -19,15 +19,10 @@ import pytest
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
 from tests.helpers.cli import ROOT, compose_cfg
 from zerotune.models import _from_config, model_stats
-from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
-from zerotune.plan.model_states import (
-    deepspeed_buffer_bytes,
-    model_state_bytes,
-    param_numels,
-    stage3_partition_numel,
-    stage3_sub_groups,
-    zero12_flat,
-)
+from zerotune.plan.buffers import buffer_terms, deepspeed_buffer_bytes, gpu_buffer_bytes, host_buffer_bytes
+from zerotune.plan.model_states import model_state_bytes, param_numels
+from zerotune.plan.zero3 import stage3_partition_numel, stage3_sub_groups
+from zerotune.plan.zero12 import zero12_flat
 
 ODD = [3, 5, 7]  # 15 elements: padded to 16 at world 2 (stages 1-2), to 2+3+4 per rank at stage 3
 TREE = Path(os.environ.get("ZEROTUNE_ENGINE_TREE", ROOT))

@@ -181,7 +181,7 @@ def predict(overrides: list[str]) -> dict | None:
     records it in summary.json as plan.*) does not run."""
     from zerotune.cli.plan import plan_one
     from zerotune.errors import ConfigError
-    from zerotune.launch.planning import present_gpu
+    from zerotune.plan.guard import present_gpu
 
     try:
         return plan_one(overrides, present_gpu())

@@ -10,7 +10,7 @@ from typing import Any
 from zerotune.builder import form
 from zerotune.cli.plan import plan_all, plan_one
 from zerotune.plan import gpus
-from zerotune.plan.step_peak import terms_at_peak
+from zerotune.rundir.plan import Plan, Term
 
 # One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
 TRACE_LOCK = threading.Lock()
@@ -39,16 +39,18 @@ def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_n
     gpu = card(gpu_name, gpu_mib)
     overrides = form.overrides(choices, values, extra)
     plan = plan_job(overrides, gpu)
+    typed = Plan.from_dict(plan) or Plan()
     # the bar is the step at its largest moment: what it holds throughout and that moment's own terms
-    at_peak = terms_at_peak(plan["gpu_terms"], plan["step_peak_moment"])
-    return {**plan, "bar": bar(at_peak), "phase_marks": phase_marks(plan)}
+    return {**plan, "bar": bar(typed.terms_at_peak()), "phase_marks": phase_marks(typed)}
 
 
-def phase_marks(plan: dict) -> list[dict]:
+def phase_marks(plan: Plan | dict) -> list[dict]:
     """One mark per phase of the run on the bar, when the plan has them (plan/phases.py): what nvidia-smi shows
     during it (reserved_mib) and whether it is the run's peak; [] without phases."""
+    if not isinstance(plan, Plan):
+        plan = Plan.from_dict(plan) or Plan()
     return [{"phase": str(p["phase"]), "mib": float(p["reserved_mib"]), "own_peak_mib": float(p["peak_mib"]),
-             "run_peak": bool(p.get("run_peak"))} for p in plan.get("phases") or []]
+             "run_peak": bool(p.get("run_peak"))} for p in plan.phases]
 
 
 def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
@@ -65,16 +67,16 @@ def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], 
     return answer
 
 
-def bar(terms: list[dict]) -> list[dict]:
+def bar(terms: list[Term]) -> list[dict]:
     """The GPU terms summed per segment; a DeepSpeed buffer counts with the gradients and buckets."""
     segments = {name: {"segment": name, "mib": 0.0, "terms": []} for name in CATEGORIES}
     for term in terms:
-        name = next((seg for seg, members in CATEGORIES.items() if term["term"] in members),
-                    "gradients and buckets" if term["term"].startswith("deepspeed:") else None)
+        name = next((seg for seg, members in CATEGORIES.items() if term.term in members),
+                    "gradients and buckets" if term.term.startswith("deepspeed:") else None)
         if name is None:
-            raise KeyError(f"planner term {term['term']!r} has no segment in the builder's bar")
-        segments[name]["mib"] += term["mib"]
-        segments[name]["terms"].append(term["term"])
+            raise KeyError(f"planner term {term.term!r} has no segment in the builder's bar")
+        segments[name]["mib"] += term.mib or 0.0
+        segments[name]["terms"].append(term.term)
     return list(segments.values())
 
 

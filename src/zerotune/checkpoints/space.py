@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from zerotune.checkpoints.layout import folder_bytes, latest
+from zerotune.units import MIB
 
-MIB = 2**20
 _MARGIN = 1.05  # sizes vary a little from save to save (pickled RNG states, metadata)
 _FULL_BELOW = 16 * MIB  # free space this low after a failed write: the disk filled up
 

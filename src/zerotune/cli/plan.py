@@ -25,6 +25,7 @@ from zerotune.plan.predict import predict
 from zerotune.platform import ANY_CUDA_GPU, Platform
 from zerotune.preflight import preflight
 from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import Plan
 from zerotune.schema import Config
 from zerotune.user_config.precedence import pinned_by, typed_keys
 
@@ -121,7 +122,7 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[st
         except ConfigError as exc:
             rows.append(recommend.Row(stage, offload, checkpointing, None, refused=str(exc).splitlines()[0]))
     # The options vary stage, offload and checkpointing only: every one plans the same micro batch.
-    batch = next((r.plan["micro_batch"] for r in rows if r.plan and "micro_batch" in r.plan), None)
+    batch = next((p.micro_batch for r in rows if (p := Plan.from_dict(r.plan)) and "micro_batch" in p), None)
     return {**recommend.rank(rows, gpu), "micro_batch": batch}
 
 

@@ -15,8 +15,7 @@ from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
 from zerotune.launch import ext_lock
-
-MIB = 2**20
+from zerotune.units import MIB
 
 
 def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) -> Check:

@@ -128,7 +128,7 @@ def _start_checks(settled: Settled, spec: JobSpec, run_dir: RunDir, gate: Gate, 
 
 def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> dict:
     """plan.only=true: the checks and the prediction, no training; summary.json says "planned"."""
-    from zerotune.launch import planning
+    from zerotune.plan import guard as planning
     from zerotune.preflight import check
 
     config = settled.config

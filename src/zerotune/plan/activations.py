@@ -31,7 +31,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, build_unet, conditioning, unet_config
-from zerotune.schema import as_dict
+from zerotune.schema import Adapter, Model, as_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
@@ -74,8 +74,8 @@ class Trace:
     key: str
 
 
-def trace_step(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-               gradient_checkpointing: bool, attention: str, adapter_cfg: Any = None) -> Trace:
+def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
+               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> Trace:
     """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape`
     ((channels, height, width): models.latent_shape), from this process's or the disk cache if it holds it.
 
@@ -84,27 +84,28 @@ def trace_step(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, p
     """
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
-    fields = adapter.settings(adapter_cfg)
-    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, fields)
+    # The run's own adapter block all the way down: each step reads its settings from it.
+    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg)
     if key not in _TRACES:
         _TRACES[key] = _read_cached(key) or _write_cached(
-            _trace(model_cfg, tuple(latent_shape), batch, precision, gradient_checkpointing, attention, key, fields))
+            _trace(model_cfg, cast("tuple[int, int, int]", tuple(latent_shape)), batch, precision,
+                   gradient_checkpointing, attention, key, adapter_cfg))
     return _TRACES[key]
 
 
-def trace_key(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-              gradient_checkpointing: bool, attention: str, adapter_cfg: Any = None) -> str:
+def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
+              gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> str:
     """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
     its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
     adapter and its rank: `full` without one) and the torch version."""
     fields = adapter.settings(adapter_cfg)
-    model = {"unet": unet_config(model_cfg), "conditioning": getattr(model_cfg, "conditioning", None),
-             "text_seq_len": getattr(model_cfg, "text_seq_len", None), "prediction_type": getattr(model_cfg, "prediction_type", None),
+    model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.conditioning,
+             "text_seq_len": model_cfg.text_seq_len, "prediction_type": model_cfg.prediction_type,
              "adapter": fields}
     digest = hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()[:12]
     shape = "x".join(str(int(n)) for n in latent_shape)
     tuned = f"{fields['name']}-r{fields.get('rank')}" if fields else "full"
-    key = (f"{getattr(model_cfg, 'name', 'model')}-{digest}-{shape}-b{int(batch)}-{precision}-"
+    key = (f"{model_cfg.name}-{digest}-{shape}-b{int(batch)}-{precision}-"
            f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-{tuned}-torch{torch.__version__}-v{TRACE_FORMAT}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
 
@@ -130,8 +131,8 @@ def _write_cached(trace: Trace) -> Trace:
     return trace
 
 
-def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, precision: str,
-           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: dict | None = None) -> Trace:
+def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
+           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | None = None) -> Trace:
     # Here, on a cache miss only: importing torch's MemTracker takes ~1 s, which every job start would pay.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
@@ -155,56 +156,57 @@ def _trace(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, preci
                  seconds=round(time.perf_counter() - start, 3), key=key)
 
 
-def _unet_as_trained(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str,
-                     adapter_cfg: Any = None):
+def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
+                     adapter_cfg: Adapter | None = None) -> torch.nn.Module:
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
     with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
     fields = model_cfg if isinstance(model_cfg, dict) else as_dict(model_cfg)
-    cfg = OmegaConf.create({**fields, "pretrained": None, "attention": attention})
+    # DictConfigs read as the schema's blocks (attribute access): the model without weights, the adapter's settings
+    cfg = cast(Model, OmegaConf.create({**fields, "pretrained": None, "attention": attention}))
     tuned = adapter.settings(adapter_cfg)
-    unet = adapter.add_adapter(build_unet(cfg), OmegaConf.create(tuned) if tuned else None)
+    unet = adapter.add_adapter(build_unet(cfg), cast(Adapter, OmegaConf.create(tuned)) if tuned else None)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
+        unet.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin method
     return unet.train()
 
 
-def _meta_unet(model_cfg: Any, precision: str, gradient_checkpointing: bool, attention: str,
-               adapter_cfg: Any = None):
+def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
+               adapter_cfg: Adapter | None = None) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
         return _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
 
 
-def _inputs(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
+def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
     """One micro batch as the trainer hands it to diffusion_loss: float tensors in the training dtype
     (Trainer._to_device), the conditioning of the model's kind (data/synthetic.py's shapes)."""
     unet = unet_config(model_cfg)
     x0 = torch.randn(batch, *latent_shape, dtype=dtype)
     drawn = {"x0": x0, "noise": torch.randn_like(x0), "timesteps": torch.randint(0, 1000, (batch,))}
     if model_cfg.conditioning == "class":
-        cond = {"class_labels": torch.randint(int(getattr(model_cfg, "num_classes", 10)), (batch,))}
+        cond = {"class_labels": torch.randint(int(model_cfg.num_classes), (batch,))}
     else:
         pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
-        seq = int(getattr(model_cfg, "text_seq_len", 77))
+        seq = int(model_cfg.text_seq_len)
         cond = {"encoder_hidden_states": torch.randn(batch, seq, int(unet["cross_attention_dim"]), dtype=dtype),
                 "text_embeds": torch.randn(batch, pooled, dtype=dtype),
                 "time_ids": torch.randn(batch, 6, dtype=dtype)}
     return {**drawn, "cond": conditioning.unet_kwargs(model_cfg.conditioning, cond)}
 
 
-def _loss(unet, model_cfg: Any, inputs: dict) -> torch.Tensor:
+def _loss(unet: torch.nn.Module, model_cfg: Model, inputs: dict) -> torch.Tensor:
     from diffusers import DDPMScheduler
 
     from zerotune.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
 
     # A fresh scheduler: add_noise caches its tables on the device of the samples it last saw.
-    sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(getattr(model_cfg, "prediction_type", "epsilon")))
+    sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(model_cfg.prediction_type))
     x0 = inputs["x0"]
-    return diffusion_loss(unet, x0, inputs["cond"], sched, None, x0.dtype, noise=inputs["noise"],
-                          timesteps=inputs["timesteps"])
+    return diffusion_loss(unet, x0, inputs["cond"], sched, None,  # type: ignore[arg-type]  # noise given: no generator
+                          x0.dtype, noise=inputs["noise"], timesteps=inputs["timesteps"])
 
 
 class MeasuredPeaks(NamedTuple):
@@ -212,9 +214,9 @@ class MeasuredPeaks(NamedTuple):
     with_workspaces: int   # every allocation counted, kernels' internal scratch buffers included
 
 
-def measure_step_on_cpu(model_cfg: Any, latent_shape: tuple[int, int, int], batch: int,
+def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
                         gradient_checkpointing: bool, attention: str, precision: str = "fp32",
-                        adapter_cfg: Any = None) -> MeasuredPeaks:
+                        adapter_cfg: Adapter | None = None) -> MeasuredPeaks:
     """The same step run for real on this CPU, its activation peak measured by the allocator: the check on
     trace_step, independent of MemTracker.
 

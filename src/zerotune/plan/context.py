@@ -5,7 +5,7 @@ device family, each with its source; experiments/results/planner_reference.md ha
 
 from __future__ import annotations
 
-MIB = 2**20
+from zerotune.units import MIB
 
 CONTEXT: dict[str, dict] = {
     "ampere": {"bytes": 256 * MIB, "source": "RTX 3090, torch 2.7 (invoke-ai/InvokeAI#9413: a bare context, 256 MiB)"},

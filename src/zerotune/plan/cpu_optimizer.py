@@ -99,7 +99,7 @@ def time_step(params: int, repeats: int = REPEATS) -> float | None:
     return sorted(times)[len(times) // 2] / params
 
 
-def build_optimizer(params: int):
+def build_optimizer(params: int) -> torch.optim.Optimizer | None:
     """DeepSpeedCPUAdam over one fp32 parameter of `params` elements with its gradient set, or None where the
     op cannot be built (no compiler, no op, no memory)."""
     try:
@@ -113,7 +113,7 @@ def build_optimizer(params: int):
         return None
 
 
-def timed_step(optimizer) -> float:
+def timed_step(optimizer: torch.optim.Optimizer) -> float:
     start = time.perf_counter()
     optimizer.step()
     return time.perf_counter() - start

@@ -18,12 +18,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zerotune import files
+from zerotune.schema import Adapter, Model
+
+if TYPE_CHECKING:  # step_tracker imports torch's MemTracker (~1 s): only where a trace runs
+    from zerotune.plan.step_tracker import StepTracker
 
 FORMAT = 1
 _CACHE: dict[str, dict] = {}
@@ -49,18 +54,18 @@ SDXL_TINY = {
     "text_encoder": {**_TINY_TEXT, "hidden_size": 32},
     "text_encoder_2": {**_TINY_TEXT, "hidden_size": 64, "projection_dim": 64},
 }
-BUILTIN = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
+BUILTIN: dict[str, tuple[dict, str]] = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
            "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)")}
 _MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
 
 
-def configs(model_cfg: Any) -> tuple[dict, str] | None:
+def configs(model_cfg: Model) -> tuple[dict, str] | None:
     """The three architectures and where they come from; None when neither local folders nor a built-in set
     describe them."""
     base = model_cfg.components
     found = {}
     for name in _MODEL_KEYS:
-        own = getattr(model_cfg, name, None) or (Path(str(base)) / name if base else None)
+        own = getattr(model_cfg, name) or (Path(str(base)) / name if base else None)
         file = Path(str(own)).expanduser() / "config.json" if own else None
         if file is None or not file.is_file():
             break
@@ -94,7 +99,7 @@ def _meta_models(archs: dict) -> dict:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    def text(cls, fields: dict):
+    def text(cls: type, fields: dict) -> torch.nn.Module:
         return cls(CLIPTextConfig(**{k: v for k, v in fields.items() if k in CLIPTextConfig().to_dict()}))
 
     with init_empty_weights():
@@ -121,7 +126,7 @@ def _trace(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def _peak(tracker, modules: list, run) -> int:
+def _peak(tracker: StepTracker, modules: list[torch.nn.Module], run: Callable[[], object]) -> int:
     for m in modules:
         tracker.track_external(m)
     with tracker:
@@ -129,8 +134,9 @@ def _peak(tracker, modules: list, run) -> int:
     return int(tracker.activation_peak)
 
 
-def _encode_images(vae, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
-    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host."""
+def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
+    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host. `vae`:
+    diffusers' AutoencoderKL (Any: its decorated `encode` is opaque to a type checker)."""
     pixels = torch.randn(batch, 3, *image_hw)
     latents = vae.encode(pixels).latent_dist.mean
     return (latents - 0.0) * 0.13025
@@ -147,7 +153,7 @@ def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
     return torch.cat(states, dim=-1)
 
 
-def largest_module_numel(model_cfg: Any, adapter_cfg: Any = None) -> int:
+def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -> int:
     """The most parameters one U-Net module holds itself (recurse=False): what ZeRO-3 gathers whole at once when
     zero.Init partitions a module as it is built, and when a 16-bit state dict is consolidated module by module."""
     from zerotune.models import adapter, unet_config

@@ -19,16 +19,18 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 aten = torch.ops.aten
+Shape = tuple[int, ...]
 
 
 @shape_wrapper
-def _cpu_flash_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+def _cpu_flash_forward(query_shape: Shape, key_shape: Shape, value_shape: Shape, *args: Any, out_shape: Any = None,
+                       **kwargs: Any) -> int:
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 @shape_wrapper
-def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
-                        **kwargs) -> int:
+def _cpu_flash_backward(grad_out_shape: Shape, query_shape: Shape, key_shape: Shape, value_shape: Shape, *args: Any,
+                        out_shape: Any = None, **kwargs: Any) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 

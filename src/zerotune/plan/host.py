@@ -7,7 +7,7 @@ puts on the host. Elsewhere the host holds the host terms alone.
 
 from __future__ import annotations
 
-from zerotune.plan.step_peak import terms_at_peak
+from zerotune.rundir.plan import PERSISTENT, Plan, Term
 
 CUDA_ONLY = ("cuda_context", "cublas_workspace", "allocator_rounding")
 MODEL_LOAD = "model_load"
@@ -15,18 +15,23 @@ MODEL_LOAD = "model_load"
 STATE_TERMS = ("params", "params_persistent", "grads", "master_weights", "optimizer_states", "ema")
 
 
+def _at_peak(terms: tuple[Term, ...], moment: str | None) -> list[Term]:
+    return [t for t in terms if t.held_in in (PERSISTENT, moment or "")]
+
+
 def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
     """{term: MiB} one rank holds in host memory at its training peak (the fp32 build, before, is apart)."""
+    found = Plan.from_dict(plan) or Plan()
     terms: dict[str, float] = {}
-    if plan.get("device") == "cpu":  # --device cpu: one pool already, at the step's largest moment
-        held = terms_at_peak(plan["step_terms"], plan["step_peak_moment"])
+    if found.device == "cpu":  # --device cpu: one pool already, at the step's largest moment
+        held = _at_peak(found.step_terms, found.step_peak_moment)
     else:
-        device = plan.get("gpu_terms", []) if accelerator == "cpu" else []
-        held = [*terms_at_peak(device, plan.get("step_peak_moment", "")), *plan.get("host_terms", [])]
+        device = found.gpu_terms if accelerator == "cpu" else ()
+        held = [*_at_peak(device, found.step_peak_moment), *found.host_terms]
     for term in held:
-        if term["term"] in CUDA_ONLY or term["term"] == MODEL_LOAD:
+        if term.term in CUDA_ONLY or term.term == MODEL_LOAD:
             continue
-        terms[term["term"]] = terms.get(term["term"], 0.0) + term["mib"]
+        terms[term.term] = terms.get(term.term, 0.0) + (term.mib or 0.0)
     return terms
 
 
@@ -34,9 +39,10 @@ def node_need_mib(plan: dict, ranks: int, accelerator: str) -> float | None:
     """The host memory this node's `ranks` need at their peak: each holds its terms, or its build of the U-Net,
     which comes first, whichever is larger (the whole model in fp32 below ZeRO-3; at ZeRO-3, built under
     zero.Init, the rank's partition: plan/predict.py's `model_load`). None when the plan has no terms."""
-    if "host_terms" not in plan:
+    found = Plan.from_dict(plan) or Plan()
+    if "host_terms" not in found:
         return None
-    load = sum(t["mib"] for t in plan["host_terms"] if t["term"] == MODEL_LOAD)
+    load = sum(t.mib or 0.0 for t in found.host_terms if t.term == MODEL_LOAD)
     return ranks * max(load, sum(rank_terms(plan, accelerator).values()))
 
 

@@ -19,15 +19,18 @@ DeepSpeed calls empty_cache, only the blocks still alive carry over (each such c
 
 from __future__ import annotations
 
-from typing import Any
-
 from zerotune.plan import allocator, encoders
-from zerotune.plan.phase_terms import ELEM, MIB, loading_phase, state_mib, term
+from zerotune.plan.gpus import GPU
+from zerotune.plan.rules import state_mib, term, zero_stage
+from zerotune.plan.stages import rules_for
+from zerotune.resolved import ResolvedRun
+from zerotune.schema import Config
+from zerotune.units import DTYPE_BYTES, MIB
 
 _BASE = ("cuda_context", "cublas_workspace")
 
 
-def run_phases(cfg: Any, checked: Any, gpu: Any, plan: dict) -> list[dict]:
+def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -> list[dict]:
     """One dict per phase: {"phase", "peak_mib" (its own peak, from an empty pool), "carried_mib" (reserved when
     it starts), "reserved_mib" (what nvidia-smi shows during it), "terms" (adding up to peak_mib), "source",
     "run_peak" (True for the phase that gives the run's peak)}, in run order. `plan`: predict.predict's answer."""
@@ -35,10 +38,15 @@ def run_phases(cfg: Any, checked: Any, gpu: Any, plan: dict) -> list[dict]:
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
     before = base if caching else [t for t in base if t["term"] == "cuda_context"]
-    found = [_adapter_injection(cfg, checked, plan, before), caching, loading_phase(cfg, checked, gpu, plan, before),
+    found = [_adapter_injection(cfg, checked, plan, before), caching, _loading(cfg, checked, gpu, plan, before),
              _step(plan),
              _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
     return _carry([p for p in found if p is not None])
+
+
+def _loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+    """DeepSpeed's engine and ZeRO optimizer take the U-Net: each stage's own rule (stage0, zero12, zero3)."""
+    return rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, base)
 
 
 def run_peak(phases: list[dict]) -> dict:
@@ -60,12 +68,12 @@ def _carry(phases: list[dict]) -> list[dict]:
     return phases
 
 
-def _cache_device_is_gpu(cfg: Any, gpu: Any) -> bool:
+def _cache_device_is_gpu(cfg: Config, gpu: GPU | None) -> bool:
     choice = str(cfg.data.cache_device)
     return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
 
 
-def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> dict | None:
+def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
     """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
     if cfg.data.name != "folder" or not _cache_device_is_gpu(cfg, gpu):
@@ -95,16 +103,15 @@ def _caching(cfg: Any, checked: Any, gpu: Any, plan: dict, base: list[dict]) -> 
             "end_live_mib": live}
 
 
-def _zero3_resident(checked: Any, plan: dict) -> list[dict]:
+def _zero3_resident(checked: ResolvedRun, plan: dict) -> list[dict]:
     """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
-    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
-    if stage != 3:
+    if zero_stage(checked) != 3:
         return []
     mib = state_mib(plan, "params") + state_mib(plan, "params_persistent")
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
 
 
-def _adapter_injection(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | None:
+def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """ZeRO-3 with an adapter: right after the partitioned build, peft wraps its targets while they are gathered
     whole in the run's dtype (models/adapter.py gathered_targets). Freed after, but still reserved: nothing
     empties the cache until DeepSpeed's engine does."""
@@ -112,7 +119,7 @@ def _adapter_injection(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> 
     targets = checked.model_stats.adapter_target_numel
     if not resident or not targets:
         return None
-    terms = [*base, *resident, term("adapter_targets_gathered", targets * ELEM[cfg.precision.name],
+    terms = [*base, *resident, term("adapter_targets_gathered", targets * DTYPE_BYTES[cfg.precision.name],
                                     "deepspeed.zero.GatheredParameters over peft's targets (transient)")]
     return {"phase": "adapter_injection", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
             "source": "models/adapter.py add_adapter under gathered_targets (trainer.py _prepare)"}
@@ -133,16 +140,15 @@ def _live_states(plan: dict) -> list[dict]:
     return [t for t in plan["gpu_terms"] if t["term"] in keep and t.get("moment", "persistent") == "persistent"]
 
 
-def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | None:
+def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
     parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
     each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its
     parameters' device)."""
     if not (cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits"):
         return None
-    stage = int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
     terms = [*base, *_live_states(plan)]
-    if stage == 3:
+    if zero_stage(checked) == 3:
         numel = encoders.largest_module_numel(cfg.model, cfg.adapter)
         elem = 4 if cfg.precision.name == "fp32" else 2
         terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),
@@ -153,7 +159,7 @@ def _sampling(cfg: Any, checked: Any, plan: dict, base: list[dict]) -> dict | No
                       f"{int(cfg.resolution.size)} px, {int(cfg.evaluate.steps)} steps, on the CPU"}
 
 
-def _export(cfg: Any, plan: dict, base: list[dict]) -> dict | None:
+def _export(cfg: Config, plan: dict, base: list[dict]) -> dict | None:
     """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
     copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
     own process (training/checkpoint/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the

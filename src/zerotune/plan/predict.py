@@ -5,25 +5,18 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 from zerotune.plan import allocator, cpu_optimizer, gpus, process
-from zerotune.plan.activations import trace_step
+from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
+from zerotune.plan.rules import frozen_numels, term
 from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
-from zerotune.schema import launch_world_size
-
-MIB = 2**20
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def _term(name: str, nbytes: float, note: str = "") -> dict:
-    return {"term": name, "mib": nbytes / MIB, "note": note}
+from zerotune.rundir.plan import Term
+from zerotune.schema import Adapter, Config, launch_world_size
+from zerotune.units import DTYPE_BYTES, MIB
 
 
 def _offload(ds: dict) -> tuple[str, str]:
@@ -32,7 +25,7 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+def predict(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
     """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
@@ -49,7 +42,7 @@ def predict(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = 
     step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, cfg.precision.name, 0, use_ds,
                                                                 train), trace, shape)
     host_terms = _host_terms(cfg, checked, states) + [
-        _term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
+        term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
             ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
     plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.adapter, checked),
             "device": device, "trainable_params": checked.model_stats.num_trainable,
@@ -61,7 +54,7 @@ def predict(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = 
     return _whole_run(cfg, checked, gpu, plan)
 
 
-def _whole_run(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
+def _whole_run(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
     """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
     if plan["device"] == "cpu":
@@ -86,16 +79,16 @@ def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device
                      part if use_ds and stage else sum(train), largest, device)
 
 
-def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace, shape: StepShape) -> list[dict]:
+def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace: Trace, shape: StepShape) -> list[dict]:
     """Every term the device holds during the step, each with its moment (step_peak.py)."""
     terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
-        terms.append(_term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
+        terms.append(term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
     if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
-        terms.append(_term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
+        terms.append(term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
     terms += gradient_terms(shape, states["grads_bytes"], trace)
     lifetimes = {b["name"]: b["lifetime"] for b in buffers}
-    terms += [{**_term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
+    terms += [{**term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
               for name, nbytes in buffer_bytes.items()]
     return terms + step_transients(shape)
 
@@ -105,7 +98,7 @@ _MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward
            "step:flatten": "step:flatten", "step:update": "step:update"}
 
 
-def _memory(cfg: Any, checked: ResolvedRun, gpu, device: str, step_terms: list[dict], host_terms: list[dict],
+def _memory(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
             states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
     host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
     per_node = int(cfg.launch.num_processes)
@@ -123,18 +116,18 @@ def _memory(cfg: Any, checked: ResolvedRun, gpu, device: str, step_terms: list[d
             "step_peak_mib": peak, "step_peak_moment": moment}
 
 
-def _cuda_terms(gpu, blocks: tuple[list[int], str]) -> list[dict]:
+def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dict]:
     """What only a CUDA device holds: its context, cuBLAS's workspace, the caching allocator's rounding."""
     family = gpu.family if gpu else "unknown"
     context = CONTEXT.get(family)
     sizes, how = blocks
-    return [_term("cuda_context", context["bytes"] if context else 0,
+    return [term("cuda_context", context["bytes"] if context else 0,
                   context["source"] if context else "unknown card: no CUDA context figure"),
-            _term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
-            _term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
+            term("cublas_workspace", CUBLAS_WORKSPACE.get(family, 0), "torch's default per handle + cuBLASLt"),
+            term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
 
 
-def _times(gpu, trace, states: dict, ds: dict, precision: str) -> dict:
+def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str) -> dict:
     opt_device, param_device = _offload(ds)
     time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device,
                              int(ds["gradient_accumulation_steps"]))
@@ -150,14 +143,14 @@ def _numels(checked: ResolvedRun) -> tuple[list[int], list[int]]:
     return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
 
 
-def _workload(cfg: Any, ds: dict, world: int, stage: int, offloaded: bool) -> str:
+def _workload(cfg: Config, ds: dict, world: int, stage: int, offloaded: bool) -> str:
     return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
             f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
             f"{_offload(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
 
 
-def _adapter_words(adapter_cfg: Any, checked: ResolvedRun) -> str:
+def _adapter_words(adapter_cfg: Adapter | None, checked: ResolvedRun) -> str:
     if adapter_cfg is None or adapter_cfg.name == "none":
         return ""
     stats = checked.model_stats
@@ -180,7 +173,7 @@ def _state_terms(states: dict, place: str) -> list[dict]:
         if name == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
             nbytes -= states.get("params_persistent_bytes") or 0
         if states["where"][where_key] == place and nbytes:
-            terms.append(_term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
+            terms.append(term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
     return terms
 
 
@@ -193,39 +186,27 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
     (None: all)."""
     if stage >= 3 or states["where"]["params"] != "gpu":
         return [], "no parameter blocks on the GPU outside ZeRO-3's buffers"
-    elem = _DTYPE_BYTES[precision]
+    elem = DTYPE_BYTES[precision]
     separate = "parameters as separate blocks: 512 B rounding, 2/20 MiB segments"
     if not (use_ds and stage in (1, 2)):
         return [n * elem for n in numels], separate
     train = numels if trainable is None else trainable
     flat = [sum(train) * elem]
-    frozen = _frozen(numels, train)
+    frozen = frozen_numels(numels, train)
     if not frozen:
         return flat, "one flat parameter buffer: rounded up to 2 MiB"
     return flat + [n * elem for n in frozen], "the trainable parameters' flat buffer (rounded up to 2 MiB); the " \
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _frozen(numels: list[int], trainable: list[int]) -> list[int]:
-    """The sizes of the parameters the optimizer does not get (as a multiset: order does not matter here)."""
-    left = Counter(trainable)
-    frozen = []
-    for n in numels:
-        if left[n]:
-            left[n] -= 1
-        else:
-            frozen.append(n)
-    return frozen
-
-
-def _host_terms(cfg: Any, checked: ResolvedRun, states: dict) -> list[dict]:
+def _host_terms(cfg: Config, checked: ResolvedRun, states: dict) -> list[dict]:
     terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
-        terms.append(_term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
+        terms.append(term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
     return terms
 
 
-def _host_peak(cfg: Any, checked: ResolvedRun, terms: list[dict], stage: int, world: int,
+def _host_peak(cfg: Config, checked: ResolvedRun, terms: list[dict], stage: int, world: int,
                precision: str) -> tuple[float, dict]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
@@ -233,26 +214,26 @@ def _host_peak(cfg: Any, checked: ResolvedRun, terms: list[dict], stage: int, wo
     until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
     stats = checked.model_stats
     if stage == 3:
-        partition = -(-stats.num_params // world) * _DTYPE_BYTES.get(precision, 4)
+        partition = -(-stats.num_params // world) * DTYPE_BYTES.get(precision, 4)
         # adapter=lora: the targets are gathered whole while peft wraps them (models/adapter.py gathered_targets),
         # onto the device the run trains on: the host's only on a CPU run.
         on_host = checked.platform.device_type == "cpu"
-        gathered = stats.adapter_target_numel * _DTYPE_BYTES.get(precision, 4) if on_host else 0
-        load = _term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
+        gathered = stats.adapter_target_numel * DTYPE_BYTES.get(precision, 4) if on_host else 0
+        load = term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
                      f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)"
                      + (", or the adapter's targets gathered whole while peft wraps them" if gathered else ""))
     else:
-        load = _term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
+        load = term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
     return max(sum(t["mib"] for t in terms), load["mib"]), load
 
 
-def _time_terms(gpu, trace, states: dict, ds: dict, precision: str, opt_device: str, param_device: str,
-                accum: int) -> list[dict]:
+def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str, opt_device: str,
+                param_device: str, accum: int) -> list[dict]:
     flops = (trace.forward_flops + trace.backward_flops) * accum
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
-    terms = [{"term": "compute", "seconds": compute,
-              "note": f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
-              else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops else "fp32 peak in the catalog")}]
+    terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
+                         else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops
+                                                   else "fp32 peak in the catalog")).to_dict()]
     moved = 0
     if opt_device != "none":  # gradients down, updated (trainable) params up, every step
         moved += states["grads_bytes"] + states["trainable_params_bytes"]
@@ -260,11 +241,11 @@ def _time_terms(gpu, trace, states: dict, ds: dict, precision: str, opt_device: 
         moved += 2 * states["params_bytes"]
     if moved:
         link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
-        terms.append({"term": "pcie", "seconds": moved / (link * 1e9) if link else None,
-                      "note": f"{moved / MIB:,.0f} MiB per step over the host link"})
+        terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
+                                 f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
     if opt_device != "none":
         per_param = cpu_optimizer.seconds_per_param()
         partition = states["master_weights_bytes"] // 4
-        terms.append({"term": "cpu_optimizer", "seconds": per_param * partition if per_param else None,
-                      "note": "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here"})
+        terms.append(Term.timing("cpu_optimizer", per_param * partition if per_param else None,
+                                 "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here").to_dict())
     return terms

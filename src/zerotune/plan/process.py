@@ -25,9 +25,11 @@ import platform
 import re
 import subprocess
 import sys
+from typing import Any
 
 from zerotune import files
 from zerotune.plan.host import MODEL_LOAD, rank_terms
+from zerotune.rundir.plan import Plan, Term
 
 PROCESS_RSS = "process_rss"   # plan["host_peak_kind"]: the host figure predicts the job tree's peak RSS
 CACHE_FILE = "process_baseline_v2.json"
@@ -92,13 +94,14 @@ def parent_baseline_mib() -> float:
 
 def rank_tensors_mib(plan: dict) -> tuple[float | None, str]:
     """(MiB of tensors one rank holds at its peak, where the figure came from); None without terms."""
-    if plan.get("device") == "cpu" and isinstance(plan.get("step_peak_mib"), (int, float)):
-        step, source = float(plan["step_peak_mib"]), "plan step_peak_mib (CPU plan: the whole step's peak)"
-    elif "host_terms" in plan:
+    found = Plan.from_dict(plan) or Plan()
+    if found.device == "cpu" and isinstance(found.step_peak_mib, (int, float)):
+        step, source = float(found.step_peak_mib), "plan step_peak_mib (CPU plan: the whole step's peak)"
+    elif "host_terms" in found:
         step, source = sum(rank_terms(plan, "cpu").values()), "sum of host.py rank_terms (cpu)"
     else:
         return None, "no terms in the plan"
-    load = sum(t["mib"] for t in plan.get("host_terms", []) if t["term"] == MODEL_LOAD)
+    load = sum(t.mib or 0.0 for t in found.host_terms if t.term == MODEL_LOAD)
     if load > step:
         return load, f"{MODEL_LOAD} (the fp32 build at load time, above the step's {step:,.0f} MiB)"
     return step, source
@@ -108,15 +111,14 @@ def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: 
     """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
     "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
     tensors, tensor_source = rank_tensors_mib(plan)
-    terms = [
-        {"term": "parent_process", "mib": parent, "note": "the job process: outside the sampled tree"},
-        {"term": "process_baseline", "mib": None if baseline is None else ranks * baseline,
-         "note": f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host)"},
-        {"term": "rank_tensors", "mib": None if tensors is None else ranks * tensors,
-         "note": f"{ranks} rank(s) × {tensor_source}"},
-    ]
-    known = [t["mib"] for t in terms]
-    mib = None if any(v is None for v in known) else sum(known)
+    terms: list[dict[str, Any]] = [t.to_dict() for t in (
+        Term("parent_process", parent, "the job process: outside the sampled tree"),
+        Term("process_baseline", None if baseline is None else ranks * baseline,
+             f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host)"),
+        Term("rank_tensors", None if tensors is None else ranks * tensors, f"{ranks} rank(s) × {tensor_source}"),
+    )]
+    known: list[float | None] = [t["mib"] for t in terms]
+    mib = None if any(v is None for v in known) else sum(v for v in known if v is not None)
     return {"mib": mib, "terms": terms, "source": "process RSS: parent + ranks × (import baseline + tensors)"}
 
 

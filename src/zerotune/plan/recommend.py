@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotune.plan.gpus import GPU
+from zerotune.rundir.plan import Plan
 
 _OFFLOAD_COST = {"none": 0, "cpu": 1, "nvme": 2}
 
@@ -29,9 +30,12 @@ class Row:
         return peak_mib(self.plan) <= gpu.memory_mib
 
 
-def peak_mib(plan: dict) -> float:
+def peak_mib(plan: dict | None) -> float:
     """What nvidia-smi would show at the run's peak: its phases' (plan/phases.py) when known, else the step's."""
-    return max(plan.get("run_peak_mib") or 0.0, plan["gpu_peak_mib"])
+    found = Plan.from_dict(plan)
+    if found is None or found.peak_mib is None:
+        raise ValueError("an option without a GPU plan has no peak")
+    return found.peak_mib
 
 
 def _cost(row: Row) -> tuple:
@@ -45,10 +49,19 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
     fitting = [r for r in ordered if r.fits(gpu)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
               "fits": r.fits(gpu), "refused": r.refused,
-              **({k: r.plan.get(k) for k in ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase",
-                                             "host_peak_mib", "nvme_mib", "time_floor_s", "bound")} if r.plan else {}),
+              **_figures(r.plan),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
     return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
+
+
+_FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",
+            "time_floor_s", "bound")
+
+
+def _figures(plan: dict | None) -> dict:
+    """A row's figures from its plan ({} for a refused option)."""
+    found = Plan.from_dict(plan) if plan else None
+    return {k: getattr(found, k) for k in _FIGURES} if found else {}
 
 
 def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:

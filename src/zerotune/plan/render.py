@@ -2,40 +2,42 @@
 
 from __future__ import annotations
 
+from zerotune.rundir.plan import PERSISTENT, Plan, Term, terms_of
 
-def _terms(terms: list[dict], unit: str = "MiB") -> list[str]:
-    width = max((len(t["term"]) for t in terms), default=0)
-    key = "mib" if unit == "MiB" else "seconds"
+
+def _terms(found: tuple[Term, ...] | list[dict], unit: str = "MiB") -> list[str]:
+    terms = terms_of(found) if isinstance(found, list) else found
+    width = max((len(t.term) for t in terms), default=0)
     out = []
     for t in terms:
-        value = "unmeasured" if t[key] is None else (f"{t[key]:>10,.1f} MiB" if unit == "MiB" else f"{t[key]:>10.4f} s")
-        when = f"[{t['moment']}] " if t.get("moment", "persistent") != "persistent" else ""
-        out.append(f"  {t['term']:<{width}}  {value}  {when}{t.get('note', '')}".rstrip())
+        figure = t.mib if unit == "MiB" else t.seconds
+        value = "unmeasured" if figure is None else (f"{figure:>10,.1f} MiB" if unit == "MiB" else f"{figure:>10.4f} s")
+        when = f"[{t.moment}] " if t.held_in != PERSISTENT else ""
+        out.append(f"  {t.term:<{width}}  {value}  {when}{t.note}".rstrip())
     return out
 
 
-def _device(plan: dict) -> list[str]:
+def _device(plan: Plan) -> list[str]:
     """The step's peak on the device: held throughout, plus the largest moment's terms ([moment])."""
-    moment = plan["step_peak_moment"]
-    if plan.get("device") == "cpu":
-        return [f"the step on this CPU (one rank, what torch allocates; host memory): {plan['step_peak_mib']:,.1f} MiB "
-                f"at its largest moment, {moment}", *_terms(plan["step_terms"])]
-    gpu = plan["gpu"]
+    moment = plan.step_peak_moment
+    if plan.device == "cpu":
+        return [f"the step on this CPU (one rank, what torch allocates; host memory): {plan.step_peak_mib:,.1f} MiB "
+                f"at its largest moment, {moment}", *_terms(plan.step_terms)]
+    gpu = plan.gpu
     card = f"{gpu['name']} ({gpu['memory_mib']:,} MiB)" if gpu else "no GPU named (--gpu NAME or --gpu-mib N)"
-    verdict = {True: "fits", False: "does NOT fit", None: "-"}[plan["fits"]]
-    run = plan.get("run_peak_mib")
-    return [f"GPU peak per rank: {max(run or 0, plan['gpu_peak_mib']):,.1f} MiB (the run's, in "
-            f"{plan.get('run_peak_phase', 'step')}) on {card}: {verdict}",
-            f"the step: {plan['gpu_peak_mib']:,.1f} MiB at its largest moment, {moment}", *_terms(plan["gpu_terms"])]
+    verdict = {True: "fits", False: "does NOT fit", None: "-"}[plan.fits]
+    return [f"GPU peak per rank: {plan.peak_mib:,.1f} MiB (the run's, in "
+            f"{plan.run_peak_phase or 'step'}) on {card}: {verdict}",
+            f"the step: {plan.gpu_peak_mib:,.1f} MiB at its largest moment, {moment}", *_terms(plan.gpu_terms)]
 
 
-def _host(plan: dict) -> list[str]:
+def _host(plan: Plan) -> list[str]:
     """The host terms; on a CPU plan, the processes' RSS it predicts (plan/process.py) and how."""
-    process = plan.get("host_process_terms")
+    process = plan.host_process_terms
     if not process:
-        return _terms(plan["host_terms"])
+        return _terms(plan.host_terms)
     return [f"  the job's processes (RSS): {process['source']}", *("  " + line for line in _terms(process["terms"])),
-            "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan["host_terms"]))]
+            "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan.host_terms))]
 
 
 def micro_batch(found: dict | None) -> list[str]:
@@ -47,15 +49,16 @@ def micro_batch(found: dict | None) -> list[str]:
     return [f"micro batch: {found['value']} per rank, from {found['from']}{hint}"]
 
 
-def breakdown(plan: dict) -> str:
-    lines = [f"workload: {plan['workload']}", *micro_batch(plan.get("micro_batch")), *_device(plan),
-             f"host peak (all {plan['world_size']} ranks): {plan['host_peak_mib']:,.1f} MiB", *_host(plan),
-             f"NVMe: {plan['nvme_mib']:,.1f} MiB", *_terms(plan["nvme_terms"])]
-    floor = plan["time_floor_s"]
+def breakdown(answer: dict) -> str:
+    plan = Plan.from_dict(answer) or Plan()
+    lines = [f"workload: {plan.workload}", *micro_batch(answer.get("micro_batch")), *_device(plan),
+             f"host peak (all {plan.world_size} ranks): {plan.host_peak_mib:,.1f} MiB", *_host(plan),
+             f"NVMe: {plan.nvme_mib:,.1f} MiB", *_terms(plan.nvme_terms)]
+    floor = plan.time_floor_s
     lines.append("time per step: " + ("unmeasured (no GPU figures)" if floor is None else
-                                      f"at least {floor:.4f} s ({plan['bound']}-bound floor)"))
-    lines += _terms(plan["time_terms"], unit="s")
-    lines += phases(plan.get("phases") or [])
+                                      f"at least {floor:.4f} s ({plan.bound}-bound floor)"))
+    lines += _terms(plan.time_terms, unit="s")
+    lines += phases(list(plan.phases))
     return "\n".join(lines)
 
 

@@ -28,13 +28,13 @@ class StepTracker(MemTracker):
         self.activation_and_grad_peak = 0
         self.flops = {"forward": 0, "backward": 0}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         # is_bw: inside autograd's backward, recomputation under gradient checkpointing included.
         self.flops["backward" if self._mod_tracker.is_bw else "forward"] += op_flops(func, args, kwargs, out)
         return out
 
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True):
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         # MemTracker hooks every parameter's gradient, and torch refuses a hook on a frozen parameter (an
         # adapter's base U-Net): only the trainable ones get them.
         out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)

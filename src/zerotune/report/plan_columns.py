@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Row key -> key in summary.json's `plan`.
+from zerotune.rundir.plan import Plan
+
+# Row key -> field of summary.json's `plan` (rundir.plan.Plan).
 PLAN_FIELDS = {"plan_gpu_peak_mib": "gpu_peak_mib", "plan_host_peak_mib": "host_peak_mib",
                "plan_nvme_mib": "nvme_mib", "plan_time_floor_s": "time_floor_s"}
 PLAN_KEYS = tuple(PLAN_FIELDS)
@@ -34,19 +36,19 @@ RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu
 
 def plan_figures(summary: dict) -> dict[str, Any]:
     """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary (any of them None when absent)."""
-    plan = summary.get("plan")
+    plan = Plan.from_dict(summary.get("plan"))
     row: dict[str, Any] = dict.fromkeys(PLAN_KEYS)
     row[PLAN_ERROR] = row[PLAN_HOST_KIND] = None
-    if not isinstance(plan, dict):
+    if plan is None:
         return row
-    if plan.get("error"):  # the planner failed: its other keys, if any, are not a prediction
-        row[PLAN_ERROR] = plan["error"]  # as written; collect shortens it like a job's error
+    if plan.error:  # the planner failed: its other keys, if any, are not a prediction
+        row[PLAN_ERROR] = plan.error  # as written; collect shortens it like a job's error
         return row
-    row.update({key: _number(plan.get(name)) for key, name in PLAN_FIELDS.items()})
-    run_peak = _number(plan.get("run_peak_mib"))
+    row.update({key: _number(getattr(plan, name)) for key, name in PLAN_FIELDS.items()})
+    run_peak = _number(plan.run_peak_mib)
     if run_peak is not None:  # nvidia-smi's peak is the whole run's: its phases (plan/phases.py)
         row["plan_gpu_peak_mib"] = max(run_peak, row["plan_gpu_peak_mib"] or 0.0)
-    kind = plan.get("host_peak_kind")
+    kind = plan.host_peak_kind
     row[PLAN_HOST_KIND] = kind if isinstance(kind, str) else None
     return row
 

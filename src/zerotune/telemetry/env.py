@@ -8,7 +8,7 @@ import socket
 from importlib import metadata
 from typing import Any
 
-MIB = float(1 << 20)
+from zerotune.units import MIB
 
 
 def _version(dist: str) -> str | None:

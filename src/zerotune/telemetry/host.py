@@ -21,10 +21,10 @@ import psutil
 
 from zerotune.telemetry.memory import ProcessTree
 from zerotune.telemetry.nvml import in_child_pid_namespace
+from zerotune.units import MIB
 
 log = logging.getLogger(__name__)
 
-MIB = float(1 << 20)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # A cgroup v1 "no limit" is the largest page-aligned 64-bit value; anything past this is no limit.
 _NO_LIMIT_BYTES = 1 << 60

@@ -15,10 +15,9 @@ import psutil
 
 from zerotune.telemetry.nvml import Nvml, in_child_pid_namespace
 from zerotune.telemetry.processes import child_pids, dir_bytes, unexeced_child_bytes
+from zerotune.units import MIB
 
 log = logging.getLogger(__name__)
-
-MIB = float(1 << 20)
 
 # Why 0.05 s: a diffusion U-Net step takes ~0.1-1 s and the transient peaks we care about (optimizer step,
 # ZeRO gather/partition, offload copies) last tens of milliseconds, so 20 Hz sees them; the trainer's

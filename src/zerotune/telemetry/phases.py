@@ -9,8 +9,7 @@ import time
 from typing import Any
 
 from zerotune.telemetry.torch_memory import _torch_cuda
-
-MIB = float(1 << 20)
+from zerotune.units import MIB
 
 
 class PhaseTimeline:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-MIB = float(1 << 20)
+from zerotune.units import MIB
 
 
 def _torch_cuda() -> Any:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerotune.errors import ConfigError
+from zerotune.rundir.plan import Plan
 from zerotune.schema import Config, as_dict
 from zerotune.tune.space import Candidate
 
@@ -30,8 +31,8 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
            gpu_name: str | None) -> list[Screened]:
     """Each candidate's verdict. `compose`: overrides -> the job's config; `gpu_name`: plan for that card
     (not present) rather than this machine."""
-    from zerotune.launch.planning import job_gpu, job_plan
     from zerotune.plan import gpus
+    from zerotune.plan.guard import job_gpu, job_plan
     from zerotune.preflight import preflight
 
     out, runs = [], {}
@@ -40,14 +41,14 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
         try:
             run = preflight(compose(overrides), overrides=overrides)
             gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
-            plan = job_plan(run.config, run, gpu)
+            plan = Plan.from_dict(job_plan(run.config, run, gpu)) or Plan()
         except ConfigError as exc:
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
         same = runs.setdefault(_run_key(run.config), number)
         problems = [] if "error" in plan else _problems(plan, gpu_name)
         verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
-                           (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.get("error", "")))
+                           (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.error or ""))
         out.append(Screened(number, candidate, verdict, reason, _plan_view(plan)))
     return _drop_needless_checkpointing(out)
 
@@ -70,12 +71,12 @@ def _twin_key(candidate: Candidate) -> str:
     return " ".join(f"{k}={v}" for k, v in candidate.knobs.items() if k != CHECKPOINTING)
 
 
-def _problems(plan: dict, gpu_name: str | None) -> list[str]:
-    from zerotune.launch.planning import memory_problems
+def _problems(plan: Plan, gpu_name: str | None) -> list[str]:
+    from zerotune.plan.guard import memory_problems
 
     if gpu_name:  # a card not here: its whole memory, as the catalog gives it
-        return [] if plan.get("fits") is not False else [
-            f"predicted GPU peak {plan.get('run_peak_mib') or plan['gpu_peak_mib']:,.0f} MiB is above the "
+        return [] if plan.fits is not False else [
+            f"predicted GPU peak {plan.run_peak_mib or plan.gpu_peak_mib:,.0f} MiB is above the "
             f"{gpu_name}'s memory"]
     return memory_problems(plan)
 
@@ -85,11 +86,11 @@ def _run_key(cfg: Config) -> str:
     return json.dumps(as_dict(cfg), sort_keys=True, default=str)
 
 
-def _plan_view(plan: dict) -> dict:
-    view = {k: plan.get(k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
-                                     "time_floor_s", "bound")}
-    view["host_need_mib"] = (plan.get("host_fit") or {}).get("needed_mib")
-    terms = plan.get("time_terms") or []
-    view["terms"] = {t["term"]: t["seconds"] for t in terms if t.get("seconds") is not None}
-    view["terms_unknown"] = [f"{t['term']} ({t.get('note', 'unmeasured')})" for t in terms if t.get("seconds") is None]
+def _plan_view(plan: Plan) -> dict:
+    view = {k: getattr(plan, k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
+                                          "time_floor_s", "bound")}
+    view["host_need_mib"] = (plan.host_fit or {}).get("needed_mib")
+    terms = plan.time_terms
+    view["terms"] = {t.term: t.seconds for t in terms if t.seconds is not None}
+    view["terms_unknown"] = [f"{t.term} ({t.note or 'unmeasured'})" for t in terms if t.seconds is None]
     return view

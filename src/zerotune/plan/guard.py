@@ -15,7 +15,11 @@ from zerotune.plan.predict import predict
 from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
 from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import Plan
+from zerotune.schema import Config
+from zerotune.schema.job import Plan as PlanSettings
 from zerotune.telemetry.host import read_host_memory
+from zerotune.units import MIB
 
 log = logging.getLogger("zerotune")
 
@@ -30,7 +34,7 @@ def present_gpu() -> gpus.GPU | None:
 
     if not torch.cuda.is_available():
         return None
-    name, total = torch.cuda.get_device_name().lower(), torch.cuda.get_device_properties(0).total_memory // 2**20
+    name, total = torch.cuda.get_device_name().lower(), torch.cuda.get_device_properties(0).total_memory // MIB
     for part, known in _NAMES:
         if part in name:
             return gpus.CATALOG[known]
@@ -39,14 +43,14 @@ def present_gpu() -> gpus.GPU | None:
     return gpus.lookup(None, int(total))
 
 
-def job_gpu(cfg: Any) -> gpus.GPU | None:
+def job_gpu(cfg: Config) -> gpus.GPU | None:
     """plan.gpu / plan.gpu_mib when given (a bad name is a config error), else the card present."""
     check_plan_keys(cfg.plan)
     named = gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     return named or present_gpu()
 
 
-def check_plan_keys(plan: Any) -> None:
+def check_plan_keys(plan: PlanSettings) -> None:
     if plan.guard not in GUARDS:
         raise ConfigError("plan.guard", f"unknown {plan.guard!r}", f"plan.guard={' | '.join(GUARDS)}")
     budget = plan.host_mib
@@ -55,7 +59,7 @@ def check_plan_keys(plan: Any) -> None:
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
+def job_plan(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
@@ -70,7 +74,7 @@ def job_plan(cfg: Any, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
     return plan
 
 
-def host_fit(cfg: Any, plan: dict) -> dict:
+def host_fit(cfg: Config, plan: dict) -> dict:
     """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
     accelerator, ranks = detect().device_type, int(cfg.launch.num_processes)
     # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
@@ -82,7 +86,7 @@ def host_fit(cfg: Any, plan: dict) -> dict:
             "room_mib": room, "fits": None if need is None else need <= room}
 
 
-def guard(cfg: Any, plan: dict) -> str | None:
+def guard(cfg: Config, plan: dict) -> str | None:
     """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
     "predicted_oom"): on a CUDA device its free memory; on every host the available memory, against the
     device terms as well on a CPU accelerator (plan["host_fit"], from job_plan)."""
@@ -96,22 +100,23 @@ def guard(cfg: Any, plan: dict) -> str | None:
     return "predicted_oom" if cfg.plan.guard == "skip" else None
 
 
-def memory_problems(plan: dict) -> list[str]:
+def memory_problems(plan: Plan | dict) -> list[str]:
     """Each memory the predicted peak is above: a present GPU's free memory, this host's available memory."""
-    if "gpu_peak_mib" not in plan:
+    found = plan if isinstance(plan, Plan) else Plan.from_dict(plan) or Plan()
+    if "gpu_peak_mib" not in found:
         return []
-    return [p for p in (_cuda_problem(plan), _host_problem(plan.get("host_fit"))) if p]
+    return [p for p in (_cuda_problem(found), _host_problem(found.host_fit)) if p]
 
 
-def _cuda_problem(plan: dict) -> str | None:
+def _cuda_problem(plan: Plan) -> str | None:
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or plan.gpu_peak_mib is None:
         return None
-    free_mib = torch.cuda.mem_get_info()[0] / 2**20
-    if plan["gpu_peak_mib"] <= free_mib:
+    free_mib = torch.cuda.mem_get_info()[0] / MIB
+    if plan.gpu_peak_mib <= free_mib:
         return None
-    return f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB is above the {free_mib:,.0f} MiB free on this GPU"
+    return f"predicted GPU peak {plan.gpu_peak_mib:,.0f} MiB is above the {free_mib:,.0f} MiB free on this GPU"
 
 
 def _host_problem(fit: dict | None) -> str | None:
@@ -130,7 +135,7 @@ def _host_problem(fit: dict | None) -> str | None:
             f"is above {room}")
 
 
-def _fixes(cfg: Any, plan: dict) -> str:
+def _fixes(cfg: Config, plan: dict) -> str:
     """What brings the prediction under the memory there is, the largest terms' remedies first; alternatives
     apart, each as the overrides to type."""
     fixes = []
@@ -139,17 +144,22 @@ def _fixes(cfg: Any, plan: dict) -> str:
         states, activations = largest_share(plan, fit["accelerator"])
         if fit["ranks"] > 1:
             fixes.append("launch.num_processes=1 (each rank holds its own copy)")
-        if states >= 0.5 and (cfg.adapter is None or cfg.adapter.name == "none"):
+        if states >= 0.5 and _option(cfg, "adapter") in (None, "none"):
             fixes.append("adapter=lora (trains an adapter, the U-Net frozen)")
-        if cfg.offload.device != "nvme":
+        if _option(cfg, "offload", "device") != "nvme":
             fixes.append("zero_stage=3 offload=nvme offload.path=<folder> (parameters and optimizer states on a "
                          "fast disk; its own buffers stay in memory: see its plan with plan.only=true first)")
         if activations >= 0.25:
             fixes.append(f"a lower resolution or train.batch_size (activations are {activations:.0%} of the peak)")
     else:
         fixes.append("zerotune plan ... --all for options that fit")
-    model = cfg.model.name
+    model = _option(cfg, "model")
     others = [name for name in config_search.current().group_options().get("model", []) if model and name != model]
     fixes += [f"model={name}" for name in others]
     fixes += ["plan.only=true to predict without training", "plan.guard=warn to run anyway"]
     return "; or ".join(fixes)
+
+
+def _option(cfg: Config, group: str, key: str = "name") -> Any:
+    """A group's chosen option (its `name`, or `key`), None where the config leaves the group out."""
+    return getattr(getattr(cfg, group, None), key, None)

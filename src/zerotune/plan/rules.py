@@ -1,0 +1,181 @@
+"""What every ZeRO stage's rules (stage0.py, zero12.py, zero3.py) read from the validated DeepSpeed dict, the
+way DeepSpeed 0.19.8's engine reads it: the precision of each kind of tensor, the optimizer it builds, where
+an offload device puts a tensor; and the shapes the rules answer in (a state record, a Term)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import Term
+from zerotune.units import DTYPE_BYTES
+
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+FP32_STEP_BYTES = 4  # torch optimizers keep `step` as a 0-d float32 tensor per optimized tensor
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Element sizes (bytes) of what the engine holds, from the dict's fp16/bf16/data_types blocks."""
+
+    name: str        # fp32 | bf16 | fp16: the parameters' dtype
+    param: int
+    grad_accum: int  # data_types.grad_accum_dtype, else the parameters' dtype (engine.get_data_types)
+    master: int      # fp32 unless {fp16,bf16}_master_weights_and_grads
+    bf16_optimizer_states: bool
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """The optimizer class DeepSpeed builds (engine._configure_basic_optimizer) and what its state holds."""
+
+    name: str
+    tensors: int           # state tensors per optimized tensor, each of its size
+    state_elem: int        # bytes per element of those tensors
+    torch_step: bool       # torch's own optimizers add a 0-d float32 `step` tensor
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What decides the step's transients."""
+
+    stage: int
+    use_deepspeed: bool
+    optimizer: str           # model_states' OptimizerKind.name: torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam, ...
+    param_elem: int          # bytes per element: parameters (and their gradients), master weights
+    master_elem: int
+    offloaded: bool          # the optimizer's states on the host (or NVMe)
+    trained: int             # elements the optimizer updates on this rank
+    largest_trained: int     # the largest tensor it steps at once: a parameter, the flat partition, a sub-group
+    device: str              # cuda | cpu
+
+
+def dtype_bytes(value: Any) -> int:
+    """Bytes per element of a dtype as the DeepSpeed dict spells it (fp32, "torch.bfloat16", "half", ...)."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    return DTYPE_BYTES[DtypeEnum(value).name]
+
+
+def precision_of(ds_config: dict) -> Precision:
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    bf16, fp16 = get_bfloat16_config(ds_config), get_float16_config(ds_config)
+    name = "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    master = ("fp16" if fp16.fp16_master_weights_and_grads else
+              "bf16" if bf16.bf16_master_weights_and_grads else "fp32")
+    return Precision(name, DTYPE_BYTES[name], dtype_bytes(accum) if accum else DTYPE_BYTES[name], DTYPE_BYTES[master],
+                     bool(bf16.bf16_optimizer_states))
+
+
+def zero_config(ds_config: dict) -> DeepSpeedZeroConfig:
+    """DeepSpeed's own parse of `zero_optimization`: its defaults and aliases (stage3_* names, overlap_comm)."""
+    from deepspeed.runtime.zero import config
+
+    return config.DeepSpeedZeroConfig(**(ds_config.get("zero_optimization") or {}))
+
+
+def offload_device(block: Any) -> str:
+    device = getattr(block, "device", None) if block is not None else None
+    return "none" if device is None else str(getattr(device, "value", device))
+
+
+def place(device: str) -> str:
+    """Where an offload device puts a tensor: cpu -> host memory; nvme -> swap files (pinned host buffers)."""
+    return {"none": "gpu", "cpu": "host"}.get(device, device)
+
+
+def optimizer_kind(ds_config: dict, offloaded: bool, prec: Precision, plain: bool = False) -> OptimizerKind:
+    opt = ds_config.get("optimizer") or {}
+    name, params = str(opt.get("type", "adamw")).lower(), opt.get("params") or {}
+    if name in ("adam", "adamw"):
+        if plain or params.get("torch_adam"):
+            return OptimizerKind("torch.optim.AdamW", 2, prec.master, True)
+        if offloaded:  # fp32 moments unless bf16_optimizer_states (engine.get_optimizer_configuration)
+            fp32 = params.get("fp32_optimizer_states", True) and not prec.bf16_optimizer_states
+            return OptimizerKind("DeepSpeedCPUAdam", 2, 4 if fp32 else prec.master, False)
+        return OptimizerKind("FusedAdam", 2, prec.master, False)
+    cpu_elem = 4 if params.get("fp32_optimizer_states", True) else prec.master
+    if name == "adagrad":
+        return (OptimizerKind("DeepSpeedCPUAdagrad", 1, cpu_elem, False) if offloaded and not plain
+                else OptimizerKind("torch.optim.Adagrad", 1, prec.master, True))
+    if name == "lion":  # CPU Lion allocates an exp_avg_sq it never uses (ops/lion/cpu_lion.py:step)
+        return (OptimizerKind("DeepSpeedCPULion", 2, cpu_elem, False) if offloaded
+                else OptimizerKind("FusedLion", 1, prec.master, False))
+    if name == "lamb":
+        return OptimizerKind("FusedLamb", 2, prec.master, False)
+    if name in ("muadam", "muadamw"):
+        return OptimizerKind(f"mup.{name}", 2, prec.master, True)
+    if name == "musgd":
+        return OptimizerKind("mup.MuSGD", 1 if params.get("momentum") else 0, prec.master, False)
+    raise ValueError(f"no memory rule for optimizer {opt.get('type')!r}")
+
+
+def optimizer_state(kind: OptimizerKind, elements: int, tensors: int) -> int:
+    """Optimizer state bytes for `tensors` optimized tensors holding `elements` elements in all."""
+    return kind.tensors * elements * kind.state_elem + (FP32_STEP_BYTES * tensors if kind.torch_step else 0)
+
+
+def trainable_or_all(param_numels: list[int], trainable_numels: list[int] | None) -> list[int]:
+    return [int(n) for n in (param_numels if trainable_numels is None else trainable_numels)]
+
+
+def states_record(stage: int, world: int, rank: int, params: int, grads: int, master: int, state: int,
+                  **extra: Any) -> dict:
+    where = extra.pop("where")
+    return {"zero_stage": stage, "world_size": world, "rank": rank, "params_bytes": params, "grads_bytes": grads,
+            "master_weights_bytes": master, "optimizer_state_bytes": state, "where": where,
+            "grads_on_gpu": where["grads"] == "gpu", **extra}
+
+
+def term(name: str, nbytes: float, note: str = "", moment: str | None = None) -> dict[str, Any]:
+    """A memory term as the plan writes it (rundir.plan.Term)."""
+    return Term.of_bytes(name, nbytes, note, moment).to_dict()
+
+
+def buffer_term(name: str, nbytes: int, where: str, bound: str, lifetime: str, source: str,
+                overlaps: str = "") -> Term:
+    """One of DeepSpeed's own buffers: where it lives, exact or an upper bound, its lifetime (persistent | backward |
+    forward+backward | reduce | step | step:flatten | step:update), the line that allocates it, and the model
+    state it shares memory with, if any."""
+    return Term.of_bytes(name, int(nbytes), source, lifetime, where=where, bound=bound, overlaps=overlaps)
+
+
+def comm_elem(ds: dict, param_elem: int) -> int:
+    """engine.communication_data_type: the dict's value, else the parameters' dtype."""
+    value = ds.get("communication_data_type")
+    return dtype_bytes(value) if value else param_elem
+
+
+def state_mib(plan: dict, name: str) -> float:
+    """A GPU term of the step's prediction by name (0 when the term is not on the GPU)."""
+    return sum(t["mib"] for t in plan["gpu_terms"] if t["term"] == name)
+
+
+def zero_stage(checked: ResolvedRun) -> int:
+    return int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+
+
+def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
+    """The sizes of the parameters the optimizer does not get (as a multiset: order does not matter here)."""
+    left = Counter(trainable)
+    frozen = []
+    for n in numels:
+        if left[n]:
+            left[n] -= 1
+        else:
+            frozen.append(n)
+    return frozen
+
+
+def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]]:
+    """(every parameter's bytes, the frozen ones'), in the run's dtype: module.to(device) gives each its own block."""
+    stats = checked.model_stats
+    numels = list(stats.param_numels)
+    frozen = frozen_numels(numels, list(stats.trainable_numels or stats.param_numels))
+    return [n * elem for n in numels], [n * elem for n in frozen]

@@ -1,0 +1,91 @@
+"""Plain accelerate and ZeRO-0: nothing is partitioned. Every rule of these two in one place: the model states,
+DeepSpeed's gradient all-reduce bucket, the step's fp32 gradient copies, and the loading phase."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from zerotune.plan import allocator
+from zerotune.plan.gpus import GPU
+from zerotune.plan.rules import (
+    OptimizerKind,
+    Precision,
+    StepShape,
+    buffer_term,
+    comm_elem,
+    module_blocks,
+    optimizer_kind,
+    optimizer_state,
+    states_record,
+    term,
+)
+from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import Term
+from zerotune.schema import Config
+from zerotune.units import DTYPE_BYTES
+
+if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+
+def plain_states(numels: list[int], train: list[int], ds: dict, world: int, rank: int) -> dict:
+    # Plain accelerate keeps fp32 weights (autocast for bf16/fp16) and builds torch's optimizer on them.
+    prec = Precision("fp32", 4, 4, 4, False)
+    kind, trained = optimizer_kind(ds, False, prec, plain=True), sum(train)
+    return states_record(0, world, rank, sum(numels) * 4, trained * 4, 0, optimizer_state(kind, trained, len(train)),
+                         where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
+                         elem_bytes={"params": 4, "grads": 4, "master_weights": 4, "optimizer_state": kind.state_elem},
+                         optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
+                         trainable_params_bytes=trained * 4)
+
+
+def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: DeepSpeedZeroConfig) -> dict:
+    kind, trained = optimizer_kind(ds, False, prec), sum(train)
+    if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
+        master, tensors = 0, len(train)
+    else:  # FP16_Optimizer (FusedAdam: one flat fp32 copy) or FP16_UnfusedOptimizer (an fp32 copy per tensor)
+        master, tensors = trained * 4, 1 if kind.name == "FusedAdam" else len(train)
+    kind = OptimizerKind(kind.name, kind.tensors, 4, kind.torch_step)  # the updated tensors are fp32 here
+    return states_record(0, world, rank, sum(numels) * prec.param, trained * prec.param, master,
+                         optimizer_state(kind, trained, tensors),
+                         where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
+                         elem_bytes={"params": prec.param, "grads": prec.param, "master_weights": 4,
+                                     "optimizer_state": kind.state_elem},
+                         optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
+                         trainable_params_bytes=trained * prec.param)
+
+
+def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
+            zero: DeepSpeedZeroConfig) -> list[Term]:
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    # A bucket closes once it passes MEMORY_OPT_ALLREDUCE_SIZE elements; it is cast when the comm dtype differs.
+    bucket = min(sum(train), MEMORY_OPT_ALLREDUCE_SIZE + max(train, default=0))
+    comm = comm_elem(ds, prec.param)
+    return [buffer_term("allreduce_flat_bucket", bucket * (prec.param + (comm if comm != prec.param else 0)), "gpu",
+                  "upper", "reduce", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
+                  "(flattens gradients in buckets of MEMORY_OPT_ALLREDUCE_SIZE elements)")]
+
+
+def step_transients(shape: StepShape) -> list[dict]:
+    """DeepSpeed's ZeRO-0 optimizer wrappers step fp32 copies of lower-precision gradients (plain accelerate: none)."""
+    if not shape.use_deepspeed or shape.param_elem == shape.master_elem:
+        return []
+    if shape.optimizer == "FusedAdam":  # the cast copies and their flat copy, then the flat one alone
+        src = "runtime/fp16/fused_optimizer.py:FP16_Optimizer.step"
+        return [term("step_fp32_grads", shape.trained * 8, src + ": every gradient cast to fp32 and flattened "
+                     "(_flatten_dense_tensors), both held at once", "step:flatten"),
+                term("step_fp32_grads", shape.trained * 4, src + ": the flat fp32 gradients", "step:update")]
+    return [term("step_fp32_grads", shape.trained * 4,
+                 "runtime/fp16/unfused_optimizer.py:FP16_UnfusedOptimizer.step: an fp32 copy of every gradient",
+                 "step:update")]
+
+
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+    """Stage 0 / plain accelerate: the module cast and moved parameter by parameter (engine.py
+    _configure_distributed_model: _cast_module_mixed_precision on the host, then module.to(device))."""
+    sizes, _ = module_blocks(checked, DTYPE_BYTES[cfg.precision.name])
+    terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes),
+                         "one block per parameter, run dtype (engine.py _configure_distributed_model module.to)")]
+    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": "engine.py _configure_distributed_model; the optimizer's copies are the step's terms"}
