@@ -16,8 +16,8 @@ from zerotune.errors import ConfigError
 from zerotune.launch import planning
 from zerotune.launch.elastic import check_launch
 from zerotune.launch.gate import Gate
-from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.records import base_summary, record_refusal
+from zerotune.ops.build import prebuild_ops
 from zerotune.preflight import CheckedRun, preflight
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
