@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune.errors import ConfigError
-from zerotune.launch import ops
 from zerotune.launch.gate import Gate, GateWatch
+from zerotune.ops import build as ops
 from zerotune.preflight import preflight
 
 SHM = "ShareMemCommBuilder"

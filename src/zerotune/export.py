@@ -30,10 +30,10 @@ import torch
 
 from zerotune import checkpoints
 from zerotune.checkpoints import manifest
+from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.layout import read_meta
 from zerotune.models import lora_export
 from zerotune.rundir import RunDir
-from zerotune.training.checkpoint import full_state
 
 
 def find_checkpoint(path: str | Path) -> Path:
