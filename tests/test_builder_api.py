@@ -19,7 +19,8 @@ from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, packaged_configs
 from tests.helpers.cli import cli_env, run_cli
 from zerotune import config_search
 from zerotune.builder import app as builder_app
-from zerotune.builder import experiments, form, paths, preview, server
+from zerotune.builder import experiments, form, paths, preview
+from zerotune.cli import builder as server
 from zerotune.cli.compose import compose, parse_typed
 from zerotune.plan.predict import predict
 from zerotune.platform import Platform

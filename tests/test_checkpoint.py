@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 from zerotune import checkpoints
+from zerotune.checkpoints.store import cleanup
+from zerotune.checkpoints.swap import clean_stale_swap
 from zerotune.errors import ConfigError
-from zerotune.training import checkpoint as ckpt
 
 QUICK = ["train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2",
@@ -64,7 +65,7 @@ def test_latest_ignores_interrupted_saves(tmp_path):
     fake_checkpoint(tmp_path, 6, complete=False)        # killed before COMPLETE was written
     (tmp_path / ".tmp-step-0000008-abc").mkdir()         # killed before the rename
     assert checkpoints.latest(tmp_path) == checkpoints.step_dir(tmp_path, 4)
-    ckpt.cleanup(tmp_path, keep_last=1)
+    cleanup(tmp_path, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000004"]
 
 
@@ -116,13 +117,13 @@ def test_stale_swap_removed_only_inside_offload_root(tmp_path):
     (root / "zero_stage_1").symlink_to(outside / "zero_stage_3")      # a swap-named link pointing outside
     (root / "zero_stage_3" / "link_out").symlink_to(outside)           # a link inside a swap folder
     (root / "my_notes.txt").write_text("not DeepSpeed's")
-    removed = ckpt.clean_stale_swap(root)
+    removed = clean_stale_swap(root)
     assert sorted(removed) == [str(root / "zero_stage_1"), str(root / "zero_stage_3")]
     assert not (root / "zero_stage_3").exists() and not (root / "zero_stage_1").is_symlink()
     assert (root / "my_notes.txt").read_text() == "not DeepSpeed's"
     assert (outside / "keep.txt").read_text() == "keep"
     assert (outside / "zero_stage_3" / "keep.swp").read_text() == "keep"
-    assert ckpt.clean_stale_swap(tmp_path / "missing") == []
+    assert clean_stale_swap(tmp_path / "missing") == []
 
 
 def test_the_lock_removes_the_run_dirs_checkpoints_folder_when_nothing_was_saved_there(tmp_path):

@@ -92,7 +92,7 @@ def only_run_dir(cwd: Path) -> Path:
 @pytest.mark.parametrize(("nodelist", "first"), [("gpu01", "gpu01"), ("gpu[07-08],login1", "gpu07"),
                                                 ("n[098-101]", "n098"), ("rack[1-2]-n[1-2]", "rack1-n1")])
 def test_slurm_master_is_the_first_host_of_the_node_list(nodelist, first, monkeypatch):
-    from zerotune.launch.slurm import launch_from_slurm
+    from zerotune.slurm.job import launch_from_slurm
 
     for key, value in {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2",
                        "SLURM_NODEID": "0"}.items():
@@ -101,7 +101,7 @@ def test_slurm_master_is_the_first_host_of_the_node_list(nodelist, first, monkey
 
 
 def test_slurm_env_maps_to_the_launch_block(monkeypatch):
-    from zerotune.launch.slurm import PORT_BASE, PORT_SPAN, in_slurm_job, launch_from_slurm
+    from zerotune.slurm.job import PORT_BASE, PORT_SPAN, in_slurm_job, launch_from_slurm
 
     env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4", "SUBMITIT_EXECUTOR": "slurm"}

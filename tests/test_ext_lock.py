@@ -1,5 +1,5 @@
 """A lock a killed JIT build left in the torch extensions cache never makes a job wait forever
-(launch/ext_lock.py, and launch/ops.py before each op load): provably stale ones are removed with a warning,
+(ops/locks.py, and ops/build.py before each op load): provably stale ones are removed with a warning,
 live ones are waited on for a bounded time, undecided ones stop the job naming the file."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 from torch.utils.file_baton import FileBaton
 
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
-from zerotune.launch import ext_lock, ops
+from zerotune.ops import build as ops
+from zerotune.ops import locks as ext_lock
 
 ADAM_CPU_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
                     "optimizer": {"type": "AdamW", "params": {}}}
@@ -195,7 +196,7 @@ def test_a_real_prebuild_is_not_stuck_on_a_stale_lock(tmp_path):
     copy_current_cache(root, OFFLOAD_CPU_OPS)
     lock = plant(root, "cpu_adam")
     code = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
-            "from zerotune.launch.ops import prebuild_ops\n"
+            "from zerotune.ops.build import prebuild_ops\n"
             f"print(json.dumps(prebuild_ops({ADAM_CPU_OFFLOAD!r}, True)))")
     # A stuck load waits on the lock forever, so the timeout is the check; no wall-time bound (shared machines).
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400,

@@ -130,7 +130,7 @@ class _FakeAccelerator:
 
 
 def test_disk_full_during_save_unit(tmp_path):
-    from zerotune.training.checkpoint import SaveRequest, save
+    from zerotune.checkpoints.store import SaveRequest, save
 
     request = SaveRequest(root=tmp_path / "ck", step=3, meta={}, position_state={}, unet=None, job="j")
     with pytest.raises(checkpoints.CheckpointSpaceError) as err:

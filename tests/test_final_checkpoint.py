@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from zerotune import checkpoints
+from zerotune.checkpoints.store import cleanup
 from zerotune.export import find_checkpoint
-from zerotune.training import checkpoint as ckpt
 
 SHORT = ["train.batch_size=8", "evaluate.enabled=false"]
 # ema.decay=0 makes the EMA a host copy of the live weights after every step (lerp with weight 1 is exact):
@@ -132,9 +132,9 @@ def test_keep_last_never_deletes_the_save_just_made(tmp_path):
     for step in (100, 200, 300):
         fake_checkpoint(tmp_path, step)
     final = fake_checkpoint(tmp_path, 20)
-    ckpt.cleanup(tmp_path, keep_last=2, keep=final)
+    cleanup(tmp_path, keep_last=2, keep=final)
     assert [p.name for p in checkpoints.list_complete(tmp_path)] == ["step-0000020", "step-0000200", "step-0000300"]
-    ckpt.cleanup(tmp_path, keep_last=2)
+    cleanup(tmp_path, keep_last=2)
     assert [p.name for p in checkpoints.list_complete(tmp_path)] == ["step-0000200", "step-0000300"]
 
 

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune import checkpoints, models
+from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.decide import decide_resume
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, lora_export
-from zerotune.training.checkpoint.convert import full_state
 
 QUICK = ["adapter=lora", "train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2", "precision=fp32"]

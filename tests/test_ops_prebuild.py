@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (launch/ops.py): which
+"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (ops/build.py): which
 ops a run needs, what a failed build says, and a real job's record of the build."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from zerotune.errors import ConfigError
-from zerotune.launch import ops
 from zerotune.launch.gate import Gate, GateWatch
+from zerotune.ops import build as ops
 from zerotune.preflight import preflight
 
 SHM = "ShareMemCommBuilder"
@@ -81,7 +81,7 @@ def test_a_real_failed_compile_raises(tmp_path):
     """No working compiler (CXX=false) and an empty cache: the first op DeepSpeed would JIT-build fails
     here, loudly, before any worker starts."""
     env = {**cli_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"}
-    code = ("from zerotune.launch.ops import prebuild_ops\n"
+    code = ("from zerotune.ops.build import prebuild_ops\n"
             "prebuild_ops({'zero_optimization': {'stage': 2, 'offload_optimizer': {'device': 'cpu'}},"
             " 'optimizer': {'type': 'AdamW', 'params': {}}}, True)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

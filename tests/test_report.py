@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from tests.helpers.cli import cli_env
+from zerotune.cli.report import main as report_main
 from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
-from zerotune.report.__main__ import main as report_main
 from zerotune.report.build import build_report
 from zerotune.report.callback import SweepReportCallback
 from zerotune.report.collect import NoRunsError

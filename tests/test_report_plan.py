@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_report import read_csv, write_job
+from zerotune.cli.report import main as report_main
 from zerotune.report import budget_answer, cheapest_fit, collect_runs
-from zerotune.report.__main__ import main as report_main
 from zerotune.report.build import build_report
 
 

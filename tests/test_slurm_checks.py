@@ -1,5 +1,5 @@
 """hydra/launcher=slurm: the request is checked against the cluster before anything is submitted
-(launch/slurm_cluster.py, launch/slurm_request.py, cli/slurm_check.py). Parsing on scontrol's real output, the checks on a described
+(slurm/cluster.py, slurm/request.py, slurm/precheck.py, cli/slurm_check.py). Parsing on scontrol's real output, the checks on a described
 cluster, and each refusal through the real CLI against the local two-node cluster (nothing submitted)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from omegaconf import open_dict
 import zerotune.cli.compose  # noqa: F401 (registers the schema config.yaml names)
 from tests.helpers.cli import run_cli
 from zerotune import config_search
-from zerotune.cli import slurm_check
 from zerotune.errors import ConfigError
-from zerotune.launch.slurm_cluster import (
+from zerotune.slurm import precheck as slurm_check
+from zerotune.slurm.cluster import (
     Cluster,
     Node,
     Partition,
@@ -26,7 +26,7 @@ from zerotune.launch.slurm_cluster import (
     parse_records,
     parse_time_min,
 )
-from zerotune.launch.slurm_request import JobTime, Request, check_request, check_time_to_checkpoint
+from zerotune.slurm.request import JobTime, Request, check_request, check_time_to_checkpoint
 
 # `scontrol --all show partition -o` and `scontrol show node -o` on scripts/slurm_local.sh's cluster (slurm-wlm 22.05).
 PARTITION_OUT = (

@@ -1,5 +1,5 @@
 """How a SLURM job's end is read and recorded, without a cluster: a job that ended without a result
-(launch/slurm_end.py), and the node that failed first in a job of several (launch/node_failures.py). The real
+(slurm/job_end.py), and the node that failed first in a job of several (launch/node_failures.py). The real
 cluster runs them in tests/test_slurm.py (slow)."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotune.launch import node_failures, slurm_end
+from zerotune.launch import node_failures
 from zerotune.launch.elastic import LaunchResult
-from zerotune.launch.slurm import ends_the_step
 from zerotune.report.collect import collect_runs
+from zerotune.slurm import job_end as slurm_end
+from zerotune.slurm.job import ends_the_step
 
 
 class FakeJob:

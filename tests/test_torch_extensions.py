@@ -1,6 +1,6 @@
 """torch installed under a path with a space (a venv in "my proj/venv"): torch.utils.cpp_extension writes the
 `-L<torch>/lib` of an op's build.ninja unquoted, so the link fails; zerotune points it at a shell-safe link to
-that folder in the extensions cache (torch_extensions.py). Built here for real, with a tiny C++ library."""
+that folder in the extensions cache (ops/torch_lib.py). Built here for real, with a tiny C++ library."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from zerotune import torch_extensions
 from zerotune.errors import ConfigError
+from zerotune.ops import torch_lib as torch_extensions
 
 SOURCE = 'extern "C" int zerotune_probe() { return 42; }\n'
 

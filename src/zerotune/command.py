@@ -29,11 +29,11 @@ COMMANDS = {
     "tune": Command("zerotune.cli.main", "find the fastest configuration that fits: short measured trials (-m hydra/sweeper=tune)"),
     "plan": Command("zerotune.cli.plan", "predict GPU and host memory for a configuration, without training"),
     "ds-config": Command("zerotune.cli.ds_config", "print the DeepSpeed config a configuration composes to"),
-    "import-config": Command("zerotune.import_config", "turn an accelerate YAML or DeepSpeed JSON into overrides"),
-    "export": Command("zerotune.export", "write a checkpoint's U-Net (or LoRA adapter) as diffusers files"),
-    "report": Command("zerotune.report.__main__", "summarise sweeps: tables, plots, the fastest that fits"),
-    "doctor": Command("zerotune.doctor.cli", "check this machine for DeepSpeed training, and where configs come from"),
-    "builder": Command("zerotune.builder.server", "serve the config builder page on this machine"),
+    "import-config": Command("zerotune.cli.import_config", "turn an accelerate YAML or DeepSpeed JSON into overrides"),
+    "export": Command("zerotune.cli.export", "write a checkpoint's U-Net (or LoRA adapter) as diffusers files"),
+    "report": Command("zerotune.cli.report", "summarise sweeps: tables, plots, the fastest that fits"),
+    "doctor": Command("zerotune.cli.doctor", "check this machine for DeepSpeed training, and where configs come from"),
+    "builder": Command("zerotune.cli.builder", "serve the config builder page on this machine"),
 }
 
 

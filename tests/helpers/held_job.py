@@ -18,7 +18,7 @@ def held_job(folder: str) -> str:
     """Says it runs, waits for the test's word (`go`), then does what a job process does once its attempt is
     recorded: submitit's requeue, on the signal it held."""
     from zerotune import held_signals
-    from zerotune.launch.slurm import requeue_if_preempted
+    from zerotune.slurm.job import requeue_if_preempted
 
     Path(folder, "running").touch()
     while not Path(folder, "go").exists():

@@ -1,8 +1,8 @@
-"""`python -m zerotune.builder`: the config builder page (zerotune.builder.server)."""
+"""`python -m zerotune.builder`: the config builder page (zerotune/cli/builder.py)."""
 
 import sys
 
-from zerotune.builder.server import main
+from zerotune.cli.builder import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,12 @@
-"""Checkpoint folders as files, before any model exists: their layout (`layout`), the manifest that
-COMPLETE holds (`manifest`), which one `resume` names (`select`) and whether this run can continue it
-(`decide`), the lock that keeps one job per checkpoint dir (`lock`), and disk space (`space`).
-Saving and loading the training state itself is training/checkpoint/'s."""
+"""Checkpoints: policy and I/O in one place.
+
+Before any model exists (no torch): their layout (`layout`), the manifest that COMPLETE holds (`manifest`), which
+one `resume` names (`select`) and whether this run can continue it (`decide`), the lock that keeps one job per
+checkpoint dir (`lock`), and disk space (`space`); these are what this package exports.
+With the model, imported by module (they import torch): when a run saves, its final checkpoint and what its
+summary says (`run_saves`), saving, crash-safe, published whole, keep_last (`store`), loading into the prepared
+engine (`resume`), across DeepSpeed changes, the only code that depends on DeepSpeed's internals (`convert`),
+and the NVMe swap folders a killed run left (`swap`)."""
 
 from zerotune.checkpoints.decide import ResumeDecision, conversion_mode, current_meta, decide_resume
 from zerotune.checkpoints.layout import (

@@ -12,7 +12,7 @@ One checkpoint, `<checkpoint.dir>/step-NNNNNNN/`:
     COMPLETE                  written last: every file's size and sha256 (manifest.py); a folder
                               without it is ignored
 
-Saves are written into `.tmp-step-NNNNNNN-<job>/` and renamed when whole (training/checkpoint/store.py).
+Saves are written into `.tmp-step-NNNNNNN-<job>/` and renamed when whole (checkpoints/store.py).
 """
 
 from __future__ import annotations

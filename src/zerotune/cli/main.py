@@ -22,16 +22,16 @@ from zerotune.cli.compose import as_config_error, check_command_line, check_reso
 from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
-from zerotune.launch.slurm import (
+from zerotune.rundir import RunDir
+from zerotune.rundir.spec import JobSpec, run_name
+from zerotune.rundir.summary import print_result
+from zerotune.slurm.job import (
     ends_the_step,
     job_node_rank,
     job_start_time,
     record_lost_attempts,
     requeue_if_preempted,
 )
-from zerotune.rundir import RunDir
-from zerotune.rundir.spec import JobSpec, run_name
-from zerotune.rundir.summary import print_result
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
 

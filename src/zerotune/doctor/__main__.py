@@ -2,7 +2,7 @@
 
 import sys
 
-from zerotune.doctor.cli import main
+from zerotune.cli.doctor import main
 
 if __name__ == "__main__":
     sys.exit(main())

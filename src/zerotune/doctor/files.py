@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
-from zerotune.launch import ext_lock
+from zerotune.ops import locks
 from zerotune.units import MIB
 
 
@@ -31,7 +31,7 @@ def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) 
     except ConfigError as exc:
         return Check("offload path", FAIL, exc.problem, exc.fix, {"path": path})
     free = shutil.disk_usage(_existing(folder)).free
-    facts = {"path": str(folder), "free_bytes": free, "file_system": ext_lock.fs_type(_existing(folder))}
+    facts = {"path": str(folder), "free_bytes": free, "file_system": locks.fs_type(_existing(folder))}
     found = f"{folder} is writable, {_size(free / MIB)} free ({facts['file_system'] or 'unknown'} file system)"
     need = _nvme_need_mib(cfg, overrides) if cfg.offload.device == "nvme" else None
     facts["needed_mib"] = need
@@ -71,10 +71,10 @@ def _nvme_need_mib(cfg: DictConfig, overrides: list[str]) -> float | None:
 
 def locks_check(remove: bool) -> Check:
     """Locks in the torch extensions cache; with `remove`, the provably stale ones are deleted."""
-    root = ext_lock.extensions_root()
-    states = ext_lock.inspect(ext_lock.find_locks(root))
+    root = locks.extensions_root()
+    states = locks.inspect(locks.find_locks(root))
     if remove:  # settle with no wait: removes a stale one in turn with starting jobs, leaves the rest
-        states = [ext_lock.settle(s.path, timeout_s=0) if s.state == "stale" else s for s in states]
+        states = [locks.settle(s.path, timeout_s=0) if s.state == "stale" else s for s in states]
     facts = {"root": str(root), "locks": [{"path": str(s.path), "state": s.state, "pids": s.pids,
                                            "reason": s.reason} for s in states]}
     stale = [s for s in states if s.state == "stale"]

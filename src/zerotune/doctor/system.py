@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
-from zerotune.launch import ext_lock
-from zerotune.launch.ops import COMPILER_FIX
+from zerotune.ops import locks
+from zerotune.ops.build import COMPILER_FIX
 
-# The ops zerotune's own options load (launch/ops.py), and what needs each.
+# The ops zerotune's own options load (ops/build.py), and what needs each.
 USED_FOR = {"cpu_adam": "offload=cpu|nvme with adam/adamw", "cpu_adagrad": "offload with optimizer=adagrad",
             "cpu_lion": "offload with optimizer=lion", "async_io": "offload=nvme", "pin_memory": "offload=nvme",
             "deepspeed_shm_comm": "several processes on the CPU accelerator"}
@@ -85,7 +85,7 @@ def op_table() -> dict[str, dict]:
         from deepspeed.git_version_info import installed_ops
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-        root = ext_lock.extensions_root()
+        root = locks.extensions_root()
         table = {}
         for name, builder in sorted(ALL_OPS.items()):
             if type(builder).__name__ == "NotImplementedBuilder":

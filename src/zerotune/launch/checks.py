@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from zerotune.errors import ConfigError
 from zerotune.launch.gate import Gate
-from zerotune.launch.ops import prebuild_ops
 from zerotune.launch.records import base_summary, record_refusal
+from zerotune.ops.build import prebuild_ops
 from zerotune.plan import guard as planning
 from zerotune.preflight import check
 from zerotune.resolved import ResolvedRun

@@ -175,7 +175,7 @@ def _stop_handlers() -> dict:
 def _restore(handlers: dict) -> None:
     # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
     # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the job
-    # (held_signals.py), while it records itself and, under submitit, requeues (launch/slurm.py).
+    # (held_signals.py), while it records itself and, under submitit, requeues (slurm/job.py).
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
 

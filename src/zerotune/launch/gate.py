@@ -103,6 +103,6 @@ class GateWatch:
     def wait_for_go(self) -> dict:
         """Block until the parent says go; the worker's marks: imports done (reached the gate), gate open."""
         reached = time.time()
-        self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (launch/ops.py)
+        self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (ops/build.py)
         self._go.wait()
         return {"gate_reached": reached, "gate_open": max(self.opened_at or reached, reached)}

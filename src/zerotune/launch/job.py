@@ -21,11 +21,11 @@ from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
-from zerotune.launch.slurm import continue_requeued, in_slurm_job, launch_from_slurm
 from zerotune.rundir import RunDir, write_json_atomic
 from zerotune.rundir.spec import JobSpec
 from zerotune.schema import Config, as_dict, to_config
 from zerotune.settle import Settled, settle
+from zerotune.slurm.job import continue_requeued, in_slurm_job, launch_from_slurm
 from zerotune.telemetry import MemorySampler, environment_info
 from zerotune.telemetry.env import node_identity
 from zerotune.telemetry.startup import ParentMarks, startup_view

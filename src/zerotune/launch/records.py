@@ -11,11 +11,11 @@ from typing import Any
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import LaunchResult
-from zerotune.launch.slurm import slurm_record
 from zerotune.rundir import RunDir
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
 from zerotune.schema import launch_world_size
+from zerotune.slurm.job import slurm_record
 from zerotune.telemetry import environment_info
 from zerotune.telemetry.host import HostExit, near_limit
 
@@ -55,7 +55,7 @@ def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Pa
         # before they could write it.
         summary["status"] = "interrupted"
         summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
-        summary["interrupted"]["job_signal"] = result.signal  # the job process's own (launch/slurm.py requeues on it)
+        summary["interrupted"]["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
     elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
         _launcher_failure(summary, result, peaks, run_dir)
     _last_checkpoint(summary)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from zerotune import files
-from zerotune.torch_extensions import link_torch_lib
+from zerotune.ops.torch_lib import link_torch_lib
 
 MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
 PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache

@@ -162,11 +162,11 @@ def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -
 def _export(cfg: Config, plan: dict, base: list[dict]) -> dict | None:
     """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
     copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
-    own process (training/checkpoint/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
+    own process (checkpoints/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
     run saves no checkpoint (checkpoint.final=false, no checkpoint.every_n_steps): nothing to export."""
     if not (cfg.checkpoint.final or int(cfg.checkpoint.every_n_steps or 0) > 0):
         return None
     terms = [*base, *_live_states(plan)]
     return {"phase": "export", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": "training/checkpoint/store.py save (in the run); export.py runs on the CPU, "
+            "source": "checkpoints/store.py save (in the run); export.py runs on the CPU, "
                       "no CUDA context: 0 MiB on the GPU in its own process"}

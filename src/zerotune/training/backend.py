@@ -11,8 +11,8 @@ import torch
 from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
+from zerotune.ops.torch_lib import link_torch_lib
 from zerotune.resolved import ResolvedRun
-from zerotune.torch_extensions import link_torch_lib
 from zerotune.user_config.accelerate_config import absorbed_launch_environment
 
 

@@ -96,7 +96,7 @@ def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
         return  # on CUDA accelerate gets it right (nccl); one process needs nothing
     from accelerate.state import PartialState
 
-    from zerotune.torch_extensions import link_torch_lib
+    from zerotune.ops.torch_lib import link_torch_lib
 
     link_torch_lib()  # DeepSpeed's process group loads its shm op (torch under a path with a space)
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what Accelerator(deepspeed_plugin=...) sets, a bit earlier

@@ -9,6 +9,8 @@ import torch
 from accelerate.utils import set_seed
 
 from zerotune import checkpoints
+from zerotune.checkpoints import resume, store, swap
+from zerotune.checkpoints.run_saves import RunSaves
 from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
@@ -17,10 +19,8 @@ from zerotune.models import adapter, build_unet, conditioning
 from zerotune.pause_hook import pause
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
-from zerotune.training import checkpoint as ckpt
 from zerotune.training import distributed, faults
 from zerotune.training.backend import make_accelerator, optimizer_and_scheduler, zero3_init
-from zerotune.training.checkpoint.run_saves import RunSaves
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
@@ -139,7 +139,7 @@ class Trainer:
                 unique.append(g)
         return unique
 
-    # ---- checkpoints (the files and their rules: training/checkpoint/)
+    # ---- checkpoints (the files and their rules: checkpoints/)
 
     def position_state(self) -> dict:
         """Where training stands, per rank: step, data position, the Trainer's own generators."""
@@ -163,7 +163,7 @@ class Trainer:
 
     def _restore(self, decision: checkpoints.ResumeDecision) -> None:
         raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        restored = ckpt.load(self.accelerator, decision, self._module(), raw_optimizer, self.raw_scheduler())
+        restored = resume.load(self.accelerator, decision, self._module(), raw_optimizer, self.raw_scheduler())
         self.load_position_state(restored.position_state, decision.meta["world_size"], self.accelerator.num_processes)
         if self.ema is not None and restored.ema_state is not None:
             self.ema.load_state_dict(restored.ema_state)
@@ -177,12 +177,12 @@ class Trainer:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
         if self.resume_decision is not None and self.cfg.offload.device == "nvme":
             if self.accelerator.is_local_main_process:
-                removed = ckpt.clean_stale_swap(str(self.run.nvme_dir))
+                removed = swap.clean_stale_swap(str(self.run.nvme_dir))
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> None:
-        self.saves.save(self.accelerator, self.step, lambda: ckpt.SaveRequest(
+        self.saves.save(self.accelerator, self.step, lambda: store.SaveRequest(
             root=self.saves.root, step=self.step, meta=self._meta(self.accelerator.num_processes),
             position_state=self.position_state(), unet=self._module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones

@@ -21,19 +21,16 @@ names.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
 
 from zerotune import checkpoints
 from zerotune.checkpoints import manifest
+from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.layout import read_meta
 from zerotune.models import lora_export
 from zerotune.rundir import RunDir
-from zerotune.training.checkpoint import full_state
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -112,20 +109,3 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict
     if ema is not None:  # the averaged adapter weights over the same frozen base
         written.update(lora_export.save(config, adapter_cfg, {**weights, **ema}, out, "_ema", merge))
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zerotune export", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a step-NNNNNNN checkpoint folder, a checkpoint dir or a run dir")
-    parser.add_argument("out", help="folder to write unet/, unet.safetensors (and unet_ema*) into; with an "
-                        "adapter, lora/pytorch_lora_weights.safetensors (and lora_ema/)")
-    parser.add_argument("--merge", action="store_true", help="with an adapter: also write the U-Net with the "
-                        "adapter merged into its weights, as unet/ and unet.safetensors")
-    args = parser.parse_args(argv)
-    written = export(args.checkpoint, args.out, merge=args.merge)
-    print(json.dumps(written, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,11 @@
-"""The command every task of a hydra/launcher=slurm job runs: `python -u -m zerotune.launch.slurm_task <folder>`,
+"""The command every task of a hydra/launcher=slurm job runs: `python -u -m zerotune.slurm.task <folder>`,
 submitit's own `python -u -m submitit.core._submit <folder>` with the job's stop signals held from its first line.
 
 SLURM signals a job's tasks whenever it pre-empts it, however young the attempt: submitit's own handler comes
 only after its imports and the job's unpickling (Hydra, zerotune), seconds in which the signal's default action
 would end the task, unrecorded, and the job FAILED instead of requeued. Held (zerotune/held_signals.py), the
 signal waits for the job process: it does not start its workers, or stops them, records the attempt, and only
-then calls submitit's handler, which requeues the job (launch/slurm.py requeue_if_preempted).
+then calls submitit's handler, which requeues the job (slurm/job.py requeue_if_preempted).
 """
 
 from zerotune import held_signals

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 from filelock import FileLock, Timeout
 
-from zerotune.torch_extensions import extensions_root
+from zerotune.ops.torch_lib import extensions_root
 
 log = logging.getLogger("zerotune")
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from zerotune.checkpoints import EMA_FILE, ResumeDecision
-from zerotune.training.checkpoint import convert
+from zerotune.checkpoints import EMA_FILE, ResumeDecision, convert
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The request hydra/launcher=slurm would make, against the cluster (launch/slurm_cluster.py).
+"""The request hydra/launcher=slurm would make, against the cluster (slurm/cluster.py).
 
 A request sbatch cannot place (an unknown partition, more nodes, GPUs, CPUs or memory than the partition's nodes
 have, a time limit above the partition's) is otherwise answered only by sbatch itself, or by a job that pends for
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from zerotune.errors import ConfigError
-from zerotune.launch.slurm_cluster import Cluster, Node, Partition
+from zerotune.slurm.cluster import Cluster, Node, Partition
 
 # States in which a partition takes no new jobs (scontrol's words); a DOWN partition queues them.
 CLOSED_STATES = ("DRAIN", "INACTIVE")

@@ -6,7 +6,7 @@ lands inside the job's memory sampler and start-up time: the first job of a swee
 identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
 A cold build starts once the workers wait at the job's gate (launch/gate.py): it takes every core for minutes,
 and their imports would otherwise run beside it.
-A lock a killed build left in the cache is dealt with first (ext_lock.py): no job waits on one forever.
+A lock a killed build left in the cache is dealt with first (ops/locks.py): no job waits on one forever.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.launch import ext_lock
+from zerotune.ops import locks
+from zerotune.ops.torch_lib import link_torch_lib
 from zerotune.telemetry import MemorySampler
-from zerotune.torch_extensions import link_torch_lib
 
 log = logging.getLogger("zerotune")
 
@@ -117,14 +117,14 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool, before_compiling: Callabl
 def is_cached(op: str) -> bool:
     """Whether the op's library is in the torch extensions cache (a stale one, after an upgrade, is rebuilt
     anyway: only the first build of an op is foreseen)."""
-    return ext_lock.lock_path(op).with_name(f"{op}.so").exists()
+    return locks.lock_path(op).with_name(f"{op}.so").exists()
 
 
 def clear_lock(op: str) -> None:
     """torch's loader waits with no limit while <extensions root>/<op>/lock exists: remove it when provably
     stale, wait a bounded time while a live process holds it, else stop here naming the file."""
     wait_s = float(os.environ.get(LOCK_WAIT_ENV, LOCK_WAIT_S))
-    state = ext_lock.settle(ext_lock.lock_path(op), wait_s)
+    state = locks.settle(locks.lock_path(op), wait_s)
     if state.state == "held":
         pids = " ".join(map(str, state.pids)) or "<pid>"
         raise OpBuildError(LOCK_KEY, f"{state.describe()}; it was still held after {wait_s:.0f} s",

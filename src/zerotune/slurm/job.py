@@ -100,7 +100,7 @@ def job_start_time(env: Mapping[str, str]) -> datetime | None:
     node's task composes its own config: this one clock gives `${now:...}` in hydra.run.dir one folder."""
     if not one_task_per_node(env) or int(env.get("SLURM_STEP_NUM_NODES") or 1) < 2:
         return None
-    from zerotune.launch.slurm_cluster import show_job
+    from zerotune.slurm.cluster import show_job
 
     started = (show_job(env["SLURM_JOB_ID"]) or {}).get("StartTime", "")
     try:
@@ -177,7 +177,7 @@ def requeue_if_preempted(summary: dict) -> None:
 
     Why here and not when the signal comes: submitit's handler requeues at once, and `scontrol requeue` has
     SLURM send SIGTERM, then SIGKILL after KillWait, to every process of the job, the workers in the middle of
-    their save included. So the job process holds the signal from its first line (launch/slurm_task.py sets
+    their save included. So the job process holds the signal from its first line (slurm/task.py sets
     submitit's handler aside), torch's agent passes it on to the workers while they run (launch/elastic.py), and
     submitit's handler is called only now, once the attempt is recorded. Only node 0's task requeues (submitit's
     handler does nothing on the others)."""

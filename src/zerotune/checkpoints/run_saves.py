@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune import checkpoints
-from zerotune.training.checkpoint import store
+from zerotune.checkpoints import store
 
 log = logging.getLogger(__name__)
 

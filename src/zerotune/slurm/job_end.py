@@ -17,8 +17,8 @@ from pathlib import Path
 import yaml
 
 from zerotune.files import read_json, write_json_atomic, write_text_atomic
-from zerotune.launch.slurm_cluster import SCONTROL_TIMEOUT_S, show_job
 from zerotune.rundir import RunDir
+from zerotune.slurm.cluster import SCONTROL_TIMEOUT_S, show_job
 
 log = logging.getLogger(__name__)
 

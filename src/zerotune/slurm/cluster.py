@@ -1,6 +1,6 @@
 """What a SLURM cluster offers, as `scontrol` reports it: its partitions and each node's CPUs, memory and GPUs.
 It is the cluster's configuration, not its current load: a node that is down or busy now is still one of its
-partition's nodes. launch/slurm_request.py checks a request against it."""
+partition's nodes. slurm/request.py checks a request against it."""
 
 from __future__ import annotations
 

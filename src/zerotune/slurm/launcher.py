@@ -1,0 +1,87 @@
+"""What the sweep's SLURM launcher (`hydra/launcher=zerotune_slurm`, src/hydra_plugins/zerotune_slurm) changes in
+hydra-submitit-launcher's: the task srun starts on each node, the batch script's shell, and how each job's end is
+awaited and recorded. The plugin's class only calls these; submitit is imported only here, when they run."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from unittest.mock import patch
+
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig, open_dict
+
+from zerotune.slurm.job_end import job_restarts, record_lost_job, stderr_tail, wait_for_end
+
+log = logging.getLogger(__name__)
+
+
+def task_command(executor: Any) -> str:
+    """What srun runs on each node: submitit's task, its stop signals held from its first line."""
+    return " ".join([executor.python, "-u -m zerotune.slurm.task", shlex.quote(str(executor.folder))])
+
+
+def batch_script(executor: Any, command: str, uid: str) -> str:  # noqa: ARG001 (submitit's signature)
+    """submitit's sbatch script, whose shell ignores the pre-emption signal: SLURM signals the shell too when
+    asked to (`scancel --full`), and the shell, which only waits on srun, would end the job FAILED of it."""
+    from submitit.slurm.slurm import SlurmJobEnvironment, _make_sbatch_string
+
+    setup = [f"trap '' {SlurmJobEnvironment.USR_SIG}", *(executor.parameters.get("setup") or [])]
+    return _make_sbatch_string(command=command, folder=executor.folder, **{**executor.parameters, "setup": setup})
+
+
+def submitted(launch: Callable[[], object]) -> list:
+    """The jobs the plugin's own submission (its executor, parameters and logging) submits, kept and not waited
+    on: `launch` is its `launch`, whose last line waits on every job; here it waits on none."""
+    import submitit
+    from submitit.slurm.slurm import SlurmExecutor
+
+    captured: list = []
+    real_map_array = submitit.AutoExecutor.map_array
+
+    def map_array(executor: Any, fn: Any, *iterables: Any) -> list:
+        captured.extend(real_map_array(executor, fn, *iterables))
+        return []  # the plugin then waits on no job: `outcome` does, one by one
+
+    with patch.object(submitit.AutoExecutor, "map_array", map_array), \
+            patch.object(SlurmExecutor, "_submitit_command_str", property(task_command)), \
+            patch.object(SlurmExecutor, "_make_submission_file_text", batch_script):
+        launch()
+    return captured
+
+
+def outcome(job: Any, overrides: list[str], run_dir_of: Callable[[], Path]) -> JobReturn:
+    """The job's result once it wrote one; else (cancelled, killed, its node lost) a summary.json in its run
+    folder with SLURM's state, returned as COMPLETED so that the sweep goes on to the next job."""
+    state = wait_for_end(job)
+    failure = ""
+    if state == "COMPLETED":
+        try:
+            return job.results()[0]
+        except Exception as exc:  # submitit's FailedJobError: the task raised past Hydra (its traceback)
+            failure = str(exc).strip().splitlines()[-1][:500]
+    run_dir = run_dir_of()
+    detail = failure or stderr_tail(job, lines=1)
+    summary = record_lost_job(run_dir, str(job.job_id), None if state == "COMPLETED" else state, overrides,
+                              detail, restarts=job_restarts(str(job.job_id)))
+    # COMPLETED, as zerotune's own task returns for a job that failed in a sweep: recorded, and the sweep goes on.
+    return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
+                     _return_value=summary)
+
+
+def job_run_dir(config: DictConfig, load_sweep_config: Callable[[DictConfig, Sequence[str]], DictConfig],
+                overrides: list[str], idx: int) -> Path:
+    """The job's run folder, as Hydra names it inside the job (hydra.sweep.dir / hydra.sweep.subdir)."""
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    try:
+        job_config = load_sweep_config(config, overrides)
+        with open_dict(job_config.hydra.job):
+            job_config.hydra.job.num = idx
+        return sweep_dir / str(job_config.hydra.sweep.subdir)
+    except Exception as exc:  # a subdir naming what only the job knows (hydra.job.id, say)
+        log.warning("hydra.sweep.subdir does not resolve here (%s): job %d recorded in %s/%d", exc, idx,
+                    sweep_dir, idx)
+        return sweep_dir / str(idx)
