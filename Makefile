@@ -48,8 +48,11 @@ test-all: setup
 gpu-kit: setup
 	bash benchmarks/gpu/build_kit.sh .whl 3.12
 
+# ruff, the type checker (pyproject.toml [tool.mypy] names the packages it checks) and the import contracts.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf outputs multirun/*/ .pytest_cache

@@ -22,6 +22,27 @@ def lint_imports(src_root: Path) -> subprocess.CompletedProcess:
                            "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+def type_check(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "mypy"), "--config-file", str(ROOT / "pyproject.toml"),
+                           "--cache-dir", "/dev/null" if args else str(ROOT / ".mypy_cache"), *args], cwd=cwd,
+                          env=cli_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_the_typed_rooms_pass_the_type_checker():
+    """schema/, plan/, training/, launch/ and the resolved run (pyproject.toml's [tool.mypy] files)."""
+    proc = type_check(ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_the_type_checker_catches_a_config_read_as_a_dict(tmp_path):
+    """Not vacuous: a block of the resolved config read with DictConfig's .get is an error."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from zerotune.schema import Config\n\n\ndef seed(cfg: Config) -> int:\n"
+                   "    return cfg.train.get('seed')\n")
+    proc = type_check(ROOT, str(bad))
+    assert proc.returncode != 0 and '"Train" has no attribute "get"' in proc.stdout, proc.stdout
+
+
 def test_import_contracts_are_kept():
     proc = lint_imports(ROOT / "src")
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -87,7 +87,7 @@ def launch_config(launch: Any, run_dir: Path):
                                       else uuid.uuid4().hex[:12])
     # One log folder per node: over a shared file system, node 1's local rank 0 must not write node 0's.
     log_dir = run_dir / "logs" / (f"node{int(launch.node_rank)}" if nnodes > 1 else "")
-    settings = dict(
+    settings: dict[str, Any] = dict(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=int(launch.num_processes),
         run_id=str(run_id),
         # "static" is torchrun's default: node ranks are given, the master hosts the store.
