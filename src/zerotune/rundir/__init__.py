@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune.files import jsonable, write_json_atomic, write_text_atomic
+from zerotune.rundir.run_summary import SUMMARY, RunSummary
 from zerotune.schema import Config
 
 __all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
@@ -17,7 +18,6 @@ __all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "ME
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
 METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
 SAMPLES = "samples"
 ATTEMPTS = "attempts"
 # What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
@@ -77,13 +77,12 @@ class RunDir:
             self._metrics = open(self.path / METRICS, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self._metrics.write(json.dumps(jsonable(row)) + "\n")
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: RunSummary) -> None:
         if self.is_writer:
-            write_json_atomic(self.path / SUMMARY, summary)
+            summary.write(self.path)
 
-    def read_summary(self) -> dict | None:
-        file = self.path / SUMMARY
-        return json.loads(file.read_text()) if file.is_file() else None
+    def read_summary(self) -> RunSummary | None:
+        return RunSummary.read(self.path)
 
     def close(self) -> None:
         if self._metrics is not None:
