@@ -60,7 +60,7 @@ def slurm_record(env: Mapping[str, str]) -> dict | None:
 
 def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[str]:
     """In a requeued SLURM job (SLURM_RESTART_COUNT > 0), once earlier records are in attempts/: an attempt of this
-    job that left no record at all (killed before it wrote one, its node lost) gets one, status "lost", so that the
+    job that left no record at all (killed before it wrote one, its node lost) gets one, status LOST, so that the
     job keeps one folder per attempt, as many as SLURM's restarts. Each attempt does this as it starts: the ones
     missing are the latest. Returns the folders added."""
     from zerotune.rundir import ATTEMPTS, RunDir

@@ -136,8 +136,11 @@ class RunSummary:
     def write(self, run_dir: str | Path, name: str = SUMMARY) -> None:
         write_json_atomic(Path(run_dir) / name, self.to_json())
 
-    def copy(self) -> RunSummary:
-        return RunSummary.from_json(json.loads(json.dumps(self.to_json())))
+    def trained_status(self) -> Status:
+        """The status of a run that trained to its end: stopped by a signal, by its study, or complete."""
+        if self.interrupted is not None:
+            return Status.INTERRUPTED
+        return Status.PRUNED if self.pruned is not None else Status.OK
 
     @property
     def error_type(self) -> str | None:

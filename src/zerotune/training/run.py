@@ -22,6 +22,7 @@ from zerotune.rundir.status import Status
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
 from zerotune.schema import Config, to_config
 from zerotune.telemetry import environment_info, node_identity
+from zerotune.telemetry.phases import PhaseTimeline
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
@@ -56,8 +57,7 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
             distributed.init_accelerate_state(run.use_deepspeed, cfg.launch.collective_timeout_s)
             _train_and_evaluate(run, run_dir, logger, stop, summary, marks)
-            summary.status = Status.INTERRUPTED if summary.interrupted is not None \
-                else Status.PRUNED if summary.pruned is not None else Status.OK
+            summary.status = summary.trained_status()
             return summary
         except ConfigError as exc:
             summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
@@ -158,7 +158,7 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
     """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
     through is there even when it fails)."""
     cfg = run.config
-    out: dict = {}
+    out = RunSummary()  # what this function adds to `summary`, merged once all of it is known
     # perf.startup_s leaves out the wait at the job's gate: a cold op build there is reported apart (startup.*),
     # so the first job of a sweep does not look slower than the next.
     with RunTelemetry(nvme_dir=run.nvme_dir, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
@@ -174,26 +174,26 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
             summary.update(trainer.progress())
             marks["first_step_end"] = telemetry.timer.first_step_end_unix
         if trainer.stopped_by == PRUNED:  # a tune trial its study stopped at a rung
-            out["pruned"] = {"after_step": trainer.step}  # the summary's key, not its status (PRUNED)
-        elif trainer.stopped_by is not None:  # the summary's key "interrupted", not its status (INTERRUPTED)
-            out["interrupted"] = {"signal": trainer.stopped_by, "after_step": trainer.step,
-                                  "last_checkpoint": out["checkpoint"]["last_complete"]}
-        out["optimizer_class"] = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
-        out["train_time_s"] = sum(telemetry.timer.durations)
+            out.pruned = {"after_step": trainer.step}
+        elif trainer.stopped_by is not None:
+            out.interrupted = {"signal": trainer.stopped_by, "after_step": trainer.step,
+                               "last_checkpoint": (out.checkpoint or {}).get("last_complete")}
+        out.optimizer_class = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
+        out.train_time_s = sum(telemetry.timer.durations)
         if trainer.ema is not None:
-            out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
+            out.ema = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
     if trainer.data_report:
-        out["data"] = trainer.data_report
-    out["partition"] = trainer.partition
+        out.data = trainer.data_report
+    out.partition = trainer.partition
     _gather_rank_records(trainer, run_dir, out)
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
         _evaluate(trainer, cfg, run_dir, telemetry.phases, out)
     trainer.accelerator.end_training()
-    summary.update(out)
+    summary.update(out.as_dict())
 
 
-def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases, out: dict) -> None:
+def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases: PhaseTimeline, out: RunSummary) -> None:
     # Imported when evaluating only: it brings scikit-learn's classifier.
     from zerotune.training.evaluate import evaluate_digits
 
@@ -201,16 +201,17 @@ def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases, out: dict)
     quality = evaluate_digits(trainer, cfg, run_dir)
     phases.end()
     if quality is not None:
-        out["quality"] = quality
+        out.quality = quality
 
 
-def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: dict) -> None:
-    record = {**node_identity(), **out["memory"], "partition": trainer.partition, "losses": trainer.logged_losses}
+def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: RunSummary) -> None:
+    memory = out.memory if out.memory is not None else {}
+    record = {**node_identity(), **memory, "partition": trainer.partition, "losses": trainer.logged_losses}
     record = write_rank_record(run_dir.path, distributed.rank(), record)  # every rank, its own file
     # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
     records = distributed.gather_object(record)
     if records is not None:
-        out["memory"].update(per_rank_summary(records))
+        memory.update(per_rank_summary(records))
 
 
 def _device_sync(trainer):
