@@ -23,7 +23,7 @@ from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
 from zerotune.launch.slurm import continue_requeued, in_slurm_job, launch_from_slurm
 from zerotune.rundir import RunDir
-from zerotune.rundir.run_summary import RunSummary, node_summary_name
+from zerotune.rundir.run_summary import JsonDict, RunSummary, node_summary_name
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
 from zerotune.schema import Config, as_dict, to_config
@@ -75,8 +75,7 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
             return _skipped(run_dir, base)
         sampler.stop()
         summary = _workers_summary(config, run_dir, base, result)
-        _add_checks(summary, base)
-        summary.startup = startup_view(marks, summary.startup_marks, checks.marks)
+        _add_checks(summary, base, startup_view(marks, summary.startup_marks, checks.marks))
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
     _write(config, run_dir, summary, result)
     return summary
@@ -108,9 +107,9 @@ def lock_checkpoints(config: Config, spec: JobSpec, run_dir: RunDir, held: ExitS
         raise
 
 
-def _add_checks(summary: RunSummary, base: RunSummary) -> None:
-    """What the parent's checks found, into the workers' summary."""
-    summary.slurm = base.slurm  # the job and its attempt
+def _add_checks(summary: RunSummary, base: RunSummary, startup: JsonDict) -> None:
+    """What the parent's checks found, and the job's start as a whole, into the workers' summary."""
+    summary.slurm, summary.startup = base.slurm, startup  # slurm: the job and its attempt
     if base.plan is not None:
         summary.plan = base.plan
     if base.ops_build is not None:
