@@ -74,7 +74,7 @@ def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[st
         added.append(f"{ATTEMPTS}/{len(run.previous_attempts()) + 1}")
         (run.path / added[-1]).mkdir(parents=True)
         RunSummary(
-            status=Status.LOST, run_dir=str(run.path), slurm={**slurm_record(env), "restart_count": restart},
+            status=Status.LOST, run_dir=str(run.path), slurm={**(slurm_record(env) or {}), "restart_count": restart},
             error={"type": Status.LOST, "message": f"attempt {restart + 1} of SLURM job {env['SLURM_JOB_ID']} left no "
                    "record: it ended (killed, or its node lost) before it wrote one"}).write(run.path / added[-1])
     return added

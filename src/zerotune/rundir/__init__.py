@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from omegaconf import OmegaConf
 
@@ -30,7 +30,7 @@ class RunDir:
         self.is_writer = is_writer  # only one process (rank 0) writes shared files
         if is_writer:
             (self.path / SAMPLES).mkdir(parents=True, exist_ok=True)
-        self._metrics = None
+        self._metrics: TextIO | None = None
 
     def archive_previous_attempt(self, started: float | None = None) -> Path | None:
         """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to

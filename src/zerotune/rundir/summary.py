@@ -29,8 +29,9 @@ def key_choices(cfg: Config, world_size: int) -> JsonDict:
 
 def _adapter_choice(adapter: Adapter | None) -> str:
     """none, or the adapter and its rank (lora-r16): what changes its size."""
-    name = adapter.name if adapter is not None else "none"
-    return name if name == "none" else f"{name}-r{adapter.rank}"
+    if adapter is None or adapter.name == "none":
+        return "none"
+    return f"{adapter.name}-r{adapter.rank}"
 
 
 def experiment_info(cfg: Config) -> JsonDict | None:
