@@ -41,6 +41,7 @@ def test_an_older_or_partial_summary_reads():
     assert RunSummary.from_json({"status": "ok"}).memory is None
     odd = RunSummary.from_json({"status": "someday"})  # a word this version does not know stays as written
     assert odd.status is None and odd.to_json() == {"status": "someday"}
+    assert RunSummary.from_json({"status": None, "cls": 1}).to_json() == {"status": None, "cls": 1}
     assert RunSummary.read(ROOT / "no-such-folder") is None
 
 

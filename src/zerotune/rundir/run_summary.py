@@ -94,10 +94,11 @@ class RunSummary:
         """Set each key (a known one as its field, any other kept in `extra`)."""
         known = set(self.keys())
         for key, value in values.items():
-            if key in known:
-                setattr(self, key, Status.parse(value) if key == "status" and value is not None else value)
+            status = Status.parse(value) if key == "status" else None
+            if key not in known or (key == "status" and value is not None and status is None):
+                self.extra[key] = value  # a status word this version does not know, too: kept as written
             else:
-                self.extra[key] = value
+                setattr(self, key, status if key == "status" else value)
 
     def as_dict(self) -> JsonDict:
         """The keys the run has, its values as they are (to_json: as written)."""
@@ -114,12 +115,8 @@ class RunSummary:
     @classmethod
     def from_json(cls, data: JsonDict) -> RunSummary:
         """An older summary reads too: a key it lacks is None, a key this version does not know is kept."""
-        summary = cls.of(**{k: v for k, v in data.items() if k != "status"})
-        status = data.get("status")
-        if status is not None:
-            summary.status = Status.parse(status)
-            if summary.status is None:  # a word this version does not know: kept as written
-                summary.extra = {"status": status, **summary.extra}
+        summary = cls()
+        summary.update(data)
         return summary
 
     @classmethod
