@@ -212,17 +212,19 @@ def test_pinned_clock_gives_every_rank_one_run_dir():
 def test_root_cause_of_a_failed_rank_leads_the_error(tmp_path):
     from zerotune.launch.elastic import LaunchResult
     from zerotune.launch.job import merge_job_view
+    from zerotune.rundir.run_summary import RunSummary
 
     (tmp_path / "logs" / "x" / "attempt_0" / "1").mkdir(parents=True)
     (tmp_path / "logs" / "x" / "attempt_0" / "1" / "stderr.log").write_text("boom on rank 1\n")
-    summary = {"status": "failed", "error": {"type": "DistBackendError", "message": "Connection closed by peer"}}
+    summary = RunSummary.from_json({"status": "failed",
+                                    "error": {"type": "DistBackendError", "message": "Connection closed by peer"}})
     peaks = {"host_peak_rss_mib": 10.0, "nvme_peak_mib": None, "gpu_peak_process_mib": None,
              "gpu_peak_device_mib": None}
     result = LaunchResult("failed", "rank 1 exited with code 1: RuntimeError: x", failed_rank=1, failed_local_rank=1)
     out = merge_job_view(summary, result, peaks, tmp_path)
-    assert out["error"]["failed_rank"] == 1 and out["error"]["message"].startswith("rank 1 exited")
-    assert out["error"]["rank0_error"]["message"] == "Connection closed by peer"
-    assert out["error"]["log_tail"] == ["boom on rank 1"]
+    assert out.error["failed_rank"] == 1 and out.error["message"].startswith("rank 1 exited")
+    assert out.error["rank0_error"]["message"] == "Connection closed by peer"
+    assert out.error["log_tail"] == ["boom on rank 1"]
 
 
 # ---------------------------------------------------------------------------------------------- end to end

@@ -28,6 +28,7 @@ from zerotune.plan.host import node_need_mib
 from zerotune.platform import Platform
 from zerotune.report import collect, plots
 from zerotune.report.budget import budget_answer
+from zerotune.rundir.run_summary import RunSummary
 from zerotune.schema.job import Plan
 from zerotune.telemetry.host import HostExit, HostMemory, HostSample, near_limit, read_host_memory
 
@@ -232,7 +233,7 @@ def _killed(samples, exitcode=-signal.SIGKILL, oom_kills=0, kernel_log=False) ->
                         exitcode=exitcode, host=HostExit(samples, oom_kills, kernel_log))
 
 
-SUMMARY = {"plan": {"host_fit": {"needed_mib": 30000.0, "budget_mib": None}}}
+SUMMARY = RunSummary(plan={"host_fit": {"needed_mib": 30000.0, "budget_mib": None}})
 
 
 def test_a_sigkill_under_memory_pressure_is_a_host_oom():
@@ -256,7 +257,7 @@ def test_the_kernels_own_record_is_enough():
     calm = [_sample(1000, 15000)]
     by_cgroup = host_oom_error(_killed(calm, oom_kills=1), SUMMARY, {"host_peak_rss_mib": 1000.0})
     assert by_cgroup["kind"] == "host" and "the cgroup counted 1 OOM kill(s)" in by_cgroup["message"]
-    by_log = host_oom_error(_killed(calm, kernel_log=True), {}, {"host_peak_rss_mib": None})
+    by_log = host_oom_error(_killed(calm, kernel_log=True), RunSummary(), {"host_peak_rss_mib": None})
     assert by_log["predicted_mib"] is None and by_log["peak_rss_mib"] is None
     assert by_log["message"].startswith("no prediction, peak RSS unmeasured, 15,000 MiB available of 24,000 MiB")
     assert "the kernel's log names the worker as OOM-killed" in by_log["message"]

@@ -15,6 +15,7 @@ import pytest
 from zerotune.launch import node_failures
 from zerotune.launch.elastic import LaunchResult
 from zerotune.report.collect import collect_runs
+from zerotune.rundir.run_summary import RunSummary
 from zerotune.slurm import job_end as slurm_end
 from zerotune.slurm.job import ends_the_step
 
@@ -94,7 +95,7 @@ def test_a_job_without_a_result_is_recorded_and_reported(tmp_path, own, state, s
     if own:
         run_dir.mkdir(parents=True)
         (run_dir / "summary.json").write_text(json.dumps({"status": own, "steps": 3, "error": {"message": "x"}}))
-    summary = slurm_end.record_lost_job(run_dir, "7_0", state, ["zero_stage=2"], "srun: Terminating StepId=8.0")
+    summary = slurm_end.record_lost_job(run_dir, "7_0", state, ["zero_stage=2"], "srun: Terminating StepId=8.0").to_json()
     assert summary["status"] == status and summary["slurm"]["state"] == (state or "unknown to SLURM")
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     expected = "x" if own == "failed" else "SLURM job 7_0 ended without a result"
@@ -115,12 +116,12 @@ def test_a_job_whose_last_attempt_left_no_record_keeps_the_earlier_attempts_and_
     first = {"status": "interrupted", "steps": 7, "slurm": {"job_id": "7", "array_job": "7_0", "restart_count": 0}}
     (run_dir / "summary.json").write_text(json.dumps(first))
     summary = slurm_end.record_lost_job(run_dir, "7_0", "FAILED", ["zero_stage=2"], "task 1: User defined signal 2",
-                                        restarts=2)
+                                        restarts=2).to_json()
     assert json.loads((run_dir / "attempts" / "2" / "summary.json").read_text()) == first
     assert summary["status"] == "failed" and "steps" not in summary
     assert summary["slurm"]["restart_count"] == 2 and summary["previous_attempts"] == ["attempts/1", "attempts/2"]
     again = slurm_end.record_lost_job(run_dir, "7_0", "FAILED", ["zero_stage=2"], "", restarts=2)  # its own: kept
-    assert again["previous_attempts"] == ["attempts/1", "attempts/2"] and again["slurm"]["restart_count"] == 2
+    assert again.previous_attempts == ["attempts/1", "attempts/2"] and again.slurm["restart_count"] == 2
 
 
 def peer(folder: Path, k: int, status: str, **error) -> None:
@@ -130,8 +131,9 @@ def peer(folder: Path, k: int, status: str, **error) -> None:
     (folder / f"summary.node{k}.json").write_text(json.dumps(record))
 
 
-def rank0_failure(tmp_path: Path, at: float = 100.0) -> tuple[dict, LaunchResult]:
-    summary = {"status": "failed", "error": {"type": "RuntimeError", "message": "Connection closed by peer"}}
+def rank0_failure(tmp_path: Path, at: float = 100.0) -> tuple[RunSummary, LaunchResult]:
+    summary = RunSummary.from_json({"status": "failed",
+                                    "error": {"type": "RuntimeError", "message": "Connection closed by peer"}})
     return summary, LaunchResult("failed", "rank 0 exited with code 1", failed_rank=0, exitcode=1, failed_at=at)
 
 
@@ -139,7 +141,7 @@ def test_the_killed_rank_on_another_node_is_named_first(tmp_path):
     peer(tmp_path, 1, "failed", message="rank 1 exited with code -9", failed_rank=1, exitcode=-9, failed_at=100.4)
     summary, result = rank0_failure(tmp_path)
     node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=2)
-    error = summary["error"]
+    error = summary.error
     assert error["message"] == "rank 1 on zt-node2 (node 1) was killed by SIGKILL"
     assert (error["failed_rank"], error["failed_node"], error["failed_node_rank"]) == (1, "zt-node2", 1)
     assert error["rank0_error"]["message"] == "Connection closed by peer"
@@ -151,8 +153,8 @@ def test_node_0s_own_failure_leads_when_it_came_first(tmp_path):
     peer(tmp_path, 2, "ok")
     summary, result = rank0_failure(tmp_path, at=100.0)
     node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=3)
-    assert summary["error"]["message"] == "rank 0 on zt-node1 (node 0) failed: Connection closed by peer"
-    assert "rank0_error" not in summary["error"] and len(summary["error"]["nodes"]) == 2
+    assert summary.error["message"] == "rank 0 on zt-node1 (node 0) failed: Connection closed by peer"
+    assert "rank0_error" not in summary.error and len(summary.error["nodes"]) == 2
 
 
 def test_a_node_that_recorded_nothing_is_named(tmp_path, monkeypatch):
@@ -160,8 +162,8 @@ def test_a_node_that_recorded_nothing_is_named(tmp_path, monkeypatch):
     peer(tmp_path, 1, "ok")
     summary, result = rank0_failure(tmp_path)
     node_failures.name_failed_node(summary, result, "zt-node1", tmp_path, nnodes=3)
-    assert summary["error"]["silent_nodes"] == [2]
-    assert summary["error"]["message"].endswith("node(s) 2 recorded nothing (lost, or killed whole)")
+    assert summary.error["silent_nodes"] == [2]
+    assert summary.error["message"].endswith("node(s) 2 recorded nothing (lost, or killed whole)")
 
 
 @pytest.mark.parametrize(("status", "nodes", "node_rank", "ends"), [
@@ -169,4 +171,4 @@ def test_a_node_that_recorded_nothing_is_named(tmp_path, monkeypatch):
     ("ok", 2, 0, False), ("interrupted", 2, 0, False),
 ])
 def test_only_node_0_of_a_failed_multi_node_job_ends_the_step(status, nodes, node_rank, ends):
-    assert ends_the_step({"status": status, "slurm": {"num_nodes": nodes}}, node_rank) is ends
+    assert ends_the_step(RunSummary.from_json({"status": status, "slurm": {"num_nodes": nodes}}), node_rank) is ends

@@ -301,6 +301,8 @@ def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monke
 def test_submitits_requeue_is_called_after_the_save_on_its_signal_only(monkeypatch):
     import signal
 
+    from zerotune.rundir.run_summary import RunSummary
+    from zerotune.rundir.status import Status
     from zerotune.slurm.job import requeue_if_preempted
 
     calls = []
@@ -315,10 +317,10 @@ def test_submitits_requeue_is_called_after_the_save_on_its_signal_only(monkeypat
     handler = SignalHandler()
     monkeypatch.setattr(signal, "getsignal", lambda sig: handler.checkpoint_and_try_requeue
                         if sig == signal.SIGUSR2 else handler.bypass)
-    requeue_if_preempted({"interrupted": {"signal": "SIGTERM", "job_signal": "SIGTERM"}})
-    requeue_if_preempted({"status": "ok"})
+    requeue_if_preempted(RunSummary(interrupted={"signal": "SIGTERM", "job_signal": "SIGTERM"}))
+    requeue_if_preempted(RunSummary(status=Status.OK))
     assert calls == []
-    requeue_if_preempted({"interrupted": {"signal": "SIGUSR2", "job_signal": "SIGUSR2"}})
+    requeue_if_preempted(RunSummary(interrupted={"signal": "SIGUSR2", "job_signal": "SIGUSR2"}))
     assert calls == [signal.SIGUSR2]
 
 

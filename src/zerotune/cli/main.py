@@ -23,7 +23,9 @@ from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_ra
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
 from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec, run_name
+from zerotune.rundir.status import SUCCEEDED, Status
 from zerotune.rundir.summary import print_result
 from zerotune.slurm.job import (
     ends_the_step,
@@ -72,34 +74,34 @@ def _hydra_main(cfg: DictConfig) -> None:
         exit_config_error(exc)
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
         print_result(summary)
-    if summary["status"] == "interrupted":
+    if summary.status == Status.INTERRUPTED:
         requeue_if_preempted(summary)  # under submitit, on its signal: now that the workers have saved
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
     if multirun and ends_the_step(summary, job_node_rank(cfg)):
         sys.exit(1)
-    if summary["status"] not in ("ok", "planned", "pruned") and not multirun:
+    if summary.status not in SUCCEEDED and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
-        sys.exit(CONFIG_ERROR_EXIT if (summary.get("error") or {}).get("type") == "ConfigError" else 1)
+        sys.exit(CONFIG_ERROR_EXIT if summary.error_type == "ConfigError" else 1)
 
 
 # Imported when called, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,
 # `--cfg job` and a config error never need; and the job's parent never imports the trainer (its evaluation
 # brings scikit-learn): its workers do.
-def _run_job(cfg: DictConfig, spec: JobSpec) -> dict:
+def _run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     from zerotune.launch.job import run_job
 
     return run_job(cfg, spec)
 
 
-def _train_here(cfg: DictConfig, spec: JobSpec) -> dict:
+def _train_here(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     from zerotune.training.run import train_launched_externally
 
     return train_launched_externally(cfg, spec)
 
 
-def _interrupted_exit(summary: dict) -> int:
+def _interrupted_exit(summary: RunSummary) -> int:
     """128 + the signal's number, as a shell reports a process a signal ended (130 for Ctrl-C)."""
-    name = (summary.get("interrupted") or {}).get("signal")
+    name = (summary.interrupted or {}).get("signal")
     return 128 + int(getattr(signal, name, signal.SIGTERM)) if isinstance(name, str) else 128 + signal.SIGTERM
 
 

@@ -39,5 +39,6 @@ def as_text(checks: list[Check]) -> str:
 
 
 def as_json(checks: list[Check]) -> str:
+    # "failed": how many checks failed (doctor's own words, not a run's status)
     return json.dumps({"checks": [asdict(c) for c in checks], "failed": sum(c.status == FAIL for c in checks),
                        "warnings": sum(c.status == WARN for c in checks)}, indent=2, default=str)

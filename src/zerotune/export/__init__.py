@@ -30,7 +30,8 @@ from zerotune.checkpoints import manifest
 from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.layout import read_meta
 from zerotune.models import lora_export
-from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import RunSummary
+from zerotune.rundir.status import Status
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -43,18 +44,18 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def _summary(run_dir: Path) -> dict:
+def _summary(run_dir: Path) -> RunSummary | None:
     try:
-        found = RunDir(run_dir, is_writer=False).read_summary()
+        return RunSummary.read(run_dir)
     except (OSError, ValueError):
-        return {}
-    return found if isinstance(found, dict) else {}
+        return None
 
 
 def _own_checkpoints(run_dir: Path) -> list[Path]:
     """The checkpoints a run dir's summary says its run saved, its final one first, then newest first. Not
     `last_complete`: in a checkpoint.dir shared with other runs, the newest may be another run's."""
-    record = _summary(run_dir).get("checkpoint") or {}
+    summary = _summary(run_dir)
+    record = (summary.checkpoint if summary is not None else None) or {}
     paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
     return [Path(p) for p in paths if p]
 
@@ -67,12 +68,14 @@ def _recorded_checkpoint(run_dir: Path) -> Path | None:
 def _why_none(run_dir: Path) -> str:
     """For a run dir: why its run left no checkpoint, from its summary."""
     summary = _summary(run_dir)
-    if not summary:
+    if summary is None or not summary.as_dict():
         return ""
-    status, named = summary.get("status"), _own_checkpoints(run_dir)
+    # The word as written (its repr goes into the message): an older file's unknown word too.
+    status = str(summary.status) if summary.status is not None else summary.extra.get("status")
+    named = _own_checkpoints(run_dir)
     if named:
         return f" (its run's checkpoint {named[0]} is no longer complete)"
-    if status == "ok":
+    if status == Status.OK:
         return " (its run saved none: checkpoint.final=false and no checkpoint.every_n_steps)"
     return f" (its run ended with status {status!r} before any checkpoint was saved)"
 

@@ -22,7 +22,9 @@ from zerotune.plan import guard as planning
 from zerotune.preflight import check
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.status import Status
 from zerotune.settle import Settled
 from zerotune.telemetry import MemorySampler
 from zerotune.telemetry.startup import Marks
@@ -41,7 +43,7 @@ class JobChecks:
     def __init__(self, settled: Settled, spec: JobSpec, run_dir: RunDir, gate: Gate, sampler: MemorySampler) -> None:
         self.settled, self.spec, self.run_dir, self.gate, self.sampler = settled, spec, run_dir, gate, sampler
         self.marks: Marks | None = None
-        self.base: dict | None = None
+        self.base: RunSummary | None = None
         self.error: BaseException | None = None
         # A daemon: a job stopped by a signal mid-build does not wait for the compiler.
         self._thread = threading.Thread(target=self._run, name="zerotune-checks", daemon=True)
@@ -50,7 +52,7 @@ class JobChecks:
         self._thread.start()
         return self
 
-    def join(self, timeout: float | None = None) -> dict | None:
+    def join(self, timeout: float | None = None) -> RunSummary | None:
         """The summary's base once the checks are done (None if they are still running after `timeout`)."""
         self._thread.join(timeout)
         if self.error is not None:
@@ -70,27 +72,27 @@ class JobChecks:
         finally:
             self.gate.decide("abort")  # no-op after go or skip: the first decision stands
 
-    def _check(self, marks: Marks) -> dict:
+    def _check(self, marks: Marks) -> RunSummary:
         config, spec, run_dir = self.settled.config, self.spec, self.run_dir
         run = resolved_job(self.settled, spec, run_dir)
         marks.mark("checks")
         plan = planning.job_plan(config, run, planning.job_gpu(config))
         run = replace(run, plan=plan)
-        base = {**base_summary(config, spec), "config_sources": run.config_sources,
-                "config_warnings": list(run.config_warnings), "plan": plan}
+        base = base_summary(config, spec)
+        base.config_sources, base.config_warnings, base.plan = run.config_sources, list(run.config_warnings), plan
         marks.mark("plan")
         try:
             decision = planning.guard(config, plan)
         except ConfigError as exc:  # the predicted peak is above the memory there is: recorded with the plan
             record_refusal(config, spec, run_dir, exc, plan=plan)
             raise
-        if decision == "predicted_oom":
+        if decision == Status.PREDICTED_OOM:
             self.gate.decide("skip")
             return base
         run_dir.write_ds_config(run.ds_config)
         run.save(run_dir.path)  # what every worker trains from
         try:
-            base["ops_build"] = prebuild_ops(run.ds_config, run.use_deepspeed, self._workers_imported)
+            base.ops_build = prebuild_ops(run.ds_config, run.use_deepspeed, self._workers_imported)
         except ConfigError as exc:
             record_refusal(config, spec, run_dir, exc)
             raise

@@ -29,6 +29,7 @@ from zerotune.errors import ConfigError
 from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.launch.gate import Gate
 from zerotune.pause_hook import pause
+from zerotune.rundir.status import Status
 from zerotune.telemetry.host import HostExit, HostWatch
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LaunchResult:
-    status: str                  # "ok" | "failed" | "timeout" | "interrupted"
+    status: Status               # OK | FAILED | TIMEOUT | INTERRUPTED
     error: str | None = None
     failed_rank: int | None = None        # the global rank that failed first (the root cause)
     failed_local_rank: int | None = None  # its index on this node: logs/<run>/attempt_0/<local_rank>/
@@ -97,7 +98,7 @@ def launch_config(launch: Any, run_dir: Path):
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
         # The launcher passes these on to the workers (training/stop.py), which finish their step, save when
-        # checkpoint.on_signal is set, and record "interrupted"; after stop_grace_s it kills them.
+        # checkpoint.on_signal is set, and record INTERRUPTED; after stop_grace_s it kills them.
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=int(launch.stop_grace_s),
     )
     # torch < 2.13 (the CUDA images' 2.11) has neither field: its agent keeps its own 30 s grace and SIGTERM.
@@ -133,15 +134,15 @@ class Launcher:
             # torch's agent takes the signals over (its rendezvous is before) stops it as the agent's own would.
             with held_signals.raising(_signal_exception):
                 self._launch(*self._args)
-            return LaunchResult("ok")
+            return LaunchResult(Status.OK)
         except SignalException as exc:
             self.gate.decide("abort")  # workers still at the gate leave at once
             name = signal.Signals(exc.sigval).name
             log.warning("%s: the workers were told to stop", name)
-            return LaunchResult("interrupted", f"stopped by {name}", signal=name)
+            return LaunchResult(Status.INTERRUPTED, f"stopped by {name}", signal=name)
         except ChildFailedError as exc:
             if self._timed_out.is_set():
-                return LaunchResult("timeout", f"killed after train.timeout_s={self.timeout_s} s")
+                return LaunchResult(Status.TIMEOUT, f"killed after train.timeout_s={self.timeout_s} s")
             return _failure(exc, self._host)
         finally:
             _restore(before)
@@ -187,6 +188,6 @@ def _failure(exc, host: HostWatch) -> LaunchResult:
     detail = detail.strip().splitlines()[0][:2000] if detail.strip() else ""
     # Killed by a signal (a negative code): what the host had left may say it was the kernel's OOM killer.
     exit_view = host.exit(first.pid) if first.exitcode is not None and first.exitcode < 0 else None
-    return LaunchResult("failed", f"rank {rank} exited with code {first.exitcode}"
+    return LaunchResult(Status.FAILED, f"rank {rank} exited with code {first.exitcode}"
                         + (f": {detail}" if detail else ""), failed_rank=rank, failed_local_rank=first.local_rank,
                         exitcode=first.exitcode, host=exit_view, failed_at=time.time())

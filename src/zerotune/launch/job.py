@@ -21,8 +21,10 @@ from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
-from zerotune.rundir import RunDir, write_json_atomic
+from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import JsonDict, RunSummary, node_summary_name
 from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.status import Status
 from zerotune.schema import Config, as_dict, to_config
 from zerotune.settle import Settled, settle
 from zerotune.slurm.job import continue_requeued, in_slurm_job, launch_from_slurm
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zerotune")
 
 
-def run_job(cfg: DictConfig, spec: JobSpec) -> dict:
+def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     """The parent side of a job: its workers train (launch/worker.py); this process resolves, watches, records.
 
     The config is settled (the user's files folded in) and written once; the workers start as soon as it is,
@@ -68,13 +70,12 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> dict:
         checks = _start_checks(settled, spec, run_dir, gate, sampler)
         result = launcher.run()
         # Stopped by a signal mid-check (an op build, say): the workers are gone, the build is not waited for.
-        base = checks.join(timeout=0 if result.status == "interrupted" else None) or base_summary(config, spec)
+        base = checks.join(timeout=0 if result.status == Status.INTERRUPTED else None) or base_summary(config, spec)
         if checks.skipped:
             return _skipped(run_dir, base)
         sampler.stop()
         summary = _workers_summary(config, run_dir, base, result)
-        summary.update({k: base[k] for k in ("ops_build", "plan", "slurm") if k in base})  # slurm: job, attempt
-        summary["startup"] = startup_view(marks, summary.get("startup_marks"), checks.marks)
+        _add_checks(summary, base, startup_view(marks, summary.startup_marks, checks.marks))
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
     _write(config, run_dir, summary, result)
     return summary
@@ -106,14 +107,23 @@ def lock_checkpoints(config: Config, spec: JobSpec, run_dir: RunDir, held: ExitS
         raise
 
 
-def _write(cfg: Config, run_dir: RunDir, summary: dict, result: LaunchResult) -> None:
+def _add_checks(summary: RunSummary, base: RunSummary, startup: JsonDict) -> None:
+    """What the parent's checks found, and the job's start as a whole, into the workers' summary."""
+    summary.slurm, summary.startup = base.slurm, startup  # slurm: the job and its attempt
+    if base.plan is not None:
+        summary.plan = base.plan
+    if base.ops_build is not None:
+        summary.ops_build = base.ops_build
+
+
+def _write(cfg: Config, run_dir: RunDir, summary: RunSummary, result: LaunchResult) -> None:
     """Node 0 writes the job's summary.json (naming the node that failed first, in a job of several nodes);
     any other node its own summary.node<k>.json beside it."""
     node_rank, nnodes = int(cfg.launch.node_rank), int(cfg.launch.nnodes)
     if node_rank != 0:
-        write_json_atomic(run_dir.file(f"summary.node{node_rank}.json"), summary)
+        summary.write(run_dir.path, node_summary_name(node_rank))
         return
-    if nnodes > 1 and result.status == "failed":
+    if nnodes > 1 and result.status == Status.FAILED:
         name_failed_node(summary, result, node_identity()["node"], run_dir.path, nnodes)
     run_dir.write_summary(summary)
 
@@ -126,8 +136,8 @@ def _start_checks(settled: Settled, spec: JobSpec, run_dir: RunDir, gate: Gate, 
     return JobChecks(settled, spec, run_dir, gate, sampler).start()
 
 
-def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> dict:
-    """plan.only=true: the checks and the prediction, no training; summary.json says "planned"."""
+def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
+    """plan.only=true: the checks and the prediction, no training; summary.json says PLANNED."""
     from zerotune.plan import guard as planning
     from zerotune.preflight import check
 
@@ -139,30 +149,35 @@ def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> dict:
         record_refusal(config, spec, run_dir, exc)
         raise
     run_dir.write_ds_config(run.ds_config)
-    summary = {**base_summary(config, spec), "status": "planned", "config_sources": run.config_sources,
-               "config_warnings": list(run.config_warnings),
-               "plan": planning.job_plan(config, run, gpu), "env": environment_info()}
+    summary = base_summary(config, spec)
+    summary.update({"status": Status.PLANNED, "config_sources": run.config_sources,
+                    "config_warnings": list(run.config_warnings),
+                    "plan": planning.job_plan(config, run, gpu), "env": environment_info()})
     run_dir.write_summary(summary)
     return summary
 
 
-def _skipped(run_dir: RunDir, base: dict) -> dict:
+def _skipped(run_dir: RunDir, base: RunSummary) -> RunSummary:
     """plan.guard=skip: the job is recorded as predicted to run out of GPU memory, and not run."""
-    summary = {**base, "status": "predicted_oom", "env": environment_info()}
-    run_dir.write_summary(summary)
-    return summary
+    base.status, base.env = Status.PREDICTED_OOM, environment_info()
+    run_dir.write_summary(base)
+    return base
 
 
-def _workers_summary(cfg: Config, run_dir: RunDir, base: dict, result: LaunchResult) -> dict:
+def _workers_summary(cfg: Config, run_dir: RunDir, base: RunSummary, result: LaunchResult) -> RunSummary:
     """The summary to complete: rank 0's own, or this node's."""
     node_rank = cfg.launch.node_rank
     if node_rank != 0:
         # Rank 0, on node 0, writes the job's summary.json (over a shared file system, this same folder);
         # this node records its own ranks' outcome beside it, in summary.node<k>.json.
-        return {**base, "status": "ok" if result.status == "ok" else "failed", "node_rank": node_rank,
-                "node": node_identity()["node"],
-                "note": "the job's summary.json is written by node 0", "env": environment_info()}
-    return run_dir.read_summary() or {**base, "env": environment_info()}
+        base.update({"status": Status.OK if result.status == Status.OK else Status.FAILED, "node_rank": node_rank,
+                     "node": node_identity()["node"],
+                     "note": "the job's summary.json is written by node 0", "env": environment_info()})
+        return base
+    workers = run_dir.read_summary()
+    if workers is None:
+        base.env = environment_info()
+    return workers or base
 
 
 def slurm_settings(cfg: DictConfig, run_dir: str) -> dict[str, Any]:

@@ -11,35 +11,43 @@ import signal
 import time
 from pathlib import Path
 
-from zerotune.files import read_json
 from zerotune.launch.elastic import LaunchResult
+from zerotune.rundir.run_summary import JsonDict, RunSummary, node_summary_name
+from zerotune.rundir.status import Status
 
 # How long node 0 waits for the other nodes' records: they fail within moments of each other (a peer's death
 # ends the others' collectives at once), or not at all (a node lost whole writes nothing).
 PEER_RECORD_WAIT_S = 15.0
 
 
-def peer_failures(run_dir: Path, nnodes: int) -> tuple[list[dict], list[int]]:
+def _node_record(run_dir: Path, node_rank: int) -> RunSummary | None:
+    try:
+        return RunSummary.read(run_dir, node_summary_name(node_rank))
+    except (OSError, ValueError):  # being written (a partial write): not yet
+        return None
+
+
+def peer_failures(run_dir: Path, nnodes: int) -> tuple[list[JsonDict], list[int]]:
     """The failures the other nodes recorded, and the nodes that recorded nothing within PEER_RECORD_WAIT_S."""
     deadline = time.monotonic() + PEER_RECORD_WAIT_S
     while True:
-        records = {k: read_json(run_dir / f"summary.node{k}.json") for k in range(1, nnodes)}
-        if all(records.values()) or time.monotonic() > deadline:
+        records = {k: _node_record(run_dir, k) for k in range(1, nnodes)}
+        if all(r is not None for r in records.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    failures = [{"node_rank": k, "node": r.get("node"), **r["error"]} for k, r in records.items()
-                if r and r.get("status") != "ok" and isinstance(r.get("error"), dict)]
-    return failures, [k for k, r in records.items() if not r]
+    failures = [{"node_rank": k, "node": r.node, **r.error} for k, r in records.items()
+                if r is not None and r.status != Status.OK and isinstance(r.error, dict)]
+    return failures, [k for k, r in records.items() if r is None]
 
 
-def _first(failures: list[dict]) -> dict:
+def _first(failures: list[JsonDict]) -> JsonDict:
     """The cause among the nodes' failures: a rank killed by a signal (a peer's death ends the others' ranks with
     an error, never a signal), else the one seen first."""
     killed = [f for f in failures if (f.get("exitcode") or 0) < 0]
     return min(killed or failures, key=lambda f: f.get("failed_at") or float("inf"))
 
 
-def describe(failure: dict) -> str:
+def describe(failure: JsonDict) -> str:
     code = failure.get("exitcode")
     if code is not None and code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
@@ -48,21 +56,21 @@ def describe(failure: dict) -> str:
     return f"rank {failure.get('failed_rank')} on {failure.get('node')} (node {failure.get('node_rank')}) {how}"
 
 
-def name_failed_node(summary: dict, result: LaunchResult, node: str, run_dir: Path, nnodes: int) -> None:
+def name_failed_node(summary: RunSummary, result: LaunchResult, node: str, run_dir: Path, nnodes: int) -> None:
     """Node 0's summary of a failed job of several nodes: the error names the node and rank that failed first,
     with every node's failure beside it (`nodes`), and the nodes that recorded nothing (`silent_nodes`)."""
-    own = {**(summary.get("error") or {}), "node_rank": 0, "node": node, "failed_at": result.failed_at,
+    own = {**(summary.error or {}), "node_rank": 0, "node": node, "failed_at": result.failed_at,
            "exitcode": result.exitcode, "failed_rank": result.failed_rank}
     peers, silent = peer_failures(run_dir, nnodes)
     first = _first([own, *peers])
-    error = {"type": "failed", "message": describe(first), "failed_rank": first.get("failed_rank"),
+    error = {"type": Status.FAILED, "message": describe(first), "failed_rank": first.get("failed_rank"),
              "failed_node": first.get("node"), "failed_node_rank": first["node_rank"],
              "nodes": [{k: f.get(k) for k in ("node_rank", "node", "failed_rank", "exitcode", "message")}
                        for f in (own, *peers)],
              "log_tail": first.get("log_tail")}
     if first is not own:
-        error["rank0_error"] = summary.get("error")
+        error["rank0_error"] = summary.error
     if silent:
         error["silent_nodes"] = silent
         error["message"] += f"; node(s) {', '.join(map(str, silent))} recorded nothing (lost, or killed whole)"
-    summary["error"] = error
+    summary.error = error

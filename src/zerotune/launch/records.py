@@ -6,60 +6,68 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import LaunchResult
 from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import JsonDict, RunSummary
 from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.status import LAUNCHER_OVERRIDES, Status
 from zerotune.rundir.summary import experiment_info, key_choices, per_rank_summary, read_rank_records
-from zerotune.schema import launch_world_size
+from zerotune.schema import Config, launch_world_size
 from zerotune.slurm.job import slurm_record
 from zerotune.telemetry import environment_info
 from zerotune.telemetry.host import HostExit, near_limit
 
 
-def base_summary(cfg: Any, spec: JobSpec) -> dict:
+def base_summary(cfg: Config, spec: JobSpec) -> RunSummary:
     """What the job's summary says before (or without) the workers' own."""
-    return {"status": "failed", "choices": key_choices(cfg, launch_world_size(cfg.launch)),
-            "run_dir": spec.run_dir, "experiment": experiment_info(cfg),
-            "previous_attempts": RunDir(spec.run_dir).previous_attempts(), "checkpoint_dir": _checkpoint_dir(cfg, spec),
-            "slurm": slurm_record(os.environ)}
+    return RunSummary.of(status=Status.FAILED, choices=key_choices(cfg, launch_world_size(cfg.launch)),
+                         run_dir=spec.run_dir, experiment=experiment_info(cfg),
+                         previous_attempts=RunDir(spec.run_dir).previous_attempts(),
+                         checkpoint_dir=_checkpoint_dir(cfg, spec), slurm=slurm_record(os.environ))
 
 
-def record_refusal(cfg: Any, spec: JobSpec, run_dir: RunDir, exc: ConfigError, plan: dict | None = None) -> None:
+def record_refusal(cfg: Config, spec: JobSpec, run_dir: RunDir, exc: ConfigError,
+                   plan: JsonDict | None = None) -> None:
     """A job refused before training still has its summary.json, naming the key (and the prediction, when the
     guard refused it)."""
-    summary = {**base_summary(cfg, spec), "error": {"type": type(exc).__name__, "key": exc.key,
-                                                     "message": str(exc)}, "env": environment_info()}
+    summary = base_summary(cfg, spec)
+    summary.error = {"type": type(exc).__name__, "key": exc.key, "message": str(exc)}
+    summary.env = environment_info()
     if plan is not None:
-        summary["plan"] = plan
+        summary.plan = plan
     run_dir.write_summary(summary)
 
 
-def _checkpoint_dir(cfg: Any, spec: JobSpec) -> str:
+def _checkpoint_dir(cfg: Config, spec: JobSpec) -> str:
     return str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir)))
 
 
-def _last_checkpoint(summary: dict) -> None:
+def _last_checkpoint(summary: RunSummary) -> None:
     """A job whose workers died without a summary still says which checkpoint it can resume from."""
-    found = checkpoints.latest(Path(summary["checkpoint_dir"])) if summary.get("checkpoint_dir") else None
-    summary.setdefault("checkpoint", {}).setdefault("last_complete", str(found) if found else None)
+    found = checkpoints.latest(Path(summary.checkpoint_dir)) if summary.checkpoint_dir else None
+    if summary.checkpoint is None:
+        summary.checkpoint = {}
+    summary.checkpoint.setdefault("last_complete", str(found) if found else None)
 
 
-def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Path) -> dict:
+def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, run_dir: Path) -> RunSummary:
     """Fold the launcher's outcome and the whole-tree memory peaks into the workers' summary."""
-    if result.status == "interrupted":
+    if result.status == Status.INTERRUPTED:
         # The workers stopped on the signal the launcher passed on (their summary says so), or were killed
         # before they could write it.
-        summary["status"] = "interrupted"
-        summary.setdefault("interrupted", {"signal": result.signal, "after_step": summary.get("steps")})
-        summary["interrupted"]["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
-    elif result.status != "ok" and summary.get("status") in ("ok", "failed", None):
+        summary.status = Status.INTERRUPTED
+        if summary.interrupted is None:
+            summary.interrupted = {"signal": result.signal, "after_step": summary.steps}
+        summary.interrupted["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
+    elif result.status != Status.OK and (summary.status is None or summary.status in LAUNCHER_OVERRIDES):
         _launcher_failure(summary, result, peaks, run_dir)
     _last_checkpoint(summary)
-    memory = summary.setdefault("memory", {})
+    if summary.memory is None:
+        summary.memory = {}
+    memory = summary.memory
     memory["host_peak_rss_mib"] = peaks["host_peak_rss_mib"]  # all ranks, not just rank 0
     if peaks["nvme_peak_mib"] is not None:
         memory["nvme_peak_mib"] = max(peaks["nvme_peak_mib"], memory.get("nvme_peak_mib") or 0.0)
@@ -74,37 +82,37 @@ def merge_job_view(summary: dict, result: LaunchResult, peaks: dict, run_dir: Pa
     return summary
 
 
-def _launcher_failure(summary: dict, result: LaunchResult, peaks: dict, run_dir: Path) -> None:
-    """A worker's own "oom" stays; a timeout, a death the worker could not record, or the kernel's OOM killer
+def _launcher_failure(summary: RunSummary, result: LaunchResult, peaks: JsonDict, run_dir: Path) -> None:
+    """A worker's own OOM stays; a timeout, a death the worker could not record, or the kernel's OOM killer
     is the launcher's to record."""
     tail = log_tail(run_dir, local_rank=result.failed_local_rank)
     host_oom = host_oom_error(result, summary, peaks)
     if host_oom is not None:
         # The kernel's OOM killer: whatever rank 0 recorded (a peer gone, or nothing) follows from it.
-        if "error" in summary:
-            host_oom["rank0_error"] = summary["error"]
-        summary["status"], summary["error"] = "oom", {**host_oom, "log_tail": tail}
-    elif result.status == "timeout" or "error" not in summary:
-        summary["status"] = result.status
-        summary["error"] = {"type": result.status, "message": result.error, "failed_rank": result.failed_rank,
-                            "exitcode": result.exitcode, "failed_at": result.failed_at, "log_tail": tail}
+        if summary.error is not None:
+            host_oom["rank0_error"] = summary.error
+        summary.status, summary.error = Status.OOM, {**host_oom, "log_tail": tail}
+    elif result.status == Status.TIMEOUT or summary.error is None:
+        summary.status = result.status
+        summary.error = {"type": result.status, "message": result.error, "failed_rank": result.failed_rank,
+                         "exitcode": result.exitcode, "failed_at": result.failed_at, "log_tail": tail}
     elif result.failed_rank not in (None, 0):
         # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
         # failed first: its error leads, rank 0's stays beside it.
-        summary["status"] = "failed"
-        summary["error"] = {"type": "failed", "message": result.error, "failed_rank": result.failed_rank,
-                            "exitcode": result.exitcode, "failed_at": result.failed_at,
-                            "rank0_error": summary["error"], "log_tail": tail}
+        summary.status = Status.FAILED
+        summary.error = {"type": Status.FAILED, "message": result.error, "failed_rank": result.failed_rank,
+                         "exitcode": result.exitcode, "failed_at": result.failed_at,
+                         "rank0_error": summary.error, "log_tail": tail}
 
 
-def host_oom_error(result: LaunchResult, summary: dict, peaks: dict) -> dict | None:
+def host_oom_error(result: LaunchResult, summary: RunSummary, peaks: JsonDict) -> JsonDict | None:
     """A worker killed by SIGKILL while the host was out of memory (its headroom, or the workers' RSS against
     the host's limit or plan.host_mib, within a small margin at the last samples; or the kernel's own record of
     an OOM kill) is the kernel's OOM killer's doing: the error for the summary, with the predicted and measured
     figures. None for any other death: a SIGKILL with memory to spare is a person's or a scheduler's."""
     if result.exitcode != -signal.SIGKILL or result.host is None:
         return None
-    fit = (summary.get("plan") or {}).get("host_fit") or {}
+    fit = (summary.plan or {}).get("host_fit") or {}
     near = near_limit(result.host.samples, fit.get("budget_mib"))
     if near is None and not result.host.kernel_says_oom:
         return None
@@ -125,7 +133,7 @@ def host_oom_error(result: LaunchResult, summary: dict, peaks: dict) -> dict | N
             "kernel_log": result.host.kernel_log, "cgroup_oom_kills": result.host.cgroup_oom_kills}
 
 
-def _evidence(host: HostExit, near: dict | None) -> list[str]:
+def _evidence(host: HostExit, near: JsonDict | None) -> list[str]:
     said = ["the kernel's log names the worker as OOM-killed"] if host.kernel_log else []
     if host.cgroup_oom_kills:
         said.append(f"the cgroup counted {host.cgroup_oom_kills} OOM kill(s) during the job")

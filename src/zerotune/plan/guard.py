@@ -16,6 +16,7 @@ from zerotune.plan.process import PROCESS_RSS
 from zerotune.platform import detect
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Plan
+from zerotune.rundir.status import Status
 from zerotune.schema import Config
 from zerotune.schema.job import Plan as PlanSettings
 from zerotune.telemetry.host import read_host_memory
@@ -86,9 +87,9 @@ def host_fit(cfg: Config, plan: dict) -> dict:
             "room_mib": room, "fits": None if need is None else need <= room}
 
 
-def guard(cfg: Config, plan: dict) -> str | None:
+def guard(cfg: Config, plan: dict) -> Status | None:
     """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
-    "predicted_oom"): on a CUDA device its free memory; on every host the available memory, against the
+    PREDICTED_OOM, its status): on a CUDA device its free memory; on every host the available memory, against the
     device terms as well on a CPU accelerator (plan["host_fit"], from job_plan)."""
     problems = memory_problems(plan)
     if not problems:
@@ -97,7 +98,7 @@ def guard(cfg: Config, plan: dict) -> str | None:
     if cfg.plan.guard == "refuse":
         raise ConfigError("plan.guard", problem, _fixes(cfg, plan))
     log.warning("%s (plan.guard=%s)", problem, cfg.plan.guard)
-    return "predicted_oom" if cfg.plan.guard == "skip" else None
+    return Status.PREDICTED_OOM if cfg.plan.guard == "skip" else None
 
 
 def memory_problems(plan: Plan | dict) -> list[str]:

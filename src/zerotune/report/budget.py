@@ -15,6 +15,7 @@ from typing import Any
 
 from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_word, swept_keys
 from zerotune.report.plan_columns import PLAN_TIME_KEY, PREDICTED_FOR
+from zerotune.rundir.status import Status
 
 # What `--metric gpu|host` means.
 METRICS = {"gpu": "gpu_peak_process_mib", "host": "host_peak_rss_mib"}
@@ -49,7 +50,7 @@ PREDICTED = _Source("predicted", PLAN_TIME_KEY, " by predicted figures (the plan
                     "predicted peak", "job(s) with only predicted figures fit.",
                     "{n} job(s) fit {budget:.0f} MiB by predicted figures but the planner gave none a time floor, "
                     "so none can be called fastest.")
-PREDICTED_STATUSES = ("ok", "planned")
+PREDICTED_STATUSES = (Status.OK, Status.PLANNED)
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,9 @@ class _Fits:
 
 def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> _Fits | str:
     """The jobs that fit, or why none can."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    not_ok = _status_counts([r for r in rows if r["status"] != "ok"])
-    not_ok_note = _left_out_note(rows, key, ("ok",))
+    ok = [r for r in rows if r["status"] == Status.OK]
+    not_ok = _status_counts([r for r in rows if r["status"] != Status.OK])
+    not_ok_note = _left_out_note(rows, key, (Status.OK,))
     if not ok:
         return f"No job finished with status ok ({not_ok or 'no jobs'}), so nothing can be recommended."
     measured = [r for r in ok if r[key] is not None]
@@ -209,7 +210,7 @@ def _predicted_fitting(rows: list[dict], key: str, budget_mib: float, keys: list
 
 def _measured_context(rows: list[dict], key: str, budget_mib: float) -> str:
     """Why the measured figures gave no answer, after a predicted one."""
-    ok = [r for r in rows if r["status"] == "ok"]
+    ok = [r for r in rows if r["status"] == Status.OK]
     measured = [r[key] for r in ok if r[key] is not None]
     if not measured:
         why = " (no GPU present)" if ok and key.startswith("gpu_") else ""
@@ -240,8 +241,8 @@ def _left_out_note(rows: list[dict], key: str, accepted: tuple[str, ...]) -> str
     """` Did not finish ok: 1 oom.`; planned jobs are named apart (they were not run), except those whose
     prediction the answer weighs or mentions already."""
     offered = {id(r) for r in _predicted_candidates(rows, key)}
-    failed = [r for r in rows if r["status"] not in (*accepted, "planned")]
-    planned = [r for r in rows if r["status"] == "planned" and id(r) not in offered]
+    failed = [r for r in rows if r["status"] not in (*accepted, Status.PLANNED)]
+    planned = [r for r in rows if r["status"] == Status.PLANNED and id(r) not in offered]
     note = f" Did not finish ok: {_status_counts(failed)}." if failed else ""
     if planned:
         note += f" {len(planned)} planned job(s) (not run) have no predicted {key}."

@@ -6,7 +6,6 @@ None means "unmeasured", never 0, and every consumer of these rows keeps that di
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,8 +16,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
 from zerotune.report.plan_columns import PLAN_ERROR, plan_figures
+from zerotune.rundir.run_summary import SUMMARY, JsonDict, NotAnObject, RunSummary
+from zerotune.rundir.status import Status
 
-SUMMARY = "summary.json"
 OVERRIDES = Path(".hydra") / "overrides.yaml"
 
 MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib",
@@ -32,7 +32,7 @@ PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
 # plus every name in MEMORY_KEYS, PERF_KEYS, TOP_KEYS and PARAM_COUNT_KEYS, and the prediction's plan_*
 # keys and plan_error (plan_columns.py) -- all None when absent.
 
-# Statuses a job without a readable summary.json gets.
+# A report row's status where a job has no readable summary.json: a row's, not a run's (rundir/status.py).
 MISSING, RUNNING = "missing", "running"
 # A job directory without summary.json that changed this recently is taken for a job still running.
 RUNNING_WINDOW_S = 300.0
@@ -116,34 +116,35 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     if summary is None:
         row["status"] = RUNNING if _recently_changed(job, running_window_s) else MISSING
         row["error"] = problem
-        summary = {}
+        summary = RunSummary()
     else:
-        row["status"] = str(summary.get("status") or MISSING)
-        row["oom_kind"] = oom_kind(row["status"], summary.get("error"))
-        row["error"] = short_error(summary.get("error"))
-        row["experiment"] = summary.get("experiment")
-        row["device"] = (summary.get("env") or {}).get("device_name")
-        slurm = summary.get("slurm") or {}
+        row["status"] = str(summary.status or summary.extra.get("status") or MISSING)
+        row["oom_kind"] = oom_kind(row["status"], summary.error)
+        row["error"] = short_error(summary.error)
+        row["experiment"] = summary.experiment
+        row["device"] = (summary.env or {}).get("device_name")
+        slurm = summary.slurm or {}
         row["slurm_job"] = slurm.get("array_job") or slurm.get("job_id")
         row["choices"] = _choices(summary)
-    memory, perf = summary.get("memory") or {}, summary.get("perf") or {}
+    memory, perf = summary.memory or {}, summary.perf or {}
     row.update({k: memory.get(k) for k in MEMORY_KEYS})
     # With several ranks the top-level figure is rank 0's; what has to fit a GPU is the busiest rank's.
     busiest = [v for v in (row["gpu_peak_process_mib"], memory.get(MAX_RANK_KEY)) if v is not None]
     row["gpu_peak_process_mib"] = max(busiest) if busiest else None
     row.update({k: perf.get(k) for k in PERF_KEYS})
-    row.update({k: summary.get(k) for k in TOP_KEYS})
+    row.update({"steps": summary.steps, "loss_first": summary.loss_first, "loss_last": summary.loss_last,
+                "wall_time_s": summary.wall_time_s})  # TOP_KEYS
     row.update(_param_counts(summary, row["choices"]))
-    row.update(plan_figures(summary))
+    row.update(plan_figures(summary.plan))
     row[PLAN_ERROR] = short_error(row[PLAN_ERROR])
     row["params"] = _params(row["choices"], overrides)
     return row
 
 
 def oom_kind(status: str, error: Any) -> str | None:
-    """Which memory ran out in an "oom" job: "host" where the kernel's OOM killer ended it (its error says
+    """Which memory ran out in an OOM job: "host" where the kernel's OOM killer ended it (its error says
     kind "host"), "gpu" for a worker's CUDA out-of-memory error, None where the summary does not say."""
-    if status != "oom" or not isinstance(error, dict):
+    if status != Status.OOM or not isinstance(error, dict):
         return None
     if error.get("kind"):
         return str(error["kind"])
@@ -152,20 +153,21 @@ def oom_kind(status: str, error: Any) -> str | None:
 
 def status_word(row: dict) -> str:
     """The status as counts name it: `oom (host)` where the host's memory ran out."""
-    return f"oom ({row['oom_kind']})" if row["status"] == "oom" and row.get("oom_kind") == "host" else row["status"]
+    return f"{Status.OOM} ({row['oom_kind']})" if row["status"] == Status.OOM and row.get("oom_kind") == "host" \
+        else row["status"]
 
 
-def _choices(summary: dict) -> dict[str, Any]:
-    choices = dict(summary.get("choices") or {})
+def _choices(summary: RunSummary) -> JsonDict:
+    choices = dict(summary.choices or {})
     if choices and "adapter" not in choices:  # a summary from before adapters: full training
         choices["adapter"] = NO_ADAPTER
     return choices
 
 
-def _param_counts(summary: dict, choices: dict) -> dict[str, int | None]:
+def _param_counts(summary: RunSummary, choices: JsonDict) -> dict[str, int | None]:
     """Trainable and frozen parameters; a summary from before adapters trained all `num_params`."""
-    counts = {k: _count(summary.get(k)) for k in PARAM_COUNT_KEYS}
-    total = _count(summary.get("num_params"))
+    counts = {"trainable_params": _count(summary.trainable_params), "frozen_params": _count(summary.frozen_params)}
+    total = _count(summary.num_params)
     if counts["trainable_params"] is None and total is not None and choices.get("adapter") == NO_ADAPTER:
         counts = {"trainable_params": total, "frozen_params": 0}
     return counts
@@ -275,15 +277,13 @@ def _fill_override_defaults(rows: list[dict]) -> None:
             row["params"].setdefault(key, DEFAULT)
 
 
-def _read_summary(job: Path) -> tuple[dict | None, str | None]:
-    file = job / SUMMARY
-    if not file.is_file():
-        return None, None
+def _read_summary(job: Path) -> tuple[RunSummary | None, str | None]:
     try:
-        data = json.loads(file.read_text())
+        return RunSummary.read(job), None
+    except NotAnObject:
+        return None, f"{SUMMARY} is not a JSON object"
     except (OSError, ValueError) as exc:
-        return None, f"summary.json unreadable: {type(exc).__name__}: {exc}"[:120]
-    return (data, None) if isinstance(data, dict) else (None, "summary.json is not a JSON object")
+        return None, f"{SUMMARY} unreadable: {type(exc).__name__}: {exc}"[:120]
 
 
 def _recently_changed(job: Path, window_s: float) -> bool:

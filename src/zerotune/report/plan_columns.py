@@ -34,9 +34,9 @@ RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu
           ("step_time_over_floor", "step_time_median_s", "plan_time_floor_s"))
 
 
-def plan_figures(summary: dict) -> dict[str, Any]:
-    """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary (any of them None when absent)."""
-    plan = Plan.from_dict(summary.get("plan"))
+def plan_figures(recorded: object) -> dict[str, Any]:
+    """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary's plan (any of them None when absent)."""
+    plan = Plan.from_dict(recorded)
     row: dict[str, Any] = dict.fromkeys(PLAN_KEYS)
     row[PLAN_ERROR] = row[PLAN_HOST_KIND] = None
     if plan is None:

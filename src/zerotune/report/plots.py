@@ -22,13 +22,15 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from zerotune.report.collect import sort_key
+from zerotune.rundir.status import Status
 
 GPU_PNG = "gpu_memory_vs_resolution.png"
 TIME_PNG = "step_time_vs_resolution.png"
 HOST_PNG = "host_memory_by_stage.png"
-# Statuses drawn as a red X: the configuration ran and did not finish. missing/running jobs are not drawn.
-DID_NOT_FINISH = {"oom": "OOM", "failed": "failed", "timeout": "timeout"}
-# An "oom" job's label by the memory that ran out (collect.oom_kind): the host's is told apart.
+# Statuses drawn as a red X : the configuration ran and did not finish.
+# missing/running jobs are not drawn.
+DID_NOT_FINISH = {Status.OOM: "OOM", Status.FAILED: str(Status.FAILED), Status.TIMEOUT: str(Status.TIMEOUT)}
+# An OOM job's label by the memory that ran out (collect.oom_kind): the host's is told apart.
 OOM_LABELS = {"host": "host OOM"}
 OFFLOAD_STYLE = {"none": "-", "cpu": "--", "nvme": ":"}
 # Keys that are an axis or a facet; every other swept key splits lines further.
@@ -60,8 +62,8 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
     """One line per stage x offload (x other swept keys), one panel per batch size; red X = did not finish."""
     title = f"{ylabel} vs resolution"
     drawn = [r for r in rows if r["params"].get("resolution") is not None
-             and (r["status"] in DID_NOT_FINISH or r["status"] == "ok")]
-    if not any(r["status"] == "ok" and r[metric] is not None for r in drawn):
+             and (r["status"] in DID_NOT_FINISH or r["status"] == Status.OK)]
+    if not any(r["status"] == Status.OK and r[metric] is not None for r in drawn):
         _message_png(path, unmeasured, title)
         return Plot(path, title, unmeasured)
     line_keys = ["zero_stage", "offload", *(k for k in keys if k not in LAYOUT_KEYS)]
@@ -75,7 +77,7 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
         for i, s in enumerate(series):
             mine = [r for r in panel if _value_tuple(r, line_keys) == s]
             ok = sorted((r["params"]["resolution"], r[metric]) for r in mine
-                        if r["status"] == "ok" and r[metric] is not None)
+                        if r["status"] == Status.OK and r[metric] is not None)
             if ok:
                 ax.plot(*zip(*ok, strict=True), marker="o", color=colors[s],
                         linestyle=OFFLOAD_STYLE.get(str(s[1]), "-."))
@@ -86,7 +88,7 @@ def plot_vs_resolution(rows: list[dict], keys: list[str], metric: str, ylabel: s
         _resolution_axis(ax, [r["params"]["resolution"] for r in panel])
         ax.set_title(f"batch size {batch}")
         ax.set_ylabel(ylabel)
-        top = max((r[metric] for r in panel if r["status"] == "ok" and r[metric] is not None), default=1.0)
+        top = max((r[metric] for r in panel if r["status"] == Status.OK and r[metric] is not None), default=1.0)
         ax.set_ylim(0, top * 1.3)  # headroom keeps the top-edge X marks clear of the lines
     handles = [Line2D([], [], color=colors[s], linestyle=OFFLOAD_STYLE.get(str(s[1]), "-."), marker="o",
                       label=labels[s]) for s in series]
@@ -100,8 +102,8 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
     """Grouped bars: ZeRO stage groups, one bar per offload, one panel per resolution x batch size."""
     metric, title = "host_peak_rss_mib", "peak host memory (MiB) by ZeRO stage and offload"
     drawn = [r for r in rows if r["params"].get("zero_stage") is not None
-             and (r["status"] in DID_NOT_FINISH or r["status"] == "ok")]
-    if not any(r["status"] == "ok" and r[metric] is not None for r in drawn):
+             and (r["status"] in DID_NOT_FINISH or r["status"] == Status.OK)]
+    if not any(r["status"] == Status.OK and r[metric] is not None for r in drawn):
         _message_png(path, "host memory unmeasured", title)
         return Plot(path, title, "host memory unmeasured")
     stages = _ordered({r["params"]["zero_stage"] for r in drawn})
@@ -117,7 +119,7 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
             for x, stage in enumerate(stages):
                 cell = [r for r in panel
                         if (r["params"]["zero_stage"], r["params"].get("offload")) == (stage, offload)]
-                values = [r[metric] for r in cell if r["status"] == "ok" and r[metric] is not None]
+                values = [r[metric] for r in cell if r["status"] == Status.OK and r[metric] is not None]
                 pos = x - 0.4 + width * (j + 0.5)
                 if values:
                     aggregated |= len(values) > 1
@@ -139,7 +141,7 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
 
 def unfinished_label(row: dict) -> str:
     """What a red X says: the status, and for an out-of-memory job which memory ran out, where known."""
-    return OOM_LABELS.get(row.get("oom_kind") or "", DID_NOT_FINISH[row["status"]]) if row["status"] == "oom" \
+    return OOM_LABELS.get(row.get("oom_kind") or "", DID_NOT_FINISH[row["status"]]) if row["status"] == Status.OOM \
         else DID_NOT_FINISH[row["status"]]
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TextIO
 
 from omegaconf import OmegaConf
 
 from zerotune.files import jsonable, write_json_atomic, write_text_atomic
+from zerotune.rundir.run_summary import SUMMARY, RunSummary
 from zerotune.schema import Config
 
 __all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
@@ -16,7 +18,6 @@ __all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "ME
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
 METRICS = "metrics.jsonl"
-SUMMARY = "summary.json"
 SAMPLES = "samples"
 ATTEMPTS = "attempts"
 # What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
@@ -29,7 +30,7 @@ class RunDir:
         self.is_writer = is_writer  # only one process (rank 0) writes shared files
         if is_writer:
             (self.path / SAMPLES).mkdir(parents=True, exist_ok=True)
-        self._metrics = None
+        self._metrics: TextIO | None = None
 
     def archive_previous_attempt(self, started: float | None = None) -> Path | None:
         """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to
@@ -76,13 +77,12 @@ class RunDir:
             self._metrics = open(self.path / METRICS, "a", buffering=1)  # noqa: SIM115 (closed in close())
         self._metrics.write(json.dumps(jsonable(row)) + "\n")
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: RunSummary) -> None:
         if self.is_writer:
-            write_json_atomic(self.path / SUMMARY, summary)
+            summary.write(self.path)
 
-    def read_summary(self) -> dict | None:
-        file = self.path / SUMMARY
-        return json.loads(file.read_text()) if file.is_file() else None
+    def read_summary(self) -> RunSummary | None:
+        return RunSummary.read(self.path)
 
     def close(self) -> None:
         if self._metrics is not None:

@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
 from zerotune.rundir import write_json_atomic
+from zerotune.rundir.run_summary import JsonDict, RunSummary
+from zerotune.schema import Adapter, Config
 
 log = logging.getLogger("zerotune")
 
 RANKS = "ranks"  # <run dir>/ranks/rank<k>.json: each rank's own figures
 
 
-def key_choices(cfg: Any, world_size: int) -> dict:
+def key_choices(cfg: Config, world_size: int) -> JsonDict:
     """The few choices that identify a configuration in reports and dashboards."""
     return {"zero_stage": cfg.zero_stage.stage, "offload": cfg.offload.device,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
@@ -26,13 +27,14 @@ def key_choices(cfg: Any, world_size: int) -> dict:
             "world_size": world_size, "adapter": _adapter_choice(cfg.adapter)}
 
 
-def _adapter_choice(adapter: Any) -> str:
+def _adapter_choice(adapter: Adapter | None) -> str:
     """none, or the adapter and its rank (lora-r16): what changes its size."""
-    name = adapter.name if adapter is not None else "none"
-    return name if name == "none" else f"{name}-r{adapter.rank}"
+    if adapter is None or adapter.name == "none":
+        return "none"
+    return f"{adapter.name}-r{adapter.rank}"
 
 
-def experiment_info(cfg: Any) -> dict | None:
+def experiment_info(cfg: Config) -> JsonDict | None:
     """An experiment's name and the reference figures it reproduces, for reports to compare against."""
     ref = cfg.reference
     if not ref:
@@ -51,7 +53,7 @@ def is_oom(exc: BaseException) -> bool:
         words in message for words in ("out of memory", "can't allocate memory", "not enough memory"))
 
 
-def write_rank_record(run_dir: Path, rank: int, record: dict) -> dict:
+def write_rank_record(run_dir: Path, rank: int, record: JsonDict) -> JsonDict:
     """Every rank records its own figures; the job merges them (rank 0 alone would hide the others)."""
     folder = run_dir / RANKS
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,12 +62,12 @@ def write_rank_record(run_dir: Path, rank: int, record: dict) -> dict:
     return record
 
 
-def read_rank_records(run_dir: Path) -> list[dict]:
+def read_rank_records(run_dir: Path) -> list[JsonDict]:
     files = sorted((run_dir / RANKS).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
     return [json.loads(f.read_text()) for f in files]
 
 
-def per_rank_summary(ranks: list[dict]) -> dict:
+def per_rank_summary(ranks: list[JsonDict]) -> JsonDict:
     """Each rank's figures, and the largest per-process peaks among them."""
     if not ranks:
         return {}
@@ -77,23 +79,23 @@ def per_rank_summary(ranks: list[dict]) -> dict:
             "host_peak_rss_mib_max_rank": max(host) if host else None}
 
 
-def print_result(summary: dict) -> None:
+def print_result(summary: RunSummary) -> None:
     """The one line a person reads at the end of a run."""
-    q, perf = summary.get("quality", {}), summary.get("perf", {})
-    first, last = summary.get("loss_first"), summary.get("loss_last")
-    parts = [f"status {summary['status']}", f"steps {summary.get('steps')}"]
+    q, perf = summary.quality or {}, summary.perf or {}
+    first, last = summary.loss_first, summary.loss_last
+    parts = [f"status {summary.status}", f"steps {summary.steps}"]
     if first is not None and last is not None:
         parts.append(f"loss {first:.4f} -> {last:.4f}")
     if perf.get("step_time_median_s") is not None:
         parts.append(f"{perf['step_time_median_s']:.3f} s/step (median)")
     if "digit_accuracy" in q:
         parts.append(f"digit accuracy {100 * q['digit_accuracy']:.1f}%")
-    plan = summary.get("plan") or {}
+    plan = summary.plan or {}
     if plan.get("gpu_peak_mib") is not None:
         card = (plan.get("gpu") or {}).get("name")
         parts.append(f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB per rank" + (f" on {card}" if card else ""))
-    parts.append(f"wall time {summary.get('wall_time_s', 0):.0f} s")
+    parts.append(f"wall time {summary.wall_time_s or 0:.0f} s")
     log.info("result: %s", ", ".join(parts))
-    if summary.get("error"):
-        log.error("error: %s", json.dumps(summary["error"].get("message")))
-    log.info("run directory: %s", summary["run_dir"])
+    if summary.error:
+        log.error("error: %s", json.dumps(summary.error.get("message")))
+    log.info("run directory: %s", summary.run_dir)

@@ -21,6 +21,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from zerotune import held_signals
+from zerotune.rundir.run_summary import RunSummary
+from zerotune.rundir.status import ENDS_THE_STEP, Status
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,10 @@ def slurm_record(env: Mapping[str, str]) -> dict | None:
 
 def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[str]:
     """In a requeued SLURM job (SLURM_RESTART_COUNT > 0), once earlier records are in attempts/: an attempt of this
-    job that left no record at all (killed before it wrote one, its node lost) gets one, status "lost", so that the
+    job that left no record at all (killed before it wrote one, its node lost) gets one, status LOST, so that the
     job keeps one folder per attempt, as many as SLURM's restarts. Each attempt does this as it starts: the ones
     missing are the latest. Returns the folders added."""
-    from zerotune.rundir import ATTEMPTS, SUMMARY, RunDir, write_json_atomic
+    from zerotune.rundir import ATTEMPTS, RunDir
 
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
     run = RunDir(run_dir, is_writer=False)
@@ -71,10 +73,10 @@ def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[st
     for restart in range(recorded, restarts):
         added.append(f"{ATTEMPTS}/{len(run.previous_attempts()) + 1}")
         (run.path / added[-1]).mkdir(parents=True)
-        write_json_atomic(run.path / added[-1] / SUMMARY, {
-            "status": "lost", "run_dir": str(run.path), "slurm": {**slurm_record(env), "restart_count": restart},
-            "error": {"type": "lost", "message": f"attempt {restart + 1} of SLURM job {env['SLURM_JOB_ID']} left no "
-                      "record: it ended (killed, or its node lost) before it wrote one"}})
+        RunSummary(
+            status=Status.LOST, run_dir=str(run.path), slurm={**(slurm_record(env) or {}), "restart_count": restart},
+            error={"type": Status.LOST, "message": f"attempt {restart + 1} of SLURM job {env['SLURM_JOB_ID']} left no "
+                   "record: it ended (killed, or its node lost) before it wrote one"}).write(run.path / added[-1])
     return added
 
 
@@ -83,11 +85,12 @@ def _of_job(folder: Path, job_id: str) -> bool:
     attempt killed before its summary)."""
     import yaml
 
-    from zerotune.files import read_json
-
-    summary = read_json(folder / "summary.json") or {}
-    if summary:
-        return (summary.get("slurm") or {}).get("job_id") == job_id
+    try:
+        summary = RunSummary.read(folder)
+    except (OSError, ValueError):  # a partial write from a killed process
+        summary = None
+    if summary is not None and summary.as_dict():
+        return (summary.slurm or {}).get("job_id") == job_id
     try:
         config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
@@ -162,16 +165,16 @@ def continue_requeued(cfg: DictConfig, run_dir: str | Path) -> bool:
     return True
 
 
-def ends_the_step(summary: dict, node_rank: int) -> bool:
+def ends_the_step(summary: RunSummary, node_rank: int) -> bool:
     """Whether this task exits non-zero once its job is recorded, even in a sweep: node 0's, in a SLURM job of
     several nodes that failed. srun (--kill-on-bad-exit=1, conf/hydra/launcher/slurm.yaml) then ends the other
     nodes' tasks, which may be stuck on a peer that is gone; the sweep's launcher finds the job's summary.json
     in place of submitit's result (src/hydra_plugins/zerotune_slurm) and goes on."""
-    nodes = int((summary.get("slurm") or {}).get("num_nodes") or 1)
-    return node_rank == 0 and nodes > 1 and summary.get("status") in ("failed", "oom", "timeout")
+    nodes = int((summary.slurm or {}).get("num_nodes") or 1)
+    return node_rank == 0 and nodes > 1 and summary.status in ENDS_THE_STEP
 
 
-def requeue_if_preempted(summary: dict) -> None:
+def requeue_if_preempted(summary: RunSummary) -> None:
     """Under submitit, after the workers stopped on its pre-emption signal (SIGUSR2) and saved: submitit's own
     handler requeues the job (launcher.checkpoint(), its count of timeouts, `scontrol requeue`) and exits.
 
@@ -181,7 +184,7 @@ def requeue_if_preempted(summary: dict) -> None:
     submitit's handler aside), torch's agent passes it on to the workers while they run (launch/elastic.py), and
     submitit's handler is called only now, once the attempt is recorded. Only node 0's task requeues (submitit's
     handler does nothing on the others)."""
-    name = (summary.get("interrupted") or {}).get("job_signal")
+    name = (summary.interrupted or {}).get("job_signal")
     sig = getattr(signal, str(name), None)
     handler = (held_signals.set_aside(sig) or signal.getsignal(sig)) if sig is not None else None
     if getattr(handler, "__name__", None) != "checkpoint_and_try_requeue":  # submitit's SignalHandler method

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from zerotune.files import read_json, write_json_atomic, write_text_atomic
+from zerotune.files import write_text_atomic
 from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import RunSummary
+from zerotune.rundir.status import FINAL, Status
 from zerotune.slurm.cluster import SCONTROL_TIMEOUT_S, show_job
 
 log = logging.getLogger(__name__)
@@ -26,9 +28,9 @@ log = logging.getLogger(__name__)
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "SIGNALING",
           "STAGE_OUT", "STOPPED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
 # What summary.json says of a job SLURM ended in these states without a result from it.
-STATUS_OF_STATE = {"CANCELLED": "cancelled", "TIMEOUT": "timeout", "OUT_OF_MEMORY": "oom", "DEADLINE": "timeout"}
-# A summary the job itself wrote with one of these keeps its status: it is the more precise account.
-FINAL = ("ok", "failed", "oom", "timeout", "planned", "predicted_oom")
+STATUS_OF_STATE = {"CANCELLED": Status.CANCELLED, "TIMEOUT": Status.TIMEOUT, "OUT_OF_MEMORY": Status.OOM,
+                   "DEADLINE": Status.TIMEOUT}
+# A summary the job itself wrote with a FINAL status keeps it: it is the more precise account.
 
 
 def job_state(job_id: str) -> str | None:
@@ -75,31 +77,32 @@ def job_restarts(job_id: str) -> int | None:
 
 
 def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str,
-                    restarts: int | None = None) -> dict:
+                    restarts: int | None = None) -> RunSummary:
     """summary.json for a job SLURM ended without a result: its last attempt's own summary, if it wrote one, with
     SLURM's account added; its status from SLURM's state unless the job recorded a precise one itself.
     `restarts`: SLURM's count of the job's requeues. A summary an earlier attempt wrote (the last one ended before
     writing its own) stays that attempt's record, in attempts/<n>/, like any earlier attempt's."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = read_json(run_dir / "summary.json")
+    summary = _read(run_dir)
     if summary is not None and not _last_attempts(summary, job_id, restarts):
         RunDir(run_dir, is_writer=False).archive_previous_attempt()
         summary = None
-    summary = summary or {"run_dir": str(run_dir)}
-    summary["previous_attempts"] = RunDir(run_dir, is_writer=False).previous_attempts()
+    if summary is None or not summary.as_dict():
+        summary = RunSummary(run_dir=str(run_dir))
+    summary.previous_attempts = RunDir(run_dir, is_writer=False).previous_attempts()
     shown = state or "unknown to SLURM"
-    summary["slurm"] = {**(summary.get("slurm") or {"job_id": job_id}), "state": shown}
+    summary.slurm = {**(summary.slurm or {"job_id": job_id}), "state": shown}
     if restarts is not None:
-        summary["slurm"]["restart_count"] = restarts
+        summary.slurm["restart_count"] = restarts
     said = (f"SLURM job {job_id} ended without a result (state {shown})"
             + (f": {detail}" if detail else ""))
-    if summary.get("status") not in FINAL:
-        summary["error"] = {"type": "slurm", "message": said, "job_status": summary.get("status"),
-                            "job_error": summary.get("error")}
-        summary["status"] = STATUS_OF_STATE.get(str(state), "failed")
-    else:
-        summary.setdefault("error", {"type": "slurm", "message": said})
-    write_json_atomic(run_dir / "summary.json", summary)
+    if summary.status not in FINAL:
+        job_status = summary.status if summary.status is not None else summary.extra.pop("status", None)
+        summary.error = {"type": "slurm", "message": said, "job_status": job_status, "job_error": summary.error}
+        summary.status = STATUS_OF_STATE.get(str(state), Status.FAILED)
+    elif summary.error is None and "error" not in summary.nulls:
+        summary.error = {"type": "slurm", "message": said}
+    summary.write(run_dir)
     hydra_overrides = run_dir / ".hydra" / "overrides.yaml"
     if not hydra_overrides.exists():  # the report reads a job's parameters there (Hydra writes it when the job starts)
         hydra_overrides.parent.mkdir(exist_ok=True)
@@ -108,10 +111,18 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
     return summary
 
 
-def _last_attempts(summary: dict, job_id: str, restarts: int | None) -> bool:
+def _read(run_dir: Path) -> RunSummary | None:
+    """The summary the job wrote, if any (a partial write from a killed process is none)."""
+    try:
+        return RunSummary.read(run_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _last_attempts(summary: RunSummary, job_id: str, restarts: int | None) -> bool:
     """Whether a summary found in the run folder is the SLURM job's last attempt's (not an earlier attempt's, or an
     earlier job's in the same folder)."""
-    slurm = summary.get("slurm") or {}
+    slurm = summary.slurm or {}
     ids = {slurm.get("array_job"), slurm.get("job_id")} - {None}  # submitit's id of an array task: <array>_<task>
     if ids and job_id not in ids:
         return False

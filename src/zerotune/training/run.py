@@ -16,10 +16,13 @@ from zerotune.loggers.base import NullLogger, RunLogger
 from zerotune.preflight import preflight
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
+from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec
+from zerotune.rundir.status import Status
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
 from zerotune.schema import Config, to_config
 from zerotune.telemetry import environment_info, node_identity
+from zerotune.telemetry.phases import PhaseTimeline
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
@@ -32,10 +35,10 @@ from zerotune.training.trainer import Trainer
 log = logging.getLogger("zerotune")
 
 
-def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> dict:
+def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSummary:
     """Train the resolved `run` in `spec.run_dir`; returns the summary rank 0 writes there.
 
-    A stop signal ends training after the current step, with the summary's status "interrupted".
+    A stop signal ends training after the current step, with the summary's status INTERRUPTED.
     """
     start = time.time()
     # telemetry/startup.py; `startup`: when this worker reached the job's gate and when it opened (launch/gate.py)
@@ -47,29 +50,29 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> dict:
     logger: RunLogger = NullLogger()
     with StopSignals() as stop, ExitStack() as held:
         try:
-            summary["threads"] = apply_threads(cfg.launch)
+            summary.threads = apply_threads(cfg.launch)
             if not spec.from_parent and rank == 0:  # under torchrun & co. no zerotune parent holds it
                 held.enter_context(checkpoints.job_lock(cfg.checkpoint, run_dir.path))
             # W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
             distributed.init_accelerate_state(run.use_deepspeed, cfg.launch.collective_timeout_s)
             _train_and_evaluate(run, run_dir, logger, stop, summary, marks)
-            summary["status"] = "interrupted" if "interrupted" in summary else "pruned" if "pruned" in summary else "ok"
+            summary.status = summary.trained_status()
             return summary
         except ConfigError as exc:
-            summary["error"] = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
+            summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
             raise
         except BaseException as exc:
-            summary["status"] = "oom" if is_oom(exc) else "failed"
-            summary["error"] = {"type": type(exc).__name__, "message": str(exc)[:2000],
-                                "traceback_tail": traceback.format_exc().splitlines()[-12:]}
+            summary.status = Status.OOM if is_oom(exc) else Status.FAILED
+            summary.error = {"type": type(exc).__name__, "message": str(exc)[:2000],
+                             "traceback_tail": traceback.format_exc().splitlines()[-12:]}
             raise
         finally:
-            summary["wall_time_s"] = time.time() - start
+            summary.wall_time_s = time.time() - start
             _close(summary, run_dir, logger, marks)
 
 
-def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> dict:
+def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     """Under torchrun / `accelerate launch` / `deepspeed` / `srun` with no zerotune parent, every rank runs
     this: rank 0 resolves the run (and writes config.yaml, ds_config.json, resolved.json), the other ranks
     receive it, and all train it. A refusal is recorded in summary.json and raised on every rank."""
@@ -107,27 +110,31 @@ def record_refusal(cfg: DictConfig, spec: JobSpec, exc: ConfigError) -> None:
     """What rank 0 writes for a run refused before training: config.yaml as composed, and the error."""
     run_dir, composed = RunDir(spec.run_dir), to_config(cfg)
     run_dir.write_config(composed)
-    run_dir.write_summary({"status": "failed", "choices": key_choices(composed, distributed.world_size()),
-                           "run_dir": str(run_dir.path), "experiment": experiment_info(composed),
-                           "previous_attempts": run_dir.previous_attempts(),
-                           "error": {"type": "ConfigError", "key": exc.key, "message": str(exc)},
-                           "env": environment_info()})
+    summary = _failed_summary(composed, run_dir)
+    summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
+    summary.env = environment_info()
+    run_dir.write_summary(summary)
 
 
-def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> dict:
-    """What the summary says before training: failed until it is known otherwise; and what the resolution
-    settled: the summary's choices and sources."""
-    cfg, stats = run.config, run.model_stats
-    return {"status": "failed", "choices": key_choices(cfg, distributed.world_size()), "run_dir": str(run_dir.path),
-            "experiment": experiment_info(cfg), "previous_attempts": run_dir.previous_attempts(),
-            "config_sources": run.config_sources, "config_warnings": list(run.config_warnings),
-            "use_deepspeed": run.use_deepspeed, "num_params": stats.num_params,
-            "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen}
+def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
+    """What the summary says before training: failed until it is known otherwise."""
+    return RunSummary.of(status=Status.FAILED, choices=key_choices(cfg, distributed.world_size()),
+                         run_dir=str(run_dir.path), experiment=experiment_info(cfg),
+                         previous_attempts=run_dir.previous_attempts())
 
 
-def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
-    summary["startup_marks"], summary["startup"] = marks, startup_view(None, marks)  # the parent adds its own
-    summary["env"] = environment_info()
+def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> RunSummary:
+    """The summary before training, with what the resolution settled: the summary's choices and sources."""
+    summary, stats = _failed_summary(run.config, run_dir), run.model_stats
+    summary.update({"config_sources": run.config_sources, "config_warnings": list(run.config_warnings),
+                    "use_deepspeed": run.use_deepspeed, "num_params": stats.num_params,
+                    "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen})
+    return summary
+
+
+def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict) -> None:
+    summary.startup_marks, summary.startup = marks, startup_view(None, marks)  # the parent adds its own
+    summary.env = environment_info()
     run_dir.write_summary(summary)
     run_dir.close()
     if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
@@ -138,20 +145,20 @@ def _close(summary: dict, run_dir: RunDir, logger, marks: dict) -> None:
     _finish_logger(logger, summary, run_dir)
 
 
-def _finish_logger(logger, summary: dict, run_dir: RunDir) -> None:
+def _finish_logger(logger: RunLogger, summary: RunSummary, run_dir: RunDir) -> None:
     images = [p for p in (run_dir.file("samples/grid.png"), run_dir.file("telemetry.png")) if p.is_file()]
     if images:
-        logger.log_images("samples", [str(p) for p in images], step=int(summary.get("steps") or 0))
-    logger.log_summary({k: v for k, v in summary.items() if k != "env"})
-    logger.finish(0 if summary["status"] == "ok" else 1)
+        logger.log_images("samples", [str(p) for p in images], step=int(summary.steps or 0))
+    logger.log_summary({k: v for k, v in summary.as_dict().items() if k != "env"})
+    logger.finish(0 if summary.status == Status.OK else 1)
 
 
-def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, stop: StopSignals, summary: dict,
+def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, stop: StopSignals, summary: RunSummary,
                         marks: dict) -> None:
     """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
     through is there even when it fails)."""
     cfg = run.config
-    out: dict = {}
+    out = RunSummary()  # what this function adds to `summary`, merged once all of it is known
     # perf.startup_s leaves out the wait at the job's gate: a cold op build there is reported apart (startup.*),
     # so the first job of a sweep does not look slower than the next.
     with RunTelemetry(nvme_dir=run.nvme_dir, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
@@ -167,26 +174,26 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
             summary.update(trainer.progress())
             marks["first_step_end"] = telemetry.timer.first_step_end_unix
         if trainer.stopped_by == PRUNED:  # a tune trial its study stopped at a rung
-            out["pruned"] = {"after_step": trainer.step}
+            out.pruned = {"after_step": trainer.step}
         elif trainer.stopped_by is not None:
-            out["interrupted"] = {"signal": trainer.stopped_by, "after_step": trainer.step,
-                                  "last_checkpoint": out["checkpoint"]["last_complete"]}
-        out["optimizer_class"] = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
-        out["train_time_s"] = sum(telemetry.timer.durations)
+            out.interrupted = {"signal": trainer.stopped_by, "after_step": trainer.step,
+                               "last_checkpoint": (out.checkpoint or {}).get("last_complete")}
+        out.optimizer_class = trainer.optimizer_class()  # what stepped: e.g. DeepSpeedCPUAdam when offloaded
+        out.train_time_s = sum(telemetry.timer.durations)
         if trainer.ema is not None:
-            out["ema"] = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
+            out.ema = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
     if trainer.data_report:
-        out["data"] = trainer.data_report
-    out["partition"] = trainer.partition
+        out.data = trainer.data_report
+    out.partition = trainer.partition
     _gather_rank_records(trainer, run_dir, out)
     if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
         _evaluate(trainer, cfg, run_dir, telemetry.phases, out)
     trainer.accelerator.end_training()
-    summary.update(out)
+    summary.update(out.as_dict())
 
 
-def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases, out: dict) -> None:
+def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases: PhaseTimeline, out: RunSummary) -> None:
     # Imported when evaluating only: it brings scikit-learn's classifier.
     from zerotune.training.evaluate import evaluate_digits
 
@@ -194,16 +201,17 @@ def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases, out: dict)
     quality = evaluate_digits(trainer, cfg, run_dir)
     phases.end()
     if quality is not None:
-        out["quality"] = quality
+        out.quality = quality
 
 
-def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: dict) -> None:
-    record = {**node_identity(), **out["memory"], "partition": trainer.partition, "losses": trainer.logged_losses}
+def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: RunSummary) -> None:
+    memory = out.memory if out.memory is not None else {}
+    record = {**node_identity(), **memory, "partition": trainer.partition, "losses": trainer.logged_losses}
     record = write_rank_record(run_dir.path, distributed.rank(), record)  # every rank, its own file
     # Every rank's record reaches rank 0 over torch.distributed (the nodes may share no file system).
     records = distributed.gather_object(record)
     if records is not None:
-        out["memory"].update(per_rank_summary(records))
+        memory.update(per_rank_summary(records))
 
 
 def _device_sync(trainer):

@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from zerotune.rundir.status import Status
+
 log = logging.getLogger(__name__)
 
 PRUNERS = ("successive_halving", "hyperband", "none")  # none: every trial runs max_steps (a grid)
-PRUNED = "pruned"  # Trainer.stopped_by, and the job's status, when the study stopped it at a rung
+PRUNED = Status.PRUNED  # Trainer.stopped_by, and the job's status, when the study stopped it at a rung
 
 
 def rung_steps(min_steps: int, reduction_factor: int, max_steps: int) -> list[int]:

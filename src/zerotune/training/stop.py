@@ -2,7 +2,7 @@
 SIGINT (Ctrl-C), SIGHUP, SIGUSR1 (SLURM's `--signal` before pre-emption) and SIGUSR2 (submitit's, for the same:
 SLURM sends it to every process of the job's steps, workers included, whose default action would end them
 unsaved). The step in progress completes, a last checkpoint is saved when checkpoint.on_signal is set, and
-the summary says "interrupted" with the steps done."""
+the summary's status is INTERRUPTED, with the steps done."""
 
 from __future__ import annotations
 

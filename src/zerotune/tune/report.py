@@ -7,11 +7,14 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotune.training.rungs import PRUNED
+from zerotune.rundir.status import Status
 from zerotune.tune.screen import KEPT, Screened
 from zerotune.tune.study import Trial
 
-STATUS_ORDER = {"ok": 0, PRUNED: 1}
+# A candidate ranked by its predicted time floor, run or not: a row of the tune report, not a run's status.
+PREDICTED = "predicted"
+
+STATUS_ORDER = {Status.OK: 0, Status.PRUNED: 1}
 
 
 @dataclass
@@ -27,7 +30,7 @@ class Outcome:
 
     def winner(self) -> dict | None:
         rows = self.rows()
-        return rows[0] if rows and rows[0]["samples_per_s"] and rows[0]["status"] in ("ok", "predicted") else None
+        return rows[0] if rows and rows[0]["samples_per_s"] and rows[0]["status"] in (Status.OK, PREDICTED) else None
 
     def rows(self) -> list[dict]:
         """Every candidate, best first: complete trials by samples/s, then stopped ones, failed ones, dropped."""
@@ -46,13 +49,13 @@ def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -
         # A floor without its compute term would rank an offloaded run (whose optimizer term is known) above
         # one whose compute is unknown: such a candidate has no prediction.
         floor = s.plan.get("time_floor_s") if "compute" in s.plan.get("terms", {}) else None
-        row.update(status="predicted", samples_per_s=global_batch / floor if floor else None,
+        row.update(status=PREDICTED, samples_per_s=global_batch / floor if floor else None,
                    reason=_binding(s.plan) if floor else "no time floor: unknown " +
                    ", ".join(s.plan.get("terms_unknown") or ["terms"]))
     elif trial is not None:
         row.update(status=trial.status, timed_steps=trial.timed_steps, samples_per_s=trial.samples_per_s,
                    rungs=" ".join(f"{k}:{v:.4g}" for k, v in trial.rungs.items()),
-                   reason="" if trial.status in ("ok", PRUNED) else (trial.row.get("error") or trial.status),
+                   reason="" if trial.status in (Status.OK, Status.PRUNED) else (trial.row.get("error") or trial.status),
                    gpu_peak_process_mib=trial.row.get("gpu_peak_process_mib"),
                    host_peak_rss_mib=trial.row.get("host_peak_rss_mib"), run_dir=trial.row.get("run_dir"))
     elif s.verdict == KEPT:
@@ -67,7 +70,7 @@ def _binding(plan: dict) -> str:
 
 def _rank_key(row: dict) -> tuple:
     """Fastest first; among equals, the one the planner gives the most room (a floor is often shared)."""
-    order = {"ok": 0, "predicted": 0, PRUNED: 1}.get(row["status"], 2 if row["run_dir"] else 3)
+    order = {Status.OK: 0, PREDICTED: 0, Status.PRUNED: 1}.get(row["status"], 2 if row["run_dir"] else 3)
     return order, -(row["samples_per_s"] or 0.0), row["plan_peak_mib"] or 0.0, row["candidate"]
 
 

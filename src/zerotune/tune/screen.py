@@ -11,10 +11,12 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.rundir.plan import Plan
+from zerotune.rundir.status import Status
 from zerotune.schema import Config, as_dict
 from zerotune.tune.space import Candidate
 
-KEPT, INVALID, NO_FIT, SAME, SLOWER = "kept", "invalid", "predicted_oom", "duplicate", "dominated"
+KEPT, INVALID, SAME, SLOWER = "kept", "invalid", "duplicate", "dominated"
+NO_FIT = Status.PREDICTED_OOM  # the word a job the guard skipped records: the tune report's column shows both
 CHECKPOINTING = "train.gradient_checkpointing"
 
 

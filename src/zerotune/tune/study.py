@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerotune.rundir.status import Status
 from zerotune.training.rungs import PRUNED, journal, make_pruner
 from zerotune.tune.screen import KEPT, NO_FIT, SLOWER, Screened
 from zerotune.tune.settings import TuneSettings
@@ -27,7 +28,7 @@ TRIAL_SETTINGS = ("checkpoint.final=false", "checkpoint.every_n_steps=0", "evalu
 class Trial:
     screened: Screened
     number: int                      # Optuna's trial number
-    status: str                      # ok | pruned | oom | failed | timeout | ...
+    status: str                      # the report row's: a Status word, or missing | running
     samples_per_s: float | None      # over every timed step it ran (after the sweeper's warm-up)
     timed_steps: int
     rungs: dict[int, float]          # timed steps -> samples/s reported there
@@ -37,7 +38,7 @@ class Trial:
     @property
     def score(self) -> float:
         """What the study was told: samples/s, or 0 for a job that failed."""
-        return self.samples_per_s if self.status in ("ok", PRUNED) and self.samples_per_s else 0.0
+        return self.samples_per_s if self.status in (Status.OK, PRUNED) and self.samples_per_s else 0.0
 
 
 def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[str], sweep_dir: Path,
@@ -110,14 +111,14 @@ def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wal
     rungs = {int(step): float(value) for step, value in sorted(frozen.intermediate_values.items())}
     timed = max(rungs) if rungs else 0
     # Every trial's figure over the same warm-up (the sweeper's): the value its job reported at its last rung.
-    value = rungs[timed] if rungs and row["status"] in ("ok", PRUNED) else None
+    value = rungs[timed] if rungs and row["status"] in (Status.OK, PRUNED) else None
     return Trial(chosen, optuna_trial.number, row["status"], value, timed, rungs, row, wall_s)
 
 
 def progress_line(trial: Trial, done: int, total: int, trials: list[Trial]) -> str:
-    best = max((t for t in trials if t.status == "ok" and t.samples_per_s), key=lambda t: t.samples_per_s,
+    best = max((t for t in trials if t.status == Status.OK and t.samples_per_s), key=lambda t: t.samples_per_s,
                default=None)
-    if trial.status == "ok" and trial.samples_per_s:
+    if trial.status == Status.OK and trial.samples_per_s:
         what = f"{trial.samples_per_s:.4g} samples/s over {trial.timed_steps} timed steps"
     elif trial.status == PRUNED and trial.rungs:
         what = f"stopped at rung {trial.timed_steps} steps, {trial.rungs[trial.timed_steps]:.4g} samples/s"
