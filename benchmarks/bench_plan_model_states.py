@@ -107,7 +107,7 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
     checked = preflight(cfg, world_size=world)
-    numels, trainable = param_numels(cfg.model, cfg.adapter)
+    numels, trainable = param_numels(checked.config.model, checked.config.adapter)
     return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable)
             for r in range(world)]
 

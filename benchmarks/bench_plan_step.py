@@ -55,7 +55,7 @@ def predicted(config: tuple) -> dict:
 
     overrides = [*QUICK, f"resolution={RESOLUTION[config[0]]}", *_args(config)]
     cfg = compose(overrides)
-    return predict(cfg, preflight(cfg, 1, overrides=overrides), None, device="cpu")
+    return predict(preflight(cfg, 1, overrides=overrides), None, device="cpu")
 
 
 def compare(config: tuple, cache: dict) -> dict:

@@ -41,10 +41,10 @@ def measure(overrides: list[str]) -> dict:
 
     cfg = compose(overrides)
     distributed.ensure_single_process_env()
-    checked = preflight(cfg, 1, overrides=overrides)
-    distributed.init_accelerate_state(checked.use_deepspeed, 600)
+    run = preflight(cfg, 1, overrides=overrides)
+    distributed.init_accelerate_state(run.use_deepspeed, 600)
     with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer = Trainer(cfg, checked, RunDir(tmp, is_writer=True), NullLogger())
+        trainer = Trainer(run, RunDir(tmp, is_writer=True), NullLogger())
         trainer.train_step()
         with record_function(STEP):
             trainer.train_step()

@@ -178,7 +178,7 @@ def test_the_fit_bar_adds_up_to_the_planners_peak(client):
     assert sum(s["mib"] for s in plan["bar"]) == pytest.approx(plan["gpu_peak_mib"], rel=1e-12)
     assert {s["segment"] for s in plan["bar"]} == set(form_segments())
     cfg = compose([])
-    expected = predict(cfg, preview.preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
+    expected = predict(preview.preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
     assert plan["gpu_peak_mib"] == pytest.approx(expected)
 
 
@@ -472,7 +472,7 @@ def test_the_fit_answer_marks_the_runs_phases_when_the_plan_has_them(client, mon
     def with_phases(overrides, gpu):
         cfg = compose(overrides)
         checked = preview.preflight(cfg)
-        plan = predict(cfg, checked, gpu)
+        plan = predict(checked, gpu)
         return {**plan, "phases": run_phases(cfg, checked, gpu, plan)}
 
     monkeypatch.setattr(fit_module, "plan_job", with_phases)

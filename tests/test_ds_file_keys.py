@@ -249,7 +249,7 @@ def test_keys_deepspeed_ignores_pass_with_one_warning_each_and_are_left_out(tmp_
     with caplog.at_level(logging.WARNING):
         checked = check(write(tmp_path, data))
     assert warned_keys(checked.config_warnings) == ["comms_config", "monitor_config"]
-    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == checked.config_warnings
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == list(checked.config_warnings)
     assert "DeepSpeed ignores it" in checked.config_warnings[0] and '"comms_logger"' in checked.config_warnings[0]
     assert '"csv_monitor"' in checked.config_warnings[1]
     assert set(IGNORED_VALUES).isdisjoint(checked.ds_config)
@@ -260,7 +260,7 @@ def test_a_key_deepspeed_ignores_that_asks_for_something_is_refused_and_its_fix_
     _, asks = IGNORED_VALUES[name]
     err = refused(write(tmp_path, {**BASE, name: asks}, "before.json"))
     assert err.key == name and "ignores" in err.problem and err.fix.startswith(f'delete "{name}"')
-    assert check(write(tmp_path, BASE, "after.json")).config_warnings == []
+    assert check(write(tmp_path, BASE, "after.json")).config_warnings == ()
 
 
 def test_monitor_config_refused_for_a_csv_log_is_fixed_at_the_top_level(tmp_path):
@@ -285,7 +285,7 @@ def test_visible_devices_in_the_file_are_refused_and_set_in_the_environment(name
     assert err.key == name and "CUDA_VISIBLE_DEVICES=0,1 zerotune train" in err.fix
     assert refused(write(tmp_path, {**BASE, name: 0}, "zero.json")).key == name  # GPU 0 is a request too
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert check(write(tmp_path, BASE, "after.json")).config_warnings == []
+    assert check(write(tmp_path, BASE, "after.json")).config_warnings == ()
 
 
 # ---------------------------------------------------------------- unknown keys

@@ -27,7 +27,7 @@ TRAIN_AND_PROBE = textwrap.dedent("""
     out = sys.argv[1]
     cfg = compose_cfg("zero_stage=3", "train.batch_size=4", "ema.enabled=true", "train.max_steps=2",
                       "scheduler=constant", "checkpoint.every_n_steps=2", f"checkpoint.dir={out}/checkpoints")
-    t = Trainer(cfg, preflight(cfg, 1), RunDir(out), NullLogger())
+    t = Trainer(preflight(cfg, 1), RunDir(out), NullLogger())
     for _ in range(2):
         t.train_step()
     t.save_checkpoint()

@@ -199,7 +199,7 @@ def test_every_fix_that_can_be_typed_passes_the_guard(monkeypatch):
         checked = preflight(cfg, overrides=overrides)
         if cfg.plan.only:  # a plan.only job predicts and trains nothing: the guard is not asked
             return
-        planning.guard(cfg, planning.job_plan(cfg, checked, planning.job_gpu(cfg)))
+        planning.guard(cfg, planning.job_plan(checked, planning.job_gpu(cfg)))
 
     with pytest.raises(ConfigError) as err:
         passes(list(SDXL))

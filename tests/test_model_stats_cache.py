@@ -51,7 +51,7 @@ def test_the_job_parent_checks_and_plans_without_diffusers(cache, tmp_path):
     from zerotune.preflight import preflight
 
     cfg = compose_cfg("adapter=lora")
-    planning.job_plan(cfg, checked := preflight(cfg), planning.job_gpu(cfg))  # counts and traces, cached
+    planning.job_plan(checked := preflight(cfg), planning.job_gpu(cfg))  # counts and traces, cached
     assert checked.model_stats.num_trainable < checked.model_stats.num_params
     code = """
 import sys
@@ -60,7 +60,7 @@ from zerotune.plan import guard as planning
 from zerotune.preflight import preflight
 cfg = compose_cfg("adapter=lora")
 checked = preflight(cfg)
-planning.job_plan(cfg, checked, planning.job_gpu(cfg))
+planning.job_plan(checked, planning.job_gpu(cfg))
 print(sorted(m for m in ("diffusers", "peft", "transformers", "sklearn", "matplotlib") if m in sys.modules))
 """
     env = {**__import__("os").environ, "ZEROTUNE_CACHE_DIR": str(cache.parent)}

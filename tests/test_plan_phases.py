@@ -20,7 +20,7 @@ def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overri
     gpu = gpus.lookup(card) if card else None
     cfg = compose_cfg(*overrides)
     checked = preflight(cfg, overrides=list(overrides), platform=platform_for(gpu))
-    plan = predict(cfg, checked, gpu)
+    plan = predict(checked, gpu)
     phases = run_phases(compose_cfg(*overrides, *phase_overrides), checked, gpu, plan)
     return plan, phases
 

@@ -40,7 +40,7 @@ def _plan(*overrides: str, device: str = "cuda") -> dict:
     cfg = compose_cfg("model=sdxl", "resolution=1024", "train.batch_size=1", "precision=bf16", *overrides)
     gpu = gpus.CATALOG["rtx4090"] if device == "cuda" else None
     checked = preflight(cfg, overrides=list(overrides), platform=ANY_CUDA_GPU if gpu else None)
-    return predict(cfg, checked, gpu, device=device)
+    return predict(checked, gpu, device=device)
 
 
 def _terms(plan: dict, key: str = "gpu_terms") -> dict[tuple[str, str], float]:

@@ -128,7 +128,7 @@ def test_stage3_cpu_offload_file_reports_what_ran():
     """The effective config, not the command line's defaults: choices, offload handling, measurement."""
     cfg = compose_cfg(*file_override("hf_zero3_offload_auto.json"))
     checked = preflight(cfg)
-    assert key_choices(cfg, 1)["zero_stage"] == 3 and key_choices(cfg, 1)["offload"] == "cpu"
+    assert key_choices(checked.config, 1)["zero_stage"] == 3 and key_choices(checked.config, 1)["offload"] == "cpu"
     assert "torch_adam" not in checked.ds_config["optimizer"]["params"]  # DeepSpeed's CPU-Adam, not torch's
     assert checked.config_sources["values"]["zero_optimization"].startswith("file hf_zero3_offload_auto.json")
 

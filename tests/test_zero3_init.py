@@ -46,7 +46,7 @@ PROBE = textwrap.dedent("""
     trainer_module.build_unet = recording_build
     if mode == "plain":
         trainer_module.zero3_init = lambda accelerator, checked: None
-    t = trainer_module.Trainer(cfg, preflight(cfg, 1), RunDir(out), NullLogger())
+    t = trainer_module.Trainer(preflight(cfg, 1), RunDir(out), NullLogger())
     params = list(t._module().named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params]):
         initial = {n: p.detach().clone() for n, p in params}

@@ -59,7 +59,7 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
     gpu = None if device == "cpu" else gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
     checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
     with trace_lock:
-        answer = predict(checked.config, checked, gpu, device=device)
+        answer = predict(checked, gpu, device=device)
     return {**answer, "micro_batch": micro_batch(checked.config, checked, overrides)}
 
 

@@ -64,7 +64,7 @@ def _nvme_need_mib(cfg: DictConfig, overrides: list[str]) -> float | None:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
             run = preflight(cfg, overrides=overrides)
-            return float(predict(run.config, run, None)["nvme_mib"])
+            return float(predict(run, None)["nvme_mib"])
     except ConfigError:
         return None
 

@@ -76,7 +76,7 @@ class JobChecks:
         config, spec, run_dir = self.settled.config, self.spec, self.run_dir
         run = resolved_job(self.settled, spec, run_dir)
         marks.mark("checks")
-        plan = planning.job_plan(config, run, planning.job_gpu(config))
+        plan = planning.job_plan(run, planning.job_gpu(config))
         run = replace(run, plan=plan)
         base = base_summary(config, spec)
         base.config_sources, base.config_warnings, base.plan = run.config_sources, list(run.config_warnings), plan

@@ -152,7 +152,7 @@ def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
     summary = base_summary(config, spec)
     summary.update({"status": Status.PLANNED, "config_sources": run.config_sources,
                     "config_warnings": list(run.config_warnings),
-                    "plan": planning.job_plan(config, run, gpu), "env": environment_info()})
+                    "plan": planning.job_plan(run, gpu), "env": environment_info()})
     run_dir.write_summary(summary)
     return summary
 

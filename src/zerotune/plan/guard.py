@@ -60,13 +60,13 @@ def check_plan_keys(plan: PlanSettings) -> None:
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
+def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
-    device = "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
+    cfg, device = checked.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
-        plan = predict(cfg, checked, gpu, device=device)
+        plan = predict(checked, gpu, device=device)
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}

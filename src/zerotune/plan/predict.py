@@ -25,10 +25,11 @@ def _offload(ds: dict) -> tuple[str, str]:
             (zero.get("offload_param") or {}).get("device", "none"))
 
 
-def predict(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
-    """The prediction for rank 0 of the job `cfg` describes (ranks differ by alignment padding only).
+def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+    """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
+    cfg = checked.config
     ds, world = checked.ds_config, launch_world_size(cfg.launch)
     use_ds = checked.use_deepspeed
     stage = int(ds["zero_optimization"]["stage"]) if use_ds else 0

@@ -151,7 +151,7 @@ def step_floor(cfg: DictConfig, overrides: list[str], card: gpus.GPU, req: Reque
     try:
         checked = preflight(job, world_size=req.gpus_per_node * req.nodes, platform=ANY_CUDA_GPU,
                             overrides=overrides)
-        terms = predict(checked.config, checked, card)["time_terms"]
+        terms = predict(checked, card)["time_terms"]
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)
         log.debug("no time floor for %s: %s", overrides, exc)
         return None

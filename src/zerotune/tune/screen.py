@@ -43,7 +43,7 @@ def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[
         try:
             run = preflight(compose(overrides), overrides=overrides)
             gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
-            plan = Plan.from_dict(job_plan(run.config, run, gpu)) or Plan()
+            plan = Plan.from_dict(job_plan(run, gpu)) or Plan()
         except ConfigError as exc:
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
