@@ -21,7 +21,6 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 from zerotune.errors import ConfigError
 
@@ -96,7 +95,7 @@ def unet_config(path: Path) -> dict:
     return json.loads((old if old.is_file() else Path(path) / UNET_CONFIG).read_text())
 
 
-def checkpoint_root(configured: Any, run_dir: Path | None) -> Path:
+def checkpoint_root(configured: str | None, run_dir: Path | None) -> Path:
     """`checkpoint.dir`, or <run dir>/checkpoints."""
     if configured:
         return Path(str(configured)).expanduser()

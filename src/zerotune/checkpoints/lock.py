@@ -10,13 +10,13 @@ import socket
 import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
 
 from filelock import FileLock, Timeout
 
 from zerotune.checkpoints.layout import checkpoint_root
 from zerotune.errors import ConfigError
 from zerotune.files import write_json_atomic
+from zerotune.schema import Checkpoint
 
 LOCK_FILE = ".zerotune.lock"
 OWNER_FILE = ".zerotune.lock.json"  # beside the lock: filelock truncates the lock file when it opens it
@@ -79,7 +79,7 @@ class CheckpointDirLock:
         self.release()
 
 
-def job_lock(checkpoint: Any, run_dir: str | Path) -> AbstractContextManager:
+def job_lock(checkpoint: Checkpoint, run_dir: str | Path) -> AbstractContextManager:
     """The lock a job holds while it runs: on its checkpoint dir when it will save there, else none."""
     if checkpoint.every_n_steps > 0 or checkpoint.final or checkpoint.on_signal:
         return CheckpointDirLock(checkpoint_root(checkpoint.dir, Path(run_dir)), run_dir)

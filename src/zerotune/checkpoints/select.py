@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from zerotune.checkpoints import manifest
 from zerotune.checkpoints.layout import (
@@ -15,11 +14,12 @@ from zerotune.checkpoints.layout import (
     list_complete,
 )
 from zerotune.errors import ConfigError
+from zerotune.schema import Resume
 
 log = logging.getLogger(__name__)
 
 
-def resolve_resume(resume: Any, checkpoint_dir: Any, run_dir: Path | None, verified: str | None = None) -> Path | None:
+def resolve_resume(resume: Resume, checkpoint_dir: str | None, run_dir: Path | None, verified: str | None = None) -> Path | None:
     """The checkpoint folder `resume` (resume.path, resume.strict) names, or None. The rule (conf/config.yaml):
     a checkpoint folder, a folder of them or a run dir (its newest), `latest` (the newest in checkpoint.dir,
     default <run dir>/checkpoints), or `auto` (the same, or a fresh start when there is none). `verified`: a folder already checksummed by the job's parent (sizes only)."""
@@ -50,7 +50,7 @@ def resolve_resume(resume: Any, checkpoint_dir: Any, run_dir: Path | None, verif
                       "resume=<run dir>, resume=<run dir>/checkpoints/step-NNNNNNN, or resume=latest")
 
 
-def _latest_fix(checkpoint_dir: Any) -> str:
+def _latest_fix(checkpoint_dir: str | None) -> str:
     if checkpoint_dir:
         return "point checkpoint.dir at a folder holding step-NNNNNNN/ checkpoints, or resume=null"
     return ("run in the old run dir (hydra.run.dir=<old run dir>), or resume=<old run dir>, or "

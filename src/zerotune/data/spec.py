@@ -4,15 +4,14 @@ size, the micro batch and the seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from zerotune.schema import Config
+from zerotune.schema import Config, Data, Model
 
 
 @dataclass(frozen=True)
 class DataSpec:
-    data: Any          # the `data` node (schema.Data)
-    model: Any         # the `model` node (schema.Model)
+    data: Data
+    model: Model
     resolution: int    # pixel side
     batch_size: int    # micro batch per process
     seed: int

@@ -30,6 +30,7 @@ from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.launch.gate import Gate
 from zerotune.pause_hook import pause
 from zerotune.rundir.status import Status
+from zerotune.schema import Launch
 from zerotune.telemetry.host import HostExit, HostWatch
 from zerotune.training.distributed import free_port
 from zerotune.training.stop import STOP_SIGNALS
@@ -58,7 +59,7 @@ def _kill_children() -> None:
             pass
 
 
-def check_launch(launch: Any) -> None:
+def check_launch(launch: Launch) -> None:
     """The launch block's own rules (seconds, before any worker starts)."""
     nnodes, node_rank = int(launch.nnodes), int(launch.node_rank)
     check_threads(launch.threads)
@@ -76,7 +77,7 @@ def check_launch(launch: Any) -> None:
                           "free port on one machine only", "launch.master_port=29500 (the same on every node)")
 
 
-def launch_config(launch: Any, run_dir: Path):
+def launch_config(launch: Launch, run_dir: Path):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -111,7 +112,7 @@ class Launcher:
     a second), then `run()` it to the end. The job's time limit counts from the gate's go: the checks, and a
     one-off op build, are not the job's time."""
 
-    def __init__(self, launch: Any, run_dir: Path, timeout_s: float | None, gate: Gate) -> None:
+    def __init__(self, launch: Launch, run_dir: Path, timeout_s: float | None, gate: Gate) -> None:
         from torch.distributed.launcher.api import elastic_launch
 
         self.timeout_s, self.gate = timeout_s, gate

@@ -31,11 +31,11 @@ from zerotune.slurm.request import (
 log = logging.getLogger("zerotune")
 
 
-def is_slurm(launcher: Any) -> bool:
+def is_slurm(launcher: DictConfig) -> bool:
     return str(launcher.get("_target_", "")).endswith("SlurmLauncher")
 
 
-def request_of(launcher: Any) -> Request:
+def request_of(launcher: DictConfig) -> Request:
     """The launcher's settings sbatch matches against the cluster; a count below 1 is refused here."""
     req = Request(partition=launcher.get("partition"), nodes=_or(launcher.get("nodes"), 1),
                   gpus_per_node=launcher.get("gpus_per_node"), cpus_per_task=launcher.get("cpus_per_task"),

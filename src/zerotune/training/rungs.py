@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from zerotune.rundir.status import Status
+from zerotune.schema import Trial
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def rung_steps(min_steps: int, reduction_factor: int, max_steps: int) -> list[in
     return [*steps, max_steps]
 
 
-def make_pruner(trial: Any):
+def make_pruner(trial: Trial):
     """Optuna's pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
     import optuna
 
@@ -49,7 +50,7 @@ def journal(path: str):
 class TrialRungs:
     """A trial's job, at each rung: report samples/s, and ask whether to stop (rank 0 asks; every rank is told)."""
 
-    def __init__(self, trial: Any, is_main: bool) -> None:
+    def __init__(self, trial: Trial, is_main: bool) -> None:
         self.warmup = int(trial.warmup_steps)
         self.rungs = set(rung_steps(trial.min_steps, trial.reduction_factor, trial.max_steps))
         self.last = int(trial.max_steps)
@@ -73,14 +74,16 @@ class TrialRungs:
         return bool(distributed.broadcast_object(stop))  # ranks stop after the same step
 
 
-def trial_rungs(trial: Any, is_main: bool) -> TrialRungs | None:
+def trial_rungs(trial: Trial | None, is_main: bool) -> TrialRungs | None:
     """The job's rungs when it is a tune trial (trial.storage set), else None."""
     return TrialRungs(trial, is_main) if trial is not None and trial.storage else None
 
 
-def _open_trial(trial: Any):
+def _open_trial(trial: Trial):
     import optuna
 
+    # Set together by the tune sweeper on each of its jobs (hydra_plugins/zerotune_tune).
+    assert trial.storage is not None and trial.study is not None and trial.number is not None
     storage = journal(trial.storage)
     study = optuna.load_study(study_name=trial.study, storage=storage, pruner=make_pruner(trial))
     trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(trial.study),

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from zerotune.errors import ConfigError
+from zerotune.schema import Launch
 
 log = logging.getLogger("zerotune")
 
@@ -45,7 +46,7 @@ def choose_threads(setting: Any, cores: int, local_workers: int, omp_env: str | 
     return max(1, cores // max(1, local_workers)), f"{cores} cores / {local_workers} workers on this node"
 
 
-def apply_threads(launch: Any) -> dict:
+def apply_threads(launch: Launch) -> dict:
     """Set this worker's torch threads; the record for summary.json."""
     import torch
 
