@@ -71,8 +71,13 @@ class ResolvedRun:
                    plan=data["plan"])
 
     def save(self, run_dir: str | Path) -> None:
-        write_json_atomic(Path(run_dir) / RESOLVED_FILE, self.to_json())
+        write_json_atomic(Path(run_dir) / resolved_file(self.config.launch.node_rank), self.to_json())
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> ResolvedRun:
-        return cls.from_json(json.loads((Path(run_dir) / RESOLVED_FILE).read_text()))
+    def load(cls, run_dir: str | Path, node_rank: int = 0) -> ResolvedRun:
+        return cls.from_json(json.loads((Path(run_dir) / resolved_file(node_rank)).read_text()))
+
+
+def resolved_file(node_rank: int) -> str:
+    """resolved.json; in a job of several nodes sharing the folder, node k's own (its launch block differs)."""
+    return RESOLVED_FILE if node_rank == 0 else f"resolved.node{node_rank}.json"

@@ -8,6 +8,7 @@ and trains with the rank torch.distributed's environment gives it.
 from __future__ import annotations
 
 import logging
+import os
 
 # The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
 # pass while the parent checks the job.
@@ -29,7 +30,7 @@ def _main(run_dir: str, gate: GateWatch) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     waited = gate.wait_for_go()  # a refused job ends this process in there
     spec = JobSpec.load(run_dir)
-    run = ResolvedRun.load(run_dir)
+    run = ResolvedRun.load(run_dir, int(os.environ.get("GROUP_RANK", 0)))  # torch's elastic agent: this node
     try:
         train(run, spec, waited)
     except ConfigError as exc:

@@ -36,7 +36,7 @@ class RunDir:
         """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to
         attempts/<n>/ before this run writes its own, whatever becomes of this run. `started`: this run's start
         (a time.time()); files written since are this run's own, by its other nodes, and stay."""
-        found = [p for p in self.path.iterdir() if (p.name in _RECORDS or p.name.startswith("summary.node"))
+        found = [p for p in self.path.iterdir() if (p.name in _RECORDS or p.name.startswith(("summary.node", "resolved.node")))
                  and (started is None or p.stat().st_mtime < started)]
         if not any(p.name in (CONFIG, SUMMARY) for p in found):
             return None
