@@ -21,7 +21,7 @@ from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, record_refusal
-from zerotune.rundir import RunDir
+from zerotune.rundir import CONFIG, RunDir
 from zerotune.rundir.run_summary import JsonDict, RunSummary, node_summary_name
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
@@ -90,7 +90,8 @@ def settle_job(cfg: DictConfig, spec: JobSpec, run_dir: RunDir) -> Settled:
         return settled
     except ConfigError as exc:
         composed = to_config(cfg)
-        run_dir.write_config(composed)
+        if not run_dir.file(CONFIG).exists():  # another node of the job may have written the job's own
+            run_dir.write_config(composed)
         record_refusal(composed, spec, run_dir, exc)
         raise
 
