@@ -34,7 +34,7 @@ class RunSummary:
     experiment: JsonDict | None = None      # the experiment's name and its reference figures
     previous_attempts: list[str] | None = None
     checkpoint_dir: str | None = None
-    slurm: JsonDict | None = None           # the SLURM job and attempt (launch/slurm.py slurm_record)
+    slurm: JsonDict | None = None           # the SLURM job and attempt (slurm/job.py slurm_record)
     error: JsonDict | None = None           # type, message; key for a ConfigError; failed_rank, log_tail, ...
     config_sources: JsonDict | None = None
     config_warnings: list[str] | None = None
