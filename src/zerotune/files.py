@@ -4,6 +4,7 @@ then rename it over the target (a rename within one folder is atomic on POSIX fi
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import math
 import os
@@ -34,9 +35,12 @@ def write_text_atomic(path: str | Path, text: str, durable: bool = False) -> Non
 
 
 def jsonable(value: Any) -> Any:
-    """JSON has no NaN/inf: a diverged loss is recorded as null (and flagged by the run's status)."""
+    """JSON has no NaN/inf: a diverged loss is recorded as null (and flagged by the run's status). An enum (a run's
+    Status) is its value, as every reader of the JSON (W&B's summary too) should see it."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

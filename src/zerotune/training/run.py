@@ -149,7 +149,7 @@ def _finish_logger(logger: RunLogger, summary: RunSummary, run_dir: RunDir) -> N
     images = [p for p in (run_dir.file("samples/grid.png"), run_dir.file("telemetry.png")) if p.is_file()]
     if images:
         logger.log_images("samples", [str(p) for p in images], step=int(summary.steps or 0))
-    logger.log_summary({k: v for k, v in summary.as_dict().items() if k != "env"})
+    logger.log_summary({k: v for k, v in summary.to_json().items() if k != "env"})  # as summary.json says it
     logger.finish(0 if summary.status == Status.OK else 1)
 
 
