@@ -49,7 +49,7 @@ def read(folder: Path) -> dict | None:
     return found if isinstance(found, dict) and "files" in found else None
 
 
-def problems(folder: Path, checksums: bool = True) -> list[str]:
+def problems(folder: Path) -> list[str]:
     """What is wrong with checkpoint `folder`, file by file; [] when every file matches its record."""
     folder = Path(folder)
     try:
@@ -63,7 +63,7 @@ def problems(folder: Path, checksums: bool = True) -> list[str]:
             found.append(f"{name}: missing")
         elif path.stat().st_size != want["bytes"]:
             found.append(f"{name}: {path.stat().st_size} bytes, {want['bytes']} when saved (truncated or rewritten)")
-        elif checksums and file_record(path)["sha256"] != want["sha256"]:
+        elif file_record(path)["sha256"] != want["sha256"]:
             found.append(f"{name}: sha256 differs from the one recorded when saved (the file was altered)")
     return found
 

@@ -19,10 +19,10 @@ from zerotune.schema import Resume
 log = logging.getLogger(__name__)
 
 
-def resolve_resume(resume: Resume, checkpoint_dir: str | None, run_dir: Path | None, verified: str | None = None) -> Path | None:
+def resolve_resume(resume: Resume, checkpoint_dir: str | None, run_dir: Path | None) -> Path | None:
     """The checkpoint folder `resume` (resume.path, resume.strict) names, or None. The rule (conf/config.yaml):
     a checkpoint folder, a folder of them or a run dir (its newest), `latest` (the newest in checkpoint.dir,
-    default <run dir>/checkpoints), or `auto` (the same, or a fresh start when there is none). `verified`: a folder already checksummed by the job's parent (sizes only)."""
+    default <run dir>/checkpoints), or `auto` (the same, or a fresh start when there is none)."""
     setting = resume.path
     if setting in (None, "", False):
         return None
@@ -34,17 +34,17 @@ def resolve_resume(resume: Resume, checkpoint_dir: str | None, run_dir: Path | N
         if not candidates:
             raise ConfigError("resume.path", f"resume=latest found no complete checkpoint in {root}", _latest_fix(
                 checkpoint_dir))
-        return first_sound(candidates, bool(resume.strict), verified)
+        return first_sound(candidates, bool(resume.strict))
     path = Path(str(setting)).expanduser()
     if is_complete(path):
-        return first_sound([path], True, verified)  # named exactly: never swapped for another one
+        return first_sound([path], True)  # named exactly: never swapped for another one
     if is_step_dir(path) and path.is_dir():
         raise ConfigError("resume.path", f"{path} has no COMPLETE marker: its save was interrupted",
                           f"resume={path.parent} (the newest complete checkpoint in it)")
     for root in checkpoint_roots(path):
         candidates = list_complete(root)[::-1]
         if candidates:
-            return first_sound(candidates, bool(resume.strict), verified)
+            return first_sound(candidates, bool(resume.strict))
     raise ConfigError("resume.path", f"{path} is not a complete checkpoint and holds none (an interrupted save "
                       "leaves no COMPLETE marker and is ignored)",
                       "resume=<run dir>, resume=<run dir>/checkpoints/step-NNNNNNN, or resume=latest")
@@ -57,11 +57,11 @@ def _latest_fix(checkpoint_dir: str | None) -> str:
             "checkpoint.dir=<old run dir>/checkpoints")
 
 
-def first_sound(candidates: list[Path], strict: bool, verified: str | None = None) -> Path:
+def first_sound(candidates: list[Path], strict: bool) -> Path:
     """The first of `candidates` (newest first) whose files match their manifest. A damaged one is skipped
     with a warning naming the file, unless `strict`, which stops with the fix."""
     for folder in candidates:
-        found = manifest.problems(folder, checksums=str(folder) != verified)
+        found = manifest.problems(folder)
         if not found:
             return folder
         detail = "; ".join(found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")

@@ -44,17 +44,10 @@ def find_checkpoint(path: str | Path) -> Path:
     return found
 
 
-def _summary(run_dir: Path) -> RunSummary | None:
-    try:
-        return RunSummary.read(run_dir)
-    except (OSError, ValueError):
-        return None
-
-
 def _own_checkpoints(run_dir: Path) -> list[Path]:
     """The checkpoints a run dir's summary says its run saved, its final one first, then newest first. Not
     `last_complete`: in a checkpoint.dir shared with other runs, the newest may be another run's."""
-    summary = _summary(run_dir)
+    summary = RunSummary.read_if_whole(run_dir)
     record = (summary.checkpoint if summary is not None else None) or {}
     paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
     return [Path(p) for p in paths if p]
@@ -67,7 +60,7 @@ def _recorded_checkpoint(run_dir: Path) -> Path | None:
 
 def _why_none(run_dir: Path) -> str:
     """For a run dir: why its run left no checkpoint, from its summary."""
-    summary = _summary(run_dir)
+    summary = RunSummary.read_if_whole(run_dir)
     if summary is None or not summary.as_dict():
         return ""
     # The word as written (its repr goes into the message): an older file's unknown word too.

@@ -20,18 +20,11 @@ from zerotune.rundir.status import Status
 PEER_RECORD_WAIT_S = 15.0
 
 
-def _node_record(run_dir: Path, node_rank: int) -> RunSummary | None:
-    try:
-        return RunSummary.read(run_dir, node_summary_name(node_rank))
-    except (OSError, ValueError):  # being written (a partial write): not yet
-        return None
-
-
 def peer_failures(run_dir: Path, nnodes: int) -> tuple[list[JsonDict], list[int]]:
     """The failures the other nodes recorded, and the nodes that recorded nothing within PEER_RECORD_WAIT_S."""
     deadline = time.monotonic() + PEER_RECORD_WAIT_S
     while True:
-        records = {k: _node_record(run_dir, k) for k in range(1, nnodes)}
+        records = {k: RunSummary.read_if_whole(run_dir, node_summary_name(k)) for k in range(1, nnodes)}  # not yet: none
         if all(r is not None for r in records.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

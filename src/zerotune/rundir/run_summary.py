@@ -130,6 +130,14 @@ class RunSummary:
             raise NotAnObject(f"{file} is not a JSON object")
         return cls.from_json(data)
 
+    @classmethod
+    def read_if_whole(cls, run_dir: str | Path, name: str = SUMMARY) -> RunSummary | None:
+        """read, with a file that does not parse (a partial write from a killed process, one being written) as none."""
+        try:
+            return cls.read(run_dir, name)
+        except (OSError, ValueError):
+            return None
+
     def write(self, run_dir: str | Path, name: str = SUMMARY) -> None:
         write_json_atomic(Path(run_dir) / name, self.to_json())
 

@@ -85,10 +85,7 @@ def _of_job(folder: Path, job_id: str) -> bool:
     attempt killed before its summary)."""
     import yaml
 
-    try:
-        summary = RunSummary.read(folder)
-    except (OSError, ValueError):  # a partial write from a killed process
-        summary = None
+    summary = RunSummary.read_if_whole(folder)
     if summary is not None and summary.as_dict():
         return (summary.slurm or {}).get("job_id") == job_id
     try:

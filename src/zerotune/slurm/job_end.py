@@ -83,7 +83,7 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
     `restarts`: SLURM's count of the job's requeues. A summary an earlier attempt wrote (the last one ended before
     writing its own) stays that attempt's record, in attempts/<n>/, like any earlier attempt's."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = _read(run_dir)
+    summary = RunSummary.read_if_whole(run_dir)
     if summary is not None and not _last_attempts(summary, job_id, restarts):
         RunDir(run_dir, is_writer=False).archive_previous_attempt()
         summary = None
@@ -109,14 +109,6 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
         write_text_atomic(hydra_overrides, yaml.safe_dump(list(overrides)))
     log.error("%s: %s", run_dir, said)
     return summary
-
-
-def _read(run_dir: Path) -> RunSummary | None:
-    """The summary the job wrote, if any (a partial write from a killed process is none)."""
-    try:
-        return RunSummary.read(run_dir)
-    except (OSError, ValueError):
-        return None
 
 
 def _last_attempts(summary: RunSummary, job_id: str, restarts: int | None) -> bool:
