@@ -47,13 +47,6 @@ if submitit_launcher is not None:
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
             jobs = zerotune_launcher.submitted(lambda: super(SlurmLauncher, self).launch(job_overrides,
                                                                                          initial_job_idx))
-            return [self._outcome(job, list(overrides), initial_job_idx + i)
+            load = self.hydra_context.config_loader.load_sweep_config
+            return [zerotune_launcher.outcome(job, list(overrides), initial_job_idx + i, self.config, load)
                     for i, (job, overrides) in enumerate(zip(jobs, job_overrides, strict=True))]
-
-        def _outcome(self, job, overrides: list[str], idx: int) -> JobReturn:
-            return zerotune_launcher.outcome(job, overrides, lambda: self.job_run_dir(overrides, idx))
-
-        def job_run_dir(self, overrides: list[str], idx: int):
-            """The job's run folder, as Hydra names it inside the job (hydra.sweep.dir / hydra.sweep.subdir)."""
-            return zerotune_launcher.job_run_dir(self.config, self.hydra_context.config_loader.load_sweep_config,
-                                                 overrides, idx)

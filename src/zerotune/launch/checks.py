@@ -14,13 +14,11 @@ import logging
 import threading
 from dataclasses import replace
 
-from zerotune.errors import ConfigError
 from zerotune.launch.gate import Gate
-from zerotune.launch.records import base_summary, record_refusal
+from zerotune.launch.records import base_summary, refusal_recorded
 from zerotune.ops.build import prebuild_ops
 from zerotune.plan import guard as planning
 from zerotune.preflight import check
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec
@@ -74,28 +72,26 @@ class JobChecks:
 
     def _check(self, marks: Marks) -> RunSummary:
         config, spec, run_dir = self.settled.config, self.spec, self.run_dir
-        run = resolved_job(self.settled, spec, run_dir)
+        # preflight's checks, with the job's run dir: the checkpoint to resume is chosen and checksummed once,
+        # here, not per rank.
+        with refusal_recorded(config, spec, run_dir):
+            run = check(self.settled, run_dir=spec.run_dir)
+            gpu = planning.job_gpu(config)  # a card the planner does not know
         marks.mark("checks")
-        plan = planning.job_plan(run, planning.job_gpu(config))
+        plan = planning.job_plan(run, gpu)
         run = replace(run, plan=plan)
         base = base_summary(config, spec)
         base.config_sources, base.config_warnings, base.plan = run.config_sources, list(run.config_warnings), plan
         marks.mark("plan")
-        try:
+        with refusal_recorded(config, spec, run_dir, plan=plan):  # the predicted peak is above the memory there is
             decision = planning.guard(config, plan)
-        except ConfigError as exc:  # the predicted peak is above the memory there is: recorded with the plan
-            record_refusal(config, spec, run_dir, exc, plan=plan)
-            raise
         if decision == Status.PREDICTED_OOM:
             self.gate.decide("skip")
             return base
         run_dir.write_ds_config(run.ds_config)
         run.save(run_dir.path)  # what every worker trains from
-        try:
+        with refusal_recorded(config, spec, run_dir):
             base.ops_build = prebuild_ops(run.ds_config, run.use_deepspeed, self._workers_imported)
-        except ConfigError as exc:
-            record_refusal(config, spec, run_dir, exc)
-            raise
         marks.mark("ops_build")
         self.sampler.start()  # the job's memory: its workers from here on
         self.gate.decide("go")
@@ -105,15 +101,3 @@ class JobChecks:
         """A cold op build takes every core: it starts once this node's workers wait at the gate (a bounded wait)."""
         arrived = self.gate.wait_for_arrivals(int(self.settled.config.launch.num_processes), ARRIVAL_TIMEOUT_S)
         log.info("%d worker(s) done importing; building DeepSpeed's ops", arrived)
-
-
-def resolved_job(settled: Settled, spec: JobSpec, run_dir: RunDir) -> ResolvedRun:
-    """preflight's checks, with the job's run dir: the checkpoint to resume is chosen and checksummed once,
-    here, not per rank. A refusal is recorded in summary.json and raised."""
-    try:
-        run = check(settled, run_dir=spec.run_dir)
-        planning.job_gpu(settled.config)  # a card the planner does not know
-    except ConfigError as exc:
-        record_refusal(settled.config, spec, run_dir, exc)
-        raise
-    return run

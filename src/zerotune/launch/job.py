@@ -11,7 +11,7 @@ import logging
 import os
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -20,9 +20,9 @@ from zerotune.errors import ConfigError
 from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
-from zerotune.launch.records import base_summary, merge_job_view, record_refusal
+from zerotune.launch.records import base_summary, merge_job_view, refusal_recorded
 from zerotune.rundir import CONFIG, RunDir
-from zerotune.rundir.run_summary import JsonDict, RunSummary, node_summary_name
+from zerotune.rundir.run_summary import RunSummary, node_summary_name
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
 from zerotune.schema import Config, as_dict, to_config
@@ -31,9 +31,6 @@ from zerotune.slurm.job import continue_requeued, in_slurm_job, launch_from_slur
 from zerotune.telemetry import MemorySampler, environment_info
 from zerotune.telemetry.env import node_identity
 from zerotune.telemetry.startup import ParentMarks, startup_view
-
-if TYPE_CHECKING:
-    from zerotune.launch.checks import JobChecks
 
 log = logging.getLogger("zerotune")
 
@@ -57,7 +54,9 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     config = settled.config
     held = ExitStack()  # the checkpoint dir's lock, the gate's file, the memory sampler: until the workers are done
     with held:
-        lock_checkpoints(config, spec, run_dir, held)
+        if config.launch.node_rank == 0:  # one lock per job: its other nodes write their shards into the same dir
+            with refusal_recorded(config, spec, run_dir):  # another job holds it: no worker starts
+                held.enter_context(checkpoints.job_lock(config.checkpoint, run_dir.path))
         marks.mark("launch_checks")
         gate = Gate(run_dir.path)
         held.callback(gate.remove)
@@ -67,17 +66,35 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
         held.callback(sampler.stop)
         launcher = Launcher(config.launch, run_dir.path, config.train.timeout_s, gate)
         marks.mark("launcher_imports")
-        checks = _start_checks(settled, spec, run_dir, gate, sampler)
+        # Imported here, after the launcher: the checks' modules (DeepSpeed, the planner) load beside the workers'
+        # imports instead of before the workers start.
+        from zerotune.launch.checks import JobChecks
+
+        checks = JobChecks(settled, spec, run_dir, gate, sampler).start()
         result = launcher.run()
         # Stopped by a signal mid-check (an op build, say): the workers are gone, the build is not waited for.
         base = checks.join(timeout=0 if result.status == Status.INTERRUPTED else None) or base_summary(config, spec)
-        if checks.skipped:
-            return _skipped(run_dir, base)
+        if checks.skipped:  # plan.guard=skip: recorded as predicted to run out of GPU memory, and not run
+            base.status, base.env = Status.PREDICTED_OOM, environment_info()
+            run_dir.write_summary(base)
+            return base
         sampler.stop()
         summary = _workers_summary(config, run_dir, base, result)
-        _add_checks(summary, base, startup_view(marks, summary.startup_marks, checks.marks))
+        # What the parent's checks found, and the job's start as a whole (slurm: the job and its attempt).
+        summary.slurm = base.slurm
+        summary.startup = startup_view(marks, summary.startup_marks, checks.marks)
+        if base.plan is not None:
+            summary.plan = base.plan
+        if base.ops_build is not None:
+            summary.ops_build = base.ops_build
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
-    _write(config, run_dir, summary, result)
+    node_rank, nnodes = int(config.launch.node_rank), int(config.launch.nnodes)
+    if node_rank != 0:  # node 0 writes the job's summary.json; any other node its own summary.node<k>.json
+        summary.write(run_dir.path, node_summary_name(node_rank))
+    else:
+        if nnodes > 1 and result.status == Status.FAILED:  # naming the node that failed first
+            name_failed_node(summary, result, node_identity()["node"], run_dir.path, nnodes)
+        run_dir.write_summary(summary)
     return summary
 
 
@@ -88,53 +105,12 @@ def settle_job(cfg: DictConfig, spec: JobSpec, run_dir: RunDir) -> Settled:
         settled = settle(cfg, spec.overrides, settings=slurm_settings(cfg, spec.run_dir))
         check_launch(settled.config.launch)
         return settled
-    except ConfigError as exc:
+    except ConfigError:
         composed = to_config(cfg)
         if not run_dir.file(CONFIG).exists():  # another node of the job may have written the job's own
             run_dir.write_config(composed)
-        record_refusal(composed, spec, run_dir, exc)
-        raise
-
-
-def lock_checkpoints(config: Config, spec: JobSpec, run_dir: RunDir, held: ExitStack) -> None:
-    """The checkpoint dir's lock, held until the workers are done: one per job (its other nodes write their
-    shards into the same dir). A refusal (another job holds it) is recorded and raised: no worker starts."""
-    if config.launch.node_rank != 0:
-        return
-    try:
-        held.enter_context(checkpoints.job_lock(config.checkpoint, run_dir.path))
-    except ConfigError as exc:
-        record_refusal(config, spec, run_dir, exc)
-        raise
-
-
-def _add_checks(summary: RunSummary, base: RunSummary, startup: JsonDict) -> None:
-    """What the parent's checks found, and the job's start as a whole, into the workers' summary."""
-    summary.slurm, summary.startup = base.slurm, startup  # slurm: the job and its attempt
-    if base.plan is not None:
-        summary.plan = base.plan
-    if base.ops_build is not None:
-        summary.ops_build = base.ops_build
-
-
-def _write(cfg: Config, run_dir: RunDir, summary: RunSummary, result: LaunchResult) -> None:
-    """Node 0 writes the job's summary.json (naming the node that failed first, in a job of several nodes);
-    any other node its own summary.node<k>.json beside it."""
-    node_rank, nnodes = int(cfg.launch.node_rank), int(cfg.launch.nnodes)
-    if node_rank != 0:
-        summary.write(run_dir.path, node_summary_name(node_rank))
-        return
-    if nnodes > 1 and result.status == Status.FAILED:
-        name_failed_node(summary, result, node_identity()["node"], run_dir.path, nnodes)
-    run_dir.write_summary(summary)
-
-
-def _start_checks(settled: Settled, spec: JobSpec, run_dir: RunDir, gate: Gate, sampler: MemorySampler) -> JobChecks:
-    # Imported here, after the launcher: the checks' modules (DeepSpeed, the planner) load beside the workers'
-    # imports instead of before the workers start.
-    from zerotune.launch.checks import JobChecks
-
-    return JobChecks(settled, spec, run_dir, gate, sampler).start()
+        with refusal_recorded(composed, spec, run_dir):
+            raise
 
 
 def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
@@ -143,12 +119,9 @@ def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
     from zerotune.preflight import check
 
     config = settled.config
-    try:
+    with refusal_recorded(config, spec, run_dir):
         gpu = planning.job_gpu(config)
         run = check(settled)
-    except ConfigError as exc:
-        record_refusal(config, spec, run_dir, exc)
-        raise
     run_dir.write_ds_config(run.ds_config)
     summary = base_summary(config, spec)
     summary.update({"status": Status.PLANNED, "config_sources": run.config_sources,
@@ -156,13 +129,6 @@ def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
                     "plan": planning.job_plan(run, gpu), "env": environment_info()})
     run_dir.write_summary(summary)
     return summary
-
-
-def _skipped(run_dir: RunDir, base: RunSummary) -> RunSummary:
-    """plan.guard=skip: the job is recorded as predicted to run out of GPU memory, and not run."""
-    base.status, base.env = Status.PREDICTED_OOM, environment_info()
-    run_dir.write_summary(base)
-    return base
 
 
 def _workers_summary(cfg: Config, run_dir: RunDir, base: RunSummary, result: LaunchResult) -> RunSummary:

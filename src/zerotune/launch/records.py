@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from zerotune import checkpoints
@@ -26,31 +28,24 @@ def base_summary(cfg: Config, spec: JobSpec) -> RunSummary:
     return RunSummary.of(status=Status.FAILED, choices=key_choices(cfg, launch_world_size(cfg.launch)),
                          run_dir=spec.run_dir, experiment=experiment_info(cfg),
                          previous_attempts=RunDir(spec.run_dir).previous_attempts(),
-                         checkpoint_dir=_checkpoint_dir(cfg, spec), slurm=slurm_record(os.environ))
+                         checkpoint_dir=str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir))),
+                         slurm=slurm_record(os.environ))
 
 
-def record_refusal(cfg: Config, spec: JobSpec, run_dir: RunDir, exc: ConfigError,
-                   plan: JsonDict | None = None) -> None:
-    """A job refused before training still has its summary.json, naming the key (and the prediction, when the
-    guard refused it)."""
-    summary = base_summary(cfg, spec)
-    summary.error = {"type": type(exc).__name__, "key": exc.key, "message": str(exc)}
-    summary.env = environment_info()
-    if plan is not None:
-        summary.plan = plan
-    run_dir.write_summary(summary)
-
-
-def _checkpoint_dir(cfg: Config, spec: JobSpec) -> str:
-    return str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir)))
-
-
-def _last_checkpoint(summary: RunSummary) -> None:
-    """A job whose workers died without a summary still says which checkpoint it can resume from."""
-    found = checkpoints.latest(Path(summary.checkpoint_dir)) if summary.checkpoint_dir else None
-    if summary.checkpoint is None:
-        summary.checkpoint = {}
-    summary.checkpoint.setdefault("last_complete", str(found) if found else None)
+@contextmanager
+def refusal_recorded(cfg: Config, spec: JobSpec, run_dir: RunDir, plan: JsonDict | None = None) -> Iterator[None]:
+    """A job refused before training (a ConfigError raised inside) still has its summary.json, naming the key
+    (and the prediction, when the guard refused it); the error goes on."""
+    try:
+        yield
+    except ConfigError as exc:
+        summary = base_summary(cfg, spec)
+        summary.error = {"type": type(exc).__name__, "key": exc.key, "message": str(exc)}
+        summary.env = environment_info()
+        if plan is not None:
+            summary.plan = plan
+        run_dir.write_summary(summary)
+        raise
 
 
 def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, run_dir: Path) -> RunSummary:
@@ -64,7 +59,11 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
         summary.interrupted["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
     elif result.status != Status.OK and (summary.status is None or summary.status in LAUNCHER_OVERRIDES):
         _launcher_failure(summary, result, peaks, run_dir)
-    _last_checkpoint(summary)
+    # A job whose workers died without a summary still says which checkpoint it can resume from.
+    found = checkpoints.latest(Path(summary.checkpoint_dir)) if summary.checkpoint_dir else None
+    if summary.checkpoint is None:
+        summary.checkpoint = {}
+    summary.checkpoint.setdefault("last_complete", str(found) if found else None)
     if summary.memory is None:
         summary.memory = {}
     memory = summary.memory

@@ -175,7 +175,7 @@ def load_op(name: str, builder: Any) -> dict:
     seconds = time.perf_counter() - start
     path = getattr(module, "__file__", None)
     # Built now: its .so was (re)written during this call; loaded from the cache: it is older than the call.
-    cached = bool(path) and os.path.getmtime(path) < start_wall
+    cached = bool(path and os.path.getmtime(path) < start_wall)
     return {"name": builder.NAME, "builder": name, "seconds": seconds, "was_cached": cached, "path": path}
 
 

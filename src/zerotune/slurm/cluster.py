@@ -167,11 +167,9 @@ def show_job(job_id: str) -> dict[str, str] | None:
     """`scontrol show job -o <id>`'s record, or None where scontrol is missing, fails or no longer knows the job (it
     forgets a finished one after MinJobAge): unlike `scontrol()`, for callers that go on without the answer."""
     try:
-        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                              timeout=SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
+        records = parse_records(scontrol("show", "job", "-o", job_id))
+    except (ConfigError, OSError, subprocess.SubprocessError):
         return None
-    records = parse_records(done.stdout) if done.returncode == 0 else []
     return records[0] if records else None
 
 

@@ -183,8 +183,11 @@ def requeue_if_preempted(summary: RunSummary) -> None:
     handler does nothing on the others)."""
     name = (summary.interrupted or {}).get("job_signal")
     sig = getattr(signal, str(name), None)
-    handler = (held_signals.set_aside(sig) or signal.getsignal(sig)) if sig is not None else None
-    if getattr(handler, "__name__", None) != "checkpoint_and_try_requeue":  # submitit's SignalHandler method
+    if sig is None:
+        return
+    handler = held_signals.set_aside(sig) or signal.getsignal(sig)
+    # submitit's SignalHandler method
+    if not callable(handler) or getattr(handler, "__name__", None) != "checkpoint_and_try_requeue":
         return
     try:
         handler(sig, None)  # requeues, then sys.exit(-1); returns on a node other than 0

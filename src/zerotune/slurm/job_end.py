@@ -46,11 +46,6 @@ def job_state(job_id: str) -> str | None:
     return (show_job(job_id) or {}).get("JobState", "").upper() or None
 
 
-def results_written(job) -> bool:
-    """Whether every task of a submitit job wrote its result (or its error) file."""
-    return all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks))
-
-
 def wait_for_end(job, state_of: Callable[[str], str | None] = job_state, poll_s: float = 2.0,
                  grace_s: float = 20.0) -> str | None:
     """Wait until the job's results are written, or it has left SLURM's queue: then its last state (None where
@@ -58,7 +53,7 @@ def wait_for_end(job, state_of: Callable[[str], str | None] = job_state, poll_s:
     (a shared file system shows them late)."""
     left_at = None
     while True:
-        if results_written(job):
+        if all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks)):  # results, or errors
             return "COMPLETED"
         state = state_of(job.job_id)
         if state in ACTIVE:

@@ -53,7 +53,8 @@ def submitted(launch: Callable[[], object]) -> list:
     return captured
 
 
-def outcome(job: Any, overrides: list[str], run_dir_of: Callable[[], Path]) -> JobReturn:
+def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
+            load_sweep_config: Callable[[DictConfig, Sequence[str]], DictConfig]) -> JobReturn:
     """The job's result once it wrote one; else (cancelled, killed, its node lost) a summary.json in its run
     folder with SLURM's state, returned as COMPLETED so that the sweep goes on to the next job."""
     state = wait_for_end(job)
@@ -63,7 +64,7 @@ def outcome(job: Any, overrides: list[str], run_dir_of: Callable[[], Path]) -> J
             return job.results()[0]
         except Exception as exc:  # submitit's FailedJobError: the task raised past Hydra (its traceback)
             failure = str(exc).strip().splitlines()[-1][:500]
-    run_dir = run_dir_of()
+    run_dir = job_run_dir(config, load_sweep_config, overrides, idx)
     detail = failure or stderr_tail(job, lines=1)
     summary = record_lost_job(run_dir, str(job.job_id), None if state == "COMPLETED" else state, overrides,
                               detail, restarts=job_restarts(str(job.job_id)))

@@ -93,7 +93,7 @@ def job_times(config: DictConfig, cluster: Cluster, partition: Partition, req: R
     for overrides in sweep_jobs(config):
         cfg = load(overrides)
         steps, on_signal = steps_to_first_checkpoint(cfg), bool(cfg.checkpoint.on_signal)
-        job_card = card or _named_card(cfg)
+        job_card = card or (gpus.CATALOG.get(str(cfg.plan.gpu).lower()) if cfg.plan.gpu else None)
         floor = None
         if steps and not on_signal and job_card is not None:
             floor = step_floor(cfg, overrides, job_card, req)
@@ -131,11 +131,6 @@ def gres_card(nodes: list) -> gpus.GPU | None:
     return max(cards, key=lambda g: (g.bf16_tflops, g.host_link_gbps), default=None)
 
 
-def _named_card(cfg: DictConfig) -> gpus.GPU | None:
-    name = cfg.plan.gpu
-    return gpus.CATALOG.get(str(name).lower()) if name else None
-
-
 def step_floor(cfg: DictConfig, overrides: list[str], card: gpus.GPU, req: Request) -> float | None:
     """The planner's lower bound on one optimizer step of this job on `card`, from the terms that do not depend
     on this machine (the card's compute and host link; not the CPU optimizer, timed here). None where the
@@ -144,12 +139,12 @@ def step_floor(cfg: DictConfig, overrides: list[str], card: gpus.GPU, req: Reque
     from zerotune.platform import ANY_CUDA_GPU
     from zerotune.preflight import preflight
 
-    job = copy.deepcopy(cfg)
+    job, per_node = copy.deepcopy(cfg), int(req.gpus_per_node or 0)
     with open_dict(job):
         job.pop("hydra", None)
-        job.launch.num_processes, job.launch.nnodes = int(req.gpus_per_node), int(req.nodes)
+        job.launch.num_processes, job.launch.nnodes = per_node, int(req.nodes)
     try:
-        checked = preflight(job, world_size=req.gpus_per_node * req.nodes, platform=ANY_CUDA_GPU,
+        checked = preflight(job, world_size=per_node * req.nodes, platform=ANY_CUDA_GPU,
                             overrides=overrides)
         terms = predict(checked, card)["time_terms"]
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)

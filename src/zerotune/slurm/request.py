@@ -9,6 +9,7 @@ These are config errors naming the `hydra.launcher.*` key, with a value that pas
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from zerotune.errors import ConfigError
@@ -37,14 +38,21 @@ def _key(name: str) -> str:
     return f"hydra.launcher.{name}"
 
 
-def _fits(node: Node, req: Request) -> bool:
-    return ((req.gpus_per_node or 0) <= node.gpus
-            and (req.cpus_per_task or 0) * req.tasks_per_node <= node.cpus
-            and (req.mem_gb or 0) * 1024 <= node.memory_mib)  # submitit's --mem=<N>GB: SLURM's G is 1024 MiB
+# Per node: the key, what the request asks of a node, what the node has, the unit, the key's value that asks for
+# `have` (0: nothing), and what a node without any lacks.
+_PER_NODE: tuple[tuple[str, Callable[[Request], float], Callable[[Node], int], str, Callable[[int, Request], int],
+                       str], ...] = (
+    ("gpus_per_node", lambda r: r.gpus_per_node or 0, lambda n: n.gpus, "GPUs", lambda have, r: have, "GPUs"),
+    ("cpus_per_task", lambda r: (r.cpus_per_task or 0) * r.tasks_per_node, lambda n: n.cpus, "CPUs",
+     lambda have, r: have // r.tasks_per_node, "a CPU"),
+    # submitit's --mem=<N>GB: SLURM's G is 1024 MiB
+    ("mem_gb", lambda r: (r.mem_gb or 0) * 1024, lambda n: n.memory_mib, "MiB of memory",
+     lambda have, r: have // 1024, "1 GiB"),
+)
 
 
 def fitting_nodes(cluster: Cluster, partition: str, req: Request) -> list[Node]:
-    return [n for n in cluster.nodes_of(partition) if _fits(n, req)]
+    return [n for n in cluster.nodes_of(partition) if all(asked(req) <= has(n) for _, asked, has, *_ in _PER_NODE)]
 
 
 def node_limit(cluster: Cluster, partition: Partition, req: Request) -> int:
@@ -83,7 +91,7 @@ def _partition_fix(cluster: Cluster, req: Request, skip: str | None = None) -> s
             continue
         return f"{_key('partition')}={name} {listing}"
     default = cluster.default()
-    open_ = [n for n in names if cluster.partition(n).state not in CLOSED_STATES]
+    open_ = [p.name for p in cluster.partitions if p.name in names and p.state not in CLOSED_STATES]
     if default is not None and default.name in open_:
         return f"{_key('partition')}={default.name} {listing}"
     if open_:
@@ -91,62 +99,32 @@ def _partition_fix(cluster: Cluster, req: Request, skip: str | None = None) -> s
     return f"wait until an administrator opens a partition (`scontrol show partition`) {listing}"
 
 
-# Per node: the key, the request's value, the node's, and the fix's value for a node offering `have`.
-_PER_NODE = (
-    ("gpus_per_node", lambda r: r.gpus_per_node or 0, lambda n, r: n.gpus, "GPUs"),
-    ("cpus_per_task", lambda r: (r.cpus_per_task or 0) * r.tasks_per_node, lambda n, r: n.cpus, "CPUs"),
-    ("mem_gb", lambda r: (r.mem_gb or 0) * 1024, lambda n, r: n.memory_mib, "MiB of memory"),
-)
-
-
-def _per_node_value(key: str, have: int, req: Request) -> int | None:
-    if key == "gpus_per_node":
-        return have or None
-    if key == "cpus_per_task":
-        return have // req.tasks_per_node or None
-    return have // 1024 or None
-
-
-def _with(req: Request, key: str, value: int | None) -> Request:
-    return replace(req, **{key: value})
-
-
-def _fmt(value: int | None) -> str:
-    return "null" if value is None else str(value)
-
-
 def check_nodes(cluster: Cluster, partition: Partition, req: Request) -> None:
     """GPUs, CPUs and memory per node, then the number of nodes, against `partition`'s nodes."""
     nodes = cluster.nodes_of(partition.name)
-    for key, asked, has, unit in _PER_NODE:
-        most = max((has(n, req) for n in nodes), default=0)
+    for key, asked, has, unit, value_for, lacking in _PER_NODE:
+        most = max((has(n) for n in nodes), default=0)
         if asked(req) <= most:
             continue
-        what = f"{key}={_fmt(getattr(req, key))}" + (f" x tasks_per_node={req.tasks_per_node}"
-                                                     if key == "cpus_per_task" and req.tasks_per_node != 1 else "")
+        value = getattr(req, key)
+        what = f"{key}={'null' if value is None else value}" + (
+            f" x tasks_per_node={req.tasks_per_node}" if key == "cpus_per_task" and req.tasks_per_node != 1 else "")
         problem = f"{what} asks each node for {asked(req):g} {unit}; " + (
             f"no node of partition {partition.name} has more than {most}" if most else
             f"no node of partition {partition.name} has any")
-        raise ConfigError(_key(key), problem, _per_node_fix(cluster, partition, req, key, has))
+        # The fix: the largest value that still leaves the job its nodes; else the most there is, with the nodes
+        # having it.
+        values = sorted({value_for(has(n), req) for n in nodes} - {0}, reverse=True)
+        limits = [node_limit(cluster, partition, replace(req, **{key: v})) for v in values]  # type: ignore[arg-type]
+        fix = next((f"{_key(key)}={v}" for v, limit in zip(values, limits, strict=True) if limit >= req.nodes), None)
+        if fix is None and values:
+            fix = f"{_key(key)}={values[0]}" + (f" {_key('nodes')}={limits[0]}" if limits[0] else "")
+        if fix is None:
+            fix = f"{_key(key)}=null (no node of {partition.name} has {lacking})"
+        else:
+            fix += f" ({partition.name}'s nodes: {_shapes(nodes)})"
+        raise ConfigError(_key(key), problem, fix)
     check_node_count(cluster, partition, req)
-
-
-def _per_node_fix(cluster: Cluster, partition: Partition, req: Request, key: str, has) -> str:
-    """The largest value that still leaves the job its nodes; else the most there is, with the nodes having it."""
-    nodes = cluster.nodes_of(partition.name)
-    values = sorted({_per_node_value(key, has(n, req), req) for n in nodes} - {None}, reverse=True)
-    fix = None
-    for value in values:
-        if node_limit(cluster, partition, _with(req, key, value)) >= req.nodes:
-            fix = f"{_key(key)}={value}"
-            break
-    if fix is None and values:
-        fewer = node_limit(cluster, partition, _with(req, key, values[0]))
-        fix = f"{_key(key)}={values[0]}" + (f" {_key('nodes')}={fewer}" if fewer else "")
-    if fix is None:
-        none = {"gpus_per_node": "GPUs", "cpus_per_task": "a CPU", "mem_gb": "1 GiB"}[key]
-        return f"{_key(key)}=null (no node of {partition.name} has {none})"
-    return f"{fix} ({partition.name}'s nodes: {_shapes(nodes)})"
 
 
 def check_node_count(cluster: Cluster, partition: Partition, req: Request) -> None:

@@ -23,7 +23,7 @@ def main() -> None:
         install_submitits(env, paths, delayed)  # its requeue handler, its clock (pre-emption or time-out) from now
         held_signals.hold()  # and set aside: called once the job is recorded, not when the signal comes
 
-    JobEnvironment._handle_signals = handle_signals
+    JobEnvironment._handle_signals = handle_signals  # type: ignore[method-assign,assignment]
     submission.submitit_main()
 
 
