@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.ops import locks
@@ -24,12 +23,6 @@ LIBAIO_FIX = ("install libaio: apt-get install libaio-dev (Debian/Ubuntu), yum i
               "or offload=cpu / offload=none instead of NVMe")
 
 
-def accelerator() -> Any:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator()
-
-
 def platform_check() -> Check:
     import torch
 
@@ -40,8 +33,9 @@ def platform_check() -> Check:
     where = f"{facts['os']}, python {facts['python']}, torch {facts['torch']}"
     try:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
-        facts.update(deepspeed=deepspeed.__version__, accelerator=accelerator().device_name())
+        facts.update(deepspeed=deepspeed.__version__, accelerator=get_accelerator().device_name())
     except Exception as exc:  # not installed, or its accelerator cannot start (DS_ACCELERATOR=... wrong)
         return Check("platform", FAIL, f"{where}; DeepSpeed cannot start: {exc}".replace("\n", " "),
                      f"{SETUP_FIX}; unset DS_ACCELERATOR if it names a device this machine lacks", facts)
@@ -138,15 +132,11 @@ def libaio_check(table: dict[str, dict], nvme_wanted: bool) -> Check:
 def gpus_check() -> Check:
     import torch
 
-    if not torch.cuda.is_available():
-        return _no_gpu(torch)
-    gpus = [_gpu(i) for i in range(torch.cuda.device_count())]
-    listed = "; ".join(f"{g['index']}: {g['name']}, {g['free_mib'] / 1024:.1f} of {g['total_mib'] / 1024:.1f} GiB "
-                       "free" for g in gpus)
-    return Check("gpus", OK, f"{len(gpus)} visible: {listed}", details={"gpus": gpus})
-
-
-def _no_gpu(torch: Any) -> Check:
+    if torch.cuda.is_available():
+        gpus = [_gpu(i) for i in range(torch.cuda.device_count())]
+        listed = "; ".join(f"{g['index']}: {g['name']}, {g['free_mib'] / 1024:.1f} of {g['total_mib'] / 1024:.1f} "
+                           "GiB free" for g in gpus)
+        return Check("gpus", OK, f"{len(gpus)} visible: {listed}", details={"gpus": gpus})
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if torch.version.cuda is None and shutil.which("nvidia-smi"):
         return Check("gpus", WARN, f"an NVIDIA driver is installed, but torch {torch.__version__} is a CPU-only "

@@ -10,6 +10,7 @@ tells the kernel's OOM killer from a person's kill).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -49,14 +50,6 @@ class LaunchResult:
     exitcode: int | None = None           # failed: the first failed worker's (-9: killed by SIGKILL)
     host: HostExit | None = None          # failed by a signal: the host's memory before that worker died
     failed_at: float | None = None        # failed: when this node's launcher saw it (time.time())
-
-
-def _kill_children() -> None:
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def check_launch(launch: Launch) -> None:
@@ -157,7 +150,9 @@ class Launcher:
         if self.gate.decision == "go" and not self._finished.wait(self.timeout_s):
             self._timed_out.set()
             log.error("job exceeded train.timeout_s=%s: stopping its workers", self.timeout_s)
-            _kill_children()
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
 
 
 def _signal_exception(name: str) -> Exception:

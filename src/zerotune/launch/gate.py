@@ -42,7 +42,6 @@ class Gate:
         self.token = uuid.uuid4().hex[:16]
         self.path = gate_file(run_dir, self.token)
         self.decision: str | None = None
-        self.decided_at: float | None = None
         self.decided = threading.Event()
         self.workers_gone = threading.Event()
 
@@ -54,7 +53,7 @@ class Gate:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"decision": decision, "at": time.time()}))
         os.replace(tmp, self.path)  # atomic: a worker reads the whole decision or none
-        self.decision, self.decided_at = decision, time.time()
+        self.decision = decision
         self.decided.set()
 
     def wait_for_arrivals(self, workers: int, timeout_s: float) -> int:
@@ -78,7 +77,6 @@ class GateWatch:
 
     def __init__(self, run_dir: str | Path, token: str) -> None:
         self.path = gate_file(run_dir, token)
-        self.started_at = time.time()
         self.opened_at: float | None = None
         self._go = threading.Event()
         threading.Thread(target=self._watch, name="zerotune-gate", daemon=True).start()

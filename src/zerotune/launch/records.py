@@ -58,7 +58,24 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
             summary.interrupted = {"signal": result.signal, "after_step": summary.steps}
         summary.interrupted["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
     elif result.status != Status.OK and (summary.status is None or summary.status in LAUNCHER_OVERRIDES):
-        _launcher_failure(summary, result, peaks, run_dir)
+        # A worker's own OOM stays; a timeout, a death the worker could not record, or the kernel's OOM killer
+        # is the launcher's to record.
+        tail = log_tail(run_dir, local_rank=result.failed_local_rank)
+        seen = {"type": result.status, "message": result.error, "failed_rank": result.failed_rank,
+                "exitcode": result.exitcode, "failed_at": result.failed_at}
+        host_oom = host_oom_error(result, summary, peaks)
+        if host_oom is not None:
+            # The kernel's OOM killer: whatever rank 0 recorded (a peer gone, or nothing) follows from it.
+            if summary.error is not None:
+                host_oom["rank0_error"] = summary.error
+            summary.status, summary.error = Status.OOM, {**host_oom, "log_tail": tail}
+        elif result.status == Status.TIMEOUT or summary.error is None:
+            summary.status, summary.error = result.status, {**seen, "log_tail": tail}
+        elif result.failed_rank not in (None, 0):
+            # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
+            # failed first: its error leads, rank 0's stays beside it.
+            summary.status = Status.FAILED
+            summary.error = {**seen, "type": Status.FAILED, "rank0_error": summary.error, "log_tail": tail}
     # A job whose workers died without a summary still says which checkpoint it can resume from.
     found = checkpoints.latest(Path(summary.checkpoint_dir)) if summary.checkpoint_dir else None
     if summary.checkpoint is None:
@@ -79,29 +96,6 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
     if len(files.get("per_rank", [])) >= len(memory.get("per_rank") or []):
         memory.update(files)
     return summary
-
-
-def _launcher_failure(summary: RunSummary, result: LaunchResult, peaks: JsonDict, run_dir: Path) -> None:
-    """A worker's own OOM stays; a timeout, a death the worker could not record, or the kernel's OOM killer
-    is the launcher's to record."""
-    tail = log_tail(run_dir, local_rank=result.failed_local_rank)
-    host_oom = host_oom_error(result, summary, peaks)
-    if host_oom is not None:
-        # The kernel's OOM killer: whatever rank 0 recorded (a peer gone, or nothing) follows from it.
-        if summary.error is not None:
-            host_oom["rank0_error"] = summary.error
-        summary.status, summary.error = Status.OOM, {**host_oom, "log_tail": tail}
-    elif result.status == Status.TIMEOUT or summary.error is None:
-        summary.status = result.status
-        summary.error = {"type": result.status, "message": result.error, "failed_rank": result.failed_rank,
-                         "exitcode": result.exitcode, "failed_at": result.failed_at, "log_tail": tail}
-    elif result.failed_rank not in (None, 0):
-        # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
-        # failed first: its error leads, rank 0's stays beside it.
-        summary.status = Status.FAILED
-        summary.error = {"type": Status.FAILED, "message": result.error, "failed_rank": result.failed_rank,
-                         "exitcode": result.exitcode, "failed_at": result.failed_at,
-                         "rank0_error": summary.error, "log_tail": tail}
 
 
 def host_oom_error(result: LaunchResult, summary: RunSummary, peaks: JsonDict) -> JsonDict | None:

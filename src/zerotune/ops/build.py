@@ -19,7 +19,7 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.ops import locks
-from zerotune.ops.torch_lib import link_torch_lib
+from zerotune.ops.torch_lib import KEY, link_torch_lib
 from zerotune.telemetry import MemorySampler
 
 log = logging.getLogger("zerotune")
@@ -49,7 +49,6 @@ FIXES = {  # builder -> (config key, fix): the worker would fail on the same op 
 # A lock held by a live process is another job's build (or load) of the same op: worth waiting for, as long as
 # a cold build takes on a slow machine (cpu_adam: about 3 minutes on 2 cores), and no longer.
 LOCK_WAIT_ENV, LOCK_WAIT_S = "ZEROTUNE_OP_LOCK_WAIT_S", 900.0
-LOCK_KEY = "TORCH_EXTENSIONS_DIR"
 
 
 class OpBuildError(ConfigError):
@@ -127,12 +126,12 @@ def clear_lock(op: str) -> None:
     state = locks.settle(locks.lock_path(op), wait_s)
     if state.state == "held":
         pids = " ".join(map(str, state.pids)) or "<pid>"
-        raise OpBuildError(LOCK_KEY, f"{state.describe()}; it was still held after {wait_s:.0f} s",
+        raise OpBuildError(KEY, f"{state.describe()}; it was still held after {wait_s:.0f} s",
                            f"let that build finish and start again; if it is stuck, stop it (kill {pids}) and its "
                            f"lock is removed at the next start; or wait longer ({LOCK_WAIT_ENV}=<seconds>), or "
-                           f"give this job its own cache ({LOCK_KEY}=<another folder>)")
+                           f"give this job its own cache ({KEY}=<another folder>)")
     if state.state == "undecided":
-        raise OpBuildError(LOCK_KEY, state.describe(),
+        raise OpBuildError(KEY, state.describe(),
                            f"it is safe to delete when no DeepSpeed op build is running: rm {state.path}")
 
 

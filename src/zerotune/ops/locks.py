@@ -109,7 +109,11 @@ def settle(path: Path, timeout_s: float, poll_s: float = 1.0) -> LockState:
     deadline = time.monotonic() + timeout_s
     announced = False
     while True:
-        state = _settle_once(path)
+        if not path.exists():
+            state = LockState(path, "gone")  # the usual case: no lock, no cleanup turn needed
+        else:
+            with _cleanup_turn(path.parent.parent):
+                state = remove_stale(inspect([path])[0])
         if state.state != "held" or time.monotonic() >= deadline:
             return state
         if not announced:
@@ -118,27 +122,14 @@ def settle(path: Path, timeout_s: float, poll_s: float = 1.0) -> LockState:
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
-def _settle_once(path: Path) -> LockState:
-    if not path.exists():
-        return LockState(path, "gone")  # the usual case: no lock, no cleanup turn needed
-    with _cleanup_turn(path.parent.parent):
-        return remove_stale(inspect([path])[0])
-
-
 @contextlib.contextmanager
 def _cleanup_turn(root: Path, timeout_s: float = 30.0) -> Iterator[None]:
     """This root's cleanup lock, for a bounded time; without it (read-only root, timeout) the removal's own
     same-file check still applies."""
-    try:
-        lock = FileLock(str(root / CLEANUP_LOCK), timeout=timeout_s)
-        lock.acquire()
-    except (OSError, Timeout):
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError, Timeout):
+            held.enter_context(FileLock(str(root / CLEANUP_LOCK), timeout=timeout_s))
         yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _identity(path: Path) -> tuple:

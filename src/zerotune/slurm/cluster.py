@@ -112,7 +112,7 @@ def parse_gres(value: str) -> tuple[int, tuple[str, ...]]:
     return count, tuple(types)
 
 
-def _int(value: str | None) -> int | None:
+def parse_int(value: str | None) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
@@ -123,16 +123,18 @@ def parse_nodes(text: str) -> list[Node]:
         if "NodeName" not in r:
             continue
         gpus, types = parse_gres(r.get("Gres", ""))
-        cpus = _int(r.get("CPUEfctv")) or _int(r.get("CPUTot")) or 0  # CPUEfctv: less the cores SLURM keeps
+        # CPUEfctv: less the cores SLURM keeps
+        cpus = parse_int(r.get("CPUEfctv")) or parse_int(r.get("CPUTot")) or 0
         partitions = tuple(p for p in r.get("Partitions", "").split(",") if p and p != "(null)")
-        nodes.append(Node(r["NodeName"], partitions, cpus, _int(r.get("RealMemory")) or 0, gpus, types))
+        nodes.append(Node(r["NodeName"], partitions, cpus, parse_int(r.get("RealMemory")) or 0, gpus, types))
     return nodes
 
 
 def parse_partitions(text: str) -> list[Partition]:
     """`scontrol --all show partition -o`."""
     return [Partition(r["PartitionName"], r.get("Default") == "YES", r.get("State", "UP").upper(),
-                      parse_time_min(r.get("MaxTime", "UNLIMITED")), _int(r.get("MaxNodes")), r.get("Hidden") == "YES")
+                      parse_time_min(r.get("MaxTime", "UNLIMITED")), parse_int(r.get("MaxNodes")),
+                      r.get("Hidden") == "YES")
             for r in parse_records(text) if "PartitionName" in r]
 
 

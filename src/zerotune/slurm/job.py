@@ -132,10 +132,7 @@ def launch_from_slurm(launch: Mapping[str, Any]) -> dict:
     from submitit.slurm.slurm import SlurmJobEnvironment
 
     job = SlurmJobEnvironment()
-    out = dict(launch)
-    out["nnodes"] = job.num_nodes
-    out["node_rank"] = job.node
-    out["master_addr"] = job.hostnames[0]
+    out = {**launch, "nnodes": job.num_nodes, "node_rank": job.node, "master_addr": job.hostnames[0]}
     if str(launch.get("master_port", "auto")) == "auto":
         # SLURM_JOB_ID: unique per array task too (submitit's job_id is "<array>_<task>" there).
         out["master_port"] = PORT_BASE + int(os.environ["SLURM_JOB_ID"]) % PORT_SPAN

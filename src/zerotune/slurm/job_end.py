@@ -20,7 +20,7 @@ from zerotune.files import write_text_atomic
 from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.status import FINAL, Status
-from zerotune.slurm.cluster import SCONTROL_TIMEOUT_S, show_job
+from zerotune.slurm.cluster import SCONTROL_TIMEOUT_S, parse_int, show_job
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ def wait_for_end(job, state_of: Callable[[str], str | None] = job_state, poll_s:
 
 def job_restarts(job_id: str) -> int | None:
     """How many times SLURM requeued the job (scontrol's Restarts), or None where it no longer knows the job."""
-    restarts = (show_job(job_id) or {}).get("Restarts", "")
-    return int(restarts) if restarts.isdigit() else None
+    return parse_int((show_job(job_id) or {}).get("Restarts"))
 
 
 def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str,

@@ -63,16 +63,11 @@ def node_limit(cluster: Cluster, partition: Partition, req: Request) -> int:
 
 def resolve_partition(cluster: Cluster, req: Request) -> Partition:
     """The partition sbatch would use (None: the cluster's default), or a config error with one that works."""
-    if req.partition is None:
-        found = cluster.default()
-        if found is None:
-            raise ConfigError(_key("partition"), "is null (the cluster's default), and this cluster has no default "
-                              "partition", _partition_fix(cluster, req))
-    else:
-        found = cluster.partition(str(req.partition))
-        if found is None:
-            raise ConfigError(_key("partition"), f"the cluster has no partition {req.partition!r}",
-                              _partition_fix(cluster, req))
+    found = cluster.default() if req.partition is None else cluster.partition(str(req.partition))
+    if found is None:
+        problem = ("is null (the cluster's default), and this cluster has no default partition"
+                   if req.partition is None else f"the cluster has no partition {req.partition!r}")
+        raise ConfigError(_key("partition"), problem, _partition_fix(cluster, req))
     if found.state in CLOSED_STATES:
         raise ConfigError(_key("partition"), f"partition {found.name} is {found.state}: it takes no new jobs",
                           _partition_fix(cluster, req, skip=found.name))
