@@ -57,10 +57,6 @@ class JobChecks:
             raise self.error
         return self.base
 
-    @property
-    def skipped(self) -> bool:
-        return self.gate.decision == "skip"
-
     def _run(self) -> None:
         self.marks = Marks()
         try:

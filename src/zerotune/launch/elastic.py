@@ -139,7 +139,11 @@ class Launcher:
                 return LaunchResult(Status.TIMEOUT, f"killed after train.timeout_s={self.timeout_s} s")
             return _failure(exc, self._host)
         finally:
-            _restore(before)
+            # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
+            # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the
+            # job (held_signals.py), while it records itself and, under submitit, requeues (slurm/job.py).
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
             self._host.stop()
             self._finished.set()
             self.gate.workers_gone.set()  # a cold op build waiting for their imports waits no more
@@ -167,14 +171,6 @@ def _stop_handlers() -> dict:
         return {}
     found = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in STOP_SIGNALS}
     return {sig: handler for sig, handler in found.items() if handler is not None}
-
-
-def _restore(handlers: dict) -> None:
-    # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
-    # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the job
-    # (held_signals.py), while it records itself and, under submitit, requeues (slurm/job.py).
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def _failure(exc, host: HostWatch) -> LaunchResult:

@@ -74,7 +74,7 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
         result = launcher.run()
         # Stopped by a signal mid-check (an op build, say): the workers are gone, the build is not waited for.
         base = checks.join(timeout=0 if result.status == Status.INTERRUPTED else None) or base_summary(config, spec)
-        if checks.skipped:  # plan.guard=skip: recorded as predicted to run out of GPU memory, and not run
+        if gate.decision == "skip":  # plan.guard=skip: recorded as predicted to run out of GPU memory, and not run
             base.status, base.env = Status.PREDICTED_OOM, environment_info()
             run_dir.write_summary(base)
             return base

@@ -20,19 +20,6 @@ from zerotune.rundir.status import Status
 PEER_RECORD_WAIT_S = 15.0
 
 
-def peer_failures(run_dir: Path, nnodes: int) -> tuple[list[JsonDict], list[int]]:
-    """The failures the other nodes recorded, and the nodes that recorded nothing within PEER_RECORD_WAIT_S."""
-    deadline = time.monotonic() + PEER_RECORD_WAIT_S
-    while True:
-        records = {k: RunSummary.read_if_whole(run_dir, node_summary_name(k)) for k in range(1, nnodes)}  # not yet: none
-        if all(r is not None for r in records.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    failures = [{"node_rank": k, "node": r.node, **r.error} for k, r in records.items()
-                if r is not None and r.status != Status.OK and isinstance(r.error, dict)]
-    return failures, [k for k, r in records.items() if r is None]
-
-
 def _first(failures: list[JsonDict]) -> JsonDict:
     """The cause among the nodes' failures: a rank killed by a signal (a peer's death ends the others' ranks with
     an error, never a signal), else the one seen first."""
@@ -54,7 +41,15 @@ def name_failed_node(summary: RunSummary, result: LaunchResult, node: str, run_d
     with every node's failure beside it (`nodes`), and the nodes that recorded nothing (`silent_nodes`)."""
     own = {**(summary.error or {}), "node_rank": 0, "node": node, "failed_at": result.failed_at,
            "exitcode": result.exitcode, "failed_rank": result.failed_rank}
-    peers, silent = peer_failures(run_dir, nnodes)
+    deadline = time.monotonic() + PEER_RECORD_WAIT_S  # the other nodes' records; none yet: not written
+    while True:
+        records = {k: RunSummary.read_if_whole(run_dir, node_summary_name(k)) for k in range(1, nnodes)}
+        if all(r is not None for r in records.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    peers = [{"node_rank": k, "node": r.node, **r.error} for k, r in records.items()
+             if r is not None and r.status != Status.OK and isinstance(r.error, dict)]
+    silent = [k for k, r in records.items() if r is None]  # nothing recorded within PEER_RECORD_WAIT_S
     first = _first([own, *peers])
     error = {"type": Status.FAILED, "message": describe(first), "failed_rank": first.get("failed_rank"),
              "failed_node": first.get("node"), "failed_node_rank": first["node_rank"],

@@ -52,9 +52,6 @@ class Cluster:
     def nodes_of(self, partition: str) -> list[Node]:
         return [n for n in self.nodes if partition in n.partitions]
 
-    def visible(self) -> list[str]:
-        return [p.name for p in self.partitions if not p.hidden]
-
 
 # ---- scontrol's output -------------------------------------------------------------------------------------
 

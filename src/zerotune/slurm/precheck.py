@@ -12,7 +12,7 @@ import copy
 import logging
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import fields
 
 from omegaconf import DictConfig, open_dict
 
@@ -37,20 +37,14 @@ def is_slurm(launcher: DictConfig) -> bool:
 
 def request_of(launcher: DictConfig) -> Request:
     """The launcher's settings sbatch matches against the cluster; a count below 1 is refused here."""
-    req = Request(partition=launcher.get("partition"), nodes=_or(launcher.get("nodes"), 1),
-                  gpus_per_node=launcher.get("gpus_per_node"), cpus_per_task=launcher.get("cpus_per_task"),
-                  tasks_per_node=_or(launcher.get("tasks_per_node"), 1), mem_gb=launcher.get("mem_gb"),
-                  timeout_min=launcher.get("timeout_min"), signal_delay_s=_or(launcher.get("signal_delay_s"), 0))
+    # A null setting is Request's default (None: not asked).
+    req = Request(**{f.name: launcher.get(f.name) for f in fields(Request) if launcher.get(f.name) is not None})
     for key in ("nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb", "timeout_min"):
         value = getattr(req, key)
         if value is not None and value < (0 if key == "gpus_per_node" else 1):
             raise ConfigError(f"hydra.launcher.{key}", f"must be at least 1, got {value}",
                               f"hydra.launcher.{key}={1 if key in ('nodes', 'tasks_per_node', 'timeout_min') else 'null'}")
     return req
-
-
-def _or(value: Any, default: int) -> Any:
-    return default if value is None else value
 
 
 def check_sweep(config: DictConfig, env: Mapping[str, str] | None = None,

@@ -77,7 +77,8 @@ def resolve_partition(cluster: Cluster, req: Request) -> Partition:
 def _partition_fix(cluster: Cluster, req: Request, skip: str | None = None) -> str:
     """A partition that takes the whole request if one does; else the default (or first) open one, whose own
     refusal then says what to change."""
-    names = [n for n in (cluster.visible() or [p.name for p in cluster.partitions]) if n != skip]
+    visible = [p.name for p in cluster.partitions if not p.hidden]
+    names = [n for n in (visible or [p.name for p in cluster.partitions]) if n != skip]
     listing = f"(the partitions: {', '.join(names) or 'none'})"
     for name in names:
         try:
