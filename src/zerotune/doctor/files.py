@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import sys
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -14,6 +13,7 @@ from omegaconf import DictConfig
 from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
+from zerotune.folders import nearest_existing
 from zerotune.ops import locks
 from zerotune.units import MIB
 
@@ -30,8 +30,9 @@ def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) 
         folder = check_nvme_path(path, "offload.path")
     except ConfigError as exc:
         return Check("offload path", FAIL, exc.problem, exc.fix, {"path": path})
-    free = shutil.disk_usage(_existing(folder)).free
-    facts = {"path": str(folder), "free_bytes": free, "file_system": locks.fs_type(_existing(folder))}
+    existing = nearest_existing(folder)
+    free = shutil.disk_usage(existing).free
+    facts = {"path": str(folder), "free_bytes": free, "file_system": locks.fs_type(existing)}
     found = f"{folder} is writable, {_size(free / MIB)} free ({facts['file_system'] or 'unknown'} file system)"
     need = _nvme_need_mib(cfg, overrides) if cfg.offload.device == "nvme" else None
     facts["needed_mib"] = need
@@ -48,12 +49,6 @@ def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) 
 
 def _size(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
-
-
-def _existing(folder: Path) -> Path:
-    while not folder.exists():
-        folder = folder.parent
-    return folder
 
 
 def _nvme_need_mib(cfg: DictConfig, overrides: list[str]) -> float | None:
