@@ -83,7 +83,10 @@ class GateWatch:
 
     def _watch(self) -> None:
         while True:
-            decision = self._read()
+            try:
+                decision = json.loads(self.path.read_text()).get("decision")
+            except (OSError, ValueError):  # not decided yet
+                decision = None
             if decision == "go":
                 self.opened_at = time.time()
                 self._go.set()
@@ -91,12 +94,6 @@ class GateWatch:
             if decision is not None:
                 os._exit(0)  # refused or skipped: the parent records why; nothing here to flush or keep
             time.sleep(POLL_S)
-
-    def _read(self) -> str | None:
-        try:
-            return json.loads(self.path.read_text()).get("decision")
-        except (OSError, ValueError):  # not decided yet
-            return None
 
     def wait_for_go(self) -> dict:
         """Block until the parent says go; the worker's marks: imports done (reached the gate), gate open."""

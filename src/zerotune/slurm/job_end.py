@@ -8,6 +8,7 @@ left the queue, and `scontrol` keeps its final state for a while after (MinJobAg
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import time
@@ -36,13 +37,11 @@ STATUS_OF_STATE = {"CANCELLED": Status.CANCELLED, "TIMEOUT": Status.TIMEOUT, "OU
 def job_state(job_id: str) -> str | None:
     """SLURM's state of `job_id` ("123" or an array task "123_4"): squeue's while queued or running, then
     scontrol's final one; None where neither knows the job (never submitted, or long gone)."""
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
                                 timeout=SCONTROL_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError):
-        queued = None
-    if queued is not None and queued.returncode == 0 and queued.stdout.strip():
-        return queued.stdout.split()[0].upper()
+        if queued.returncode == 0 and queued.stdout.strip():
+            return queued.stdout.split()[0].upper()
     return (show_job(job_id) or {}).get("JobState", "").upper() or None
 
 
