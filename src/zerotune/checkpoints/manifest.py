@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from zerotune.checkpoints.layout import COMPLETE, META
+from zerotune.checkpoints.layout import COMPLETE, META, read_meta
 
 _CHUNK = 8 << 20
 
@@ -56,8 +56,14 @@ def problems(folder: Path) -> list[str]:
         manifest = read(folder)
     except (OSError, UnicodeDecodeError) as exc:
         return [f"{COMPLETE}: unreadable ({exc})"]
-    found = [] if manifest is not None else _legacy_problems(folder)
-    for name, want in (manifest or {}).get("files", {}).items():
+    if manifest is None:  # a checkpoint from before manifests: readable metadata is all it can show
+        try:
+            read_meta(folder)
+        except (OSError, ValueError) as exc:
+            return [f"{META}: unreadable ({exc})"]
+        return []
+    found = []
+    for name, want in manifest["files"].items():
         path = folder / name
         if not path.is_file():
             found.append(f"{name}: missing")
@@ -66,11 +72,3 @@ def problems(folder: Path) -> list[str]:
         elif file_record(path)["sha256"] != want["sha256"]:
             found.append(f"{name}: sha256 differs from the one recorded when saved (the file was altered)")
     return found
-
-
-def _legacy_problems(folder: Path) -> list[str]:
-    try:
-        json.loads((folder / META).read_text())
-    except (OSError, ValueError) as exc:
-        return [f"{META}: unreadable ({exc})"]
-    return []

@@ -4,7 +4,6 @@ before any model existed: zerotune/checkpoints/select.py and decide.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,7 +28,10 @@ def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restore
     ema_file = decision.path / EMA_FILE
     ema = torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None
     acc.wait_for_everyone()
-    return Restored(position_state=_trainer_state(decision.path, acc.process_index), ema_state=ema)
+    state_file = decision.path / f"trainer_state_{acc.process_index}.pt"
+    if not state_file.is_file():
+        state_file = decision.path / "trainer_state_0.pt"
+    return Restored(position_state=torch.load(state_file, weights_only=False), ema_state=ema)
 
 
 def _steps_as_tensors(optimizer) -> None:
@@ -42,8 +44,3 @@ def _steps_as_tensors(optimizer) -> None:
     for state in inner.state.values():
         if "step" in state and not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-
-
-def _trainer_state(path: Path, rank: int) -> dict:
-    file = path / f"trainer_state_{rank}.pt"
-    return torch.load(file if file.is_file() else path / "trainer_state_0.pt", weights_only=False)

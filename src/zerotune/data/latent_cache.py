@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from zerotune.data.buckets import Placement
 from zerotune.data.folder import ImageRecord, Skipped
 from zerotune.data.hashing import digest
-from zerotune.data.images import DECODE_ERRORS, load_crop
+from zerotune.data.images import DECODE_ERRORS, crop_pixels, open_rgb
 from zerotune.files import replaced
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoder
                 views: list[tuple[CacheItem, bool, torch.Tensor]] = []
                 for it in chunk:
                     try:
-                        pixels = load_crop(it.record.path, it.placement)
+                        pixels = crop_pixels(open_rgb(it.record.path), it.placement)
                     except DECODE_ERRORS as exc:
                         reason = f"corrupt image ({type(exc).__name__}: {exc})"
                         log.warning("skipping %s: %s", it.record.rel, reason)

@@ -190,16 +190,6 @@ def _not_weights(path: Path) -> ConfigError:
                        "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
 
 
-def state_dict_shapes(unet_kwargs: dict) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the state dict of the U-Net `unet_kwargs` describes, built on the meta device."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    with init_empty_weights():
-        unet = UNet2DConditionModel.from_config(unet_kwargs)
-    return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
-
-
 def check_pretrained(model_cfg: Model) -> None:
     """What `load_pretrained` needs, checked in seconds without reading a tensor: the path exists, a folder
     has a U-Net config and weights, and every safetensors header is whole and names the tensors (and shapes)
@@ -216,9 +206,14 @@ def check_pretrained(model_cfg: Model) -> None:
         raise _not_weights(path)
     found = {name: shape for file in weight_files for name, shape in read_shapes(file).items()}
     if weight_files:
+        from accelerate import init_empty_weights
+        from diffusers import UNet2DConditionModel
+
         try:
-            expected = state_dict_shapes(config)
+            with init_empty_weights():  # the U-Net the config describes, on the meta device
+                unet = UNet2DConditionModel.from_config(config)
         except (TypeError, ValueError) as exc:
             raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
                               f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
+        expected = {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
         compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, expected, model)
