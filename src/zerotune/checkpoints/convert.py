@@ -25,25 +25,21 @@ def universal_folder(acc, path: Path) -> Path:
     """DeepSpeed's universal checkpoint of `path`, made once by rank 0 into <path>/universal/ (tmp, rename)."""
     out = path / UNIVERSAL
     if acc.is_main_process and not (out / DS_TAG / "zero").is_dir():
-        to_universal(path / DS_TAG, out)
+        from argparse import Namespace
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        args = Namespace(input_folder=str(path / DS_TAG), output_folder=str(tmp / DS_TAG), num_extract_workers=1,
+                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        ds_to_universal.main(args)
+        _alias_model_states(tmp / DS_TAG)
+        (tmp / LATEST).write_text(DS_TAG)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
     acc.wait_for_everyone()
     return out
-
-
-def to_universal(ds_folder: Path, out: Path) -> None:
-    from argparse import Namespace
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    args = Namespace(input_folder=str(ds_folder), output_folder=str(tmp / DS_TAG), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    ds_to_universal.main(args)
-    _alias_model_states(tmp / DS_TAG)
-    (tmp / LATEST).write_text(DS_TAG)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
 
 
 def _alias_model_states(folder: Path) -> None:
@@ -65,7 +61,8 @@ def _alias_model_states(folder: Path) -> None:
 
 
 def full_state(path: Path, with_optimizer: bool = True) -> tuple[dict, dict | None, dict | None]:
-    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint."""
+    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint; a
+    ZeRO-1/2/3 one's optimizer state comes from its universal conversion (`universal_folder`)."""
     meta = read_meta(path)
     if not meta["use_deepspeed"]:
         return _plain_state(path, meta, with_optimizer)
@@ -101,8 +98,6 @@ def _plain_state(path: Path, meta: dict, with_optimizer: bool) -> tuple[dict, di
 def _universal_state(path: Path) -> tuple[dict, dict]:
     """fp32 weights and Adam moments per parameter, from the universal conversion of a ZeRO-1/2/3 checkpoint."""
     zero = path / UNIVERSAL / DS_TAG / "zero"
-    if not zero.is_dir():
-        to_universal(path / DS_TAG, path / UNIVERSAL)
     # ZeRO-3 conversions store flat tensors (reshaped on loading) and one step for all parameters.
     global_sd = torch.load(zero / "optimizer_state.pt", weights_only=False)
     global_step = global_sd.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0.0)

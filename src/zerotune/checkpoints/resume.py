@@ -3,21 +3,14 @@ before any model existed: zerotune/checkpoints/select.py and decide.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zerotune.checkpoints import EMA_FILE, ResumeDecision, convert
 
 
-@dataclass
-class Restored:
-    position_state: dict        # this rank's data position and generators (Trainer.load_position_state)
-    ema_state: dict | None
-
-
-def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restored:
-    """Restore the checkpoint into the prepared engine/optimizer/scheduler (every rank)."""
+def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> tuple[dict, dict | None]:
+    """Restore the checkpoint into the prepared engine/optimizer/scheduler (every rank); returns this rank's
+    data position and generators (Trainer.load_position_state), and the EMA's state or None."""
     if decision.mode == "native":
         acc.load_state(str(decision.path))
     elif decision.mode == "universal":
@@ -31,7 +24,7 @@ def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restore
     state_file = decision.path / f"trainer_state_{acc.process_index}.pt"
     if not state_file.is_file():
         state_file = decision.path / "trainer_state_0.pt"
-    return Restored(position_state=torch.load(state_file, weights_only=False), ema_state=ema)
+    return torch.load(state_file, weights_only=False), ema
 
 
 def _steps_as_tensors(optimizer) -> None:

@@ -4,7 +4,7 @@ Crash safety: every rank writes into `.tmp-step-NNNNNNN-<job>/`; after a barrier
 `step-NNNNNNN/`, then writes COMPLETE (the manifest: each file's size and sha256) and the `latest`
 pointer, each by write-then-rename. A process killed at any moment leaves either the previous complete
 checkpoint or the new one. A save that runs out of disk space removes its partial folder and says so.
-The folder layout and the rules for finding checkpoints: zerotune/checkpoints/.
+The folder layout and the rules for finding checkpoints: layout.py.
 """
 
 from __future__ import annotations

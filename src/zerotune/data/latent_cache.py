@@ -92,7 +92,7 @@ class CacheStats:
 
 
 class Encoders(Protocol):
-    """What build_cache needs; models.components.SDXLEncoders is the real one."""
+    """What build_cache needs; data.components.SDXLEncoders is the real one."""
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
 

@@ -24,7 +24,7 @@ from zerotune.training.backend import make_accelerator, optimizer_and_scheduler,
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
-from zerotune.training.rungs import PRUNED, trial_rungs
+from zerotune.training.rungs import PRUNED, TrialRungs
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,10 @@ class Trainer:
             raw_scheduler = getattr(self.unet, "lr_scheduler", None)
         else:
             raw_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
-        restored = resume.load(self.accelerator, decision, self._module(), raw_optimizer, raw_scheduler)
-        self.load_position_state(restored.position_state, decision.meta["world_size"], self.accelerator.num_processes)
-        if self.ema is not None and restored.ema_state is not None:
-            self.ema.load_state_dict(restored.ema_state)
+        position, ema = resume.load(self.accelerator, decision, self._module(), raw_optimizer, raw_scheduler)
+        self.load_position_state(position, decision.meta["world_size"], self.accelerator.num_processes)
+        if self.ema is not None and ema is not None:
+            self.ema.load_state_dict(ema)
 
     def _clean_stale_swap(self) -> None:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
@@ -233,7 +233,9 @@ class Trainer:
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = faults.step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
-        rungs = trial_rungs(self.cfg.trial, self.accelerator.is_main_process)  # a tune trial's, else None
+        trial, rungs = self.cfg.trial, None
+        if trial is not None and trial.storage:  # a tune trial: its study may stop it at a rung
+            rungs = TrialRungs(trial, self.accelerator.is_main_process)
         try:
             while self.step < max_steps:
                 self.stopped_by = stop.agreed(self.accelerator.device)
