@@ -14,17 +14,13 @@ from pathlib import Path
 
 from zerotune.checkpoints.layout import COMPLETE, META, read_meta
 
-_CHUNK = 8 << 20
-
 
 def file_record(path: Path, durable: bool = False) -> dict:
     """Size and sha256 of one file (fsynced first when `durable`: the save is published after this)."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
         if durable:
             os.fsync(fh.fileno())
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+        digest = hashlib.file_digest(fh, "sha256")
     return {"bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
 
 
