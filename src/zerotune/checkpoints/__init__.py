@@ -14,10 +14,8 @@ from zerotune.checkpoints.layout import (
     EMA_FILE,
     LATEST,
     META,
-    TMP_PREFIX,
     checkpoint_root,
     find,
-    folder_bytes,
     is_complete,
     job_token,
     latest,
@@ -31,7 +29,6 @@ from zerotune.checkpoints.lock import CheckpointDirLock, job_lock
 from zerotune.checkpoints.select import resolve_resume
 from zerotune.checkpoints.space import CheckpointSpaceError
 
-__all__ = ["COMPLETE", "EMA_FILE", "LATEST", "META", "TMP_PREFIX", "CheckpointDirLock", "CheckpointSpaceError",
-           "ResumeDecision", "checkpoint_root", "conversion_mode", "current_meta", "decide_resume", "find",
-           "folder_bytes", "is_complete", "job_lock", "job_token", "latest", "list_complete", "read_meta", "resolve_resume", "step_dir",
-           "tmp_dir", "unet_config"]
+__all__ = ["COMPLETE", "EMA_FILE", "LATEST", "META", "CheckpointDirLock", "CheckpointSpaceError", "ResumeDecision",
+           "checkpoint_root", "conversion_mode", "current_meta", "decide_resume", "find", "is_complete", "job_lock",
+           "job_token", "latest", "list_complete", "read_meta", "resolve_resume", "step_dir", "tmp_dir", "unet_config"]

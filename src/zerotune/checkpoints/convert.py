@@ -25,25 +25,21 @@ def universal_folder(acc, path: Path) -> Path:
     """DeepSpeed's universal checkpoint of `path`, made once by rank 0 into <path>/universal/ (tmp, rename)."""
     out = path / UNIVERSAL
     if acc.is_main_process and not (out / DS_TAG / "zero").is_dir():
-        to_universal(path / DS_TAG, out)
+        from argparse import Namespace
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp = out.with_name(f".tmp-{out.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        args = Namespace(input_folder=str(path / DS_TAG), output_folder=str(tmp / DS_TAG), num_extract_workers=1,
+                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        ds_to_universal.main(args)
+        _alias_model_states(tmp / DS_TAG)
+        (tmp / LATEST).write_text(DS_TAG)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
     acc.wait_for_everyone()
     return out
-
-
-def to_universal(ds_folder: Path, out: Path) -> None:
-    from argparse import Namespace
-
-    from deepspeed.checkpoint import ds_to_universal
-
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    args = Namespace(input_folder=str(ds_folder), output_folder=str(tmp / DS_TAG), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    ds_to_universal.main(args)
-    _alias_model_states(tmp / DS_TAG)
-    (tmp / LATEST).write_text(DS_TAG)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
 
 
 def _alias_model_states(folder: Path) -> None:
@@ -59,43 +55,42 @@ def _alias_model_states(folder: Path) -> None:
     state_file = folder / "zero" / "optimizer_state.pt"
     sd = torch.load(state_file, weights_only=False)
     if "optimizer_state_dict" not in sd:
-        step = next((_step(p) for p in (folder / "zero").iterdir() if (p / "step.pt").is_file()), 0.0)
+        step = next((float(_part(p, "step")) for p in (folder / "zero").iterdir() if (p / "step.pt").is_file()), 0.0)
         sd["optimizer_state_dict"] = {"state": {0: {"step": torch.tensor(step)}}, "param_groups": sd["param_groups"]}
         torch.save(sd, state_file)
 
 
 def full_state(path: Path, with_optimizer: bool = True) -> tuple[dict, dict | None, dict | None]:
-    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint."""
+    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint; a
+    ZeRO-1/2/3 one's optimizer state comes from its universal conversion (`universal_folder`)."""
     meta = read_meta(path)
     if not meta["use_deepspeed"]:
-        return _plain_state(path, with_optimizer)
+        return _plain_state(path, meta, with_optimizer)
     file = next(path / DS_TAG / n for n in MODEL_STATES if (path / DS_TAG / n).is_file())
     model_states = torch.load(file, map_location="cpu", weights_only=False)
     sched = model_states.get("lr_scheduler")
     if meta["zero_stage"] == 0:
         weights = {k: v.float() for k, v in model_states["module"].items()}
         return weights, _by_name(weights, model_states["optimizer"], meta) if with_optimizer else None, sched
-    if not with_optimizer:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    if not with_optimizer:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG)), None, sched
     weights, opt = _universal_state(path)
     if meta.get("adapter_config") is not None and meta["zero_stage"] == 3:
         # A ZeRO-3 conversion holds what the optimizer held: the frozen base comes from the checkpoint itself.
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         weights = {**get_fp32_state_dict_from_zero_checkpoint(str(path), tag=DS_TAG), **weights}
     return weights, opt, sched
 
 
-def _plain_state(path: Path, with_optimizer: bool) -> tuple[dict, dict | None, dict | None]:
+def _plain_state(path: Path, meta: dict, with_optimizer: bool) -> tuple[dict, dict | None, dict | None]:
     """accelerate's own files (no DeepSpeed): model.safetensors, optimizer.bin, scheduler.bin."""
     from safetensors.torch import load_file
 
     weights = {k.removeprefix("module."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     if not with_optimizer:
         return weights, None, None
-    opt = _by_name(weights, torch.load(path / "optimizer.bin", weights_only=False), read_meta(path))
+    opt = _by_name(weights, torch.load(path / "optimizer.bin", weights_only=False), meta)
     sched_file = path / "scheduler.bin"
     return weights, opt, torch.load(sched_file, weights_only=False) if sched_file.is_file() else None
 
@@ -103,14 +98,12 @@ def _plain_state(path: Path, with_optimizer: bool) -> tuple[dict, dict | None, d
 def _universal_state(path: Path) -> tuple[dict, dict]:
     """fp32 weights and Adam moments per parameter, from the universal conversion of a ZeRO-1/2/3 checkpoint."""
     zero = path / UNIVERSAL / DS_TAG / "zero"
-    if not zero.is_dir():
-        to_universal(path / DS_TAG, path / UNIVERSAL)
     # ZeRO-3 conversions store flat tensors (reshaped on loading) and one step for all parameters.
     global_sd = torch.load(zero / "optimizer_state.pt", weights_only=False)
     global_step = global_sd.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step", 0.0)
     weights, opt = {}, {}
     for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
-        step = _step(folder) if (folder / "step.pt").is_file() else float(global_step)
+        step = float(_part(folder, "step")) if (folder / "step.pt").is_file() else float(global_step)
         weights[folder.name] = _part(folder, "fp32").float()
         if (folder / "exp_avg.pt").is_file():  # frozen parameters (under an adapter) have weights only
             opt[folder.name] = {"step": torch.tensor(step), "exp_avg": _part(folder, "exp_avg"),
@@ -123,23 +116,10 @@ def _part(folder: Path, name: str) -> torch.Tensor:
     return loaded["param"] if isinstance(loaded, dict) else loaded
 
 
-def _step(folder: Path) -> float:
-    file = folder / "step.pt"
-    if not file.is_file():
-        return 0.0
-    value = torch.load(file, weights_only=False)
-    value = value.get("param", value) if isinstance(value, dict) else value
-    return float(value)
-
-
-def _trained(names, meta: dict) -> list[str]:
-    """The parameters the optimizer held, in order: all of them, or under an adapter the adapter's."""
-    return [n for n in names if meta.get("adapter_config") is None or adapter.is_adapter_weight(n)]
-
-
 def _by_name(weights: dict, torch_opt_state: dict, meta: dict) -> dict:
-    """A torch optimizer state_dict (indexed by the trained parameters' order) as {parameter name: state}."""
-    names = _trained(weights, meta)
+    """A torch optimizer state_dict (indexed by the trained parameters' order) as {parameter name: state}.
+    The trained parameters: all of them, or under an adapter the adapter's."""
+    names = [n for n in weights if meta.get("adapter_config") is None or adapter.is_adapter_weight(n)]
     order = [i for g in torch_opt_state["param_groups"] for i in g["params"]]
     return {names[pos]: torch_opt_state["state"][i] for pos, i in enumerate(order) if i in torch_opt_state["state"]}
 

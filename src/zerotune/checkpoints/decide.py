@@ -25,7 +25,9 @@ def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: 
             "use_deepspeed": bool(use_deepspeed), "precision": cfg.precision.name,
             "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
             "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"], "adapter": _adapter(cfg),
-            "adapter_config": _adapter_config(cfg), "zerotune_version": __version__}
+            # The adapter's keys, for export to rebuild it (models/adapter.py reads them).
+            "adapter_config": None if cfg.adapter.name == "none" else as_dict(cfg.adapter),
+            "zerotune_version": __version__}
 
 
 def _adapter(cfg: Config) -> str:
@@ -34,11 +36,6 @@ def _adapter(cfg: Config) -> str:
         return "none"
     targets = ",".join(str(m) for m in adapter.target_modules)
     return f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
-
-
-def _adapter_config(cfg: Config) -> dict | None:
-    """The adapter's keys, for export to rebuild it (models/adapter.py reads them)."""
-    return None if cfg.adapter.name == "none" else as_dict(cfg.adapter)
 
 
 def _adapter_fix(path: Path, meta: dict) -> str:

@@ -12,19 +12,15 @@ import json
 import os
 from pathlib import Path
 
-from zerotune.checkpoints.layout import COMPLETE, META
-
-_CHUNK = 8 << 20
+from zerotune.checkpoints.layout import COMPLETE, META, read_meta
 
 
 def file_record(path: Path, durable: bool = False) -> dict:
     """Size and sha256 of one file (fsynced first when `durable`: the save is published after this)."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
         if durable:
             os.fsync(fh.fileno())
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+        digest = hashlib.file_digest(fh, "sha256")
     return {"bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
 
 
@@ -56,8 +52,14 @@ def problems(folder: Path) -> list[str]:
         manifest = read(folder)
     except (OSError, UnicodeDecodeError) as exc:
         return [f"{COMPLETE}: unreadable ({exc})"]
-    found = [] if manifest is not None else _legacy_problems(folder)
-    for name, want in (manifest or {}).get("files", {}).items():
+    if manifest is None:  # a checkpoint from before manifests: readable metadata is all it can show
+        try:
+            read_meta(folder)
+        except (OSError, ValueError) as exc:
+            return [f"{META}: unreadable ({exc})"]
+        return []
+    found = []
+    for name, want in manifest["files"].items():
         path = folder / name
         if not path.is_file():
             found.append(f"{name}: missing")
@@ -66,11 +68,3 @@ def problems(folder: Path) -> list[str]:
         elif file_record(path)["sha256"] != want["sha256"]:
             found.append(f"{name}: sha256 differs from the one recorded when saved (the file was altered)")
     return found
-
-
-def _legacy_problems(folder: Path) -> list[str]:
-    try:
-        json.loads((folder / META).read_text())
-    except (OSError, ValueError) as exc:
-        return [f"{META}: unreadable ({exc})"]
-    return []

@@ -3,22 +3,14 @@ before any model existed: zerotune/checkpoints/select.py and decide.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 from zerotune.checkpoints import EMA_FILE, ResumeDecision, convert
 
 
-@dataclass
-class Restored:
-    position_state: dict        # this rank's data position and generators (Trainer.load_position_state)
-    ema_state: dict | None
-
-
-def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restored:
-    """Restore the checkpoint into the prepared engine/optimizer/scheduler (every rank)."""
+def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> tuple[dict, dict | None]:
+    """Restore the checkpoint into the prepared engine/optimizer/scheduler (every rank); returns this rank's
+    data position and generators (Trainer.load_position_state), and the EMA's state or None."""
     if decision.mode == "native":
         acc.load_state(str(decision.path))
     elif decision.mode == "universal":
@@ -29,7 +21,10 @@ def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> Restore
     ema_file = decision.path / EMA_FILE
     ema = torch.load(ema_file, map_location="cpu", weights_only=True) if ema_file.is_file() else None
     acc.wait_for_everyone()
-    return Restored(position_state=_trainer_state(decision.path, acc.process_index), ema_state=ema)
+    state_file = decision.path / f"trainer_state_{acc.process_index}.pt"
+    if not state_file.is_file():
+        state_file = decision.path / "trainer_state_0.pt"
+    return torch.load(state_file, weights_only=False), ema
 
 
 def _steps_as_tensors(optimizer) -> None:
@@ -42,8 +37,3 @@ def _steps_as_tensors(optimizer) -> None:
     for state in inner.state.values():
         if "step" in state and not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-
-
-def _trainer_state(path: Path, rank: int) -> dict:
-    file = path / f"trainer_state_{rank}.pt"
-    return torch.load(file if file.is_file() else path / "trainer_state_0.pt", weights_only=False)

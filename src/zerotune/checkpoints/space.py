@@ -24,7 +24,7 @@ class CheckpointSpaceError(OSError):
                          "disk>, or a smaller checkpoint.keep_last")
 
     def __str__(self) -> str:
-        return self.strerror  # the sentence, without OSError's "[Errno 28]" in front
+        return str(self.strerror)  # the sentence, without OSError's "[Errno 28]" in front
 
 
 def free_bytes(path: Path) -> int:

@@ -4,7 +4,7 @@ Crash safety: every rank writes into `.tmp-step-NNNNNNN-<job>/`; after a barrier
 `step-NNNNNNN/`, then writes COMPLETE (the manifest: each file's size and sha256) and the `latest`
 pointer, each by write-then-rename. A process killed at any moment leaves either the previous complete
 checkpoint or the new one. A save that runs out of disk space removes its partial folder and says so.
-The folder layout and the rules for finding checkpoints: zerotune/checkpoints/.
+The folder layout and the rules for finding checkpoints: layout.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def save(acc, request: SaveRequest) -> dict:
         acc.save_state(str(tmp))
         torch.save(request.position_state, tmp / f"trainer_state_{acc.process_index}.pt")
         if acc.is_main_process:
-            _write_rank0_files(tmp, request)
+            if request.ema_state is not None:
+                torch.save(request.ema_state, tmp / EMA_FILE)
+            request.unet.save_config(tmp)
+            (tmp / META).write_text(json.dumps({**request.meta, "step": request.step}, indent=2))
     except Exception as exc:
         raise _failed_save(exc, tmp, request) from exc
     pause(f"save-{request.step}")
@@ -84,13 +87,6 @@ def _failed_save(exc: Exception, tmp: Path, request: SaveRequest) -> Exception:
     return space.CheckpointSpaceError(request.root, max(needed, written), space.free_bytes(request.root),
                                       f"{basis}; {written / space.MIB:.1f} MiB were written before it failed",
                                       during=True)
-
-
-def _write_rank0_files(tmp: Path, request: SaveRequest) -> None:
-    if request.ema_state is not None:
-        torch.save(request.ema_state, tmp / EMA_FILE)
-    request.unet.save_config(tmp)
-    (tmp / META).write_text(json.dumps({**request.meta, "step": request.step}, indent=2))
 
 
 def _publish(tmp: Path, final: Path, request: SaveRequest) -> int:

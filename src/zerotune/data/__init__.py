@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from zerotune.data.footprint import check_fits_memory
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
-from zerotune.models import latent_shape, unet_config
+from zerotune.models import latent_shape
 
 
 def build_dataset(spec: DataSpec) -> Dataset:
@@ -26,7 +26,9 @@ def build_dataset(spec: DataSpec) -> Dataset:
 
         return DigitsDataset(size=spec.resolution, split="train", seed=spec.seed, invert=bool(spec.data.invert))
     if name == "synthetic":
-        return _synthetic(spec, shape)
+        from zerotune.data.synthetic import SyntheticDataset
+
+        return SyntheticDataset(spec, shape)
     if name == "folder":
         from zerotune.data.prepare import prepare_folder_data
 
@@ -49,20 +51,6 @@ def check_invert(spec: DataSpec) -> None:
     if spec.data.invert and spec.data.name != "digits":
         raise ConfigError("data.invert", f"inverts the digits (ink <-> paper); data={spec.data.name} has no "
                           "such images to invert", "data.invert=false, or data=digits data.invert=true")
-
-
-def _synthetic(spec: DataSpec, shape: tuple[int, int, int]) -> Dataset:
-    from zerotune.data.synthetic import SyntheticDataset
-
-    unet = unet_config(spec.model)
-    # SDXL's pooled text embedding: what the added-conditioning projection takes besides 6 time ids.
-    pooled = int(unet.get("projection_class_embeddings_input_dim", 2816)) - 6 * int(
-        unet.get("addition_time_embed_dim", 256))
-    return SyntheticDataset(
-        num_samples=spec.data.num_samples, latent_shape=shape, conditioning=spec.model.conditioning,
-        pixel_size=spec.resolution, text_seq_len=int(spec.model.text_seq_len),
-        cross_attention_dim=int(unet.get("cross_attention_dim") or 0), text_embeds_dim=pooled,
-        num_classes=int(spec.model.num_classes), seed=spec.seed)
 
 
 def build_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:

@@ -9,7 +9,6 @@ from sklearn.datasets import load_digits
 from torch.utils.data import Dataset
 
 DIGITS_MAX = 16.0  # load_digits pixel values are integers 0..16
-NUM_CLASSES = 10
 
 
 def digits_to_unit_range(pixels: torch.Tensor) -> torch.Tensor:

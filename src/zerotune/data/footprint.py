@@ -10,8 +10,8 @@ import psutil
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 from zerotune.models import downsample_factor, latent_shape
+from zerotune.units import DTYPE_BYTES
 
-FLOAT32_BYTES = 4      # samples are float32 tensors
 DIGITS_IMAGES = 1797   # sklearn's digits: DigitsDataset holds every one, upsampled, in one tensor
 GIB = 2**30
 
@@ -19,7 +19,7 @@ GIB = 2**30
 def input_bytes(spec: DataSpec) -> tuple[int, str]:
     """The bytes of input that must sit in memory at once, and what they are, in words."""
     channels, height, width = latent_shape(spec.model, spec.resolution)
-    sample = channels * height * width * FLOAT32_BYTES
+    sample = channels * height * width * DTYPE_BYTES["fp32"]  # samples are float32 tensors
     each = f"{channels}x{height}x{width} float32, {sample / GIB:,.2f} GiB each"
     if spec.data.name == "digits":
         return DIGITS_IMAGES * sample, f"data=digits holds its {DIGITS_IMAGES} images upsampled ({each})"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
 from pathlib import Path
 
 from zerotune.files import write_text_atomic
@@ -45,13 +44,12 @@ class FileHasher:
         self._dirty = True
         return value
 
-    def folder(self, folder: Path, names: Iterable[str] | None = None) -> str:
-        """One hash of the named files (default: every file) in a folder, names included."""
+    def folder(self, folder: Path) -> str:
+        """One hash of every file in a folder (hidden ones aside), names included."""
         folder = folder.resolve()
-        files = sorted(names) if names is not None else sorted(
-            p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(folder).parts))
-        return digest([(name, self.file(folder / name)) for name in files if (folder / name).is_file()])
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+        return digest([(name, self.file(folder / name)) for name in files])
 
     def save(self) -> None:
         if self.index_file is None or not self._dirty:

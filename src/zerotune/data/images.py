@@ -37,7 +37,3 @@ def crop_pixels(img: Image.Image, placement: Placement) -> torch.Tensor:
     crop = resized.crop((placement.crop_left, placement.crop_top, placement.crop_left + bw, placement.crop_top + bh))
     pixels = torch.from_numpy(np.asarray(crop, dtype=np.uint8).copy()).permute(2, 0, 1)
     return pixels.float() / 127.5 - 1.0
-
-
-def load_crop(path: Path, placement: Placement) -> torch.Tensor:
-    return crop_pixels(open_rgb(path), placement)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from zerotune.data.buckets import Placement
 from zerotune.data.folder import ImageRecord, Skipped
 from zerotune.data.hashing import digest
-from zerotune.data.images import DECODE_ERRORS, load_crop
+from zerotune.data.images import DECODE_ERRORS, crop_pixels, open_rgb
 from zerotune.files import replaced
 
 log = logging.getLogger(__name__)
@@ -84,15 +84,14 @@ class CacheStats:
     failed: list[Skipped] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        rate = self.images_encoded / self.latent_seconds if self.images_encoded else None
-        return {"latents_computed": self.latents_computed, "latents_reused": self.latents_reused,
-                "texts_computed": self.texts_computed, "texts_reused": self.texts_reused,
-                "images_encoded": self.images_encoded, "latent_seconds": round(self.latent_seconds, 3),
-                "text_seconds": round(self.text_seconds, 3), "images_per_s": rate}
+        out = {k: v for k, v in asdict(self).items() if k != "failed"}
+        out.update(latent_seconds=round(self.latent_seconds, 3), text_seconds=round(self.text_seconds, 3),
+                   images_per_s=self.images_encoded / self.latent_seconds if self.images_encoded else None)
+        return out
 
 
 class Encoders(Protocol):
-    """What build_cache needs; models.components.SDXLEncoders is the real one."""
+    """What build_cache needs; data.components.SDXLEncoders is the real one."""
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
@@ -129,7 +128,7 @@ def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoder
                 views: list[tuple[CacheItem, bool, torch.Tensor]] = []
                 for it in chunk:
                     try:
-                        pixels = load_crop(it.record.path, it.placement)
+                        pixels = crop_pixels(open_rgb(it.record.path), it.placement)
                     except DECODE_ERRORS as exc:
                         reason = f"corrupt image ({type(exc).__name__}: {exc})"
                         log.warning("skipping %s: %s", it.record.rel, reason)

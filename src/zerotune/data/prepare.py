@@ -32,7 +32,7 @@ from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
 from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
-from zerotune.files import write_json_atomic
+from zerotune.files import write_cached_json
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,12 @@ class CheckedFolder:
     components: ComponentPaths
 
 
-def default_cache_dir() -> Path:
-    """Per user, shared by every run and data set: entries are keyed by content, not by folder."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zerotune" / "latents"
-
-
 def cache_dir(spec: DataSpec) -> Path:
+    """data.cache_dir, else one per user, shared by every run and data set: entries are keyed by content."""
     configured = spec.data.cache_dir
-    return Path(str(configured)).expanduser() if configured else default_cache_dir()
+    if configured:
+        return Path(str(configured)).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "zerotune" / "latents"
 
 
 def check_folder_data(spec: DataSpec) -> CheckedFolder:
@@ -121,10 +119,13 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
-    _warn_untrained_buckets(full, micro_batch)
+    for name, b in full["buckets"].items():
+        if not b["batches_per_epoch"]:
+            log.warning("bucket %s has %d samples, fewer than a batch of %d: they are never trained on",
+                        name, b["samples"], micro_batch)
     if run_dir is not None:
         full["report_file"] = str(Path(run_dir) / REPORT_FILE)
-        _write_json(Path(run_dir) / REPORT_FILE, full)
+        write_cached_json(Path(run_dir) / REPORT_FILE, full)
     dataset.report = {k: v for k, v in full.items() if k not in _LISTS}
     _log_summary(dataset.report)
     return dataset, dataset.report
@@ -148,13 +149,6 @@ def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache,
                                LatentCache.text_key(record.caption, ids["text"], seq_len)))
     hasher.save()
     return items, unreadable
-
-
-def _warn_untrained_buckets(report: dict, micro_batch: int) -> None:
-    for name, b in report["buckets"].items():
-        if not b["batches_per_epoch"]:
-            log.warning("bucket %s has %d samples, fewer than a batch of %d: they are never trained on",
-                        name, b["samples"], micro_batch)
 
 
 def folder_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
@@ -212,11 +206,6 @@ def _device(spec: DataSpec) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data)
 
 
 def _log_summary(r: dict) -> None:

@@ -5,16 +5,22 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from zerotune.data.spec import DataSpec
+from zerotune.models import unet_config
+
 
 class SyntheticDataset(Dataset):
     """Deterministic per index, so every process and every resume sees the same items."""
 
-    def __init__(self, num_samples: int, latent_shape: tuple[int, int, int], conditioning: str,
-                 pixel_size: int, text_seq_len: int = 77, cross_attention_dim: int = 2048,
-                 text_embeds_dim: int = 1280, num_classes: int = 10, seed: int = 0):
-        self.n, self.shape, self.kind = num_samples, latent_shape, conditioning
-        self.pixel_size, self.seq, self.dim, self.pooled = pixel_size, text_seq_len, cross_attention_dim, text_embeds_dim
-        self.num_classes, self.seed = num_classes, seed
+    def __init__(self, spec: DataSpec, latent_shape: tuple[int, int, int]):
+        model, unet = spec.model, unet_config(spec.model)
+        self.n, self.shape, self.seed = spec.data.num_samples, latent_shape, spec.seed
+        self.kind, self.pixel_size = model.conditioning, spec.resolution
+        self.seq, self.num_classes = int(model.text_seq_len), int(model.num_classes)
+        self.dim = int(unet.get("cross_attention_dim") or 0)
+        # SDXL's pooled text embedding: what the added-conditioning projection takes besides 6 time ids.
+        self.pooled = int(unet.get("projection_class_embeddings_input_dim", 2816)) - 6 * int(
+            unet.get("addition_time_embed_dim", 256))
 
     def __len__(self) -> int:
         return self.n

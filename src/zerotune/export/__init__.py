@@ -35,7 +35,9 @@ from zerotune.rundir.status import Status
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    found = checkpoints.find(Path(path)) or _recorded_checkpoint(Path(path))
+    # With checkpoint.dir set elsewhere, a run dir holds no checkpoints/: its summary names them.
+    found = checkpoints.find(Path(path)) or next(
+        (p for p in _own_checkpoints(Path(path)) if checkpoints.is_complete(p)), None)
     if found is None:
         raise SystemExit(f"zerotune.export: {path} is not a complete checkpoint and holds none{_why_none(Path(path))}")
     damaged = manifest.problems(found)
@@ -51,11 +53,6 @@ def _own_checkpoints(run_dir: Path) -> list[Path]:
     record = (summary.checkpoint if summary is not None else None) or {}
     paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
     return [Path(p) for p in paths if p]
-
-
-def _recorded_checkpoint(run_dir: Path) -> Path | None:
-    """With checkpoint.dir set elsewhere, the run dir holds no checkpoints/: its summary names them."""
-    return next((p for p in _own_checkpoints(run_dir) if checkpoints.is_complete(p)), None)
 
 
 def _why_none(run_dir: Path) -> str:

@@ -136,23 +136,21 @@ def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
 
     if path is None:
         return partitioned.build(lambda: _from_config(model_cfg), zero_init, None, "")
-    if path.is_dir():
-        config, weight_files = read_folder(path)
-        if not weight_files:  # .bin weights: read_folder only looks for them
-            weight_files = _bin_files(unet_folder(path))
+    config, weight_files = _pretrained_files(model_cfg, path)
+    if not path.is_dir():  # a .safetensors state dict: built as load_pretrained builds it
+        return partitioned.build(lambda: _from_config(model_cfg), zero_init, weight_files, str(path))
+    if not weight_files:  # .bin weights: read_folder only looks for them
+        weight_files = _bin_files(unet_folder(path))
 
-        def make_unet():
-            # As from_pretrained builds it: torch.nn.init's functions skipped, since the files replace every weight.
-            # So the build draws nothing from the global RNG, and what draws next (peft's LoRA init, the data)
-            # draws what it does after from_pretrained at the other stages.
-            with no_init_weights():
-                return UNet2DConditionModel.from_config(config)
+    def make_unet():
+        # As from_pretrained builds it: torch.nn.init's functions skipped, since the files replace every weight.
+        # So the build draws nothing from the global RNG, and what draws next (peft's LoRA init, the data)
+        # draws what it does after from_pretrained at the other stages.
+        with no_init_weights():
+            return UNet2DConditionModel.from_config(config)
 
-        unet = partitioned.build(make_unet, zero_init, weight_files, str(path))
-        return unet.eval()  # as from_pretrained leaves it
-    if path.suffix == ".safetensors" and path.is_file():
-        return partitioned.build(lambda: _from_config(model_cfg), zero_init, [path], str(path))
-    raise _not_weights(path)
+    unet = partitioned.build(make_unet, zero_init, weight_files, str(path))
+    return unet.eval()  # as from_pretrained leaves it
 
 
 def _bin_files(folder: Path) -> list[Path]:
@@ -166,38 +164,30 @@ def _bin_files(folder: Path) -> list[Path]:
 
 def load_pretrained(model_cfg: Model, path: Path):
     from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file
 
-    key = "model.pretrained"
+    _pretrained_files(model_cfg, path)
     if path.is_dir():
-        read_folder(path)  # refuses a folder without a U-Net config or weights, saying which
         return UNet2DConditionModel.from_pretrained(unet_folder(path), local_files_only=True)
+    unet = _from_config(model_cfg)
+    missing, unexpected = unet.load_state_dict(load_file(str(path)), strict=False)
+    if missing or unexpected:
+        raise ConfigError("model.pretrained", f"{path} does not match model={model_cfg.name}: {len(missing)} missing "
+                          f"keys (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})",
+                          "choose the model option whose architecture the weights were saved from")
+    return unet
+
+
+def _pretrained_files(model_cfg: Model, path: Path) -> tuple[dict, list[Path]]:
+    """The U-Net config and safetensors files `model.pretrained` names: a diffusers folder's own (one without a
+    U-Net config or weights is refused, saying which), or the model option's config for a single .safetensors."""
+    if path.is_dir():
+        return read_folder(path)
     if path.suffix == ".safetensors" and path.is_file():
-        from safetensors.torch import load_file
-
-        unet = _from_config(model_cfg)
-        missing, unexpected = unet.load_state_dict(load_file(str(path)), strict=False)
-        if missing or unexpected:
-            raise ConfigError(key, f"{path} does not match model={model_cfg.name}: {len(missing)} missing keys "
-                              f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})",
-                              "choose the model option whose architecture the weights were saved from")
-        return unet
-    raise _not_weights(path)
-
-
-def _not_weights(path: Path) -> ConfigError:
+        return unet_config(model_cfg), [path]
     problem = "does not exist" if not path.exists() else "is neither a diffusers folder nor a .safetensors file"
-    return ConfigError("model.pretrained", f"{path} {problem}",
-                       "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
-
-
-def state_dict_shapes(unet_kwargs: dict) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the state dict of the U-Net `unet_kwargs` describes, built on the meta device."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    with init_empty_weights():
-        unet = UNet2DConditionModel.from_config(unet_kwargs)
-    return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
+    raise ConfigError("model.pretrained", f"{path} {problem}",
+                      "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
 
 
 def check_pretrained(model_cfg: Model) -> None:
@@ -207,18 +197,18 @@ def check_pretrained(model_cfg: Model) -> None:
     if not model_cfg.pretrained:
         return
     path = Path(str(model_cfg.pretrained)).expanduser()
-    if path.is_dir():
-        config, weight_files = read_folder(path)
-        model = "the U-Net its config.json describes"
-    elif path.suffix == ".safetensors" and path.is_file():
-        config, weight_files, model = unet_config(model_cfg), [path], f"model={model_cfg.name}"
-    else:
-        raise _not_weights(path)
+    config, weight_files = _pretrained_files(model_cfg, path)
+    model = "the U-Net its config.json describes" if path.is_dir() else f"model={model_cfg.name}"
     found = {name: shape for file in weight_files for name, shape in read_shapes(file).items()}
     if weight_files:
+        from accelerate import init_empty_weights
+        from diffusers import UNet2DConditionModel
+
         try:
-            expected = state_dict_shapes(config)
+            with init_empty_weights():  # the U-Net the config describes, on the meta device
+                unet = UNet2DConditionModel.from_config(config)
         except (TypeError, ValueError) as exc:
             raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
                               f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
+        expected = {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
         compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, expected, model)

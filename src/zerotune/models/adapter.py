@@ -25,11 +25,6 @@ def settings(adapter_cfg: Adapter | None) -> dict | None:
     return as_dict(adapter_cfg) if adapter_cfg is not None and enabled(adapter_cfg) else None
 
 
-def from_settings(recorded: dict | None) -> Adapter | None:
-    """A checkpoint's recorded adapter settings (`settings`) as the schema's type again."""
-    return Adapter(**recorded) if recorded else None
-
-
 def check(adapter_cfg: Adapter | None) -> None:
     """The adapter's own keys, before any model is built."""
     if not enabled(adapter_cfg):
@@ -46,14 +41,6 @@ def check(adapter_cfg: Adapter | None) -> None:
         raise ConfigError("adapter.init", f"unknown init {adapter_cfg.init!r}", f"adapter.init={' or '.join(INITS)}")
     if not list(adapter_cfg.target_modules):
         raise ConfigError("adapter.target_modules", "is empty", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
-
-
-def lora_config(adapter_cfg: Adapter):
-    from peft import LoraConfig
-
-    return LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
-                      lora_dropout=float(adapter_cfg.dropout), init_lora_weights=INITS[str(adapter_cfg.init)],
-                      target_modules=[str(m) for m in adapter_cfg.target_modules])
 
 
 def _matches(name: str, target: str) -> bool:
@@ -81,8 +68,13 @@ def add_adapter(unet: ModuleT, adapter_cfg: Adapter | None) -> ModuleT:
     check(adapter_cfg)
     _check_targets(unet, [str(m) for m in adapter_cfg.target_modules])
     unet.requires_grad_(False)
+    from peft import LoraConfig
+
+    config = LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
+                        lora_dropout=float(adapter_cfg.dropout), init_lora_weights=INITS[str(adapter_cfg.init)],
+                        target_modules=[str(m) for m in adapter_cfg.target_modules])
     with gathered_targets(targeted_modules(unet, adapter_cfg)):
-        unet.add_adapter(lora_config(adapter_cfg), adapter_name=ADAPTER_NAME)
+        unet.add_adapter(config, adapter_name=ADAPTER_NAME)
     return unet
 
 

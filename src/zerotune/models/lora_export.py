@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zerotune.models import adapter
+from zerotune.schema import Adapter
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 
@@ -15,7 +16,7 @@ def build(unet_config: dict, adapter_cfg: dict, weights: dict):
     """The U-Net with its adapter, holding `weights` (base and adapter, by the module's own names)."""
     from diffusers import UNet2DConditionModel
 
-    unet = adapter.add_adapter(UNet2DConditionModel.from_config(unet_config), adapter.from_settings(adapter_cfg))
+    unet = adapter.add_adapter(UNet2DConditionModel.from_config(unet_config), Adapter(**adapter_cfg))
     unet.load_state_dict(weights, strict=True)
     return unet
 

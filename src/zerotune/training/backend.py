@@ -62,7 +62,12 @@ def optimizer_and_scheduler(run: ResolvedRun, params):
         opt = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
         return opt, (DummyScheduler(opt) if "scheduler" in ds else None)
     opt = torch_optimizer(ds["optimizer"], params)
-    return opt, (torch_scheduler(ds["scheduler"], opt) if "scheduler" in ds else None)
+    if "scheduler" not in ds:
+        return opt, None
+    # DeepSpeed's schedulers are plain classes over a torch optimizer: reuse them for identical curves.
+    from deepspeed.runtime import lr_schedules
+
+    return opt, getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
 
 
 def torch_optimizer(block: dict, params) -> torch.optim.Optimizer:
@@ -78,10 +83,3 @@ def torch_optimizer(block: dict, params) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(params, **p)
     raise ConfigError("optimizer", f"{kind} needs DeepSpeed, which is off for this run",
                       "optimizer=adamw, adam or adagrad without DeepSpeed")
-
-
-def torch_scheduler(block: dict, opt: torch.optim.Optimizer):
-    # DeepSpeed's schedulers are plain classes over a torch optimizer: reuse them for identical curves.
-    from deepspeed.runtime import lr_schedules
-
-    return getattr(lr_schedules, block["type"])(opt, **block["params"])

@@ -5,7 +5,7 @@
   CUDA, `cpu=False`: backend None, so num_processes=1, process_index=0 on every rank) and then
   neither shards the DataLoader nor tells ranks apart. Building its state with the gloo backend first
   gives it the real world size and rank.
-- `init_process_group`, `barrier`, `broadcast_object`: the default process group, joined early by
+- `init_process_group`, `broadcast_object`: the default process group, joined early by
   externally launched ranks to agree on one run directory (DeepSpeed and accelerate reuse it).
 """
 
@@ -45,35 +45,20 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def _backend() -> str:
-    import torch
-
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_process_group(timeout_s: float = 1800) -> None:
     """Join the default process group from the launcher's env (MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+    import torch
     import torch.distributed as dist
 
     if world_size() > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=_backend(), timeout=_dt.timedelta(seconds=timeout_s))
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
 
 
 def is_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

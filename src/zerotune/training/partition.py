@@ -35,21 +35,15 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def _engine(model: Any):
-    """The DeepSpeed engine behind an accelerate-prepared model (or the engine itself); None without one."""
-    from deepspeed import DeepSpeedEngine
-
-    return model if isinstance(model, DeepSpeedEngine) else None
-
-
 def partition_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """This rank's bytes of parameters, gradients, fp32 master weights and optimizer states.
 
     `model` is the DeepSpeed engine (accelerate's prepared model is that engine). Without DeepSpeed
     (plain accelerate), pass the optimizer too: nothing is partitioned then.
     """
-    engine = _engine(model)
-    if engine is None:
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(model, DeepSpeedEngine):
         module = getattr(model, "module", model)
         params = [p for p in module.parameters()]
         whole = sum(_nbytes(p) for p in params)
@@ -57,10 +51,10 @@ def partition_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) 
                 "grads_bytes": sum(_nbytes(p) for p in params if p.requires_grad),
                 "master_weights_bytes": 0,
                 "optimizer_state_bytes": _state_bytes(optimizer) if optimizer is not None else 0}
-    stage = int(engine.zero_optimization_stage())
-    params = list(engine.module.parameters())
+    stage = int(model.zero_optimization_stage())
+    params = list(model.module.parameters())
     share = {3: _zero3_share, 1: _zero12_share, 2: _zero12_share}.get(stage, _stage0_share)
-    params_bytes, grads_bytes, master, state = share(engine.optimizer, params, stage)
+    params_bytes, grads_bytes, master, state = share(model.optimizer, params, stage)
     return {"zero_stage": stage, "world_size": _world(), "params_bytes": params_bytes, "grads_bytes": grads_bytes,
             "master_weights_bytes": master, "optimizer_state_bytes": state}
 

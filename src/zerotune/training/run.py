@@ -22,7 +22,6 @@ from zerotune.rundir.status import Status
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
 from zerotune.schema import Config, to_config
 from zerotune.telemetry import environment_info, node_identity
-from zerotune.telemetry.phases import PhaseTimeline
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
 from zerotune.training import distributed
@@ -75,12 +74,18 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
 def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     """Under torchrun / `accelerate launch` / `deepspeed` / `srun` with no zerotune parent, every rank runs
     this: rank 0 resolves the run (and writes config.yaml, ds_config.json, resolved.json), the other ranks
-    receive it, and all train it. A refusal is recorded in summary.json and raised on every rank."""
+    receive it, and all train it. A refusal is recorded in summary.json (with config.yaml as composed) and
+    raised on every rank."""
     try:
         run = _resolved_by_rank0(cfg, spec)
     except ConfigError as exc:
         if distributed.rank() == 0:
-            record_refusal(cfg, spec, exc)
+            run_dir, composed = RunDir(spec.run_dir), to_config(cfg)
+            run_dir.write_config(composed)
+            summary = _failed_summary(composed, run_dir)
+            summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
+            summary.env = environment_info()
+            run_dir.write_summary(summary)
         raise
     return train(run, spec)
 
@@ -104,16 +109,6 @@ def _resolved_by_rank0(cfg: DictConfig, spec: JobSpec) -> ResolvedRun:
         raise error
     assert run is not None
     return run
-
-
-def record_refusal(cfg: DictConfig, spec: JobSpec, exc: ConfigError) -> None:
-    """What rank 0 writes for a run refused before training: config.yaml as composed, and the error."""
-    run_dir, composed = RunDir(spec.run_dir), to_config(cfg)
-    run_dir.write_config(composed)
-    summary = _failed_summary(composed, run_dir)
-    summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
-    summary.env = environment_info()
-    run_dir.write_summary(summary)
 
 
 def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
@@ -142,10 +137,6 @@ def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict)
         from zerotune.telemetry.plot import plot_run
 
         plot_run(run_dir.file("metrics.jsonl"), run_dir.file("telemetry.png"))
-    _finish_logger(logger, summary, run_dir)
-
-
-def _finish_logger(logger: RunLogger, summary: RunSummary, run_dir: RunDir) -> None:
     images = [p for p in (run_dir.file("samples/grid.png"), run_dir.file("telemetry.png")) if p.is_file()]
     if images:
         logger.log_images("samples", [str(p) for p in images], step=int(summary.steps or 0))
@@ -186,25 +177,6 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
     if trainer.data_report:
         out.data = trainer.data_report
     out.partition = trainer.partition
-    _gather_rank_records(trainer, run_dir, out)
-    if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
-        _evaluate(trainer, cfg, run_dir, telemetry.phases, out)
-    trainer.accelerator.end_training()
-    summary.update(out.as_dict())
-
-
-def _evaluate(trainer: Trainer, cfg: Config, run_dir: RunDir, phases: PhaseTimeline, out: RunSummary) -> None:
-    # Imported when evaluating only: it brings scikit-learn's classifier.
-    from zerotune.training.evaluate import evaluate_digits
-
-    phases.begin("sampling")  # the run's sampling phase (telemetry/phases.py): summary's memory.phases
-    quality = evaluate_digits(trainer, cfg, run_dir)
-    phases.end()
-    if quality is not None:
-        out.quality = quality
-
-
-def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: RunSummary) -> None:
     memory = out.memory if out.memory is not None else {}
     record = {**node_identity(), **memory, "partition": trainer.partition, "losses": trainer.logged_losses}
     record = write_rank_record(run_dir.path, distributed.rank(), record)  # every rank, its own file
@@ -212,6 +184,17 @@ def _gather_rank_records(trainer: Trainer, run_dir: RunDir, out: RunSummary) -> 
     records = distributed.gather_object(record)
     if records is not None:
         memory.update(per_rank_summary(records))
+    if cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits" and not stop.received:
+        # Imported when evaluating only: it brings scikit-learn's classifier.
+        from zerotune.training.evaluate import evaluate_digits
+
+        telemetry.phases.begin("sampling")  # the run's sampling phase (telemetry/phases.py): summary's memory.phases
+        quality = evaluate_digits(trainer, cfg, run_dir)
+        telemetry.phases.end()
+        if quality is not None:
+            out.quality = quality
+    trainer.accelerator.end_training()
+    summary.update(out.as_dict())
 
 
 def _device_sync(trainer):

@@ -74,11 +74,6 @@ class TrialRungs:
         return bool(distributed.broadcast_object(stop))  # ranks stop after the same step
 
 
-def trial_rungs(trial: Trial | None, is_main: bool) -> TrialRungs | None:
-    """The job's rungs when it is a tune trial (trial.storage set), else None."""
-    return TrialRungs(trial, is_main) if trial is not None and trial.storage else None
-
-
 def _open_trial(trial: Trial):
     import optuna
 

@@ -59,7 +59,3 @@ class StopSignals:
         if stop and self.received is None:
             self.received = "a stop signal on another rank"
         return self.received if stop else None
-
-    @property
-    def signal_number(self) -> int | None:
-        return int(getattr(signal, self.received)) if self.received in STOP_SIGNALS else None

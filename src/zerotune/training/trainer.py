@@ -24,7 +24,7 @@ from zerotune.training.backend import make_accelerator, optimizer_and_scheduler,
 from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
-from zerotune.training.rungs import PRUNED, trial_rungs
+from zerotune.training.rungs import PRUNED, TrialRungs
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class Trainer:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.gen = torch.Generator().manual_seed(seed * 7919)
         self._prepare(seed)
-        self.ema = self._make_ema()
+        ema, self.ema = cfg.ema, None
+        if ema.enabled:
+            self.ema = HostEMA(self._trained_named_parameters(), ema.decay, ema.warmup, zero3=run.zero_stage == 3)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.batches_in_epoch, self._skip = 0, 0
         self._epoch_gen_states: list[torch.Tensor] = []
@@ -91,19 +93,9 @@ class Trainer:
                 unet, opt, loader, sched)
         self.dtype = next(self.unet.parameters()).dtype
 
-    def _make_ema(self) -> HostEMA | None:
-        ema = self.cfg.ema
-        if not ema.enabled:
-            return None
-        return HostEMA(self._trained_named_parameters(), ema.decay, ema.warmup, zero3=self.zero_stage == 3)
-
     def _trained_named_parameters(self) -> list:
         """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora."""
         return [(n, p) for n, p in self._module().named_parameters() if p.requires_grad]
-
-    @property
-    def zero_stage(self) -> int:
-        return self.run.zero_stage
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
@@ -158,20 +150,16 @@ class Trainer:
         self._skip = state["batches_in_epoch"] * saved_world // world
         self.batches_in_epoch = self._skip
 
-    def _meta(self, world_size: int) -> dict:
-        return checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, world_size)
-
     def _restore(self, decision: checkpoints.ResumeDecision) -> None:
         raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        restored = resume.load(self.accelerator, decision, self._module(), raw_optimizer, self.raw_scheduler())
-        self.load_position_state(restored.position_state, decision.meta["world_size"], self.accelerator.num_processes)
-        if self.ema is not None and restored.ema_state is not None:
-            self.ema.load_state_dict(restored.ema_state)
-
-    def raw_scheduler(self):
         if self.run.use_deepspeed:
-            return getattr(self.unet, "lr_scheduler", None)
-        return getattr(self.scheduler, "scheduler", self.scheduler)
+            raw_scheduler = getattr(self.unet, "lr_scheduler", None)
+        else:
+            raw_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
+        position, ema = resume.load(self.accelerator, decision, self._module(), raw_optimizer, raw_scheduler)
+        self.load_position_state(position, decision.meta["world_size"], self.accelerator.num_processes)
+        if self.ema is not None and ema is not None:
+            self.ema.load_state_dict(ema)
 
     def _clean_stale_swap(self) -> None:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
@@ -183,19 +171,17 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         self.saves.save(self.accelerator, self.step, lambda: store.SaveRequest(
-            root=self.saves.root, step=self.step, meta=self._meta(self.accelerator.num_processes),
+            root=self.saves.root, step=self.step,
+            meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world),
             position_state=self.position_state(), unet=self._module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones
             size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             keep_last=self.cfg.checkpoint.keep_last))
 
-    def _to_device(self, batch: dict) -> dict:
-        dev = self.accelerator.device
-        return {k: (v.to(dev, self.dtype) if v.is_floating_point() else v.to(dev)) for k, v in batch.items()}
-
     def forward_backward(self, batch: dict) -> float:
-        batch = self._to_device(batch)
+        dev = self.accelerator.device
+        batch = {k: (v.to(dev, self.dtype) if v.is_floating_point() else v.to(dev)) for k, v in batch.items()}
         p = self.cfg.diffusion.cond_dropout
         draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
                                                self.noise_schedule.config.num_train_timesteps, p)  # type: ignore[attr-defined]
@@ -222,11 +208,8 @@ class Trainer:
             self.ema.update(self._trained_named_parameters())
         self.step += 1
         self.samples_seen += self.micro_batch * self.grad_accum * self.accelerator.num_processes
-        return {"loss/train": sum(losses) / len(losses), "train/lr": self.current_lr(),
+        return {"loss/train": sum(losses) / len(losses), "train/lr": float(self.optimizer.param_groups[0]["lr"]),
                 "train/grad_norm": grad_norm, "train/samples_seen": self.samples_seen, "train/epoch": self.epoch}
-
-    def current_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def full_state_dict(self, use_ema: bool) -> dict:
         """Whole fp32 weights on the CPU; a collective under ZeRO-3, so every rank calls it."""
@@ -250,7 +233,9 @@ class Trainer:
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = faults.step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
-        rungs = trial_rungs(self.cfg.trial, self.accelerator.is_main_process)  # a tune trial's, else None
+        trial, rungs = self.cfg.trial, None
+        if trial is not None and trial.storage:  # a tune trial: its study may stop it at a rung
+            rungs = TrialRungs(trial, self.accelerator.is_main_process)
         try:
             while self.step < max_steps:
                 self.stopped_by = stop.agreed(self.accelerator.device)
