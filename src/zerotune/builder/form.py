@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from zerotune import config_search, schema
-from zerotune.cli.compose import compose_with_choices
+from zerotune.cli.compose import compose, compose_with_choices
 from zerotune.cli.interpolation import check_pure_interpolations
 from zerotune.cli.overrides import override
 from zerotune.platform import Platform
@@ -48,23 +48,17 @@ class Field:
 def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
     groups in the packaged config.yaml's order, which is the order overrides are written in."""
-    choices, cfg = composed([])
+    cfg, choices = compose_with_choices([])
     listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
     return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
         knob_values(cfg)
 
 
-def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
-    """(the option each group got, the config), as `zerotune train` composes them."""
-    cfg, choices = compose_with_choices(overrides)
-    return choices, cfg
-
-
 def as_form(overrides: list[str]) -> dict:
     """The page's form for these overrides (an experiment, an imported file): group choices, field values,
     and the keys without a field as extra overrides."""
-    choices, cfg = composed(overrides)
+    cfg, choices = compose_with_choices(overrides)
     return {"choices": choices, "values": knob_values(cfg), "extra": extra_overrides(cfg, choices)}
 
 
@@ -137,14 +131,14 @@ def option_implies(group: str, option: str) -> dict[str, str]:
 @lru_cache(maxsize=512)
 def composition(overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
     """(group choices, field values) of a composition, cached: the page asks for the same ones again and again."""
-    choices, cfg = composed(list(overrides))
+    cfg, choices = compose_with_choices(list(overrides))
     return choices, knob_values(cfg)
 
 
 def extra_overrides(cfg: DictConfig, choices: dict[str, str]) -> list[str]:
     """The keys `cfg` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
     say), as overrides, so that loading and saving an experiment keeps them."""
-    _, plain = composed([f"{g}={o}" for g, o in choices.items()])
+    plain = compose([f"{g}={o}" for g, o in choices.items()])
     ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
     skip = set(knob_keys())
     # A key the default job lacks (an experiment's reference.*) is added, as Hydra asks: +key=value.

@@ -9,11 +9,10 @@ might be faster than the measured choice is named, not chosen.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_word, swept_keys
+from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_counts, swept_keys
 from zerotune.report.plan_columns import PLAN_TIME_KEY, PREDICTED_FOR
 from zerotune.rundir.status import Status
 
@@ -129,7 +128,7 @@ class _Fits:
 def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> _Fits | str:
     """The jobs that fit, or why none can."""
     ok = [r for r in rows if r["status"] == Status.OK]
-    not_ok = _status_counts([r for r in rows if r["status"] != Status.OK])
+    not_ok = status_counts([r for r in rows if r["status"] != Status.OK])
     not_ok_note = _left_out_note(rows, key, (Status.OK,))
     if not ok:
         return f"No job finished with status ok ({not_ok or 'no jobs'}), so nothing can be recommended."
@@ -243,7 +242,7 @@ def _left_out_note(rows: list[dict], key: str, accepted: tuple[str, ...]) -> str
     offered = {id(r) for r in _predicted_candidates(rows, key)}
     failed = [r for r in rows if r["status"] not in (*accepted, Status.PLANNED)]
     planned = [r for r in rows if r["status"] == Status.PLANNED and id(r) not in offered]
-    note = f" Did not finish ok: {_status_counts(failed)}." if failed else ""
+    note = f" Did not finish ok: {status_counts(failed)}." if failed else ""
     if planned:
         note += f" {len(planned)} planned job(s) (not run) have no predicted {key}."
     return note
@@ -271,8 +270,3 @@ def _pairs(values: dict[str, Any]) -> str:
 def _same(value: Any, wanted: Any) -> bool:
     # 512 from the summary equals "512" typed on a command line.
     return value == wanted or (value is not None and str(value) == str(wanted))
-
-
-def _status_counts(rows: list[dict]) -> str:
-    """`2 oom, 1 failed` (empty for no rows)."""
-    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))

@@ -53,14 +53,6 @@ def plan_figures(recorded: object) -> dict[str, Any]:
     return row
 
 
-def ratio(row: dict, measured_key: str, predicted_key: str) -> float | None:
-    """measured / predicted, None where either is missing (or the prediction is not positive)."""
-    measured, predicted = row.get(measured_key), row.get(predicted_key)
-    if measured is None or predicted is None or predicted <= 0:
-        return None
-    return measured / predicted
-
-
 def not_comparable(row: dict, ratio_key: str) -> bool:
     """Whether both sides of a ratio are there but the prediction does not describe the measurement: the host
     ratio of a plan whose host figure is not a process-RSS prediction. Such a ratio is never printed."""
@@ -70,8 +62,12 @@ def not_comparable(row: dict, ratio_key: str) -> bool:
 
 
 def shown_ratio(row: dict, ratio_key: str, measured_key: str, predicted_key: str) -> float | None:
-    """The ratio a report prints: None where either side is missing or the two do not describe the same thing."""
-    return None if not_comparable(row, ratio_key) else ratio(row, measured_key, predicted_key)
+    """The ratio a report prints, measured / predicted: None where either side is missing (or the prediction is not
+    positive) or the two do not describe the same thing."""
+    measured, predicted = row.get(measured_key), row.get(predicted_key)
+    if measured is None or predicted is None or predicted <= 0 or not_comparable(row, ratio_key):
+        return None
+    return measured / predicted
 
 
 def has_plan(rows: list[dict]) -> bool:

@@ -7,12 +7,11 @@ Markdown; neither is ever written as 0.
 from __future__ import annotations
 
 import csv
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_word
+from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_counts
 from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, not_comparable, shown_ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
@@ -165,8 +164,7 @@ def reference_section(rows: list[dict]) -> str:
 def summary_markdown(rows: list[dict], keys: list[str], sections: list[str]) -> str:
     """The whole summary.md: header, the table, the reference comparison, then `sections` as given."""
     sweeps = ", ".join(f"`{s}`" for s in dict.fromkeys(r["sweep_dir"] for r in rows))
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))
-    parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {counts}.",
+    parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {status_counts(rows)}.",
              f"Configuration columns: {', '.join(keys) or 'none'} (the keys that differ across jobs; for "
              "jobs that all agree, the keys that name the configuration).", "",
              markdown_table(rows, keys), "", NA_NOTE + (" " + PLAN_NOTE if has_plan(rows) else "")]
