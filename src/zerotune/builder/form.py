@@ -19,6 +19,7 @@ from zerotune.cli.compose import compose, compose_with_choices
 from zerotune.cli.interpolation import check_pure_interpolations
 from zerotune.cli.overrides import override
 from zerotune.platform import Platform
+from zerotune.report.collect import numbers_first
 
 # Groups the page leaves out: they name services or output, not what is trained or what it costs.
 HIDDEN_GROUPS = ("logger", "experiment")  # experiments are the page's templates, listed on their own
@@ -65,9 +66,9 @@ def as_form(overrides: list[str]) -> dict:
 def fields(platform: Platform) -> list[Field]:
     groups = [_group_field(g, opts, platform) for g, opts in config_search.current().group_options().items()
               if g not in HIDDEN_GROUPS]
-    knobs = [_knob_field(key, _annotation(key)) for key in _train_keys()]
+    knobs = [_knob_field(key) for key in _train_keys()]
     shown = {f.key for f in groups}  # a typed key of no shown group (launch.*) stands with the train keys
-    typed = [_knob_field(key, _annotation(key), group if group in shown else "")
+    typed = [_knob_field(key, group if group in shown else "")
              for group, keys in TYPED_KEYS.items() for key in keys]
     return [*groups, *typed, *knobs]
 
@@ -173,13 +174,9 @@ def _same(typed: Any, current: Any) -> bool:
 
 def _group_field(group: str, names: list[str], platform: Platform) -> Field:
     search = config_search.current()
-    options = [Option(n, _title(search.option_file(group, n)), _why_not(group, n, platform)) for n in _ordered(names)]
+    options = [Option(n, _title(search.option_file(group, n)), _why_not(group, n, platform))
+               for n in sorted(names, key=numbers_first)]
     return Field(group, "group", group.replace("_", " "), options)
-
-
-def _ordered(names: list[str]) -> list[str]:
-    """Numbers by value (resolution 8 < 16 < 1024), then names."""
-    return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
 def _title(path: Path) -> str:
@@ -198,13 +195,10 @@ def _why_not(group: str, option: str, platform: Platform) -> str | None:
     return None
 
 
-def _annotation(key: str) -> Any:
-    """The schema's type for a dotted key (e.g. Optional[str] for offload.path)."""
-    group, _, leaf = key.partition(".")
-    return typing.get_type_hints(typing.get_type_hints(schema.Config)[group])[leaf]
-
-
-def _knob_field(key: str, annotation: Any, group: str = "") -> Field:
+def _knob_field(key: str, group: str = "") -> Field:
+    # The schema's type for the dotted key (e.g. Optional[str] for offload.path).
+    section, _, leaf = key.partition(".")
+    annotation = typing.get_type_hints(typing.get_type_hints(schema.Config)[section])[leaf]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     optional = type(None) in typing.get_args(annotation)
     base = args[0] if optional and args else annotation

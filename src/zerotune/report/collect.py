@@ -103,7 +103,12 @@ def job_dirs(sweep: Path) -> list[Path]:
     if not sweep.is_dir():
         return []
     found = [p for p in sweep.iterdir() if p.is_dir() and (p.name.isdigit() or is_run_dir(p))]
-    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+    return sorted(found, key=lambda p: numbers_first(p.name))
+
+
+def numbers_first(name: str) -> tuple:
+    """Orders names: numbers by value (job 2 before job 10, resolution 8 before 16), then the others by name."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
 def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S) -> dict:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_counts
+from zerotune.report.collect import PARAM_COUNT_KEYS, numbers_first, sort_key, status_counts
 from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, not_comparable, shown_ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
@@ -95,18 +95,12 @@ def value(row: dict, key: str) -> Any:
 def sort_rows(rows: list[dict], keys: list[str]) -> list[dict]:
     """By the swept keys, then sweep and job number, so equal configurations from two sweeps sit together."""
     def order(row: dict) -> tuple:
-        job = row["job"]
-        return ([sort_key(row["params"].get(k)) for k in keys], row["sweep_dir"],
-                (0, int(job), "") if job.isdigit() else (1, 0, job))
+        return [sort_key(row["params"].get(k)) for k in keys], row["sweep_dir"], numbers_first(row["job"])
     return sorted(rows, key=order)
 
 
-def csv_columns(keys: list[str], rows: list[dict] | None = None) -> list[str]:
-    return ["sweep_dir", "job", *keys, *(key for key, _, _ in metric_columns(rows or []))]
-
-
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> Path:
-    columns = csv_columns(keys, rows)
+    columns = ["sweep_dir", "job", *keys, *(key for key, _, _ in metric_columns(rows))]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)

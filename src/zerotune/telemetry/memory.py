@@ -147,7 +147,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ lifecycle
     def start(self) -> MemorySampler:
         if self._thread is not None:
             raise RuntimeError("MemorySampler already started")
@@ -179,7 +178,6 @@ class MemorySampler:
             except Exception:  # keep sampling; a telemetry bug must not kill the run
                 log.exception("memory sample failed")
 
-    # ------------------------------------------------------------------ sampling
     def sample_now(self) -> dict[str, float | None]:
         """Takes one sample synchronously, updates peaks and returns the sample."""
         with self._sample_lock:
@@ -237,7 +235,6 @@ class MemorySampler:
             peak, self._window, self._window_open = self._window, None, False
         return peak
 
-    # ------------------------------------------------------------------ results
     def peaks(self) -> dict[str, float | None]:
         with self._state_lock:
             return dict(self._peaks)
