@@ -174,10 +174,8 @@ def _from_predictions(rows: list[dict], key: str, budget_mib: float, keys: list[
                       measured_reason: str) -> BudgetAnswer:
     """The answer from the planner's figures, for when the measured ones gave none (`measured_reason`)."""
     found = _predicted_fitting(rows, key, budget_mib, keys)
-    if found is None:  # nothing predicted either: the measured answer stands as it always did
-        return BudgetAnswer(None, scope + measured_reason, key, budget_mib)
-    if isinstance(found, str):
-        return BudgetAnswer(None, scope + measured_reason + " " + found, key, budget_mib)
+    if not isinstance(found, _Fits):  # None: nothing predicted either, the measured answer stands as it always did
+        return BudgetAnswer(None, scope + measured_reason + ("" if found is None else " " + found), key, budget_mib)
     best, ties, reason = _fastest(found, key, budget_mib, keys)
     if best is None:
         return BudgetAnswer(None, scope + measured_reason + " " + reason, key, budget_mib)

@@ -128,9 +128,7 @@ class MemorySampler:
         self.interval_s = interval_s
         self.pid = os.getpid() if pid is None else pid
         self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
-        if cuda_index is None:
-            cuda_index = int(os.environ.get("LOCAL_RANK", "0"))
-        self._nvml = Nvml(cuda_index)
+        self._nvml = Nvml(int(os.environ.get("LOCAL_RANK", "0")) if cuda_index is None else cuda_index)
         self._container_pids = in_child_pid_namespace()
         self._warned_pid_ns = False
 
