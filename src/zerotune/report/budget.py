@@ -121,7 +121,7 @@ class _Fits:
     rows: list[dict]     # candidate jobs whose peak fits the budget
     measured: int        # candidate jobs with a figure for the metric
     notes: str           # what was left out, and why
-    peak: str = ""       # the row key compared with the budget ("" = the metric itself)
+    peak: str            # the row key compared with the budget
     source: _Source = MEASURED
 
 
@@ -151,7 +151,7 @@ def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> 
 def _fastest(found: _Fits, key: str, budget_mib: float, keys: list[str]) -> tuple[dict | None, list, str]:
     """The fastest fitting job; among the equally fast (within TIE_REL) the smaller peak wins: more headroom
     for the same speed. Then the faster, then a stable configuration order."""
-    fits, src, peak = found.rows, found.source, found.peak or key
+    fits, src, peak = found.rows, found.source, found.peak
     time_key = src.time_key
     timed = [r for r in fits if r[time_key] is not None]
     if not timed:

@@ -29,8 +29,8 @@ MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry fo
 # The U-Net's parameters the optimizer trains and those it leaves frozen (an adapter's base).
 PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
 # Row keys: sweep_dir, job, run_dir, status, oom_kind, params, overrides, choices, error, experiment, device,
-# plus every name in MEMORY_KEYS, PERF_KEYS and PARAM_COUNT_KEYS, steps, loss_first, loss_last, wall_time_s, and the prediction's plan_*
-# keys and plan_error (plan_columns.py) -- all None when absent.
+# steps, loss_first, loss_last, wall_time_s, plus every name in MEMORY_KEYS, PERF_KEYS and PARAM_COUNT_KEYS,
+# and the prediction's plan_* keys and plan_error (plan_columns.py) -- all None when absent.
 
 # A report row's status where a job has no readable summary.json: a row's, not a run's (rundir/status.py).
 MISSING, RUNNING = "missing", "running"
