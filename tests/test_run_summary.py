@@ -33,7 +33,7 @@ def test_a_field_never_set_is_absent_and_one_set_to_none_is_null():
     summary.loss_last = None
     summary.error = {"type": "x"}
     assert summary.to_json() == {"status": "failed", "run_dir": "/r", "error": {"type": "x"}, "loss_last": None}
-    assert RunSummary.of(status=Status.OK, experiment=None).to_json() == {"status": "ok", "experiment": None}
+    assert RunSummary.from_json({"status": Status.OK, "experiment": None}).to_json() == {"status": "ok", "experiment": None}
 
 
 def test_an_older_or_partial_summary_reads():

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from zerotune.builder.replies import send_json
+from zerotune.builder.replies import error_body, send_json
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
@@ -85,7 +85,7 @@ class AccessGuard:
         if parsed is not None and self.hosts.allows(parsed[0]):
             return None
         shown = repr((host or "")[:100])
-        return 403, _error("host", f"this server answers requests to this machine only, not to Host {shown}",
+        return 403, error_body("host", f"this server answers requests to this machine only, not to Host {shown}",
                            f"open the address `zerotune builder` printed (http://127.0.0.1:{port}/?token=...); "
                            "to reach it by another name of this machine, start it with --allow-host <name>")
 
@@ -94,10 +94,10 @@ class AccessGuard:
             return None
         origin, site = headers.get("origin"), headers.get("sec-fetch-site")
         if site in ("cross-site", "same-site"):
-            return 403, _error("origin", f"a {site} request cannot change anything here",
+            return 403, error_body("origin", f"a {site} request cannot change anything here",
                                "use the page itself (the address the server printed)")
         if origin is not None and not same_origin(origin, headers.get("host", "")):
-            return 403, _error("origin", f"a request from {origin[:100]!r} cannot change anything here",
+            return 403, error_body("origin", f"a request from {origin[:100]!r} cannot change anything here",
                                "use the page itself (the address the server printed)")
         return None
 
@@ -107,9 +107,9 @@ class AccessGuard:
         given = request_token(scope, headers, port)
         fix = "open the address with ?token=... that `zerotune builder` printed when it started"
         if given is None:
-            return 401, _error("token", "this server needs the token it printed at start", fix)
+            return 401, error_body("token", "this server needs the token it printed at start", fix)
         if not secrets.compare_digest(given.encode(), self.token.encode()):
-            return 403, _error("token", "the token is not this server's (it changes at every start)", fix)
+            return 403, error_body("token", "the token is not this server's (it changes at every start)", fix)
         return None
 
 
@@ -170,8 +170,4 @@ def _is_address(name: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _error(key: str, problem: str, fix: str) -> dict:
-    return {"error": {"key": key, "problem": problem, "fix": fix, "field": None}}
 

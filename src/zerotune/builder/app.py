@@ -17,7 +17,9 @@ from zerotune import config_search
 from zerotune.builder import experiments, fit, form, importing, preview, results
 from zerotune.builder.access import AccessGuard, AllowedHosts, allowed_hosts, cookie_name
 from zerotune.builder.limits import BodyLimit
+from zerotune.builder.replies import error_body
 from zerotune.cli.compose import as_config_error
+from zerotune.cli.experiment_file import experiment_names
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.platform import detect
@@ -66,7 +68,7 @@ def api_cheapest(req: FitRequest):
 
 @api.get("/experiments")
 def api_experiments():
-    return {"names": experiments.names()}
+    return {"names": experiment_names()}
 
 
 @api.get("/experiment")
@@ -118,7 +120,7 @@ def create_app(*, token: str | None, hosts: AllowedHosts | None = None):
         search = config_search.current()  # looked for at each load: a folder made since counts
         response = templates.TemplateResponse(request, "index.html", {
             "fields": form.fields(platform), "choices": choices, "values": values, "platform": platform,
-            "gpus": list(gpus.CATALOG.values()), "experiments": experiments.names(), "token": token,
+            "gpus": list(gpus.CATALOG.values()), "experiments": experiment_names(), "token": token,
             "user_folder": search.user, "experiments_folder": search.experiments_folder()})
         if token is not None and request.query_params.get("token"):  # checked by AccessGuard already
             # The plots' <img> requests cannot send a header: the cookie carries the token for them.
@@ -138,8 +140,8 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(experiments.ExperimentExists)
     def exists(_: Request, exc: experiments.ExperimentExists):
-        return JSONResponse({"error": {"key": "name", "problem": str(exc), "fix": "confirm, or choose another name",
-                                       "field": "name"}, "exists": True}, status_code=409)
+        return JSONResponse({**error_body("name", str(exc), "confirm, or choose another name", field="name"),
+                             "exists": True}, status_code=409)
 
     @app.exception_handler(OmegaConfBaseException)
     def unresolved(request: Request, exc: OmegaConfBaseException):  # an interpolation read after composing
@@ -148,6 +150,5 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     def unexpected(_: Request, exc: Exception):
         log.exception("builder request failed")
-        return JSONResponse({"error": {"key": "server", "problem": f"{type(exc).__name__}: {exc}",
-                                       "fix": "the server's log has the traceback; the page keeps working",
-                                       "field": None}}, status_code=500)
+        return JSONResponse(error_body("server", f"{type(exc).__name__}: {exc}",
+                                       "the server's log has the traceback; the page keeps working"), status_code=500)

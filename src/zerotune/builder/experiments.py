@@ -9,6 +9,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune.builder import form, preview
+from zerotune.cli.compose import compose
 from zerotune.cli.experiment_file import (
     experiment_file,
     experiment_names,
@@ -25,14 +26,10 @@ class ExperimentExists(FileExistsError):
     """Saving over an existing experiment needs the user's confirmation."""
 
 
-def names() -> list[str]:
-    return experiment_names()
-
-
 def load(name: str) -> dict:
     """The form that gives experiment `name`: its group choices, the form's keys, and the rest as extra."""
     if experiment_file(name) is None:
-        raise ConfigError("name", f"no experiment {name!r}", f"one of: {', '.join(names()) or '(none saved yet)'}")
+        raise ConfigError("name", f"no experiment {name!r}", f"one of: {', '.join(experiment_names()) or '(none saved yet)'}")
     return {"name": name, **form.as_form([f"experiment={name}"])}
 
 
@@ -57,8 +54,8 @@ def save(name: str, choices: dict[str, str], values: dict[str, Any], extra: list
 
 def _check_round_trip(name: str, overrides: list[str]) -> None:
     """The saved file must compose to the config the form composes; a file that does not is not kept."""
-    from_file = OmegaConf.to_container(form.composed([f"experiment={name}"])[1], resolve=False)
-    from_form = OmegaConf.to_container(form.composed(overrides)[1], resolve=False)
+    from_file = OmegaConf.to_container(compose([f"experiment={name}"]), resolve=False)
+    from_form = OmegaConf.to_container(compose(overrides), resolve=False)
     differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "

@@ -26,7 +26,10 @@ CATEGORIES = {
 
 def card(name: str | None, mib: Any) -> gpus.GPU | None:
     """The card picked on the page: a catalog name, or typed MiB (with no throughput figures)."""
-    memory = None if mib in (None, "") else _int(mib)
+    try:
+        memory = None if mib in (None, "") else int(str(mib).strip())
+    except ValueError:
+        memory = mib  # gpus.lookup names the key and the fix
     return gpus.lookup(name or None, memory, key="gpu")
 
 
@@ -78,10 +81,3 @@ def bar(terms: list[Term]) -> list[dict]:
         segments[name]["mib"] += term.mib or 0.0
         segments[name]["terms"].append(term.term)
     return list(segments.values())
-
-
-def _int(value: Any) -> int | Any:
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        return value  # gpus.lookup names the key and the fix

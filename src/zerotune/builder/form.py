@@ -15,10 +15,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from zerotune import config_search, schema
-from zerotune.cli.compose import compose_with_choices
+from zerotune.cli.compose import compose, compose_with_choices
 from zerotune.cli.interpolation import check_pure_interpolations
 from zerotune.cli.overrides import override
 from zerotune.platform import Platform
+from zerotune.report.collect import numbers_first
 
 # Groups the page leaves out: they name services or output, not what is trained or what it costs.
 HIDDEN_GROUPS = ("logger", "experiment")  # experiments are the page's templates, listed on their own
@@ -48,32 +49,26 @@ class Field:
 def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
     groups in the packaged config.yaml's order, which is the order overrides are written in."""
-    choices, cfg = composed([])
+    cfg, choices = compose_with_choices([])
     listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
     return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
         knob_values(cfg)
 
 
-def composed(overrides: list[str]) -> tuple[dict[str, str], Any]:
-    """(the option each group got, the config), as `zerotune train` composes them."""
-    cfg, choices = compose_with_choices(overrides)
-    return choices, cfg
-
-
 def as_form(overrides: list[str]) -> dict:
     """The page's form for these overrides (an experiment, an imported file): group choices, field values,
     and the keys without a field as extra overrides."""
-    choices, cfg = composed(overrides)
+    cfg, choices = compose_with_choices(overrides)
     return {"choices": choices, "values": knob_values(cfg), "extra": extra_overrides(cfg, choices)}
 
 
 def fields(platform: Platform) -> list[Field]:
     groups = [_group_field(g, opts, platform) for g, opts in config_search.current().group_options().items()
               if g not in HIDDEN_GROUPS]
-    knobs = [_knob_field(key, _annotation(key)) for key in _train_keys()]
+    knobs = [_knob_field(key) for key in _train_keys()]
     shown = {f.key for f in groups}  # a typed key of no shown group (launch.*) stands with the train keys
-    typed = [_knob_field(key, _annotation(key), group if group in shown else "")
+    typed = [_knob_field(key, group if group in shown else "")
              for group, keys in TYPED_KEYS.items() for key in keys]
     return [*groups, *typed, *knobs]
 
@@ -137,14 +132,14 @@ def option_implies(group: str, option: str) -> dict[str, str]:
 @lru_cache(maxsize=512)
 def composition(overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
     """(group choices, field values) of a composition, cached: the page asks for the same ones again and again."""
-    choices, cfg = composed(list(overrides))
+    cfg, choices = compose_with_choices(list(overrides))
     return choices, knob_values(cfg)
 
 
 def extra_overrides(cfg: DictConfig, choices: dict[str, str]) -> list[str]:
     """The keys `cfg` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
     say), as overrides, so that loading and saving an experiment keeps them."""
-    _, plain = composed([f"{g}={o}" for g, o in choices.items()])
+    plain = compose([f"{g}={o}" for g, o in choices.items()])
     ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
     skip = set(knob_keys())
     # A key the default job lacks (an experiment's reference.*) is added, as Hydra asks: +key=value.
@@ -179,13 +174,9 @@ def _same(typed: Any, current: Any) -> bool:
 
 def _group_field(group: str, names: list[str], platform: Platform) -> Field:
     search = config_search.current()
-    options = [Option(n, _title(search.option_file(group, n)), _why_not(group, n, platform)) for n in _ordered(names)]
+    options = [Option(n, _title(search.option_file(group, n)), _why_not(group, n, platform))
+               for n in sorted(names, key=numbers_first)]
     return Field(group, "group", group.replace("_", " "), options)
-
-
-def _ordered(names: list[str]) -> list[str]:
-    """Numbers by value (resolution 8 < 16 < 1024), then names."""
-    return sorted(names, key=lambda n: (0, int(n), "") if n.isdigit() else (1, 0, n))
 
 
 def _title(path: Path) -> str:
@@ -204,13 +195,10 @@ def _why_not(group: str, option: str, platform: Platform) -> str | None:
     return None
 
 
-def _annotation(key: str) -> Any:
-    """The schema's type for a dotted key (e.g. Optional[str] for offload.path)."""
-    group, _, leaf = key.partition(".")
-    return typing.get_type_hints(typing.get_type_hints(schema.Config)[group])[leaf]
-
-
-def _knob_field(key: str, annotation: Any, group: str = "") -> Field:
+def _knob_field(key: str, group: str = "") -> Field:
+    # The schema's type for the dotted key (e.g. Optional[str] for offload.path).
+    section, _, leaf = key.partition(".")
+    annotation = typing.get_type_hints(typing.get_type_hints(schema.Config)[section])[leaf]
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     optional = type(None) in typing.get_args(annotation)
     base = args[0] if optional and args else annotation

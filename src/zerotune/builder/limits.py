@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zerotune.builder.replies import send_json
+from zerotune.builder.replies import error_body, send_json
 
 MAX_BODY = 1 << 20
 
@@ -44,6 +44,5 @@ class BodyLimit:
 
 
 async def _too_large(send, limit: int) -> None:
-    await send_json(send, 413, {"error": {
-        "key": "request", "problem": f"the request is over {limit // (1 << 20)} MiB",
-        "fix": "paste a smaller file (a DeepSpeed JSON is a few KiB)", "field": None}})
+    await send_json(send, 413, error_body("request", f"the request is over {limit // (1 << 20)} MiB",
+                                          "paste a smaller file (a DeepSpeed JSON is a few KiB)"))

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from zerotune import config_search
 from zerotune.builder import form
+from zerotune.cli.compose import compose_with_choices
 from zerotune.errors import ConfigError
 from zerotune.preflight import preflight
 from zerotune.user_config.precedence import DS_KEY_SOURCES
@@ -30,7 +31,7 @@ def preview(choices: dict[str, str], values: dict[str, Any], extra: list[str] = 
         return {"overrides": [], "command": None, "errors": [error_entry(exc)]}
     answer: dict[str, Any] = {"overrides": overrides, "command": command_line(overrides), "errors": []}
     try:
-        answer["choices"], cfg = form.composed(overrides)
+        cfg, answer["choices"] = compose_with_choices(overrides)
         answer["composed"] = OmegaConf.to_yaml(cfg)
         answer["values"] = form.knob_values(cfg)
         answer["ds_config"] = preflight(cfg, overrides=overrides).ds_config

@@ -141,7 +141,7 @@ def _workers_summary(cfg: Config, run_dir: RunDir, base: RunSummary, result: Lau
                      "node": node_identity()["node"],
                      "note": "the job's summary.json is written by node 0", "env": environment_info()})
         return base
-    workers = run_dir.read_summary()
+    workers = RunSummary.read(run_dir.path)
     if workers is None:
         base.env = environment_info()
     return workers or base

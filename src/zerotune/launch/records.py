@@ -25,11 +25,11 @@ from zerotune.telemetry.host import HostExit, near_limit
 
 def base_summary(cfg: Config, spec: JobSpec) -> RunSummary:
     """What the job's summary says before (or without) the workers' own."""
-    return RunSummary.of(status=Status.FAILED, choices=key_choices(cfg, launch_world_size(cfg.launch)),
-                         run_dir=spec.run_dir, experiment=experiment_info(cfg),
-                         previous_attempts=RunDir(spec.run_dir).previous_attempts(),
-                         checkpoint_dir=str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir))),
-                         slurm=slurm_record(os.environ))
+    return RunSummary.from_json({"status": Status.FAILED, "choices": key_choices(cfg, launch_world_size(cfg.launch)),
+                                 "run_dir": spec.run_dir, "experiment": experiment_info(cfg),
+                                 "previous_attempts": RunDir(spec.run_dir).previous_attempts(),
+                                 "checkpoint_dir": str(checkpoints.checkpoint_root(cfg.checkpoint.dir, Path(spec.run_dir))),
+                                 "slurm": slurm_record(os.environ)})
 
 
 @contextmanager

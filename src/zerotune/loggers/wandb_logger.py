@@ -9,13 +9,13 @@ from typing import Any
 from zerotune.loggers.base import RunLogger
 
 
-def flatten(d: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a/b": 1}."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        key = f"{prefix}/{k}" if prefix else str(k)
         if isinstance(v, Mapping):
-            out.update(flatten(v, sep, key))
+            out.update(flatten(v, key))
         else:
             out[key] = v
     return out

@@ -9,11 +9,10 @@ might be faster than the measured choice is named, not chosen.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_word, swept_keys
+from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_counts, swept_keys
 from zerotune.report.plan_columns import PLAN_TIME_KEY, PREDICTED_FOR
 from zerotune.rundir.status import Status
 
@@ -122,14 +121,14 @@ class _Fits:
     rows: list[dict]     # candidate jobs whose peak fits the budget
     measured: int        # candidate jobs with a figure for the metric
     notes: str           # what was left out, and why
-    peak: str = ""       # the row key compared with the budget ("" = the metric itself)
+    peak: str            # the row key compared with the budget
     source: _Source = MEASURED
 
 
 def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> _Fits | str:
     """The jobs that fit, or why none can."""
     ok = [r for r in rows if r["status"] == Status.OK]
-    not_ok = _status_counts([r for r in rows if r["status"] != Status.OK])
+    not_ok = status_counts([r for r in rows if r["status"] != Status.OK])
     not_ok_note = _left_out_note(rows, key, (Status.OK,))
     if not ok:
         return f"No job finished with status ok ({not_ok or 'no jobs'}), so nothing can be recommended."
@@ -152,7 +151,7 @@ def _fitting(rows: list[dict], key: str, budget_mib: float, keys: list[str]) -> 
 def _fastest(found: _Fits, key: str, budget_mib: float, keys: list[str]) -> tuple[dict | None, list, str]:
     """The fastest fitting job; among the equally fast (within TIE_REL) the smaller peak wins: more headroom
     for the same speed. Then the faster, then a stable configuration order."""
-    fits, src, peak = found.rows, found.source, found.peak or key
+    fits, src, peak = found.rows, found.source, found.peak
     time_key = src.time_key
     timed = [r for r in fits if r[time_key] is not None]
     if not timed:
@@ -175,10 +174,8 @@ def _from_predictions(rows: list[dict], key: str, budget_mib: float, keys: list[
                       measured_reason: str) -> BudgetAnswer:
     """The answer from the planner's figures, for when the measured ones gave none (`measured_reason`)."""
     found = _predicted_fitting(rows, key, budget_mib, keys)
-    if found is None:  # nothing predicted either: the measured answer stands as it always did
-        return BudgetAnswer(None, scope + measured_reason, key, budget_mib)
-    if isinstance(found, str):
-        return BudgetAnswer(None, scope + measured_reason + " " + found, key, budget_mib)
+    if not isinstance(found, _Fits):  # None: nothing predicted either, the measured answer stands as it always did
+        return BudgetAnswer(None, scope + measured_reason + ("" if found is None else " " + found), key, budget_mib)
     best, ties, reason = _fastest(found, key, budget_mib, keys)
     if best is None:
         return BudgetAnswer(None, scope + measured_reason + " " + reason, key, budget_mib)
@@ -243,7 +240,7 @@ def _left_out_note(rows: list[dict], key: str, accepted: tuple[str, ...]) -> str
     offered = {id(r) for r in _predicted_candidates(rows, key)}
     failed = [r for r in rows if r["status"] not in (*accepted, Status.PLANNED)]
     planned = [r for r in rows if r["status"] == Status.PLANNED and id(r) not in offered]
-    note = f" Did not finish ok: {_status_counts(failed)}." if failed else ""
+    note = f" Did not finish ok: {status_counts(failed)}." if failed else ""
     if planned:
         note += f" {len(planned)} planned job(s) (not run) have no predicted {key}."
     return note
@@ -271,8 +268,3 @@ def _pairs(values: dict[str, Any]) -> str:
 def _same(value: Any, wanted: Any) -> bool:
     # 512 from the summary equals "512" typed on a command line.
     return value == wanted or (value is not None and str(value) == str(wanted))
-
-
-def _status_counts(rows: list[dict]) -> str:
-    """`2 oom, 1 failed` (empty for no rows)."""
-    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))

@@ -20,7 +20,6 @@ MD_NAME = "summary.md"
 class Report:
     rows: list[dict]
     keys: list[str]          # the swept keys: the table's configuration columns
-    out_dir: Path
     csv_path: Path
     md_path: Path
     plots: list[Plot]
@@ -44,7 +43,7 @@ def build_report(dirs: Sequence[str | Path], out: str | Path | None = None, budg
     csv_path = write_csv(rows, keys, out_dir / CSV_NAME)
     md_path = out_dir / MD_NAME
     md_path.write_text(summary_markdown(rows, keys, [budget_section(budget), plots_section(plots)]))
-    return Report(rows, keys, out_dir, csv_path, md_path, plots, markdown_table(rows, keys), budget)
+    return Report(rows, keys, csv_path, md_path, plots, markdown_table(rows, keys), budget)
 
 
 def budget_section(budget: BudgetAnswer | None) -> str:

@@ -7,6 +7,7 @@ None means "unmeasured", never 0, and every consumer of these rows keeps that di
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,11 @@ MEMORY_KEYS = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocate
                "gpu_peak_reserved_mib", "host_peak_rss_mib", "nvme_peak_mib")
 PERF_KEYS = ("step_time_median_s", "step_time_p90_s", "samples_per_s", "startup_s")
 MAX_RANK_KEY = "gpu_peak_process_mib_max_rank"  # summary.json's memory entry for multi-process jobs
-TOP_KEYS = ("steps", "loss_first", "loss_last", "wall_time_s")
 # The U-Net's parameters the optimizer trains and those it leaves frozen (an adapter's base).
 PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
 # Row keys: sweep_dir, job, run_dir, status, oom_kind, params, overrides, choices, error, experiment, device,
-# plus every name in MEMORY_KEYS, PERF_KEYS, TOP_KEYS and PARAM_COUNT_KEYS, and the prediction's plan_*
-# keys and plan_error (plan_columns.py) -- all None when absent.
+# steps, loss_first, loss_last, wall_time_s, plus every name in MEMORY_KEYS, PERF_KEYS and PARAM_COUNT_KEYS,
+# and the prediction's plan_* keys and plan_error (plan_columns.py) -- all None when absent.
 
 # A report row's status where a job has no readable summary.json: a row's, not a run's (rundir/status.py).
 MISSING, RUNNING = "missing", "running"
@@ -60,7 +60,6 @@ class NoRunsError(ValueError):
     """A directory given to the report holds no run directory."""
 
     def __init__(self, path: Path):
-        self.path = path
         super().__init__(f"{path} holds no runs (no job folder with summary.json or .hydra/)")
 
 
@@ -104,7 +103,12 @@ def job_dirs(sweep: Path) -> list[Path]:
     if not sweep.is_dir():
         return []
     found = [p for p in sweep.iterdir() if p.is_dir() and (p.name.isdigit() or is_run_dir(p))]
-    return sorted(found, key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
+    return sorted(found, key=lambda p: numbers_first(p.name))
+
+
+def numbers_first(name: str) -> tuple:
+    """Orders names: numbers by value (job 2 before job 10, resolution 8 before 16), then the others by name."""
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
 
 
 def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S) -> dict:
@@ -133,7 +137,7 @@ def read_job(sweep: Path, job: Path, running_window_s: float = RUNNING_WINDOW_S)
     row["gpu_peak_process_mib"] = max(busiest) if busiest else None
     row.update({k: perf.get(k) for k in PERF_KEYS})
     row.update({"steps": summary.steps, "loss_first": summary.loss_first, "loss_last": summary.loss_last,
-                "wall_time_s": summary.wall_time_s})  # TOP_KEYS
+                "wall_time_s": summary.wall_time_s})
     row.update(_param_counts(summary, row["choices"]))
     row.update(plan_figures(summary.plan))
     row[PLAN_ERROR] = short_error(row[PLAN_ERROR])
@@ -155,6 +159,11 @@ def status_word(row: dict) -> str:
     """The status as counts name it: `oom (host)` where the host's memory ran out."""
     return f"{Status.OOM} ({row['oom_kind']})" if row["status"] == Status.OOM and row.get("oom_kind") == "host" \
         else row["status"]
+
+
+def status_counts(rows: list[dict]) -> str:
+    """`2 oom, 1 failed` (empty for no rows)."""
+    return ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))
 
 
 def _choices(summary: RunSummary) -> JsonDict:
@@ -186,16 +195,14 @@ def read_overrides(job: Path) -> dict[str, Any]:
         parsed = OverridesParser.create().parse_overrides([str(i) for i in items]) if isinstance(items, list) else []
     except (OSError, yaml.YAMLError, OverrideParseException):
         return {}
-    return {o.key_or_group: _typed(o.value()) for o in parsed if not o.is_delete()}
+    return {o.key_or_group: parse_value(o.value()) for o in parsed if not o.is_delete()}
 
 
-def _typed(value: Any) -> Any:
-    """Hydra keeps a quoted value a string (zerotune writes zero_stage='2'); a report compares numbers."""
-    return parse_value(value) if isinstance(value, str) else value
-
-
-def parse_value(text: str) -> Any:
-    """A value as a number, bool or null where it reads as one (`--where resolution=1024`)."""
+def parse_value(text: Any) -> Any:
+    """A value as a number, bool or null where it reads as one (`--where resolution=1024`). Hydra keeps a quoted
+    override a string (zerotune writes zero_stage='2'); a report compares numbers. Not a string: as it is."""
+    if not isinstance(text, str):
+        return text
     text = text.strip()
     lowered = text.lower()
     if lowered in ("true", "false"):

@@ -16,7 +16,6 @@ from zerotune.rundir.plan import Plan
 # Row key -> field of summary.json's `plan` (rundir.plan.Plan).
 PLAN_FIELDS = {"plan_gpu_peak_mib": "gpu_peak_mib", "plan_host_peak_mib": "host_peak_mib",
                "plan_nvme_mib": "nvme_mib", "plan_time_floor_s": "time_floor_s"}
-PLAN_KEYS = tuple(PLAN_FIELDS)
 PLAN_ERROR = "plan_error"
 # Measured memory key -> the predicted figure for the same quantity (what the budget falls back to).
 PREDICTED_FOR = {"gpu_peak_process_mib": "plan_gpu_peak_mib", "host_peak_rss_mib": "plan_host_peak_mib",
@@ -35,9 +34,9 @@ RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu
 
 
 def plan_figures(recorded: object) -> dict[str, Any]:
-    """{row key: value} for PLAN_KEYS and PLAN_ERROR from a summary's plan (any of them None when absent)."""
+    """{row key: value} for PLAN_FIELDS' keys and PLAN_ERROR from a summary's plan (any of them None when absent)."""
     plan = Plan.from_dict(recorded)
-    row: dict[str, Any] = dict.fromkeys(PLAN_KEYS)
+    row: dict[str, Any] = dict.fromkeys(PLAN_FIELDS)
     row[PLAN_ERROR] = row[PLAN_HOST_KIND] = None
     if plan is None:
         return row
@@ -53,14 +52,6 @@ def plan_figures(recorded: object) -> dict[str, Any]:
     return row
 
 
-def ratio(row: dict, measured_key: str, predicted_key: str) -> float | None:
-    """measured / predicted, None where either is missing (or the prediction is not positive)."""
-    measured, predicted = row.get(measured_key), row.get(predicted_key)
-    if measured is None or predicted is None or predicted <= 0:
-        return None
-    return measured / predicted
-
-
 def not_comparable(row: dict, ratio_key: str) -> bool:
     """Whether both sides of a ratio are there but the prediction does not describe the measurement: the host
     ratio of a plan whose host figure is not a process-RSS prediction. Such a ratio is never printed."""
@@ -70,13 +61,17 @@ def not_comparable(row: dict, ratio_key: str) -> bool:
 
 
 def shown_ratio(row: dict, ratio_key: str, measured_key: str, predicted_key: str) -> float | None:
-    """The ratio a report prints: None where either side is missing or the two do not describe the same thing."""
-    return None if not_comparable(row, ratio_key) else ratio(row, measured_key, predicted_key)
+    """The ratio a report prints, measured / predicted: None where either side is missing (or the prediction is not
+    positive) or the two do not describe the same thing."""
+    measured, predicted = row.get(measured_key), row.get(predicted_key)
+    if measured is None or predicted is None or predicted <= 0 or not_comparable(row, ratio_key):
+        return None
+    return measured / predicted
 
 
 def has_plan(rows: list[dict]) -> bool:
     """Whether any row carries a plan (figures or a planner error): else the plan columns are left out."""
-    return any(row.get(k) is not None for row in rows for k in (*PLAN_KEYS, PLAN_ERROR))
+    return any(row.get(k) is not None for row in rows for k in (*PLAN_FIELDS, PLAN_ERROR))
 
 
 def _number(value: Any) -> float | None:

@@ -7,12 +7,11 @@ Markdown; neither is ever written as 0.
 from __future__ import annotations
 
 import csv
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import PARAM_COUNT_KEYS, sort_key, status_word
+from zerotune.report.collect import PARAM_COUNT_KEYS, numbers_first, sort_key, status_counts
 from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, not_comparable, shown_ratio
 
 Column = tuple[str, str, Callable[[Any], str]]
@@ -96,18 +95,12 @@ def value(row: dict, key: str) -> Any:
 def sort_rows(rows: list[dict], keys: list[str]) -> list[dict]:
     """By the swept keys, then sweep and job number, so equal configurations from two sweeps sit together."""
     def order(row: dict) -> tuple:
-        job = row["job"]
-        return ([sort_key(row["params"].get(k)) for k in keys], row["sweep_dir"],
-                (0, int(job), "") if job.isdigit() else (1, 0, job))
+        return [sort_key(row["params"].get(k)) for k in keys], row["sweep_dir"], numbers_first(row["job"])
     return sorted(rows, key=order)
 
 
-def csv_columns(keys: list[str], rows: list[dict] | None = None) -> list[str]:
-    return ["sweep_dir", "job", *keys, *(key for key, _, _ in metric_columns(rows or []))]
-
-
 def write_csv(rows: list[dict], keys: list[str], path: Path) -> Path:
-    columns = csv_columns(keys, rows)
+    columns = ["sweep_dir", "job", *keys, *(key for key, _, _ in metric_columns(rows))]
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -165,8 +158,7 @@ def reference_section(rows: list[dict]) -> str:
 def summary_markdown(rows: list[dict], keys: list[str], sections: list[str]) -> str:
     """The whole summary.md: header, the table, the reference comparison, then `sections` as given."""
     sweeps = ", ".join(f"`{s}`" for s in dict.fromkeys(r["sweep_dir"] for r in rows))
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(Counter(status_word(r) for r in rows).items()))
-    parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {counts}.",
+    parts = ["# zerotune sweep report", "", f"Sweeps: {sweeps}. {len(rows)} job(s): {status_counts(rows)}.",
              f"Configuration columns: {', '.join(keys) or 'none'} (the keys that differ across jobs; for "
              "jobs that all agree, the keys that name the configuration).", "",
              markdown_table(rows, keys), "", NA_NOTE + (" " + PLAN_NOTE if has_plan(rows) else "")]

@@ -13,7 +13,7 @@ from zerotune.files import jsonable, write_json_atomic, write_text_atomic
 from zerotune.rundir.run_summary import SUMMARY, RunSummary
 from zerotune.schema import Config
 
-__all__ = ["RunDir", "write_json_atomic", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
+__all__ = ["RunDir", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
 
 CONFIG = "config.yaml"
 DS_CONFIG = "ds_config.json"
@@ -80,9 +80,6 @@ class RunDir:
     def write_summary(self, summary: RunSummary) -> None:
         if self.is_writer:
             summary.write(self.path)
-
-    def read_summary(self) -> RunSummary | None:
-        return RunSummary.read(self.path)
 
     def close(self) -> None:
         if self._metrics is not None:

@@ -83,13 +83,6 @@ class RunSummary:
     def keys(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name not in cls._NOT_KEYS]
 
-    @classmethod
-    def of(cls, **values: Any) -> RunSummary:
-        """A summary of these keys: one given as None is written as null."""
-        summary = cls()
-        summary.update(values)
-        return summary
-
     def update(self, values: JsonDict) -> None:
         """Set each key (a known one as its field, any other kept in `extra`)."""
         known = set(self.keys())
@@ -114,7 +107,8 @@ class RunSummary:
 
     @classmethod
     def from_json(cls, data: JsonDict) -> RunSummary:
-        """An older summary reads too: a key it lacks is None, a key this version does not know is kept."""
+        """A summary of these keys: one given as None is written as null. An older summary reads too: a key it lacks
+        is None, a key this version does not know is kept."""
         summary = cls()
         summary.update(data)
         return summary

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from zerotune.rundir import write_json_atomic
+from zerotune.files import write_json_atomic
 from zerotune.rundir.run_summary import JsonDict, RunSummary
-from zerotune.schema import Adapter, Config
+from zerotune.schema import Config
 
 log = logging.getLogger("zerotune")
 
@@ -18,20 +18,16 @@ RANKS = "ranks"  # <run dir>/ranks/rank<k>.json: each rank's own figures
 
 
 def key_choices(cfg: Config, world_size: int) -> JsonDict:
-    """The few choices that identify a configuration in reports and dashboards."""
+    """The few choices that identify a configuration in reports and dashboards; the adapter as none, or its name
+    and rank (lora-r16): what changes its size."""
+    adapter = cfg.adapter
+    adapter_choice = "none" if adapter is None or adapter.name == "none" else f"{adapter.name}-r{adapter.rank}"
     return {"zero_stage": cfg.zero_stage.stage, "offload": cfg.offload.device,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
             "resolution": cfg.resolution.size, "batch_size": cfg.train.batch_size,
             "grad_accum": cfg.train.grad_accum, "precision": cfg.precision.name, "model": cfg.model.name,
             "data": cfg.data.name, "gradient_checkpointing": cfg.train.gradient_checkpointing,
-            "world_size": world_size, "adapter": _adapter_choice(cfg.adapter)}
-
-
-def _adapter_choice(adapter: Adapter | None) -> str:
-    """none, or the adapter and its rank (lora-r16): what changes its size."""
-    if adapter is None or adapter.name == "none":
-        return "none"
-    return f"{adapter.name}-r{adapter.rank}"
+            "world_size": world_size, "adapter": adapter_choice}
 
 
 def experiment_info(cfg: Config) -> JsonDict | None:

@@ -165,10 +165,6 @@ def kernel_log_killed(pid: int) -> bool | None:
     return found
 
 
-def margin_mib(limit_mib: float) -> float:
-    return max(MARGIN_MIB, MARGIN_FRACTION * limit_mib)
-
-
 @dataclass(frozen=True)
 class HostSample:
     t: float                 # time.monotonic()
@@ -187,7 +183,7 @@ def near_limit(samples: list[HostSample], budget_mib: float | None = None) -> di
         gaps = [(sample.memory.headroom_mib, "host memory available"),
                 (limit - sample.tree_rss_mib, f"the workers' RSS ({sample.tree_rss_mib:,.0f} MiB) against {against}")]
         gap, what = min(gaps)
-        if gap <= margin_mib(limit) and (closest_gap is None or gap < closest_gap):
+        if gap <= max(MARGIN_MIB, MARGIN_FRACTION * limit) and (closest_gap is None or gap < closest_gap):
             closest, closest_gap, why = sample, gap, what
     if closest is None:
         return None

@@ -127,20 +127,15 @@ class MemorySampler:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.interval_s = interval_s
         self.pid = os.getpid() if pid is None else pid
-        # False: only the descendants count (a launcher measuring its workers, not itself).
-        self.include_root = include_root
         self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
-        self.exclude_names = tuple(exclude_names)
-        if cuda_index is None:
-            cuda_index = int(os.environ.get("LOCAL_RANK", "0"))
-        self._nvml = Nvml(cuda_index)
+        self._nvml = Nvml(int(os.environ.get("LOCAL_RANK", "0")) if cuda_index is None else cuda_index)
         self._container_pids = in_child_pid_namespace()
         self._warned_pid_ns = False
 
-        self._tree = ProcessTree(self.pid, include_root, self.exclude_names)
+        # include_root False: only the descendants count (a launcher measuring its workers, not itself).
+        self._tree = ProcessTree(self.pid, include_root, exclude_names)
         self._sample_lock = threading.Lock()  # serialises sampling (thread vs. sample_now)
-        self._state_lock = threading.Lock()  # guards _current/_peaks/_stats
-        self._current: dict[str, float | None] = dict.fromkeys(KEYS)
+        self._state_lock = threading.Lock()  # guards _peaks/_window/_stats
         self._peaks: dict[str, float | None] = dict.fromkeys(KEYS)
         self._window: float | None = None  # host RSS peak since begin_window(); None: no window open
         self._window_open = False
@@ -150,7 +145,6 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ lifecycle
     def start(self) -> MemorySampler:
         if self._thread is not None:
             raise RuntimeError("MemorySampler already started")
@@ -182,7 +176,6 @@ class MemorySampler:
             except Exception:  # keep sampling; a telemetry bug must not kill the run
                 log.exception("memory sample failed")
 
-    # ------------------------------------------------------------------ sampling
     def sample_now(self) -> dict[str, float | None]:
         """Takes one sample synchronously, updates peaks and returns the sample."""
         with self._sample_lock:
@@ -198,7 +191,6 @@ class MemorySampler:
                 sample["gpu_peak_process_mib"], sample["gpu_peak_device_mib"] = self._gpu_mib(pids)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         with self._state_lock:
-            self._current = sample
             self._peaks = {k: _max(self._peaks[k], v) for k, v in sample.items()}
             if self._window_open:
                 self._window = _max(self._window, sample["host_peak_rss_mib"])
@@ -241,7 +233,6 @@ class MemorySampler:
             peak, self._window, self._window_open = self._window, None, False
         return peak
 
-    # ------------------------------------------------------------------ results
     def peaks(self) -> dict[str, float | None]:
         with self._state_lock:
             return dict(self._peaks)

@@ -36,21 +36,14 @@ class Nvml:
             pynvml.nvmlInit()
             if pynvml.nvmlDeviceGetCount() == 0:
                 return
-            self.handle = self._resolve(pynvml, cuda_index, visible)
+            # NVML numbers devices physically and ignores CUDA_VISIBLE_DEVICES, so map the CUDA ordinal through it.
+            entry = visible.split(",")[cuda_index].strip() if visible else str(cuda_index)
+            self.handle = (pynvml.nvmlDeviceGetHandleByIndex(int(entry)) if entry.isdigit()
+                           else pynvml.nvmlDeviceGetHandleByUUID(entry))  # GPU-... or MIG-...
             self.pynvml = pynvml
             self.ok = True
         except Exception as e:  # no library, no driver, no such device: all mean "not measured"
             log.debug("NVML unavailable: %s", e)
-
-    @staticmethod
-    def _resolve(pynvml: Any, cuda_index: int, visible: str | None) -> Any:
-        # NVML numbers devices physically and ignores CUDA_VISIBLE_DEVICES, so map the CUDA ordinal through it.
-        if visible:
-            entry = visible.split(",")[cuda_index].strip()
-            if entry.isdigit():
-                return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
-            return pynvml.nvmlDeviceGetHandleByUUID(entry)  # GPU-... or MIG-...
-        return pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
 
     def device_used_bytes(self) -> int:
         p = self.pynvml

@@ -32,9 +32,11 @@ class PhaseTimeline:
             return
         record, self._open = self._open, None
         record["end"] = time.time()
-        record.update(_cuda_peaks())
-        host = self.sampler.end_window() if self.sampler is not None else None
-        record["host_peak_rss_mib"] = host
+        torch = _torch_cuda()
+        measured = torch is not None and torch.cuda.is_initialized()
+        record["gpu_max_reserved_mib"] = torch.cuda.max_memory_reserved() / MIB if measured else None
+        record["gpu_max_allocated_mib"] = torch.cuda.max_memory_allocated() / MIB if measured else None
+        record["host_peak_rss_mib"] = self.sampler.end_window() if self.sampler is not None else None
         self.records.append(record)
 
     def gpu_peaks(self) -> dict[str, float | None]:
@@ -44,11 +46,3 @@ class PhaseTimeline:
             known = [r[key] for r in self.records if r.get(key) is not None]
             out[key] = max(known) if known else None
         return out
-
-
-def _cuda_peaks() -> dict[str, float | None]:
-    torch = _torch_cuda()
-    if torch is None or not torch.cuda.is_initialized():
-        return {"gpu_max_reserved_mib": None, "gpu_max_allocated_mib": None}
-    return {"gpu_max_reserved_mib": torch.cuda.max_memory_reserved() / MIB,
-            "gpu_max_allocated_mib": torch.cuda.max_memory_allocated() / MIB}

@@ -13,12 +13,6 @@ STEP_TIME_KEY = "perf/step_time_s"
 MEMORY_PREFIX = "memory/"
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
-    """One JSON object per non-blank line."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) for rows where `key` has a non-null value."""
     pairs = [(r["step"], r[key]) for r in rows if r.get(key) is not None and r.get("step") is not None]
@@ -28,7 +22,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 def plot_run(metrics_jsonl_path: str | os.PathLike[str], out_png: str | os.PathLike[str]) -> str:
     """Writes a 2-panel PNG: every `memory/*` series with at least one value (host RSS, GPU when measured,
     NVMe...) and `perf/step_time_s`, both against `step`. Returns the PNG path."""
-    rows = read_metrics(metrics_jsonl_path)
+    with open(metrics_jsonl_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     memory_keys = sorted({k for r in rows for k, v in r.items() if k.startswith(MEMORY_PREFIX) and v is not None})
 
     fig = Figure(figsize=(8, 6), layout="constrained")

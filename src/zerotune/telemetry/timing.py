@@ -89,14 +89,10 @@ class StepTimer:
         self.durations.append(dt)
         self.samples.append(samples)
         if len(self.durations) == 1:
-            self.first_step_done()
+            start = self._process_start if self._process_start is not None else process_start_time()
+            self.first_step_end_unix = self.wall_clock()
+            self.startup_s = self.first_step_end_unix - start
         return dt
-
-    def first_step_done(self) -> None:
-        """Records startup_s (called by end_step on the first step)."""
-        start = self._process_start if self._process_start is not None else process_start_time()
-        self.first_step_end_unix = self.wall_clock()
-        self.startup_s = self.first_step_end_unix - start
 
     def summary(self, warmup_steps: int) -> dict[str, float | int | None]:
         """Statistics over the steps after the first `warmup_steps` (compilation, allocator growth, caches).

@@ -113,9 +113,9 @@ def _resolved_by_rank0(cfg: DictConfig, spec: JobSpec) -> ResolvedRun:
 
 def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
     """What the summary says before training: failed until it is known otherwise."""
-    return RunSummary.of(status=Status.FAILED, choices=key_choices(cfg, distributed.world_size()),
-                         run_dir=str(run_dir.path), experiment=experiment_info(cfg),
-                         previous_attempts=run_dir.previous_attempts())
+    return RunSummary.from_json({"status": Status.FAILED, "choices": key_choices(cfg, distributed.world_size()),
+                                 "run_dir": str(run_dir.path), "experiment": experiment_info(cfg),
+                                 "previous_attempts": run_dir.previous_attempts()})
 
 
 def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> RunSummary:

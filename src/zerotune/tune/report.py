@@ -4,6 +4,7 @@ rungs, samples/s and memory, and the candidates dropped before any trial, each w
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,8 +14,6 @@ from zerotune.tune.study import Trial
 
 # A candidate ranked by its predicted time floor, run or not: a row of the tune report, not a run's status.
 PREDICTED = "predicted"
-
-STATUS_ORDER = {Status.OK: 0, Status.PRUNED: 1}
 
 
 @dataclass
@@ -85,9 +84,7 @@ def write(outcome: Outcome, folder: Path) -> Path:
 
 
 def markdown(outcome: Outcome, rows: list[dict]) -> str:
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row["status"]] = counts.get(row["status"], 0) + 1
+    counts = Counter(row["status"] for row in rows)
     lines = [f"# tune: {outcome.workload}, global batch {outcome.global_batch}", "",
              f"- machine: {outcome.machine}",
              f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",

@@ -15,6 +15,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from zerotune.cli.overrides import as_typed
 from zerotune.errors import ConfigError
 
 KNOBS = ("zero_stage", "offload", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",
@@ -136,6 +137,4 @@ def _text(value: Any) -> str:
 
 def _label(knobs: dict[str, str]) -> str:
     """As a user types them: zero_stage=2, not Hydra's zero_stage='2'."""
-    from zerotune.cli.overrides import as_typed
-
     return " ".join(as_typed([f"{k}={v}" for k, v in knobs.items()]))

@@ -10,8 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from zerotune.cli.overrides import as_typed
 from zerotune.tune import report
 from zerotune.tune.report import Outcome
@@ -30,7 +28,8 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     line = read_command_line(arguments)
     fixed = [f"{k}={line.values[k][0]}" for k in sorted(line.fixed)]
     base = compose([*line.workload, *line.accumulation, *fixed])
-    global_batch = settings.global_batch or _composed_global_batch(base)
+    global_batch = settings.global_batch or (int(base.train.batch_size) * int(base.train.grad_accum) *
+                                             int(base.launch.num_processes) * int(base.launch.nnodes))
     gpus = _gpu_count()
     values = knob_values(line, settings.space, 1 if settings.gpu else gpus)  # a named card: one process on it
     found, dropped = candidates(values, global_batch, int(base.launch.nnodes), settings.space.get("train.batch_size"))
@@ -51,11 +50,6 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     written = report.write(outcome, sweep_dir)
     log.info("tune: %s\n  every candidate: %s", report.answer(outcome), written)
     return outcome
-
-
-def _composed_global_batch(cfg: DictConfig) -> int:
-    return int(cfg.train.batch_size) * int(cfg.train.grad_accum) * int(cfg.launch.num_processes) * \
-        int(cfg.launch.nnodes)
 
 
 def _gpu_count() -> int:
