@@ -79,7 +79,7 @@ def merged(runs: list[dict]) -> dict:
 
 
 def sdxl_counts(rank: int) -> dict:
-    from zerotune.cli.compose import compose
+    from zerotune.compose import compose
     from zerotune.models import model_stats
 
     full = model_stats(compose(["model=sdxl", "data=synthetic"]).model)

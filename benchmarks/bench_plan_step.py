@@ -49,7 +49,7 @@ def predicted(config: tuple) -> dict:
     """The planner's CPU prediction of the same job (the same overrides step_alloc.py composes)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.step_alloc import QUICK, RESOLUTION
-    from zerotune.cli.compose import compose
+    from zerotune.compose import compose
     from zerotune.plan.predict import predict
     from zerotune.preflight import preflight
 

@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 from zerotune.models import latent_shape
 
 CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32)), ("sdxl_tiny", (64, 128, 256)))

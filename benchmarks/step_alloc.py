@@ -32,7 +32,7 @@ def measure(overrides: list[str]) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from zerotune.cli.compose import compose
+    from zerotune.compose import compose
     from zerotune.loggers.base import NullLogger
     from zerotune.preflight import preflight
     from zerotune.rundir import RunDir

@@ -21,7 +21,7 @@ from zerotune import config_search
 from zerotune.builder import app as builder_app
 from zerotune.builder import experiments, form, paths, preview
 from zerotune.cli import builder as server
-from zerotune.cli.compose import compose, parse_typed
+from zerotune.compose import compose, parse_typed
 from zerotune.plan.predict import predict
 from zerotune.platform import Platform
 

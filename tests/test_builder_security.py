@@ -20,8 +20,8 @@ from tests.helpers.cli import ROOT, cli_env
 from zerotune.builder import app as builder_app
 from zerotune.builder import preview
 from zerotune.builder.access import allowed_hosts, cookie_name
-from zerotune.cli.compose import compose
-from zerotune.cli.interpolation import PURE_RESOLVERS, check_pure_interpolations, resolvers_in
+from zerotune.compose import compose
+from zerotune.compose.interpolation import PURE_RESOLVERS, check_pure_interpolations, resolvers_in
 from zerotune.errors import ConfigError
 
 TOKEN = "builder-security-test-token"

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import compose_cfg, run_cli
-from zerotune.cli.overrides import normalize_overrides, take_config_dir
+from zerotune.compose.overrides import normalize_overrides, take_config_dir
 from zerotune.config_search import ConfigSearch
 from zerotune.errors import ConfigError
 

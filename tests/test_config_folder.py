@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import run_cli
 from zerotune import config_search
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 from zerotune.doctor.files import configs_check
 from zerotune.errors import ConfigError
 

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-import zerotune.cli.compose  # noqa: F401 (registers the schema config.yaml names)
+import zerotune.compose  # noqa: F401 (registers the schema config.yaml names)
 from tests.helpers.cli import run_cli
 from zerotune import config_search
 from zerotune.errors import ConfigError

@@ -18,7 +18,7 @@ import time
 import deepspeed
 import torch
 
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler

@@ -56,7 +56,7 @@ class Part:
 
 def composes(overrides: list[str]) -> str | None:
     """None when zerotune composes these overrides, else the error's first line (a typo shows in a dry run)."""
-    from zerotune.cli.compose import compose
+    from zerotune.compose import compose
     from zerotune.errors import ConfigError
 
     try:

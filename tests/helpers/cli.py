@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -47,8 +47,8 @@ class TuneSweeper(Sweeper):
 
     def _compose(self, overrides: list[str]) -> DictConfig:
         from zerotune import config_search
-        from zerotune.cli.compose import check_resolves
-        from zerotune.cli.overrides import normalize_overrides
+        from zerotune.compose import check_resolves
+        from zerotune.compose.overrides import normalize_overrides
 
         args = normalize_overrides(list(overrides), config_search.current())
         cfg = self.hydra_context.config_loader.load_configuration(
@@ -60,7 +60,7 @@ class TuneSweeper(Sweeper):
 
     def _launch(self, overrides: list[str], job: int) -> Path:
         from zerotune import config_search
-        from zerotune.cli.overrides import normalize_overrides
+        from zerotune.compose.overrides import normalize_overrides
 
         args = normalize_overrides(list(overrides), config_search.current())
         returned: JobReturn = self.launcher.launch([args], initial_job_idx=job)[0]

@@ -18,8 +18,8 @@ from zerotune.builder import experiments, fit, form, importing, preview, results
 from zerotune.builder.access import AccessGuard, AllowedHosts, allowed_hosts, cookie_name
 from zerotune.builder.limits import BodyLimit
 from zerotune.builder.replies import error_body
-from zerotune.cli.compose import as_config_error
-from zerotune.cli.experiment_file import experiment_names
+from zerotune.compose import as_config_error
+from zerotune.compose.experiment_file import experiment_names
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
 from zerotune.platform import detect

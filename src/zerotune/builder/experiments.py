@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from zerotune.builder import form, preview
-from zerotune.cli.compose import compose
-from zerotune.cli.experiment_file import (
+from zerotune.compose import compose
+from zerotune.compose.experiment_file import (
     experiment_file,
     experiment_names,
     experiment_path,

@@ -15,9 +15,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from zerotune import config_search, schema
-from zerotune.cli.compose import compose, compose_with_choices
-from zerotune.cli.interpolation import check_pure_interpolations
-from zerotune.cli.overrides import override
+from zerotune.compose import compose, compose_with_choices
+from zerotune.compose.interpolation import check_pure_interpolations
+from zerotune.compose.overrides import override
 from zerotune.platform import Platform
 from zerotune.report.collect import numbers_first
 

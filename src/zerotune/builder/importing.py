@@ -12,7 +12,7 @@ import yaml
 
 from zerotune.builder import form
 from zerotune.builder.paths import imports_dir
-from zerotune.cli.interpolation import check_pure_value
+from zerotune.compose.interpolation import check_pure_value
 from zerotune.errors import ConfigError
 from zerotune.import_config import overrides_for
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from zerotune import config_search
 from zerotune.builder import form
-from zerotune.cli.compose import compose_with_choices
+from zerotune.compose import compose_with_choices
 from zerotune.errors import ConfigError
 from zerotune.preflight import preflight
 from zerotune.user_config.precedence import DS_KEY_SOURCES

@@ -14,7 +14,7 @@ import contextlib
 import sys
 
 from zerotune import config_search
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 from zerotune.doctor.check import as_json, as_text, exit_code
 from zerotune.doctor.run import configured_offload_path, run_checks
 from zerotune.errors import ConfigError, report_config_error

@@ -12,7 +12,7 @@ import json
 import sys
 
 from zerotune import config_search
-from zerotune.cli.compose import compose
+from zerotune.compose import compose
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.preflight import preflight
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from zerotune import config_search, import_config
-from zerotune.cli import experiment_file
+from zerotune.compose import experiment_file
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
 
 

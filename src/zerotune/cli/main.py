@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import config_search, held_signals
-from zerotune.cli.compose import as_config_error, check_command_line, check_resolves, is_multirun
-from zerotune.cli.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
+from zerotune.compose import as_config_error, check_command_line, check_resolves, is_multirun
+from zerotune.compose.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
 from zerotune.rundir import RunDir

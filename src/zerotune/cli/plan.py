@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from zerotune import config_search
-from zerotune.cli.compose import compose, value_setter
+from zerotune.compose import compose, value_setter
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, recommend, render
 from zerotune.plan.predict import predict

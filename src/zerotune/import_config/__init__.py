@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from zerotune import config_search
-from zerotune.cli import experiment_file
-from zerotune.cli.compose import compose
-from zerotune.cli.overrides import override
+from zerotune.compose import experiment_file
+from zerotune.compose import compose
+from zerotune.compose.overrides import override
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
 from zerotune.schema import Config, as_dict

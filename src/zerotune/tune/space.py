@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from zerotune.cli.overrides import as_typed
+from zerotune.compose.overrides import as_typed
 from zerotune.errors import ConfigError
 
 KNOBS = ("zero_stage", "offload", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.cli.overrides import as_typed
+from zerotune.compose.overrides import as_typed
 from zerotune.tune import report
 from zerotune.tune.report import Outcome
 from zerotune.tune.screen import INVALID, KEPT, Screened, screen

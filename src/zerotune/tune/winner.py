@@ -7,7 +7,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from zerotune.cli.experiment_file import experiment_path, experiment_yaml, write_experiment
+from zerotune.compose.experiment_file import experiment_path, experiment_yaml, write_experiment
 from zerotune.tune.report import Outcome
 from zerotune.tune.study import without_trial_settings
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from zerotune import config_search
-from zerotune.cli.compose import parse_typed
+from zerotune.compose import parse_typed
 from zerotune.errors import ConfigError
 
 # A file name in one folder: no separators, no leading dot or dash, nothing a shell or Hydra must quote.

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import config_search, schema
-from zerotune.cli.overrides import normalize_overrides
+from zerotune.compose.overrides import normalize_overrides
 from zerotune.errors import ConfigError
 
 _PARSER = OverridesParser.create()

@@ -16,7 +16,7 @@ from omegaconf.errors import GrammarParseError
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser
 
 from zerotune import schema
-from zerotune.cli.compose import parse_typed
+from zerotune.compose import parse_typed
 from zerotune.errors import ConfigError
 
 # Resolvers that read only the config itself (now: the clock, as Hydra's output folders do). Not oc.decode
