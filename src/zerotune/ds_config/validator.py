@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import logging
 from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
@@ -13,21 +12,38 @@ from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_params, check_s
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform
 
-log = logging.getLogger(__name__)
-
 # A config meant for another machine can be checked for a card instead; "<overrides>" is replaced by the
 # command line's own (UserConfig.attribute), so a value a file states is never re-typed.
 PLAN_FOR_A_CARD = "zerotune plan <overrides> --gpu NAME"
+DOCS = "https://www.deepspeed.ai/docs/config-json/"
+# The JSON block each of DeepSpeed's config classes reads.
+SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
+            "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
+            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "CompileConfig": "compile", "TPTrainingConfig": "tensor_parallel", "CommsLoggerConfig": "comms_logger",
+            "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization"}
 
 
 def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
     """Return a normalised copy of `ds`, or raise ConfigError naming the key and the fix."""
     ds = copy.deepcopy(ds)
     zero = ds.setdefault("zero_optimization", {})
-    stage = _check_stage(zero.get("stage", 0))
-    _check_platform(platform, stage)
-    _check_batch(ds, world_size)
-    _check_clip(ds.get("gradient_clipping", 0.0))
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}",
+                          "zero_stage.stage=<0, 1, 2 or 3>, e.g. zero_stage.stage=3")
+    if not platform.deepspeed_supported and stage >= 1:
+        raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
+                          f"zero_stage=0 (plain accelerate here), or plan it for a CUDA card: {PLAN_FOR_A_CARD}")
+    micro = Known(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
+    accum = Known(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
+    total = ds.get("train_batch_size")
+    given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
+    ds["train_batch_size"] = solve(micro, accum, given, world_size, micro, accum).total
+    clip = ds.get("gradient_clipping", 0.0)
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
+                          "train.grad_clip=1.0, or train.grad_clip=0 to disable clipping")
     _check_precision(ds, platform)
     offloaded = _check_offload(zero, stage)
     if "optimizer" in ds:
@@ -40,34 +56,6 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
         _check_scheduler(ds["scheduler"])
     _deepspeed_accepts(ds)
     return ds
-
-
-def _check_stage(stage: Any) -> int:
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise ConfigError("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}",
-                          "zero_stage.stage=<0, 1, 2 or 3>, e.g. zero_stage.stage=3")
-    return stage
-
-
-def _check_platform(platform: Platform, stage: int) -> None:
-    if not platform.deepspeed_supported and stage >= 1:
-        raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
-                          f"zero_stage=0 (plain accelerate here), or plan it for a CUDA card: {PLAN_FOR_A_CARD}")
-
-
-def _check_batch(ds: dict, world_size: int) -> None:
-    micro = Known(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
-    accum = Known(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
-    total = ds.get("train_batch_size")
-    given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
-    batch = solve(micro, accum, given, world_size, micro, accum)
-    ds["train_batch_size"] = batch.total
-
-
-def _check_clip(clip: Any) -> None:
-    if not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
-                          "train.grad_clip=1.0, or train.grad_clip=0 to disable clipping")
 
 
 def _check_precision(ds: dict, platform: Platform) -> None:
@@ -140,15 +128,12 @@ def _deepspeed_accepts(ds: dict) -> None:
                           f"correct the setting it names (see {DOCS})") from None
 
 
-DOCS = "https://www.deepspeed.ai/docs/config-json/"
-
-
 def _rejected_field(exc: Any) -> ConfigError:
     """A pydantic error of DeepSpeed's config classes, at the JSON key. A key DeepSpeed does not know is named
     with the nearest one it does, and its value is not repeated (it may be anything, a secret included)."""
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
-    key = ".".join([_section_of(exc.title), *loc]).strip(".")
+    key = ".".join([SECTIONS.get(exc.title, ""), *loc]).strip(".")
     if err.get("type") != "extra_forbidden":
         return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
                            f"correct or remove that key (see {DOCS})")
@@ -162,9 +147,15 @@ def _field_names(model_title: str, path: list[str]) -> list[str]:
     """The field names and aliases of the config class at `path` under the class named `model_title`."""
     import typing
 
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
     from pydantic import BaseModel
 
-    model = next((m for m in _config_models() if m.__name__ == model_title), None)
+    models, todo = [], [DeepSpeedConfigModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            models.append(sub)
+            todo.append(sub)
+    model = next((m for m in models if m.__name__ == model_title), None)
     for part in path:
         field = model.model_fields.get(part) if model else None
         kinds = [field.annotation, *typing.get_args(field.annotation)] if field else []
@@ -172,23 +163,3 @@ def _field_names(model_title: str, path: list[str]) -> list[str]:
     if model is None:
         return []
     return [n for name, f in model.model_fields.items() for n in (name, f.alias) if n]
-
-
-def _config_models() -> list[type]:
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    found, todo = [], [DeepSpeedConfigModel]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            found.append(sub)
-            todo.append(sub)
-    return found
-
-
-def _section_of(model_title: str) -> str:
-    return {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
-            "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
-            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
-            "CompileConfig": "compile", "TPTrainingConfig": "tensor_parallel", "CommsLoggerConfig": "comms_logger",
-            "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization",
-            }.get(model_title, "")

@@ -96,19 +96,14 @@ def from_environment(environ: dict | None = None) -> AccelerateConfig | None:
 def find(setting: str | None, environ: dict | None = None) -> list[AccelerateConfig]:
     """The accelerate configs in force: `accelerate launch`'s environment, and the file `setting` names
     (`auto`: accelerate's default location when no `accelerate launch` is around and the file exists)."""
-    found = []
     launched = from_environment(environ)
-    if launched is not None:
-        found.append(launched)
-    text = None if setting is None else str(setting)
-    if text in (None, "", "null", "none", "None"):
-        return found
-    if text == "auto":
-        default = default_location()
-        if launched is None and default.is_file():
-            found.append(from_file(default, "default location"))
-        return found
-    found.append(from_file(text, KEY))
+    found = [] if launched is None else [launched]
+    text = "" if setting is None else str(setting)
+    default = default_location()
+    if text == "auto" and launched is None and default.is_file():
+        found.append(from_file(default, "default location"))
+    elif text not in ("auto", "", "null", "none", "None"):
+        found.append(from_file(text, KEY))
     return found
 
 

@@ -26,24 +26,95 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.user_config.ds_values import (
-    above_one,
-    activation_checkpointing,
-    any_enabled,
-    checkpoint_switches,
-    comms,
-    deepcompile,
-    enabled,
-    given,
-    monitors,
-    off,
-    present,
-    tensor_parallel,
-    truthy,
-)
 
 HONOURED, TRANSLATED, REFUSED, IGNORED = "honoured", "translated", "refused", "ignored"
 DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+# ---- what a value asks for: a key is refused only when its value asks for what zerotune's run would not
+# do, and dropped when it turns nothing on
+
+
+def enabled(value: Any) -> bool:
+    """A feature block asks for its feature with `"enabled": true`; DeepSpeed's default is off."""
+    if isinstance(value, dict):
+        return value.get("enabled", False) not in (False, None)
+    return truthy(value)
+
+
+def truthy(value: Any) -> bool:
+    return value not in (None, False, 0, "", {}, [])
+
+
+def present(value: Any) -> bool:
+    return value is not None and value != {}
+
+
+def any_enabled(value: Any) -> bool:
+    """compression_training enables each technique in its own nested block."""
+    if isinstance(value, dict):
+        return value.get("enabled") not in (None, False) or any(any_enabled(v) for v in value.values())
+    return False
+
+
+def above_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+
+
+def activation_checkpointing(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    switches = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                "synchronize_checkpoint_boundary", "profile")
+    return any(truthy(value.get(s)) for s in switches) or value.get("number_checkpoints") is not None
+
+
+def checkpoint_switches(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    parallel = value.get("parallel_write")
+    return (any(truthy(value.get(s)) for s in ("load_universal", "use_node_local_storage", "writer"))
+            or (isinstance(parallel, dict) and truthy(parallel.get("pipeline_stage"))))
+
+
+def tensor_parallel(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    inner = value.get("tp", value.get("tensor_parallel")) or {}
+    return above_one(value.get("autotp_size")) or (isinstance(inner, dict) and above_one(inner.get("tp_size")))
+
+
+def off(value: Any) -> bool:
+    """Turns nothing on: false, 0, null, an empty string or container, or a block of such values."""
+    if isinstance(value, dict):
+        return all(off(v) for v in value.values())
+    if isinstance(value, list):
+        return all(off(v) for v in value)
+    return not truthy(value)
+
+
+def given(value: Any) -> bool:
+    # 0 is a device number here, not "off"
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def comms(value: Any) -> bool:
+    return any_enabled(value) if isinstance(value, dict) else truthy(value)
+
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")  # deepspeed/monitor/config.py get_monitor_config
+
+
+def monitors(value: Any) -> bool:
+    """DeepSpeed's monitor is on only through one of its monitors; a block's own "enabled" switches nothing."""
+    if not isinstance(value, dict):
+        return truthy(value)
+    return any(enabled(value.get(m)) for m in MONITORS)
+
+
+def deepcompile(value: Any) -> bool:
+    # Its other fields tune DeepCompile and mean nothing without it.
+    return truthy(value.get("deepcompile")) if isinstance(value, dict) else truthy(value)
 
 
 # ---- the table
@@ -245,25 +316,17 @@ def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
         if decision is None:  # unknown, and its value turns nothing on
             warnings.append(_ignored_line(source, name, "its value turns nothing on"))
             continue
+        ignored = decision.kind == IGNORED
         if decision.kind in (REFUSED, IGNORED) and decision.asks(value):
-            raise ConfigError(name, f"{_why(decision)} ({source})", decision.fix)
+            why = f"DeepSpeed 0.19.8 ignores this key and what its value asks for: {decision.reason}" \
+                if ignored else decision.reason
+            raise ConfigError(name, f"{why} ({source})", decision.fix)
         if decision.dropped:
-            warnings.append(_dropped(source, name, decision))
+            warnings.append(_ignored_line(source, name, decision.reason) if ignored
+                            else f'{source}: dropped "{name}", which asks for nothing: {decision.dropped}')
             continue
         out[name] = value
     return out, warnings
-
-
-def _why(decision: Decision) -> str:
-    if decision.kind == IGNORED:
-        return f"DeepSpeed 0.19.8 ignores this key and what its value asks for: {decision.reason}"
-    return decision.reason
-
-
-def _dropped(source: str, name: str, decision: Decision) -> str:
-    if decision.kind == IGNORED:
-        return _ignored_line(source, name, decision.reason)
-    return f'{source}: dropped "{name}", which asks for nothing: {decision.dropped}'
 
 
 def _ignored_line(source: str, name: str, why: str) -> str:
@@ -288,7 +351,3 @@ def _unknown(names: list[str], source: str) -> ConfigError:
     return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks for "
                        f"({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
 
-
-def table() -> list[tuple[str, str, str]]:
-    """(key, decision, reason) rows, for the README and the docs."""
-    return [(name, d.kind, d.reason) for name, d in KEYS.items()]

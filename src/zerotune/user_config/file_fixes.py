@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.errors import ConfigError
+from zerotune.user_config.settings import OPTIMIZER_PARAMS, ZERO_KNOBS
 
 # An override as checks write it in a fix: `zero_stage=3`, `offload.params=false`, `zero_stage.stage=<0 or 1>`;
 # a "use " before it is dropped with it when it becomes an edit.
@@ -31,11 +32,8 @@ PINS = {**GROUP_PINS, "offload.path": ("offload.path", "offload.device")}
 DS_PATHS = {"train.grad_clip": "gradient_clipping", "train.batch_size": "train_micro_batch_size_per_gpu",
             "train.grad_accum": "gradient_accumulation_steps", "zero_stage": "zero_optimization.stage",
             "zero_stage.stage": "zero_optimization.stage",
-            **{f"optimizer.{p}": f"optimizer.params.{p}" for p in ("lr", "betas", "eps", "weight_decay")},
-            **{f"deepspeed.{k}": f"zero_optimization.{k}" for k in (
-                "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold", "overlap_comm", "contiguous_gradients",
-                "stage3_gather_16bit_weights_on_model_save")}}
+            **{f"optimizer.{p}": f"optimizer.params.{p}" for p in OPTIMIZER_PARAMS},
+            **{f"deepspeed.{k}": f"zero_optimization.{k}" for k in ZERO_KNOBS}}
 
 PRECISION_BLOCKS = {"fp32": '"fp16": {"enabled": false} and "bf16": {"enabled": false}',
                     "bf16": '"bf16": {"enabled": true} and "fp16": {"enabled": false}',
@@ -71,17 +69,6 @@ EDITS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-def file_edit(override: str, value: str, file_name: str) -> str | None:
-    """The edit of a DeepSpeed JSON that does what `override=value` would; None where none is known."""
-    if override in EDITS:
-        edit = EDITS[override](value)
-    elif override in DS_PATHS:
-        edit = f"set {DS_PATHS[override]} to {' or '.join(value.split('|'))}"
-    else:
-        return None
-    return f"{edit} in {file_name}" if edit else None
-
-
 def rewrite(fix: str, origins: dict[str, str], ds_file: str | None, typed: list[str]) -> str:
     """`fix` with each override a file would refuse replaced by that file's edit, and the plan command's
     placeholder by the command line's overrides. `origins`: zerotune key -> "file: key" it came from."""
@@ -104,8 +91,12 @@ def _edit_for(override: str, value: str, origins: dict[str, str], ds_file: str |
     if origin is None:
         return None
     name = origin.partition(": ")[0]
-    edit = file_edit(override, value, name) if name == ds_file else None
-    return edit or change(origin)
+    edit = None
+    if name == ds_file and override in EDITS:
+        edit = EDITS[override](value)
+    elif name == ds_file and override in DS_PATHS:
+        edit = f"set {DS_PATHS[override]} to {' or '.join(value.split('|'))}"
+    return f"{edit} in {name}" if edit else change(origin)
 
 
 def change(origin: str) -> str:

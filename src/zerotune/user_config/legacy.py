@@ -5,7 +5,6 @@ with an exception, so they are settled here first. Removed features are refused 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 from zerotune.errors import ConfigError
 
@@ -45,13 +44,8 @@ def translate(ds: dict, source: str) -> tuple[dict, list[str]]:
     if isinstance(zero, bool):  # the oldest form: "zero_optimization": true means stage 1
         warn(f"zero_optimization: {str(zero).lower()}", f"zero_optimization: {{\"stage\": {int(zero)}}}")
         ds["zero_optimization"] = {"stage": int(zero)}
-    elif isinstance(zero, dict):
-        ds["zero_optimization"] = _translate_zero(zero, source, warn)
-    return ds, notes
-
-
-def _translate_zero(zero: dict, source: str, warn: Callable[[str, str], None]) -> dict:
-    zero = dict(zero)
+    if not isinstance(zero, dict):
+        return ds, notes
     for name, alias in SYNONYMS_ZERO.items():
         if name in zero:
             zero.setdefault(alias, zero.pop(name))
@@ -71,5 +65,5 @@ def _translate_zero(zero: dict, source: str, warn: Callable[[str, str], None]) -
         if on:
             zero[block] = {"device": "cpu", "pin_memory": bool(pin)}
             warn(f"zero_optimization.{old}: true",
-                  f"zero_optimization.{block}: {{\"device\": \"cpu\", \"pin_memory\": {str(bool(pin)).lower()}}}")
-    return zero
+                 f"zero_optimization.{block}: {{\"device\": \"cpu\", \"pin_memory\": {str(bool(pin)).lower()}}}")
+    return ds, notes

@@ -183,7 +183,7 @@ def _same(key: str, a: Any, b: Any) -> bool:
 
 def _settle_batch(cfg: DictConfig, user: UserConfig, world: int) -> None:
     ds = user.deepspeed or {}
-    name = Path(user.deepspeed_path).name if user.deepspeed_path else None
+    name = user._ds_name()
 
     def known(ds_key: str, cfg_key: str) -> Known | None:
         in_file = ds.get(ds_key)
