@@ -44,21 +44,6 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
                           "train.grad_clip=1.0, or train.grad_clip=0 to disable clipping")
-    _check_precision(ds, platform)
-    offloaded = _check_offload(zero, stage)
-    if "optimizer" in ds:
-        opt = ds["optimizer"]
-        name = normalize(opt.get("type", ""), key="optimizer.type")
-        opt["type"] = DEEPSPEED_TYPES[name]
-        check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
-        check_params(name, opt.get("params") or {}, offloaded)
-    if "scheduler" in ds:
-        _check_scheduler(ds["scheduler"])
-    _deepspeed_accepts(ds)
-    return ds
-
-
-def _check_precision(ds: dict, platform: Platform) -> None:
     bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("bfloat16", {}).get("enabled"))
     fp16 = bool(ds.get("fp16", {}).get("enabled"))
     if bf16 and fp16:
@@ -69,9 +54,6 @@ def _check_precision(ds: dict, platform: Platform) -> None:
             here = "precision=fp32" + ("" if name == "bf16" or not platform.bf16 else " or precision=bf16")
             raise ConfigError(f"{name}.enabled", f"this {platform.device_type} device cannot train in {name}",
                               f"{here}, or plan it for a card that can: {PLAN_FOR_A_CARD}")
-
-
-def _check_offload(zero: dict, stage: int) -> bool:
     opt, param = zero.get("offload_optimizer"), zero.get("offload_param")
     opt_dev = (opt or {}).get("device", "none")
     param_dev = (param or {}).get("device", "none")
@@ -90,7 +72,17 @@ def _check_offload(zero: dict, stage: int) -> bool:
             if block and block.get("device") == "nvme":
                 offload_mod.check_nvme_path(block.get("nvme_path"), f"zero_optimization.{block_name}.nvme_path "
                                             "(offload.path)")
-    return opt_dev != "none"
+    offloaded = opt_dev != "none"
+    if "optimizer" in ds:
+        opt = ds["optimizer"]
+        name = normalize(opt.get("type", ""), key="optimizer.type")
+        opt["type"] = DEEPSPEED_TYPES[name]
+        check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
+        check_params(name, opt.get("params") or {}, offloaded)
+    if "scheduler" in ds:
+        _check_scheduler(ds["scheduler"])
+    _deepspeed_accepts(ds)
+    return ds
 
 
 def _check_scheduler(block: Any) -> None:

@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8's top-level config keys, and what a user's DeepSpeed JSON may do with each.
 
 - honoured: passed to DeepSpeed, and it means in zerotune's run what it says.
-- translated: an older spelling, rewritten by `legacy` (with a warning).
+- translated: an older spelling, rewritten by `deepspeed_file.translate` (with a warning).
 - refused: it asks for something zerotune's run does not do, so it would be ignored without a word (or fail
   mid-start-up). A value that asks for nothing (`"enabled": false`, `false`, an empty block) is accepted; where
   DeepSpeed rejects the key itself (a feature it removed), misreads it or does not read it, such a value is dropped
@@ -141,16 +141,8 @@ def honoured(reason: str) -> Decision:
     return Decision(HONOURED, reason)
 
 
-def translated(reason: str) -> Decision:
-    return Decision(TRANSLATED, reason)
-
-
 def refused(reason: str, fix: str, asks: Callable[[Any], bool] = enabled, removed: bool = False) -> Decision:
     return Decision(REFUSED, reason, fix, asks, removed)
-
-
-def ignored(reason: str, fix: str, asks: Callable[[Any], bool]) -> Decision:
-    return Decision(IGNORED, reason, fix, asks)
 
 
 def _delete(key: str) -> str:
@@ -162,8 +154,6 @@ def _removed(key: str, reason: str, fix: str = "", asks: Callable[[Any], bool] =
 
 
 def _environment(key: str) -> Decision:
-    """A file's `cuda_visible_devices` asks for what only the environment gives: the GPUs a process sees are fixed
-    before any file is read. Refused (with where to set it), not ignored: the run would use other GPUs."""
     return Decision(REFUSED, "DeepSpeed does not read it, and the GPUs a process sees are fixed by its environment "
                     "before any file is read", f'delete "{key}" from the file and set the variable where the command '
                     "runs: CUDA_VISIBLE_DEVICES=0,1 zerotune train ...", asks=given,
@@ -202,8 +192,8 @@ KEYS: dict[str, Decision] = {
     "csv_monitor": honoured("DeepSpeed writes its loss and lr to CSV files at output_path"),
     "vocabulary_size": honoured("read only for a warning about tensor-core alignment; changes nothing"),
     # older spellings
-    "bfloat16": translated('older name of "bf16"'),
-    "fp32_allreduce": translated('older form of "communication_data_type": "fp32"'),
+    "bfloat16": Decision(TRANSLATED, 'older name of "bf16"'),
+    "fp32_allreduce": Decision(TRANSLATED, 'older form of "communication_data_type": "fp32"'),
     # what zerotune's run does not do
     "fp8": refused('DeepSpeed 0.19.8 has no "fp8" key and would train in the file\'s other precision instead',
                    'delete "fp8" (or set "enabled": false) and enable "bf16" or "fp16" in the file'),
@@ -267,17 +257,18 @@ KEYS: dict[str, Decision] = {
     "disable_allgather": refused("DeepSpeed 0.19.8 reads it and never uses it", 'delete "disable_allgather"',
                                  asks=truthy),
     # What only the environment gives: the GPUs a process sees are fixed before any file is read. A value here
-    # asks for what zerotune cannot give from a file, so it is refused, not ignored; the fix sets it where it works.
+    # asks for what zerotune cannot give from a file, so it is refused, not ignored (the run would use other
+    # GPUs); the fix sets it where it works.
     "cuda_visible_devices": _environment("cuda_visible_devices"),
     "CUDA_VISIBLE_DEVICES": _environment("CUDA_VISIBLE_DEVICES"),
     # Keys DeepSpeed does not read, seen in circulating files: DeepSpeedConfig's attribute names for the blocks
     # it reads from "comms_logger" and the four monitor keys (deepspeed/runtime/config.py _initialize_params).
-    "comms_config": ignored(
-        'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
+    "comms_config": Decision(
+        IGNORED, 'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
         'delete "comms_config" from the file (DeepSpeed\'s comms logger prints nothing in a zerotune run)',
         asks=comms),
-    "monitor_config": ignored(
-        'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
+    "monitor_config": Decision(
+        IGNORED, 'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
         "only the name of its Python attribute)",
         'delete "monitor_config" from the file; for DeepSpeed\'s CSV log give "csv_monitor" at the top level '
         "(zerotune's metrics are in <run dir>/metrics.jsonl)", asks=monitors),

@@ -40,10 +40,6 @@ PRECISION_BLOCKS = {"fp32": '"fp16": {"enabled": false} and "bf16": {"enabled": 
                     "fp16": '"fp16": {"enabled": true} and "bf16": {"enabled": false}'}
 
 
-def _precision(value: str) -> str | None:
-    return f"set {PRECISION_BLOCKS[value]}" if value in PRECISION_BLOCKS else None
-
-
 def _offload(value: str) -> str:
     if value == "none":
         return "delete zero_optimization.offload_optimizer and zero_optimization.offload_param"
@@ -64,7 +60,8 @@ def _optimizer(value: str) -> str | None:
 
 
 EDITS: dict[str, Callable[[str], str | None]] = {
-    "precision": _precision, "offload": _offload, "offload.params": _offload_params, "optimizer": _optimizer,
+    "precision": lambda value: f"set {PRECISION_BLOCKS[value]}" if value in PRECISION_BLOCKS else None,
+    "offload": _offload, "offload.params": _offload_params, "optimizer": _optimizer,
     "offload.path": lambda value: f'set "nvme_path" to {value} in zero_optimization\'s offload blocks',
 }
 

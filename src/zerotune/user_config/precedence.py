@@ -79,29 +79,27 @@ class UserConfig:
     def _ds_name(self) -> str | None:
         return Path(self.deepspeed_path).name if self.deepspeed_path else None
 
-    def value_sources(self, ds: dict) -> dict[str, str]:
-        """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
+    def summary(self, ds: dict) -> dict:
+        """The files used, the origins of zerotune's keys, and for each top-level key of the final DeepSpeed
+        dict where its value came from: file, command line, default, or derived."""
         name = self._ds_name()
-        out = {}
+        values = {}
         for key in ds:
             if key in self.batch_origins:
-                out[key] = self.batch_origins[key]
+                values[key] = self.batch_origins[key]
             elif self.deepspeed is not None and key in self.deepspeed:
                 fillers = {self.origin_of(k) for k in DS_KEY_SOURCES.get(key, ())} - {
                     o for o in self.origins.values() if o.startswith(f"{name}:")}
-                out[key] = f"file {name}" + (f" (\"auto\" filled from: {', '.join(sorted(fillers or {'zerotune'}))})"
-                                             if _has_auto(self.deepspeed[key]) else "")
+                values[key] = f"file {name}" + (f" (\"auto\" filled from: {', '.join(sorted(fillers or {'zerotune'}))})"
+                                                if _has_auto(self.deepspeed[key]) else "")
                 if key == "zero_optimization" and set(ds[key]) - set(self.deepspeed[key]):
-                    out[key] += "; other keys: zerotune defaults"
+                    values[key] += "; other keys: zerotune defaults"
             elif key in DS_KEY_SOURCES:
-                out[key] = ", ".join(sorted({self.origin_of(k) for k in DS_KEY_SOURCES[key]}))
+                values[key] = ", ".join(sorted({self.origin_of(k) for k in DS_KEY_SOURCES[key]}))
             else:
-                out[key] = "zerotune"
-        return out
-
-    def summary(self, ds: dict) -> dict:
+                values[key] = "zerotune"
         return {"deepspeed_config_file": self.deepspeed_path, "accelerate_config": self.accelerate,
-                "origins": dict(self.origins), "values": self.value_sources(ds)}
+                "origins": dict(self.origins), "values": values}
 
 
 def typed_keys(overrides: list[str]) -> dict[str, str]:
