@@ -69,11 +69,6 @@ class ConfigSearch:
 
     user: UserFolder | None = None
 
-    def hydra_searchpath(self) -> list[str]:
-        """As Hydra shows it (`--info searchpath`), less Hydra's own entries."""
-        user = [f"file://{self.user.path}"] if self.user else []
-        return [*user, *(f"pkg://{package}" for package in PACKAGED)]
-
     def folders(self) -> list[Path]:
         user = [self.user.path] if self.user else []
         return [*user, *(packaged_folder(package) for package in PACKAGED)]
@@ -114,9 +109,11 @@ class ConfigSearch:
         return root / "experiment"
 
     def describe(self) -> dict:
-        """For summary.json's config_sources and `zerotune doctor`."""
+        """For summary.json's config_sources and `zerotune doctor`; the search path as Hydra shows it
+        (`--info searchpath`), less Hydra's own entries."""
+        user = [f"file://{self.user.path}"] if self.user else []
         return {"user_folder": {"path": str(self.user.path), "how": self.user.how} if self.user else None,
-                "search_path": self.hydra_searchpath(),
+                "search_path": [*user, *(f"pkg://{package}" for package in PACKAGED)],
                 "shadowed": [{"yours": str(mine), "packaged": str(theirs)} for mine, theirs in self.shadowed()]}
 
 

@@ -11,6 +11,7 @@ overrides as `deepspeed.config_file=<path>`, and the keys it is needed for are l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,7 @@ def _comparable(ds: dict) -> dict:
 
 def _value(cfg: Config, key: str) -> Any:
     """The value at a dotted key of the resolved config (a block as a plain dict)."""
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
+    value = functools.reduce(getattr, key.split("."), cfg)
     return as_dict(value) if dataclasses.is_dataclass(value) else value
 
 
