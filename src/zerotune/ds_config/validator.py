@@ -123,6 +123,11 @@ def _deepspeed_accepts(ds: dict) -> None:
 def _rejected_field(exc: Any) -> ConfigError:
     """A pydantic error of DeepSpeed's config classes, at the JSON key. A key DeepSpeed does not know is named
     with the nearest one it does, and its value is not repeated (it may be anything, a secret included)."""
+    import typing
+
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    from pydantic import BaseModel
+
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
     key = ".".join([SECTIONS.get(exc.title, ""), *loc]).strip(".")
@@ -130,28 +135,18 @@ def _rejected_field(exc: Any) -> ConfigError:
         return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
                            f"correct or remove that key (see {DOCS})")
     block = key.rpartition(".")[0] or "the top level"
-    guess = difflib.get_close_matches(loc[-1], _field_names(exc.title, loc[:-1]), n=1, cutoff=0.6)
-    fix = f"rename it to {guess[0]}" if guess else f"delete it (see {DOCS})"
-    return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} ({block} has no key {loc[-1]!r})", fix)
-
-
-def _field_names(model_title: str, path: list[str]) -> list[str]:
-    """The field names and aliases of the config class at `path` under the class named `model_title`."""
-    import typing
-
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-    from pydantic import BaseModel
-
+    # the field names and aliases of the config class at the key's block
     models, todo = [], [DeepSpeedConfigModel]
     while todo:
         for sub in todo.pop().__subclasses__():
             models.append(sub)
             todo.append(sub)
-    model = next((m for m in models if m.__name__ == model_title), None)
-    for part in path:
+    model = next((m for m in models if m.__name__ == exc.title), None)
+    for part in loc[:-1]:
         field = model.model_fields.get(part) if model else None
         kinds = [field.annotation, *typing.get_args(field.annotation)] if field else []
         model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
-    if model is None:
-        return []
-    return [n for name, f in model.model_fields.items() for n in (name, f.alias) if n]
+    names = [n for name, f in model.model_fields.items() for n in (name, f.alias) if n] if model else []
+    guess = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    fix = f"rename it to {guess[0]}" if guess else f"delete it (see {DOCS})"
+    return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} ({block} has no key {loc[-1]!r})", fix)

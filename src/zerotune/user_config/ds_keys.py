@@ -300,7 +300,14 @@ def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
                           f"zero_optimization, train_micro_batch_size_per_gpu, optimizer; {DOCS})")
     unknown = [name for name in ds if name not in KEYS and (nearest(name) or not off(ds[name]))]
     if unknown:
-        raise _unknown(unknown, source)
+        first, others = unknown[0], unknown[1:]
+        also = f"; also unknown: {', '.join(others)}" if others else ""
+        guess = nearest(first)
+        if guess:
+            raise ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}",
+                              f"rename \"{first}\" to \"{guess}\" in {source}")
+        raise ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks "
+                          f"for ({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
     out, warnings = {}, []
     for name, value in ds.items():
         decision = KEYS.get(name)
@@ -330,15 +337,4 @@ def nearest(name: str) -> str | None:
     candidates = [k for k, d in KEYS.items() if d.kind == HONOURED]
     found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return found[0] if found else None
-
-
-def _unknown(names: list[str], source: str) -> ConfigError:
-    first, others = names[0], names[1:]
-    also = f"; also unknown: {', '.join(others)}" if others else ""
-    guess = nearest(first)
-    if guess:
-        return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}",
-                           f"rename \"{first}\" to \"{guess}\" in {source}")
-    return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks for "
-                       f"({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
 
