@@ -43,9 +43,6 @@ class UserFolder:
     path: Path
     how: str  # "--config-dir" | "$ZEROTUNE_CONFIG_DIR" | "found in the working directory"
 
-    def as_dict(self) -> dict:
-        return {"path": str(self.path), "how": self.how}
-
 
 def find_user_folder(config_dir: str | Path | None = None, cwd: Path | None = None) -> UserFolder | None:
     """`--config-dir`'s folder, else $ZEROTUNE_CONFIG_DIR's (either must exist), else ./zerotune/ if any."""
@@ -71,11 +68,6 @@ class ConfigSearch:
     """The folders configs come from, in the order Hydra searches them."""
 
     user: UserFolder | None = None
-
-    def hydra_searchpath(self) -> list[str]:
-        """As Hydra shows it (`--info searchpath`), less Hydra's own entries."""
-        user = [f"file://{self.user.path}"] if self.user else []
-        return [*user, *(f"pkg://{package}" for package in PACKAGED)]
 
     def folders(self) -> list[Path]:
         user = [self.user.path] if self.user else []
@@ -117,20 +109,22 @@ class ConfigSearch:
         return root / "experiment"
 
     def describe(self) -> dict:
-        """For summary.json's config_sources and `zerotune doctor`."""
-        return {"user_folder": self.user.as_dict() if self.user else None,
-                "search_path": self.hydra_searchpath(),
+        """For summary.json's config_sources and `zerotune doctor`; the search path as Hydra shows it
+        (`--info searchpath`), less Hydra's own entries."""
+        user = [f"file://{self.user.path}"] if self.user else []
+        return {"user_folder": {"path": str(self.user.path), "how": self.user.how} if self.user else None,
+                "search_path": [*user, *(f"pkg://{package}" for package in PACKAGED)],
                 "shadowed": [{"yours": str(mine), "packaged": str(theirs)} for mine, theirs in self.shadowed()]}
 
 
 _chosen: ConfigSearch | None = None
-
-CONFIG_DIR_HELP = "your own configs and experiments, searched before the packaged ones (default: ./zerotune/)"
+_warned: set[tuple[Path, Path]] = set()
 
 
 def add_config_dir_option(parser) -> None:
     """`--config-dir DIR` on an argparse command, as `zerotune train` takes it."""
-    parser.add_argument("--config-dir", "-cd", default=None, metavar="DIR", help=CONFIG_DIR_HELP)
+    parser.add_argument("--config-dir", "-cd", default=None, metavar="DIR", help="your own configs and "
+                        "experiments, searched before the packaged ones (default: ./zerotune/)")
 
 
 def choose(config_dir: str | Path | None) -> ConfigSearch:
@@ -147,9 +141,14 @@ def choose(config_dir: str | Path | None) -> ConfigSearch:
 
 
 def choose_and_warn(config_dir: str | Path | None) -> ConfigSearch:
-    """A command's start: its folder chosen, and any packaged option it hides named."""
+    """A command's start: its folder chosen, and any packaged option it hides named (once per process and
+    pair: the user's file is used in place of a packaged one of the same name)."""
     search = choose(config_dir)
-    warn_shadowed(search)
+    for mine, theirs in search.shadowed():
+        if (mine, theirs) not in _warned:
+            _warned.add((mine, theirs))
+            log.warning("%s is used in place of the packaged %s (same name); rename yours to keep both",
+                        mine, theirs)
     return search
 
 
@@ -157,15 +156,3 @@ def current() -> ConfigSearch:
     """The search a command chose, else the working directory's ./zerotune/ (looked for now: a folder the
     builder page just created counts)."""
     return _chosen if _chosen is not None else ConfigSearch(find_user_folder())
-
-
-_warned: set[tuple[Path, Path]] = set()
-
-
-def warn_shadowed(search: ConfigSearch) -> None:
-    """Once per process and pair: the user's file is used in place of a packaged one of the same name."""
-    for mine, theirs in search.shadowed():
-        if (mine, theirs) not in _warned:
-            _warned.add((mine, theirs))
-            log.warning("%s is used in place of the packaged %s (same name); rename yours to keep both",
-                        mine, theirs)

@@ -54,9 +54,17 @@ def solve(micro: Known | None, accum: Known | None, total: Known | None, world: 
     if accum is None:
         return Batch(micro.value, _divide(total, micro, world, "gradient_accumulation_steps"), total.value)
     if micro.value * accum.value * world != total.value:
+        # Prefer changing the accumulation, then the micro batch: both keep the global batch the user asked for.
+        keeps = f" (keeps train_batch_size {total.value})"
+        if total.value % (micro.value * world) == 0:
+            fix = accum.change(total.value // (micro.value * world)) + keeps
+        elif total.value % (accum.value * world) == 0:
+            fix = micro.change(total.value // (accum.value * world)) + keeps
+        else:
+            fix = f"{total.change(micro.value * accum.value * world)}, or set it to \"auto\""
         raise ConfigError("train_batch_size", f"{total.value} ({total.origin}) != micro batch {micro.value} "
                           f"({micro.origin}) x gradient accumulation {accum.value} ({accum.origin}) x {world} "
-                          f"process{'es' if world > 1 else ''}", _keep_global_fix(micro, accum, total, world))
+                          f"process{'es' if world > 1 else ''}", fix)
     return Batch(micro.value, accum.value, total.value)
 
 
@@ -69,11 +77,3 @@ def _divide(total: Known, other: Known, world: int, missing: str) -> int:
                           f"{f' in {total.file}' if total.file else ''}")
     return value
 
-
-def _keep_global_fix(micro: Known, accum: Known, total: Known, world: int) -> str:
-    """Prefer changing the accumulation, then the micro batch: both keep the global batch the user asked for."""
-    if total.value % (micro.value * world) == 0:
-        return f"{accum.change(total.value // (micro.value * world))} (keeps train_batch_size {total.value})"
-    if total.value % (accum.value * world) == 0:
-        return f"{micro.change(total.value // (accum.value * world))} (keeps train_batch_size {total.value})"
-    return f"{total.change(micro.value * accum.value * world)}, or set it to \"auto\""

@@ -69,21 +69,15 @@ def zero_block(cfg: Config, stats: ModelStats) -> dict:
     return zero
 
 
-def use_torch_adam(cfg: Config) -> bool:
-    """torch's AdamW wherever DeepSpeed would otherwise JIT-build its fused kernel for no gain (no offload)."""
-    setting = cfg.deepspeed.torch_adam
-    if setting == "auto":
-        return cfg.offload.device == "none"
-    return bool(setting)
-
-
 def choose_adam(ds: dict, cfg: Config) -> None:
-    """Apply `deepspeed.torch_adam` to an Adam/AdamW block, generated or the user's, unless it says itself."""
+    """Apply `deepspeed.torch_adam` to an Adam/AdamW block, generated or the user's, unless it says itself.
+    `auto`: torch's AdamW wherever DeepSpeed would otherwise JIT-build its fused kernel for no gain (no offload)."""
     opt = ds.get("optimizer")
     if not isinstance(opt, dict) or normalize(str(opt.get("type", "")), key="optimizer.type") not in ("adam", "adamw"):
         return
+    setting = cfg.deepspeed.torch_adam
     params = opt.setdefault("params", {})
-    if "torch_adam" not in params and use_torch_adam(cfg):
+    if "torch_adam" not in params and (cfg.offload.device == "none" if setting == "auto" else bool(setting)):
         params["torch_adam"] = True
 
 

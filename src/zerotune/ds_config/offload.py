@@ -18,22 +18,14 @@ def param_buffer_size(largest_param_numel: int) -> int:
     return -(-need // 1_000_000) * 1_000_000
 
 
-def offload_params_enabled(offload: Offload, stage: int) -> bool:
-    """`params: auto` means: offload parameters wherever DeepSpeed can (stage 3)."""
-    if offload.device == "none":
-        return False
-    if offload.params == "auto":
-        return stage == 3
-    return bool(offload.params)
-
-
 def offload_blocks(offload: Offload, stage: int, largest_param_numel: int) -> dict:
     """The `offload_optimizer` / `offload_param` entries of `zero_optimization`."""
     if offload.device == "none":
         return {}
     pin = bool(offload.pin_memory)
     blocks: dict = {"offload_optimizer": {"device": offload.device, "pin_memory": pin}}
-    if offload_params_enabled(offload, stage):
+    # `params: auto` means: offload parameters wherever DeepSpeed can (stage 3)
+    if stage == 3 if offload.params == "auto" else bool(offload.params):
         blocks["offload_param"] = {"device": offload.device, "pin_memory": pin}
     if offload.device == "nvme":
         path = None if offload.path is None else str(offload.path)
@@ -59,16 +51,11 @@ def check_nvme_path(path: str | None, key: str) -> Path:
     if not folder.exists() and not folder.parent.is_dir():
         raise ConfigError(key, f"{folder} does not exist, nor does its parent {folder.parent}",
                           "create the folder, or point offload.path at an existing one")
-    _try_writing(folder, key)
-    return folder
-
-
-def _try_writing(folder: Path, key: str) -> None:
-    """Do what DeepSpeed will (create the folder if missing, then a file in it) and undo it."""
+    # Do what DeepSpeed will (create the folder if missing, then a file in it) and undo it.
     created = not folder.exists()
     exc = write_probe(folder)
     if exc is None:
-        return
+        return folder
     what = f"{folder} cannot be created in {folder.parent}" if created and not folder.is_dir() \
         else f"no file can be created in {folder}"
     where = folder if folder.is_dir() else folder.parent

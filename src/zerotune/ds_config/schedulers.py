@@ -5,8 +5,8 @@ from __future__ import annotations
 from zerotune.errors import ConfigError
 from zerotune.schema import Scheduler
 
-NAMES = ("warmup", "warmup_decay", "cosine", "onecycle", "constant")
 TYPES = {"warmup": "WarmupLR", "warmup_decay": "WarmupDecayLR", "cosine": "WarmupCosineLR", "onecycle": "OneCycle"}
+NAMES = (*TYPES, "constant")
 # The parameters zerotune sets for each DeepSpeed scheduler (OneCycle: momentum cycling off, it would
 # overwrite Adam's betas).
 PARAMS = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import logging
 from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
@@ -13,64 +12,38 @@ from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_params, check_s
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform
 
-log = logging.getLogger(__name__)
-
 # A config meant for another machine can be checked for a card instead; "<overrides>" is replaced by the
 # command line's own (UserConfig.attribute), so a value a file states is never re-typed.
 PLAN_FOR_A_CARD = "zerotune plan <overrides> --gpu NAME"
+DOCS = "https://www.deepspeed.ai/docs/config-json/"
+# The JSON block each of DeepSpeed's config classes reads.
+SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
+            "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
+            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "CompileConfig": "compile", "TPTrainingConfig": "tensor_parallel", "CommsLoggerConfig": "comms_logger",
+            "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization"}
 
 
 def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
     """Return a normalised copy of `ds`, or raise ConfigError naming the key and the fix."""
     ds = copy.deepcopy(ds)
     zero = ds.setdefault("zero_optimization", {})
-    stage = _check_stage(zero.get("stage", 0))
-    _check_platform(platform, stage)
-    _check_batch(ds, world_size)
-    _check_clip(ds.get("gradient_clipping", 0.0))
-    _check_precision(ds, platform)
-    offloaded = _check_offload(zero, stage)
-    if "optimizer" in ds:
-        opt = ds["optimizer"]
-        name = normalize(opt.get("type", ""), key="optimizer.type")
-        opt["type"] = DEEPSPEED_TYPES[name]
-        check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
-        check_params(name, opt.get("params") or {}, offloaded)
-    if "scheduler" in ds:
-        _check_scheduler(ds["scheduler"])
-    _deepspeed_accepts(ds)
-    return ds
-
-
-def _check_stage(stage: Any) -> int:
+    stage = zero.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise ConfigError("zero_optimization.stage", f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}",
                           "zero_stage.stage=<0, 1, 2 or 3>, e.g. zero_stage.stage=3")
-    return stage
-
-
-def _check_platform(platform: Platform, stage: int) -> None:
     if not platform.deepspeed_supported and stage >= 1:
         raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
                           f"zero_stage=0 (plain accelerate here), or plan it for a CUDA card: {PLAN_FOR_A_CARD}")
-
-
-def _check_batch(ds: dict, world_size: int) -> None:
     micro = Known(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
     accum = Known(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
     total = ds.get("train_batch_size")
     given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
-    batch = solve(micro, accum, given, world_size, micro, accum)
-    ds["train_batch_size"] = batch.total
-
-
-def _check_clip(clip: Any) -> None:
+    ds["train_batch_size"] = solve(micro, accum, given, world_size, micro, accum).total
+    clip = ds.get("gradient_clipping", 0.0)
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError("gradient_clipping", f"must be >= 0 (0 disables clipping), got {clip!r}",
                           "train.grad_clip=1.0, or train.grad_clip=0 to disable clipping")
-
-
-def _check_precision(ds: dict, platform: Platform) -> None:
     bf16 = bool(ds.get("bf16", {}).get("enabled")) or bool(ds.get("bfloat16", {}).get("enabled"))
     fp16 = bool(ds.get("fp16", {}).get("enabled"))
     if bf16 and fp16:
@@ -81,9 +54,6 @@ def _check_precision(ds: dict, platform: Platform) -> None:
             here = "precision=fp32" + ("" if name == "bf16" or not platform.bf16 else " or precision=bf16")
             raise ConfigError(f"{name}.enabled", f"this {platform.device_type} device cannot train in {name}",
                               f"{here}, or plan it for a card that can: {PLAN_FOR_A_CARD}")
-
-
-def _check_offload(zero: dict, stage: int) -> bool:
     opt, param = zero.get("offload_optimizer"), zero.get("offload_param")
     opt_dev = (opt or {}).get("device", "none")
     param_dev = (param or {}).get("device", "none")
@@ -102,7 +72,17 @@ def _check_offload(zero: dict, stage: int) -> bool:
             if block and block.get("device") == "nvme":
                 offload_mod.check_nvme_path(block.get("nvme_path"), f"zero_optimization.{block_name}.nvme_path "
                                             "(offload.path)")
-    return opt_dev != "none"
+    offloaded = opt_dev != "none"
+    if "optimizer" in ds:
+        opt = ds["optimizer"]
+        name = normalize(opt.get("type", ""), key="optimizer.type")
+        opt["type"] = DEEPSPEED_TYPES[name]
+        check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
+        check_params(name, opt.get("params") or {}, offloaded)
+    if "scheduler" in ds:
+        _check_scheduler(ds["scheduler"])
+    _deepspeed_accepts(ds)
+    return ds
 
 
 def _check_scheduler(block: Any) -> None:
@@ -140,55 +120,33 @@ def _deepspeed_accepts(ds: dict) -> None:
                           f"correct the setting it names (see {DOCS})") from None
 
 
-DOCS = "https://www.deepspeed.ai/docs/config-json/"
-
-
 def _rejected_field(exc: Any) -> ConfigError:
     """A pydantic error of DeepSpeed's config classes, at the JSON key. A key DeepSpeed does not know is named
     with the nearest one it does, and its value is not repeated (it may be anything, a secret included)."""
+    import typing
+
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+    from pydantic import BaseModel
+
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
-    key = ".".join([_section_of(exc.title), *loc]).strip(".")
+    key = ".".join([SECTIONS.get(exc.title, ""), *loc]).strip(".")
     if err.get("type") != "extra_forbidden":
         return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} (got {err.get('input')!r})",
                            f"correct or remove that key (see {DOCS})")
     block = key.rpartition(".")[0] or "the top level"
-    guess = difflib.get_close_matches(loc[-1], _field_names(exc.title, loc[:-1]), n=1, cutoff=0.6)
-    fix = f"rename it to {guess[0]}" if guess else f"delete it (see {DOCS})"
-    return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} ({block} has no key {loc[-1]!r})", fix)
-
-
-def _field_names(model_title: str, path: list[str]) -> list[str]:
-    """The field names and aliases of the config class at `path` under the class named `model_title`."""
-    import typing
-
-    from pydantic import BaseModel
-
-    model = next((m for m in _config_models() if m.__name__ == model_title), None)
-    for part in path:
+    # the field names and aliases of the config class at the key's block
+    models, todo = [], [DeepSpeedConfigModel]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            models.append(sub)
+            todo.append(sub)
+    model = next((m for m in models if m.__name__ == exc.title), None)
+    for part in loc[:-1]:
         field = model.model_fields.get(part) if model else None
         kinds = [field.annotation, *typing.get_args(field.annotation)] if field else []
         model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
-    if model is None:
-        return []
-    return [n for name, f in model.model_fields.items() for n in (name, f.alias) if n]
-
-
-def _config_models() -> list[type]:
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    found, todo = [], [DeepSpeedConfigModel]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            found.append(sub)
-            todo.append(sub)
-    return found
-
-
-def _section_of(model_title: str) -> str:
-    return {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOptimizerConfig":
-            "zero_optimization.offload_optimizer", "DeepSpeedZeroOffloadParamConfig":
-            "zero_optimization.offload_param", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
-            "CompileConfig": "compile", "TPTrainingConfig": "tensor_parallel", "CommsLoggerConfig": "comms_logger",
-            "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization",
-            }.get(model_title, "")
+    names = [n for name, f in model.model_fields.items() for n in (name, f.alias) if n] if model else []
+    guess = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    fix = f"rename it to {guess[0]}" if guess else f"delete it (see {DOCS})"
+    return ConfigError(key, f"DeepSpeed rejects it: {err.get('msg')} ({block} has no key {loc[-1]!r})", fix)

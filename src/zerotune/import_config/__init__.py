@@ -11,6 +11,7 @@ overrides as `deepspeed.config_file=<path>`, and the keys it is needed for are l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,12 @@ from zerotune.compose.overrides import override
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
 from zerotune.schema import Config, as_dict
+from zerotune.user_config.file_fixes import GROUP_PINS
 
-# The file is usually meant for a GPU machine, not this one.
-ANY_GPU = ANY_CUDA_GPU
 # Keys zerotune sets for itself (logging, DeepSpeed's optimizer gate); a file's values for them change nothing.
 OWN_KEYS = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"}
 # zerotune key -> the config group whose option it names.
-GROUP_KEYS = {"zero_stage.stage": "zero_stage", "offload.device": "offload", "precision.name": "precision",
-              "optimizer.name": "optimizer", "scheduler.name": "scheduler"}
+GROUP_KEYS = {keys[0]: group for group, keys in GROUP_PINS.items()}
 
 
 def file_override(path: Path) -> str:
@@ -40,8 +39,10 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
     cfg = compose(file_only)
-    checked = preflight(cfg, platform=ANY_GPU)
-    overrides = [_override(key, _value(checked.config, key)) for key in _ordered(checked.config_sources["origins"])]
+    checked = preflight(cfg, platform=ANY_CUDA_GPU)
+    origins = checked.config_sources["origins"]
+    ordered = [k for k in GROUP_KEYS if k in origins] + sorted(k for k in origins if k not in GROUP_KEYS)
+    overrides = [_override(key, _value(checked.config, key)) for key in ordered]
     from_file = checked.ds_config
     for key, ds_key in (("train.batch_size", "train_micro_batch_size_per_gpu"),
                         ("train.grad_accum", "gradient_accumulation_steps")):
@@ -49,7 +50,7 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
                 o.startswith(f"{key}=") for o in overrides):
             overrides.append(f"{key}={from_file[ds_key]}")
     overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
-    rebuilt = preflight(compose([*overrides, "accelerate.config_file=null"]), platform=ANY_GPU).ds_config
+    rebuilt = preflight(compose([*overrides, "accelerate.config_file=null"]), platform=ANY_CUDA_GPU).ds_config
     from_file, rebuilt = _comparable(from_file), _comparable(rebuilt)
     differ = sorted(k for k in set(from_file) | set(rebuilt)
                     if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))
@@ -66,15 +67,8 @@ def _comparable(ds: dict) -> dict:
 
 def _value(cfg: Config, key: str) -> Any:
     """The value at a dotted key of the resolved config (a block as a plain dict)."""
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
+    value = functools.reduce(getattr, key.split("."), cfg)
     return as_dict(value) if dataclasses.is_dataclass(value) else value
-
-
-def _ordered(keys: dict) -> list[str]:
-    first = [k for k in GROUP_KEYS if k in keys]
-    return first + sorted(k for k in keys if k not in GROUP_KEYS)
 
 
 def _override(key: str, value: Any) -> str:

@@ -9,6 +9,7 @@ Checks that need the model or DeepSpeed stay in preflight and the validator.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,8 +17,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume, Trial
-
-SCHEMA_NAME = "zerotune_schema"
 
 # Optional[...] rather than `X | None`: OmegaConf reads these annotations at runtime.
 # ruff: noqa: UP045
@@ -230,8 +229,6 @@ def launch_world_size(launch: Launch) -> int:
 
 def as_dict(block: Any) -> dict[str, Any]:
     """A config block as a plain dict (values resolved), whether it is the typed object or Hydra's DictConfig."""
-    import dataclasses
-
     if dataclasses.is_dataclass(block) and not isinstance(block, type):
         return dataclasses.asdict(block)
     return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
@@ -256,7 +253,7 @@ def structured() -> DictConfig:
 
 def register() -> None:
     """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=structured())
+    ConfigStore.instance().store(name="zerotune_schema", node=structured())
 
 
 def typed(cfg: DictConfig | dict[str, Any]) -> DictConfig:
@@ -277,8 +274,6 @@ register()
 def describe(key: str) -> tuple[bool, str | None, Any]:
     """(key exists, its type as written here, its default). Keys inside a dict-typed field (model.unet.*,
     reference.*) exist whatever their name."""
-    import dataclasses
-
     node: Any = Config
     annotation, default = "Config", None
     for part in key.split("."):
@@ -296,8 +291,6 @@ def describe(key: str) -> tuple[bool, str | None, Any]:
 
 def keys_under(key: str) -> list[str]:
     """The names a dataclass node accepts ('' for the root)."""
-    import dataclasses
-
     node: Any = Config
     for part in [p for p in key.split(".") if p]:
         found = {f.name: f for f in dataclasses.fields(node)}.get(part)

@@ -77,38 +77,27 @@ def from_file(path: str | Path, how: str) -> AccelerateConfig:
                             deepspeed=dict(cfg.get("deepspeed_config") or {}), machines=machines)
 
 
-def from_environment(environ: dict | None = None) -> AccelerateConfig | None:
-    """What `accelerate launch` passed to this process, or None outside it."""
-    env = os.environ if environ is None else environ
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
-        return None
-    deepspeed = {name: env[var] for name, var in ENV_FIELDS.items() if var in env}
-    # ACCELERATE_MIXED_PRECISION is always set ("no" by default); it states an intent only when the config
-    # file gave it (then it is listed among the fields) or when it asks for a mixed precision.
-    listed = {f.strip() for f in env.get(DS_FIELDS_ENV, "").split(",") if f.strip()}
-    mixed = env.get("ACCELERATE_MIXED_PRECISION")
-    if mixed == "no" and "mixed_precision" not in listed:
-        mixed = None
-    return AccelerateConfig(origin="accelerate launch", how="environment", distributed_type="DEEPSPEED",
-                            mixed_precision=mixed, deepspeed=deepspeed)
-
-
 def find(setting: str | None, environ: dict | None = None) -> list[AccelerateConfig]:
     """The accelerate configs in force: `accelerate launch`'s environment, and the file `setting` names
     (`auto`: accelerate's default location when no `accelerate launch` is around and the file exists)."""
+    env = os.environ if environ is None else environ
     found = []
-    launched = from_environment(environ)
-    if launched is not None:
-        found.append(launched)
-    text = None if setting is None else str(setting)
-    if text in (None, "", "null", "none", "None"):
-        return found
-    if text == "auto":
-        default = default_location()
-        if launched is None and default.is_file():
-            found.append(from_file(default, "default location"))
-        return found
-    found.append(from_file(text, KEY))
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # started by `accelerate launch`
+        deepspeed = {name: env[var] for name, var in ENV_FIELDS.items() if var in env}
+        # ACCELERATE_MIXED_PRECISION is always set ("no" by default); it states an intent only when the config
+        # file gave it (then it is listed among the fields) or when it asks for a mixed precision.
+        listed = {f.strip() for f in env.get(DS_FIELDS_ENV, "").split(",") if f.strip()}
+        mixed = env.get("ACCELERATE_MIXED_PRECISION")
+        if mixed == "no" and "mixed_precision" not in listed:
+            mixed = None
+        found.append(AccelerateConfig(origin="accelerate launch", how="environment", distributed_type="DEEPSPEED",
+                                      mixed_precision=mixed, deepspeed=deepspeed))
+    text = "" if setting is None else str(setting)
+    default = default_location()
+    if text == "auto" and not found and default.is_file():
+        found.append(from_file(default, "default location"))
+    elif text not in ("auto", "", "null", "none", "None"):
+        found.append(from_file(text, KEY))
     return found
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerotune.ds_config.batch import Batch
-from zerotune.ds_config.builder import bucket_size, optimizer_block
+from zerotune.ds_config.builder import DEFAULT_BUCKETS, bucket_size, optimizer_block
 from zerotune.ds_config.schedulers import derived_params
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
@@ -23,18 +23,19 @@ AUTO = "auto"
 
 def fill(ds: dict, cfg: Config, stats: ModelStats, batch: Batch, source: str) -> dict:
     """`ds` with every "auto" replaced; `source` names the file in errors."""
-    ds = dict(ds)
-    top = {"train_batch_size": batch.total, "train_micro_batch_size_per_gpu": batch.micro,
-           "gradient_accumulation_steps": batch.accum, "gradient_clipping": cfg.train.grad_clip}
-    for key, value in top.items():
-        if ds.get(key) == AUTO:
-            ds[key] = value
+    ds = _filled(ds, {"train_batch_size": batch.total, "train_micro_batch_size_per_gpu": batch.micro,
+                      "gradient_accumulation_steps": batch.accum, "gradient_clipping": cfg.train.grad_clip})
     for name in ("fp16", "bf16"):
-        block = ds.get(name)
-        if isinstance(block, dict) and block.get("enabled") == AUTO:
-            ds[name] = {**block, "enabled": cfg.precision.name == name}
+        if isinstance(ds.get(name), dict):
+            ds[name] = _filled(ds[name], {"enabled": cfg.precision.name == name})
     if isinstance(ds.get("zero_optimization"), dict):
-        ds["zero_optimization"] = _zero(ds["zero_optimization"], cfg, stats)
+        knobs = cfg.deepspeed
+        values = {"stage": cfg.zero_stage.stage,
+                  "stage3_param_persistence_threshold": int(knobs.stage3_param_persistence_threshold),
+                  "stage3_gather_16bit_weights_on_model_save":
+                      bool(knobs.stage3_gather_16bit_weights_on_model_save),
+                  **{key: bucket_size(knobs, key, stats) for key in DEFAULT_BUCKETS}}
+        ds["zero_optimization"] = _filled(ds["zero_optimization"], values)
     if isinstance(ds.get("optimizer"), dict):
         ds["optimizer"] = _params(ds["optimizer"], optimizer_block(cfg.optimizer)["params"])
     if isinstance(ds.get("scheduler"), dict):
@@ -44,27 +45,12 @@ def fill(ds: dict, cfg: Config, stats: ModelStats, batch: Batch, source: str) ->
     return ds
 
 
-def _zero(zero: dict, cfg: Config, stats: ModelStats) -> dict:
-    zero = dict(zero)
-    knobs = cfg.deepspeed
-    values = {"stage": cfg.zero_stage.stage,
-              "stage3_param_persistence_threshold": int(knobs.stage3_param_persistence_threshold),
-              "stage3_gather_16bit_weights_on_model_save":
-                  bool(knobs.stage3_gather_16bit_weights_on_model_save)}
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-        values[key] = bucket_size(knobs, key, stats)
-    for key, value in values.items():
-        if zero.get(key) == AUTO:
-            zero[key] = value
-    return zero
+def _filled(block: dict, values: dict) -> dict:
+    return {key: values[key] if value == AUTO and key in values else value for key, value in block.items()}
 
 
 def _params(block: dict, values: dict) -> dict:
-    params = dict(block.get("params") or {})
-    for key, value in params.items():
-        if value == AUTO and key in values:
-            params[key] = values[key]
-    return {**block, "params": params}
+    return {**block, "params": _filled(block.get("params") or {}, values)}
 
 
 def _refuse_leftovers(node: Any, path: str, source: str) -> None:

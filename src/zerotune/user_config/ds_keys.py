@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8's top-level config keys, and what a user's DeepSpeed JSON may do with each.
 
 - honoured: passed to DeepSpeed, and it means in zerotune's run what it says.
-- translated: an older spelling, rewritten by `legacy` (with a warning).
+- translated: an older spelling, rewritten by `deepspeed_file.translate` (with a warning).
 - refused: it asks for something zerotune's run does not do, so it would be ignored without a word (or fail
   mid-start-up). A value that asks for nothing (`"enabled": false`, `false`, an empty block) is accepted; where
   DeepSpeed rejects the key itself (a feature it removed), misreads it or does not read it, such a value is dropped
@@ -26,24 +26,95 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.errors import ConfigError
-from zerotune.user_config.ds_values import (
-    above_one,
-    activation_checkpointing,
-    any_enabled,
-    checkpoint_switches,
-    comms,
-    deepcompile,
-    enabled,
-    given,
-    monitors,
-    off,
-    present,
-    tensor_parallel,
-    truthy,
-)
 
 HONOURED, TRANSLATED, REFUSED, IGNORED = "honoured", "translated", "refused", "ignored"
 DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+# ---- what a value asks for: a key is refused only when its value asks for what zerotune's run would not
+# do, and dropped when it turns nothing on
+
+
+def enabled(value: Any) -> bool:
+    """A feature block asks for its feature with `"enabled": true`; DeepSpeed's default is off."""
+    if isinstance(value, dict):
+        return value.get("enabled", False) not in (False, None)
+    return truthy(value)
+
+
+def truthy(value: Any) -> bool:
+    return value not in (None, False, 0, "", {}, [])
+
+
+def present(value: Any) -> bool:
+    return value is not None and value != {}
+
+
+def any_enabled(value: Any) -> bool:
+    """compression_training enables each technique in its own nested block."""
+    if isinstance(value, dict):
+        return value.get("enabled") not in (None, False) or any(any_enabled(v) for v in value.values())
+    return False
+
+
+def above_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1
+
+
+def activation_checkpointing(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    switches = ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                "synchronize_checkpoint_boundary", "profile")
+    return any(truthy(value.get(s)) for s in switches) or value.get("number_checkpoints") is not None
+
+
+def checkpoint_switches(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    parallel = value.get("parallel_write")
+    return (any(truthy(value.get(s)) for s in ("load_universal", "use_node_local_storage", "writer"))
+            or (isinstance(parallel, dict) and truthy(parallel.get("pipeline_stage"))))
+
+
+def tensor_parallel(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return truthy(value)
+    inner = value.get("tp", value.get("tensor_parallel")) or {}
+    return above_one(value.get("autotp_size")) or (isinstance(inner, dict) and above_one(inner.get("tp_size")))
+
+
+def off(value: Any) -> bool:
+    """Turns nothing on: false, 0, null, an empty string or container, or a block of such values."""
+    if isinstance(value, dict):
+        return all(off(v) for v in value.values())
+    if isinstance(value, list):
+        return all(off(v) for v in value)
+    return not truthy(value)
+
+
+def given(value: Any) -> bool:
+    # 0 is a device number here, not "off"
+    return value is not None and value != "" and value != [] and value != {}
+
+
+def comms(value: Any) -> bool:
+    return any_enabled(value) if isinstance(value, dict) else truthy(value)
+
+
+MONITORS = ("tensorboard", "wandb", "csv_monitor", "comet")  # deepspeed/monitor/config.py get_monitor_config
+
+
+def monitors(value: Any) -> bool:
+    """DeepSpeed's monitor is on only through one of its monitors; a block's own "enabled" switches nothing."""
+    if not isinstance(value, dict):
+        return truthy(value)
+    return any(enabled(value.get(m)) for m in MONITORS)
+
+
+def deepcompile(value: Any) -> bool:
+    # Its other fields tune DeepCompile and mean nothing without it.
+    return truthy(value.get("deepcompile")) if isinstance(value, dict) else truthy(value)
 
 
 # ---- the table
@@ -70,16 +141,8 @@ def honoured(reason: str) -> Decision:
     return Decision(HONOURED, reason)
 
 
-def translated(reason: str) -> Decision:
-    return Decision(TRANSLATED, reason)
-
-
 def refused(reason: str, fix: str, asks: Callable[[Any], bool] = enabled, removed: bool = False) -> Decision:
     return Decision(REFUSED, reason, fix, asks, removed)
-
-
-def ignored(reason: str, fix: str, asks: Callable[[Any], bool]) -> Decision:
-    return Decision(IGNORED, reason, fix, asks)
 
 
 def _delete(key: str) -> str:
@@ -91,8 +154,6 @@ def _removed(key: str, reason: str, fix: str = "", asks: Callable[[Any], bool] =
 
 
 def _environment(key: str) -> Decision:
-    """A file's `cuda_visible_devices` asks for what only the environment gives: the GPUs a process sees are fixed
-    before any file is read. Refused (with where to set it), not ignored: the run would use other GPUs."""
     return Decision(REFUSED, "DeepSpeed does not read it, and the GPUs a process sees are fixed by its environment "
                     "before any file is read", f'delete "{key}" from the file and set the variable where the command '
                     "runs: CUDA_VISIBLE_DEVICES=0,1 zerotune train ...", asks=given,
@@ -131,8 +192,8 @@ KEYS: dict[str, Decision] = {
     "csv_monitor": honoured("DeepSpeed writes its loss and lr to CSV files at output_path"),
     "vocabulary_size": honoured("read only for a warning about tensor-core alignment; changes nothing"),
     # older spellings
-    "bfloat16": translated('older name of "bf16"'),
-    "fp32_allreduce": translated('older form of "communication_data_type": "fp32"'),
+    "bfloat16": Decision(TRANSLATED, 'older name of "bf16"'),
+    "fp32_allreduce": Decision(TRANSLATED, 'older form of "communication_data_type": "fp32"'),
     # what zerotune's run does not do
     "fp8": refused('DeepSpeed 0.19.8 has no "fp8" key and would train in the file\'s other precision instead',
                    'delete "fp8" (or set "enabled": false) and enable "bf16" or "fp16" in the file'),
@@ -196,17 +257,18 @@ KEYS: dict[str, Decision] = {
     "disable_allgather": refused("DeepSpeed 0.19.8 reads it and never uses it", 'delete "disable_allgather"',
                                  asks=truthy),
     # What only the environment gives: the GPUs a process sees are fixed before any file is read. A value here
-    # asks for what zerotune cannot give from a file, so it is refused, not ignored; the fix sets it where it works.
+    # asks for what zerotune cannot give from a file, so it is refused, not ignored (the run would use other
+    # GPUs); the fix sets it where it works.
     "cuda_visible_devices": _environment("cuda_visible_devices"),
     "CUDA_VISIBLE_DEVICES": _environment("CUDA_VISIBLE_DEVICES"),
     # Keys DeepSpeed does not read, seen in circulating files: DeepSpeedConfig's attribute names for the blocks
     # it reads from "comms_logger" and the four monitor keys (deepspeed/runtime/config.py _initialize_params).
-    "comms_config": ignored(
-        'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
+    "comms_config": Decision(
+        IGNORED, 'its comms logger reads "comms_logger" ("comms_config" is only the name of its Python attribute)',
         'delete "comms_config" from the file (DeepSpeed\'s comms logger prints nothing in a zerotune run)',
         asks=comms),
-    "monitor_config": ignored(
-        'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
+    "monitor_config": Decision(
+        IGNORED, 'its monitors read top-level "tensorboard", "wandb", "csv_monitor" and "comet" ("monitor_config" is '
         "only the name of its Python attribute)",
         'delete "monitor_config" from the file; for DeepSpeed\'s CSV log give "csv_monitor" at the top level '
         "(zerotune's metrics are in <run dir>/metrics.jsonl)", asks=monitors),
@@ -238,32 +300,31 @@ def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
                           f"zero_optimization, train_micro_batch_size_per_gpu, optimizer; {DOCS})")
     unknown = [name for name in ds if name not in KEYS and (nearest(name) or not off(ds[name]))]
     if unknown:
-        raise _unknown(unknown, source)
+        first, others = unknown[0], unknown[1:]
+        also = f"; also unknown: {', '.join(others)}" if others else ""
+        guess = nearest(first)
+        if guess:
+            raise ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}",
+                              f"rename \"{first}\" to \"{guess}\" in {source}")
+        raise ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks "
+                          f"for ({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
     out, warnings = {}, []
     for name, value in ds.items():
         decision = KEYS.get(name)
         if decision is None:  # unknown, and its value turns nothing on
             warnings.append(_ignored_line(source, name, "its value turns nothing on"))
             continue
+        ignored = decision.kind == IGNORED
         if decision.kind in (REFUSED, IGNORED) and decision.asks(value):
-            raise ConfigError(name, f"{_why(decision)} ({source})", decision.fix)
+            why = f"DeepSpeed 0.19.8 ignores this key and what its value asks for: {decision.reason}" \
+                if ignored else decision.reason
+            raise ConfigError(name, f"{why} ({source})", decision.fix)
         if decision.dropped:
-            warnings.append(_dropped(source, name, decision))
+            warnings.append(_ignored_line(source, name, decision.reason) if ignored
+                            else f'{source}: dropped "{name}", which asks for nothing: {decision.dropped}')
             continue
         out[name] = value
     return out, warnings
-
-
-def _why(decision: Decision) -> str:
-    if decision.kind == IGNORED:
-        return f"DeepSpeed 0.19.8 ignores this key and what its value asks for: {decision.reason}"
-    return decision.reason
-
-
-def _dropped(source: str, name: str, decision: Decision) -> str:
-    if decision.kind == IGNORED:
-        return _ignored_line(source, name, decision.reason)
-    return f'{source}: dropped "{name}", which asks for nothing: {decision.dropped}'
 
 
 def _ignored_line(source: str, name: str, why: str) -> str:
@@ -277,18 +338,3 @@ def nearest(name: str) -> str | None:
     found = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     return found[0] if found else None
 
-
-def _unknown(names: list[str], source: str) -> ConfigError:
-    first, others = names[0], names[1:]
-    also = f"; also unknown: {', '.join(others)}" if others else ""
-    guess = nearest(first)
-    if guess:
-        return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" ({source}){also}",
-                           f"rename \"{first}\" to \"{guess}\" in {source}")
-    return ConfigError(first, f"DeepSpeed has no top-level key \"{first}\" and would ignore what its value asks for "
-                       f"({source}){also}", f"delete \"{first}\" from {source} (DeepSpeed's keys: {DOCS})")
-
-
-def table() -> list[tuple[str, str, str]]:
-    """(key, decision, reason) rows, for the README and the docs."""
-    return [(name, d.kind, d.reason) for name, d in KEYS.items()]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
 from zerotune.errors import ConfigError
+from zerotune.user_config.settings import OPTIMIZER_PARAMS, ZERO_KNOBS
 
 # An override as checks write it in a fix: `zero_stage=3`, `offload.params=false`, `zero_stage.stage=<0 or 1>`;
 # a "use " before it is dropped with it when it becomes an edit.
@@ -31,19 +32,12 @@ PINS = {**GROUP_PINS, "offload.path": ("offload.path", "offload.device")}
 DS_PATHS = {"train.grad_clip": "gradient_clipping", "train.batch_size": "train_micro_batch_size_per_gpu",
             "train.grad_accum": "gradient_accumulation_steps", "zero_stage": "zero_optimization.stage",
             "zero_stage.stage": "zero_optimization.stage",
-            **{f"optimizer.{p}": f"optimizer.params.{p}" for p in ("lr", "betas", "eps", "weight_decay")},
-            **{f"deepspeed.{k}": f"zero_optimization.{k}" for k in (
-                "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold", "overlap_comm", "contiguous_gradients",
-                "stage3_gather_16bit_weights_on_model_save")}}
+            **{f"optimizer.{p}": f"optimizer.params.{p}" for p in OPTIMIZER_PARAMS},
+            **{f"deepspeed.{k}": f"zero_optimization.{k}" for k in ZERO_KNOBS}}
 
 PRECISION_BLOCKS = {"fp32": '"fp16": {"enabled": false} and "bf16": {"enabled": false}',
                     "bf16": '"bf16": {"enabled": true} and "fp16": {"enabled": false}',
                     "fp16": '"fp16": {"enabled": true} and "bf16": {"enabled": false}'}
-
-
-def _precision(value: str) -> str | None:
-    return f"set {PRECISION_BLOCKS[value]}" if value in PRECISION_BLOCKS else None
 
 
 def _offload(value: str) -> str:
@@ -66,20 +60,10 @@ def _optimizer(value: str) -> str | None:
 
 
 EDITS: dict[str, Callable[[str], str | None]] = {
-    "precision": _precision, "offload": _offload, "offload.params": _offload_params, "optimizer": _optimizer,
+    "precision": lambda value: f"set {PRECISION_BLOCKS[value]}" if value in PRECISION_BLOCKS else None,
+    "offload": _offload, "offload.params": _offload_params, "optimizer": _optimizer,
     "offload.path": lambda value: f'set "nvme_path" to {value} in zero_optimization\'s offload blocks',
 }
-
-
-def file_edit(override: str, value: str, file_name: str) -> str | None:
-    """The edit of a DeepSpeed JSON that does what `override=value` would; None where none is known."""
-    if override in EDITS:
-        edit = EDITS[override](value)
-    elif override in DS_PATHS:
-        edit = f"set {DS_PATHS[override]} to {' or '.join(value.split('|'))}"
-    else:
-        return None
-    return f"{edit} in {file_name}" if edit else None
 
 
 def rewrite(fix: str, origins: dict[str, str], ds_file: str | None, typed: list[str]) -> str:
@@ -104,8 +88,12 @@ def _edit_for(override: str, value: str, origins: dict[str, str], ds_file: str |
     if origin is None:
         return None
     name = origin.partition(": ")[0]
-    edit = file_edit(override, value, name) if name == ds_file else None
-    return edit or change(origin)
+    edit = None
+    if name == ds_file and override in EDITS:
+        edit = EDITS[override](value)
+    elif name == ds_file and override in DS_PATHS:
+        edit = f"set {DS_PATHS[override]} to {' or '.join(value.split('|'))}"
+    return f"{edit} in {name}" if edit else change(origin)
 
 
 def change(origin: str) -> str:

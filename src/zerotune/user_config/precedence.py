@@ -79,29 +79,27 @@ class UserConfig:
     def _ds_name(self) -> str | None:
         return Path(self.deepspeed_path).name if self.deepspeed_path else None
 
-    def value_sources(self, ds: dict) -> dict[str, str]:
-        """For each top-level key of the final DeepSpeed dict: file, command line, default, or derived."""
+    def summary(self, ds: dict) -> dict:
+        """The files used, the origins of zerotune's keys, and for each top-level key of the final DeepSpeed
+        dict where its value came from: file, command line, default, or derived."""
         name = self._ds_name()
-        out = {}
+        values = {}
         for key in ds:
             if key in self.batch_origins:
-                out[key] = self.batch_origins[key]
+                values[key] = self.batch_origins[key]
             elif self.deepspeed is not None and key in self.deepspeed:
                 fillers = {self.origin_of(k) for k in DS_KEY_SOURCES.get(key, ())} - {
                     o for o in self.origins.values() if o.startswith(f"{name}:")}
-                out[key] = f"file {name}" + (f" (\"auto\" filled from: {', '.join(sorted(fillers or {'zerotune'}))})"
-                                             if _has_auto(self.deepspeed[key]) else "")
+                values[key] = f"file {name}" + (f" (\"auto\" filled from: {', '.join(sorted(fillers or {'zerotune'}))})"
+                                                if _has_auto(self.deepspeed[key]) else "")
                 if key == "zero_optimization" and set(ds[key]) - set(self.deepspeed[key]):
-                    out[key] += "; other keys: zerotune defaults"
+                    values[key] += "; other keys: zerotune defaults"
             elif key in DS_KEY_SOURCES:
-                out[key] = ", ".join(sorted({self.origin_of(k) for k in DS_KEY_SOURCES[key]}))
+                values[key] = ", ".join(sorted({self.origin_of(k) for k in DS_KEY_SOURCES[key]}))
             else:
-                out[key] = "zerotune"
-        return out
-
-    def summary(self, ds: dict) -> dict:
+                values[key] = "zerotune"
         return {"deepspeed_config_file": self.deepspeed_path, "accelerate_config": self.accelerate,
-                "origins": dict(self.origins), "values": self.value_sources(ds)}
+                "origins": dict(self.origins), "values": values}
 
 
 def typed_keys(overrides: list[str]) -> dict[str, str]:
@@ -140,9 +138,48 @@ def resolve(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int 
         user.deepspeed, user.warnings = deepspeed_file.load(user.deepspeed_path, quiet=quiet)
         for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
             _apply(cfg, s, applied, user)
-    if world_size is None:
-        world_size = launch_world_size(cfg.launch)
-    _settle_batch(cfg, user, world_size)
+    # the batch: DeepSpeed's three keys, the command line and the defaults settled together
+    world = launch_world_size(cfg.launch) if world_size is None else world_size
+    ds = user.deepspeed or {}
+    name = user._ds_name()
+
+    def known(ds_key: str, cfg_key: str) -> Known | None:
+        in_file = ds.get(ds_key)
+        line = pinned_by(user.typed, cfg_key)
+        typed_value = OmegaConf.select(cfg, cfg_key) if line else None
+        if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
+            raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
+                              f"drop `{line}` from the command line, or change {ds_key} in {name}")
+        if stated(in_file):
+            return Known(in_file, f"{name}", ds_key, name)
+        if line:
+            return Known(typed_value, "command line", cfg_key)
+        if cfg_key in user.origins:  # from an accelerate config
+            return Known(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
+        return None
+
+    micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
+    accum = known("gradient_accumulation_steps", "train.grad_accum")
+    total_in_file = ds.get("train_batch_size")
+    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
+    defaults = (Known(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
+                Known(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
+    user.batch = solve(micro, accum, total, world, *defaults)
+    procs = f"{world} process{'es' if world > 1 else ''}"
+
+    def part_origin(part: Known | None, cfg_key: str) -> str:
+        if part is not None:
+            return part.origin
+        if total is not None:
+            return f"derived: train_batch_size / (the other factor x {procs})"
+        return user.origin_of(cfg_key)
+
+    user.batch_origins = {
+        "train_batch_size": total.origin if total else f"derived: micro batch x accumulation x {procs}",
+        "train_micro_batch_size_per_gpu": part_origin(micro, "train.batch_size"),
+        "gradient_accumulation_steps": part_origin(accum, "train.grad_accum")}
+    OmegaConf.update(cfg, "train.batch_size", user.batch.micro, merge=False)
+    OmegaConf.update(cfg, "train.grad_accum", user.batch.accum, merge=False)
     return user
 
 
@@ -179,50 +216,6 @@ def _same(key: str, a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(key, x, y) for x, y in zip(a, b, strict=True))
     return a == b
-
-
-def _settle_batch(cfg: DictConfig, user: UserConfig, world: int) -> None:
-    ds = user.deepspeed or {}
-    name = Path(user.deepspeed_path).name if user.deepspeed_path else None
-
-    def known(ds_key: str, cfg_key: str) -> Known | None:
-        in_file = ds.get(ds_key)
-        line = pinned_by(user.typed, cfg_key)
-        typed_value = OmegaConf.select(cfg, cfg_key) if line else None
-        if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
-            raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
-                              f"drop `{line}` from the command line, or change {ds_key} in {name}")
-        if stated(in_file):
-            return Known(in_file, f"{name}", ds_key, name)
-        if line:
-            return Known(typed_value, "command line", cfg_key)
-        if cfg_key in user.origins:  # from an accelerate config
-            return Known(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
-        return None
-
-    micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
-    accum = known("gradient_accumulation_steps", "train.grad_accum")
-    total_in_file = ds.get("train_batch_size")
-    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
-    defaults = (Known(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
-                Known(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
-    user.batch = solve(micro, accum, total, world, *defaults)
-    procs = f"{world} process{'es' if world > 1 else ''}"
-    user.batch_origins = {
-        "train_batch_size": total.origin if total else f"derived: micro batch x accumulation x {procs}",
-        "train_micro_batch_size_per_gpu": _batch_part_origin(micro, total, "train.batch_size", user, procs),
-        "gradient_accumulation_steps": _batch_part_origin(accum, total, "train.grad_accum", user, procs)}
-    OmegaConf.update(cfg, "train.batch_size", user.batch.micro, merge=False)
-    OmegaConf.update(cfg, "train.grad_accum", user.batch.accum, merge=False)
-
-
-def _batch_part_origin(part: Known | None, total: Known | None, cfg_key: str, user: UserConfig,
-                       procs: str) -> str:
-    if part is not None:
-        return part.origin
-    if total is not None:
-        return f"derived: train_batch_size / (the other factor x {procs})"
-    return user.origin_of(cfg_key)
 
 
 def _has_auto(value: Any) -> bool:

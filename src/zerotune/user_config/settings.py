@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.ds_config.optimizers import normalize
+from zerotune.ds_config.schedulers import TYPES
 from zerotune.errors import ConfigError
 from zerotune.user_config.accelerate_config import AccelerateConfig
 
@@ -18,9 +19,8 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 
-# DeepSpeed's scheduler types, by zerotune's scheduler option names.
-SCHEDULER_NAMES = {"WarmupLR": "warmup", "WarmupDecayLR": "warmup_decay", "WarmupCosineLR": "cosine",
-                   "OneCycle": "onecycle"}
+# zerotune's scheduler option names, by DeepSpeed's scheduler types.
+SCHEDULER_NAMES = {kind: name for name, kind in TYPES.items()}
 # Optimizer params that zerotune's optimizer groups also carry.
 OPTIMIZER_PARAMS = ("lr", "betas", "eps", "weight_decay")
 # zero_optimization keys that zerotune's `deepspeed.*` knobs set.
@@ -129,15 +129,7 @@ def from_accelerate(acc: AccelerateConfig, launched_externally: bool) -> list[Se
             raise ConfigError("precision", f"{acc.origin}: mixed_precision {acc.mixed_precision!r} is not "
                               "supported by zerotune", "mixed_precision: bf16, fp16 or no")
         add("precision.name", precision, "mixed_precision")
-    if kind == "DEEPSPEED":
-        _accelerate_deepspeed(acc, add)
-    if not launched_externally:  # under `accelerate launch` the launcher has already placed the processes
-        out += _accelerate_machines(acc)
-    return out
-
-
-def _accelerate_deepspeed(acc: AccelerateConfig, add) -> None:
-    ds = acc.deepspeed
+    ds = acc.deepspeed if kind == "DEEPSPEED" else {}
     if stated(ds.get("deepspeed_config_file")) and ds["deepspeed_config_file"] != "none":
         add("deepspeed.config_file", _beside(str(ds["deepspeed_config_file"]), acc.path),
             "deepspeed_config.deepspeed_config_file")
@@ -164,11 +156,9 @@ def _accelerate_deepspeed(acc: AccelerateConfig, add) -> None:
         # whole either way and partitioned when DeepSpeed's engine takes it.
         log.warning("%s: zero3_init_flag has no effect on a diffusers U-Net (built whole, then partitioned)",
                     acc.origin)
-
-
-def _accelerate_machines(acc: AccelerateConfig) -> list[Setting]:
+    if launched_externally:  # under `accelerate launch` the launcher has already placed the processes
+        return out
     m = acc.machines
-    out = []
     nodes = int(m.get("num_machines") or 1)
     if "num_processes" in m:
         total = int(m["num_processes"])
