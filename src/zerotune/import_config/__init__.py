@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune import config_search
-from zerotune.compose import experiment_file
-from zerotune.compose import compose
+from zerotune.compose import compose, experiment_file
 from zerotune.compose.overrides import override
 from zerotune.platform import ANY_CUDA_GPU
 from zerotune.preflight import preflight
