@@ -224,7 +224,7 @@ def test_plan_only_sweep_plans_every_job(tmp_path):
 
 def test_a_plan_for_a_named_card_is_checked_as_a_config_for_that_card():
     """Lion without offload needs DeepSpeed's fused CUDA kernel: this CPU machine cannot run it, a card can."""
-    from zerotune.cli.plan import plan_one
+    from zerotune.plan.command_line import plan_one
 
     plan = plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], gpus.lookup("rtx4090"))
     assert plan["gpu_peak_mib"] > 0 and plan["fits"] is True
@@ -265,7 +265,7 @@ def own_experiments(tmp_path, monkeypatch):
 ])
 def test_the_plan_says_which_micro_batch_it_planned_and_where_it_came_from(own_experiments, overrides, value,
                                                                            source, said, file):
-    from zerotune.cli.plan import plan_one
+    from zerotune.plan.command_line import plan_one
 
     plan = plan_one([*overrides, "accelerate.config_file=null"], None)
     found = plan["micro_batch"]

@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 from zerotune.builder import form
-from zerotune.cli.plan import plan_all, plan_one
 from zerotune.plan import gpus
+from zerotune.plan.command_line import plan_all, plan_one
 from zerotune.rundir.plan import Plan, Term
 
 # One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
