@@ -33,10 +33,6 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def cache_dir() -> Path:
-    return files.cache_dir("plan")
-
-
 def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """The largest cache cpu0 sees (its last level), from sysfs; None where sysfs does not say."""
     sizes = []
@@ -77,7 +73,7 @@ def host_key(params: int) -> str:
 def seconds_per_param() -> float | None:
     """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
     params = probe_params()
-    file = cache_dir() / CACHE_FILE
+    file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
     if host_key(params) in known:

@@ -11,8 +11,8 @@ from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_by
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
-from zerotune.plan.rules import frozen_numels, numels_of, term, zero_stage
-from zerotune.plan.step_peak import MOMENTS, StepShape, gradient_terms, step_peak, step_transients
+from zerotune.plan.rules import StepShape, frozen_numels, numels_of, term, zero_stage
+from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Term
 from zerotune.schema import Config, launch_world_size
@@ -60,7 +60,7 @@ def _whole_run(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, plan: di
     on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
     if plan["device"] == "cpu":
         node = process.node_rss_prediction(plan, int(cfg.launch.num_processes), process.process_baseline_mib(),
-                                           process.parent_baseline_mib())
+                                           process.PARENT_BASELINE_MIB)
         return process.mark_process_prediction(plan, node)
     plan["phases"] = run_phases(cfg, checked, gpu, plan)
     top = run_peak(plan["phases"])

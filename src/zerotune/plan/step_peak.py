@@ -20,8 +20,6 @@ from zerotune.plan.stages import rules_for
 if TYPE_CHECKING:  # activations imports torch: the planner's callers that only read a plan need not
     from zerotune.plan.activations import Trace
 
-__all__ = ["MOMENTS", "StepShape", "gradient_terms", "moment_of", "step_peak", "step_transients", "terms_at_peak"]
-
 MOMENTS = ("forward+backward", "reduce", "step:flatten", "step:update")
 _TRACE = "fake-tensor trace of forward + backward"
 _JOINT = _TRACE + ": activations and the gradients accumulated so far, at their joint peak"
