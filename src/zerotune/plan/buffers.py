@@ -1,14 +1,10 @@
-"""DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each named with the
-place in DeepSpeed's source that allocates it (each stage's rule: stage0.py, zero12.py, zero3.py).
-
-Each term says where it lives (gpu | host: pinned host memory), whether the figure is exact or an upper
-bound (`bound`), when it exists (`lifetime`: persistent | backward | forward+backward | reduce (the
-gradient reduction that ends backward) | step:flatten | step:update (plan/step_peak.py's moments)), and, where
-the same memory is already counted as a model state, which one (`overlaps`): a planner adds only the
-terms without `overlaps`. Sizes follow DeepSpeed's: only the optimizer's (trainable) parameters are
-flattened, bucketed, staged and stepped; with an adapter the frozen base U-Net counts only where stage 3
-gathers every module parameter for forward and backward. Nothing here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator
-allocates the "GPU" buffers in host memory too); the rules are read from the source.
+"""DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each a Term (rules.buffer_term:
+where it lives, exact or an upper bound, its lifetime, its source, the model state it `overlaps`: a planner adds
+only the terms without one) from its stage's rule (stage0.py, zero12.py, zero3.py). Sizes follow DeepSpeed's:
+only the optimizer's (trainable) parameters are flattened, bucketed, staged and stepped; with an adapter the
+frozen base U-Net counts only where stage 3 gathers every module parameter for forward and backward. Nothing
+here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator allocates the "GPU" buffers in host
+memory too); the rules are read from the source.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import re
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from zerotune import files
@@ -46,12 +47,8 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
     return max(sizes) if sizes else None
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
+def available_bytes() -> int:
+    return int(psutil.virtual_memory().available)  # /proc/meminfo's MemAvailable on Linux
 
 
 def probe_params(llc_bytes: int | None = None, avail_bytes: int | None = None) -> int:

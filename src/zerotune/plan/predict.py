@@ -15,7 +15,7 @@ from zerotune.plan.rules import StepShape, frozen_numels, numels_of, term, zero_
 from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Term
-from zerotune.schema import Config, launch_world_size
+from zerotune.schema import launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
 
 
@@ -45,20 +45,26 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
         ds, numels, world, precision, 0, use_ds, train).items()]
+    host_peak, load = _host_peak(checked, host_terms, stage, world)
+    per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
     plan = {"workload": _workload(checked, world, stage, shape.offloaded), "device": device,
             "trainable_params": checked.model_stats.num_trainable, "frozen_params": checked.model_stats.num_frozen,
             "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
-            "trace": {"key": trace.key, "seconds": trace.seconds}}
-    plan.update(_memory(cfg, checked, gpu, device, step_terms, host_terms, states, stage, world,
-                        param_blocks(numels, stage, precision, use_ds, states, train)))
-    plan.update(_times(gpu, trace, states, ds, precision))
-    return _whole_run(cfg, checked, gpu, plan)
-
-
-def _whole_run(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
-    """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
-    on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
-    if plan["device"] == "cpu":
+            "trace": {"key": trace.key, "seconds": trace.seconds}, "host_peak_mib": per_node * host_peak,
+            "host_terms": [*host_terms, load], "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms),
+            "nvme_terms": nvme_terms}
+    if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
+        pool = step_terms + host_terms
+        peak, moment = step_peak(pool)
+        plan.update({"gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool})
+    else:
+        gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
+        peak, moment = step_peak(gpu_terms)
+        plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
+    plan.update({"step_peak_mib": peak, "step_peak_moment": moment, **_times(gpu, trace, states, ds, precision)})
+    # Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
+    # on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved).
+    if device == "cpu":
         node = process.node_rss_prediction(plan, int(cfg.launch.num_processes), process.process_baseline_mib(),
                                            process.PARENT_BASELINE_MIB)
         return process.mark_process_prediction(plan, node)
@@ -95,24 +101,6 @@ def _step_terms(states: dict, lifetimes: dict, buffer_bytes: dict, trace: Trace,
 
 # buffers.py's lifetimes -> step_peak.py's moments
 _MOMENT = {"backward": "forward+backward", **{m: m for m in MOMENTS}}
-
-
-def _memory(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
-            states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
-    host_peak, load = _host_peak(checked, host_terms, stage, world)
-    per_node = int(cfg.launch.num_processes)
-    nvme_terms = _state_terms(states, "nvme")
-    out = {"host_peak_mib": per_node * host_peak, "host_terms": [*host_terms, load],
-           "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms), "nvme_terms": nvme_terms}
-    if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
-        pool = step_terms + host_terms
-        peak, moment = step_peak(pool)
-        return {**out, "gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool,
-                "step_peak_mib": peak, "step_peak_moment": moment}
-    gpu_terms = _cuda_terms(gpu, blocks) + step_terms
-    peak, moment = step_peak(gpu_terms)
-    return {**out, "gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib,
-            "step_peak_mib": peak, "step_peak_moment": moment}
 
 
 def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dict]:
@@ -165,22 +153,18 @@ def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> 
             f"trained, {stats.num_frozen:,} frozen")
 
 
-_STATES = (("params", "params", "params_bytes"), ("grads", "grads", "grads_bytes"),
-           ("master_weights", "master_weights", "master_weights_bytes"),
-           ("optimizer_states", "optimizer_state", "optimizer_state_bytes"))
-
-
 def _state_terms(states: dict, place: str) -> list[dict]:
     """The model states that live in `place` (gpu | host | nvme), as model_states.py places them."""
     terms = []
-    for name, where_key, key in _STATES:
-        if name == "master_weights" and states.get("master_weights_alias_params"):
+    for key in ("params", "grads", "master_weights", "optimizer_state"):
+        if key == "master_weights" and states.get("master_weights_alias_params"):
             continue  # fp32 ZeRO-3 without offload: the partitions are the parameters themselves
-        nbytes = states[key]
-        if name == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
+        nbytes = states[f"{key}_bytes"]
+        if key == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
             nbytes -= states.get("params_persistent_bytes") or 0
-        if states["where"][where_key] == place and nbytes:
-            terms.append(term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
+        if states["where"][key] == place and nbytes:
+            name = "optimizer_states" if key == "optimizer_state" else key
+            terms.append(term(name, nbytes, f"{states['elem_bytes'][key]} B/element"))
     return terms
 
 
