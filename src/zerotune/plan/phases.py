@@ -66,15 +66,11 @@ def _carry(phases: list[dict]) -> list[dict]:
     return phases
 
 
-def _cache_device_is_gpu(cfg: Config, gpu: GPU | None) -> bool:
-    choice = str(cfg.data.cache_device)
-    return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
-
-
 def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
     """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
-    if cfg.data.name != "folder" or not _cache_device_is_gpu(cfg, gpu):
+    device = str(cfg.data.cache_device)
+    if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
     found = encoders.configs(cfg.model)
     if found is None:
