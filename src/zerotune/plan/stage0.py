@@ -1,5 +1,5 @@
-"""Plain accelerate and ZeRO-0: nothing is partitioned. Every rule of these two in one place: the model states,
-DeepSpeed's gradient all-reduce bucket, the step's fp32 gradient copies, and the loading phase."""
+"""Plain accelerate and ZeRO-0's rules: nothing is partitioned; DeepSpeed adds its gradient all-reduce bucket and
+the step's fp32 gradient copies."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""ZeRO-1 and ZeRO-2 (DeepSpeed 0.19.8's runtime/zero/stage_1_and_2.py): the optimizer's parameters form one
-flat group padded to 2 x world size, each rank owning `flat // world` elements of it. Every rule of these stages
-in one place: the model states, DeepSpeed's buffers, the step's flattened gradients, and the loading phase."""
+"""ZeRO-1 and ZeRO-2's rules (DeepSpeed 0.19.8's runtime/zero/stage_1_and_2.py): the optimizer's parameters form
+one flat group padded to 2 x world size, each rank owning `flat // world` elements of it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""ZeRO-3 (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py): each
-module parameter is padded to a multiple of the world size and split evenly. Every rule of this stage in one
-place: the model states, DeepSpeed's buffers (offload and NVMe swap included), the step's fp32 sub-group, and
-the loading phase."""
+"""ZeRO-3's rules (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py):
+each module parameter is padded to a multiple of the world size and split evenly."""
 
 from __future__ import annotations
 
