@@ -11,18 +11,12 @@ from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_by
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
-from zerotune.plan.rules import StepShape, frozen_numels, numels_of, term, zero_stage
+from zerotune.plan.rules import StepShape, frozen_numels, numels_of, offload_devices, term, zero_stage
 from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Term
 from zerotune.schema import launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
-
-
-def _offload(ds: dict) -> tuple[str, str]:
-    zero = ds.get("zero_optimization", {})
-    return ((zero.get("offload_optimizer") or {}).get("device", "none"),
-            (zero.get("offload_param") or {}).get("device", "none"))
 
 
 def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
@@ -115,7 +109,7 @@ def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dic
 
 
 def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str) -> dict:
-    opt_device, param_device = _offload(ds)
+    opt_device, param_device = offload_devices(ds)
     flops = (trace.forward_flops + trace.backward_flops) * int(ds["gradient_accumulation_steps"])
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
     terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
@@ -145,7 +139,7 @@ def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> 
     cfg, ds, stats, adapter = checked.config, checked.ds_config, checked.model_stats, checked.config.adapter
     words = (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
              f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
-             f"{_offload(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
+             f"{offload_devices(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
              f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
     if adapter is None or adapter.name == "none":
         return words

@@ -85,6 +85,13 @@ def offload_device(block: Any) -> str:
     return "none" if device is None else str(getattr(device, "value", device))
 
 
+def offload_devices(ds: dict) -> tuple[str, str]:
+    """(optimizer, parameters) offload devices as the dict names them: none | cpu | nvme."""
+    zero = ds.get("zero_optimization", {})
+    return ((zero.get("offload_optimizer") or {}).get("device", "none"),
+            (zero.get("offload_param") or {}).get("device", "none"))
+
+
 def place(device: str) -> str:
     """Where an offload device puts a tensor: cpu -> host memory; nvme -> swap files (pinned host buffers)."""
     return {"none": "gpu", "cpu": "host"}.get(device, device)

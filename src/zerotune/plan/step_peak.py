@@ -44,8 +44,7 @@ def terms_at_peak(terms: list[dict], moment: str) -> list[dict]:
 
 def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
     """The gradients and the activations, as each stage holds them."""
-    deepspeed = shape.use_deepspeed
-    if not deepspeed or shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
+    if not shape.use_deepspeed or shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
         return [term("activations_and_grads", trace.activation_and_grad_peak_bytes, _JOINT, "forward+backward"),
                 *(term("grads", grads_bytes, "param.grad", m) for m in ("reduce", "step:flatten", "step:update"))]
     if shape.offloaded or shape.stage == 3:  # reduced into pinned host buffers, or ZeRO-3's flat partition

@@ -14,6 +14,7 @@ from zerotune.plan.rules import (
     buffer_term,
     module_blocks,
     offload_device,
+    offload_devices,
     optimizer_kind,
     optimizer_state,
     state_mib,
@@ -142,7 +143,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     flat = sum(sizes) - sum(frozen)
     separate = allocator.reserved_bytes(sizes)
     on_gpu = gpu is None or (gpu.memory_mib - sum(t["mib"] for t in base)) * MIB - separate >= flat
-    offload = (checked.ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none")
+    offload = offload_devices(checked.ds_config)[0]
     master = state_mib(plan, "master_weights") * MIB
     clone = 0 if (elem == 4 and offload == "none") else allocator.reserved_bytes([-(-flat // world)])
     where = "no card named: taken as fitting" if gpu is None else f"{gpu.name} holds it"
