@@ -19,7 +19,7 @@ import pytest
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
 from tests.helpers.cli import ROOT, compose_cfg
 from zerotune.models import _from_config, model_stats
-from zerotune.plan.buffers import buffer_terms, deepspeed_buffer_bytes, gpu_buffer_bytes, host_buffer_bytes
+from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.model_states import model_state_bytes, param_numels
 from zerotune.plan.zero3 import stage3_partition_numel, stage3_sub_groups
 from zerotune.plan.zero12 import zero12_flat
@@ -113,28 +113,27 @@ def test_other_optimizers_state_counts():
 
 
 def test_buffers_name_their_source_and_overlaps():
-    terms = {t["name"]: t for t in buffer_terms(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2)}
-    assert terms["ipg_bucket"]["bytes"] == 2 * 100 * 4 and "setup_buckets" in terms["ipg_bucket"]["source"]
-    assert terms["flat_group_padding"]["bytes"] == 0
+    terms = {t.term: t for t in buffer_terms(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2)}
+    assert terms["ipg_bucket"].nbytes == 2 * 100 * 4 and "setup_buckets" in terms["ipg_bucket"].note
+    assert terms["flat_group_padding"].nbytes == 0
     # partition 8: rank 0 holds params 0-1 (9 elements), rank 1 params 1-2 (13): whole tensors
-    assert terms["contiguous_gradients"]["bytes"] == 13 * 4 and terms["contiguous_gradients"]["overlaps"]
+    assert terms["contiguous_gradients"].nbytes == 13 * 4 and terms["contiguous_gradients"].overlaps
     gpu = gpu_buffer_bytes(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
-    assert gpu["contiguous_gradients"] == 4 and gpu == deepspeed_buffer_bytes(
-        ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
+    assert gpu["contiguous_gradients"] == 4
     host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), ODD, 2)
     assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28}
     offload_gpu = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), ODD, 2)
     # the largest parameter (7 elements) in the model dtype for staging, and cast to fp64 for its norm
     assert offload_gpu["offload_temp_grad_gpu"] == 7 * 4 and offload_gpu["offload_grad_norm_fp64"] == 7 * 8
     assert "offload_grad_norm_fp64" not in gpu_buffer_bytes(ds(2, reduce_bucket_size=100), ODD, 2)
-    z3 = {t["name"]: t for t in buffer_terms(ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
-                                                 stage3_param_persistence_threshold=0), ODD, 2)}
-    assert z3["ipg_bucket"]["bytes"] == 400 and z3["stage3_live_params"]["bytes"] == 10 * 4
+    z3 = {t.term: t for t in buffer_terms(ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
+                                              stage3_param_persistence_threshold=0), ODD, 2)}
+    assert z3["ipg_bucket"].nbytes == 400 and z3["stage3_live_params"].nbytes == 10 * 4
     # gathered tensors are padded: 2 + 3 + 4 partitions x 2 ranks = 18 elements, under the 50M prefetch
-    assert z3["stage3_prefetch_bucket"]["bytes"] == 18 * 4 and z3["stage3_prefetch_bucket"]["overlaps"]
-    assert all(t["source"].startswith("runtime/") for t in z3.values())
-    assert buffer_terms(ds(0), ODD, 2)[0]["bytes"] == 15 * 4  # stage 0: one flat copy of the gradients
-    assert deepspeed_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {}
+    assert z3["stage3_prefetch_bucket"].nbytes == 18 * 4 and z3["stage3_prefetch_bucket"].overlaps
+    assert all(t.note.startswith("runtime/") for t in z3.values())
+    assert buffer_terms(ds(0), ODD, 2)[0].nbytes == 15 * 4  # stage 0: one flat copy of the gradients
+    assert gpu_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {}
     with pytest.raises(ValueError, match="disagrees"):
         buffer_terms(ds(2), ODD, 2, "bf16")
 
@@ -174,13 +173,13 @@ def test_buffers_follow_the_optimizers_parameters():
     host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
     assert host == {"offload_fp32_grad_partition": 24, "offload_bit16_param_partition": 24,
                     "offload_temp_grad_host": 20}
-    assert buffer_terms(ds(0), MIXED, 2, trainable_numels=TRAINED)[0]["bytes"] == 9 * 4
-    z3 = {t["name"]: t for t in buffer_terms(ds(3, "cpu", reduce_bucket_size=100,
-                                                 stage3_param_persistence_threshold=0), MIXED, 2,
-                                             trainable_numels=TRAINED)}
+    assert buffer_terms(ds(0), MIXED, 2, trainable_numels=TRAINED)[0].nbytes == 9 * 4
+    z3 = {t.term: t for t in buffer_terms(ds(3, "cpu", reduce_bucket_size=100,
+                                              stage3_param_persistence_threshold=0), MIXED, 2,
+                                          trainable_numels=TRAINED)}
     # forward and backward gather every parameter, frozen ones too: (2+3+4+2) x 2 ranks
-    assert z3["stage3_prefetch_bucket"]["bytes"] == 22 * 4
-    assert z3["offload_fp32_grad_partition"]["bytes"] == 5 * 4  # the trained partitions only
+    assert z3["stage3_prefetch_bucket"].nbytes == 22 * 4
+    assert z3["offload_fp32_grad_partition"].nbytes == 5 * 4  # the trained partitions only
 
 
 def test_the_meta_build_counts_the_adapter():

@@ -26,7 +26,6 @@ import bisect
 import hashlib
 import itertools
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -86,10 +85,14 @@ def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
     # The run's own adapter block all the way down: each step reads its settings from it.
     key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg)
+    file = cache_dir() / f"trace-{key}.json"
     if key not in _TRACES:
-        _TRACES[key] = _read_cached(key) or _write_cached(
-            _trace(model_cfg, cast("tuple[int, int, int]", tuple(latent_shape)), batch, precision,
-                   gradient_checkpointing, attention, key, adapter_cfg))
+        try:
+            _TRACES[key] = Trace(**files.read_json(file))  # type: ignore[arg-type]
+        except TypeError:  # absent, or unreadable (a partial write): trace again
+            _TRACES[key] = _trace(model_cfg, cast("tuple[int, int, int]", tuple(latent_shape)), batch, precision,
+                                  gradient_checkpointing, attention, key, adapter_cfg)
+            files.write_cached_json(file, asdict(_TRACES[key]))
     return _TRACES[key]
 
 
@@ -112,23 +115,6 @@ def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, 
 
 def cache_dir() -> Path:
     return files.cache_dir("plan")
-
-
-def _read_cached(key: str) -> Trace | None:
-    file = cache_dir() / f"trace-{key}.json"
-    try:
-        return Trace(**json.loads(file.read_text()))
-    except (OSError, ValueError, TypeError):  # absent, or unreadable (a partial write): trace again
-        return None
-
-
-def _write_cached(trace: Trace) -> Trace:
-    file = cache_dir() / f"trace-{trace.key}.json"
-    file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(asdict(trace), indent=1))
-    partial.replace(file)  # atomic: a concurrent reader sees the whole file or none
-    return trace
 
 
 def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,

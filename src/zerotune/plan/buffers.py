@@ -1,34 +1,23 @@
-"""DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each named with the
-place in DeepSpeed's source that allocates it (each stage's rule: stage0.py, zero12.py, zero3.py).
-
-Each term says where it lives (gpu | host: pinned host memory), whether the figure is exact or an upper
-bound (`bound`), when it exists (`lifetime`: persistent | backward | forward+backward | reduce (the
-gradient reduction that ends backward) | step:flatten | step:update (plan/step_peak.py's moments)), and, where
-the same memory is already counted as a model state, which one (`overlaps`): a planner adds only the
-terms without `overlaps`. Sizes follow DeepSpeed's: only the optimizer's (trainable) parameters are
-flattened, bucketed, staged and stepped; with an adapter the frozen base U-Net counts only where stage 3
-gathers every module parameter for forward and backward. Nothing here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator
-allocates the "GPU" buffers in host memory too); the rules are read from the source.
+"""DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each a Term (rules.buffer_term:
+where it lives, exact or an upper bound, its lifetime, its source, the model state it `overlaps`: a planner adds
+only the terms without one) from its stage's rule (stage0.py, zero12.py, zero3.py). Sizes follow DeepSpeed's:
+only the optimizer's (trainable) parameters are flattened, bucketed, staged and stepped; with an adapter the
+frozen base U-Net counts only where stage 3 gathers every module parameter for forward and backward. Nothing
+here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator allocates the "GPU" buffers in host
+memory too); the rules are read from the source.
 """
 
 from __future__ import annotations
 
 from zerotune.plan.model_states import model_state_bytes
-from zerotune.plan.rules import precision_of, trainable_or_all, zero_config
+from zerotune.plan.rules import numels_of, precision_of, zero_config
 from zerotune.plan.stages import rules_for
-from zerotune.plan.zero12 import zero12_flat
 from zerotune.rundir.plan import Term
-
-
-def _as_dict(t: Term) -> dict:
-    """A buffer as this module's answers spell it."""
-    return {"name": t.term, "bytes": t.nbytes, "where": t.where, "bound": t.bound, "lifetime": t.moment,
-            "source": t.note, "overlaps": t.overlaps}
 
 
 def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                  rank: int | None = None, use_deepspeed: bool = True,
-                 trainable_numels: list[int] | None = None) -> list[dict]:
+                 trainable_numels: list[int] | None = None) -> list[Term]:
     """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
     over ranks where ranks differ. Plain accelerate has none of DeepSpeed's (torch DDP's are its own).
     `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
@@ -37,10 +26,20 @@ def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, prec
     prec, zero = precision_of(ds_config), zero_config(ds_config)
     if precision is not None and precision != prec.name:
         raise ValueError(f"precision {precision!r} disagrees with the DeepSpeed dict's {prec.name!r}")
-    numels = [int(n) for n in param_numels]
-    train = trainable_or_all(numels, trainable_numels)
-    return [_as_dict(t) for t in rules_for(int(zero.stage)).buffers(ds_config, numels, train, world_size, rank, prec,
-                                                                      zero)]
+    numels, train = numels_of(param_numels, trainable_numels)
+    return rules_for(int(zero.stage)).buffers(ds_config, numels, train, world_size, rank, prec, zero)
+
+
+def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: int, precision: str | None,
+            rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None) -> tuple[dict, list[Term], int]:
+    """({name: bytes} of the buffers in `where` that overlap no model state, those sharing the gradients' memory,
+    the gradients' bytes)."""
+    terms = [t for t in buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                     trainable_numels) if t.where == where]
+    wider = [t for t in terms if t.overlaps == "grads_bytes"]
+    grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
+                              trainable_numels)["grads_bytes"] if wider else 0
+    return {t.term: t.nbytes for t in terms if not t.overlaps}, wider, grads
 
 
 def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
@@ -48,30 +47,16 @@ def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, 
                      trainable_numels: list[int] | None = None) -> dict:
     """{name: bytes} of the GPU buffers a planner adds to the model states (overlapping terms left out;
     the stage-2 contiguous-gradients buffer counts only what it holds beyond the gradient partition)."""
-    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
-    out = {t["name"]: t["bytes"] for t in terms if t["where"] == "gpu" and not t["overlaps"]}
-    for t in terms:
-        if t["name"] == "contiguous_gradients":
-            part = zero12_flat(trainable_or_all(param_numels, trainable_numels), world_size,
-                               zero_config(ds_config).parameter_alignment, precision_of(ds_config).param) // world_size
-            out[t["name"]] = max(0, t["bytes"] - part * precision_of(ds_config).param)
-    return out
+    out, wider, grads = _placed("gpu", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                trainable_numels)
+    return {**out, **{t.term: max(0, t.nbytes - grads) for t in wider}}
 
 
 def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                       rank: int | None = None, use_deepspeed: bool = True,
                       trainable_numels: list[int] | None = None) -> dict:
     """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
-    terms = buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed, trainable_numels)
-    out = {t["name"]: t["bytes"] for t in terms if t["where"] == "host" and not t["overlaps"]}
+    out, wider, grads = _placed("host", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                trainable_numels)
     # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype: the excess counts
-    wider = [t for t in terms if t["where"] == "host" and t["overlaps"] == "grads_bytes"]
-    if wider:
-        grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
-                                  trainable_numels)["grads_bytes"]
-        out.update({t["name"] + "_beyond_grads": t["bytes"] - grads for t in wider if t["bytes"] > grads})
-    return out
-
-
-# Its former name: the GPU buffers a planner adds to the model states.
-deepspeed_buffer_bytes = gpu_buffer_bytes
+    return {**out, **{t.term + "_beyond_grads": t.nbytes - grads for t in wider if t.nbytes > grads}}

@@ -18,6 +18,7 @@ import re
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from zerotune import files
@@ -33,10 +34,6 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
 
-def cache_dir() -> Path:
-    return files.cache_dir("plan")
-
-
 def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
     """The largest cache cpu0 sees (its last level), from sysfs; None where sysfs does not say."""
     sizes = []
@@ -50,12 +47,8 @@ def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cach
     return max(sizes) if sizes else None
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    try:
-        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) * 1024 if match else None
+def available_bytes() -> int:
+    return int(psutil.virtual_memory().available)  # /proc/meminfo's MemAvailable on Linux
 
 
 def probe_params(llc_bytes: int | None = None, avail_bytes: int | None = None) -> int:
@@ -77,7 +70,7 @@ def host_key(params: int) -> str:
 def seconds_per_param() -> float | None:
     """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
     params = probe_params()
-    file = cache_dir() / CACHE_FILE
+    file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
     if host_key(params) in known:

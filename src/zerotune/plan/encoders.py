@@ -79,19 +79,21 @@ def trace_encoders(archs: dict, image_hw: tuple[int, int], image_batch: int, tex
     """{"params": {name: [bytes per parameter tensor, fp32]}, "vae_peak": B, "text_peak": B, "seconds"}: the
     activation peaks (inputs, outputs and temporaries beyond the parameters) of one cache batch."""
     what = [archs, list(image_hw), image_batch, text_batch, seq_len, torch.__version__, FORMAT]
-    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _cached("encoders-", what, lambda: _trace(archs, image_hw, image_batch, text_batch, seq_len))
+
+
+def _cached(prefix: str, what: list, make: Callable[[], dict]) -> dict:
+    """`make()`'s answer for `what`, from this process, else <cache>/plan/<prefix><hash of what>.json, else made
+    and written there."""
+    key = prefix + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     if key not in _CACHE:
-        file = files.cache_dir("plan") / f"encoders-{key}.json"
-        _CACHE[key] = files.read_json(file) or _write(file, _trace(archs, image_hw, image_batch, text_batch, seq_len))
+        file = files.cache_dir("plan") / f"{key}.json"
+        found = files.read_json(file)
+        if found is None:
+            found = make()
+            files.write_cached_json(file, found)
+        _CACHE[key] = found
     return _CACHE[key]
-
-
-def _write(file: Path, found: dict) -> dict:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    partial = file.with_suffix(".tmp")
-    partial.write_text(json.dumps(found))
-    partial.replace(file)
-    return found
 
 
 def _meta_models(archs: dict) -> dict:
@@ -159,14 +161,9 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
     from zerotune.models import adapter, unet_config
     from zerotune.plan.activations import _meta_unet
 
+    def count() -> dict:
+        unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
+        return {"numel": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())}
+
     what = [unet_config(model_cfg), adapter.settings(adapter_cfg), torch.__version__, FORMAT]
-    key = "modules-" + hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    file = files.cache_dir("plan") / f"{key}.json"
-    if key not in _CACHE:
-        found = files.read_json(file)
-        if found is None:
-            unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
-            found = _write(file, {"numel": max(sum(p.numel() for p in m.parameters(recurse=False))
-                                               for m in unet.modules())})
-        _CACHE[key] = found
-    return int(_CACHE[key]["numel"])
+    return int(_cached("modules-", what, count)["numel"])

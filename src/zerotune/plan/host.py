@@ -7,7 +7,7 @@ puts on the host. Elsewhere the host holds the host terms alone.
 
 from __future__ import annotations
 
-from zerotune.rundir.plan import PERSISTENT, Plan, Term
+from zerotune.rundir.plan import Plan, at_peak
 
 CUDA_ONLY = ("cuda_context", "cublas_workspace", "allocator_rounding")
 MODEL_LOAD = "model_load"
@@ -15,19 +15,15 @@ MODEL_LOAD = "model_load"
 STATE_TERMS = ("params", "params_persistent", "grads", "master_weights", "optimizer_states", "ema")
 
 
-def _at_peak(terms: tuple[Term, ...], moment: str | None) -> list[Term]:
-    return [t for t in terms if t.held_in in (PERSISTENT, moment or "")]
-
-
 def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
     """{term: MiB} one rank holds in host memory at its training peak (the fp32 build, before, is apart)."""
     found = Plan.from_dict(plan) or Plan()
     terms: dict[str, float] = {}
     if found.device == "cpu":  # --device cpu: one pool already, at the step's largest moment
-        held = _at_peak(found.step_terms, found.step_peak_moment)
+        held = at_peak(found.step_terms, found.step_peak_moment)
     else:
         device = found.gpu_terms if accelerator == "cpu" else ()
-        held = [*_at_peak(device, found.step_peak_moment), *found.host_terms]
+        held = [*at_peak(device, found.step_peak_moment), *found.host_terms]
     for term in held:
         if term.term in CUDA_ONLY or term.term == MODEL_LOAD:
             continue

@@ -23,7 +23,9 @@ from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
 from zerotune.plan.rules import state_mib, term, zero_stage
 from zerotune.plan.stages import rules_for
+from zerotune.plan.step_peak import moment_of, terms_at_peak
 from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import PERSISTENT
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
 
@@ -38,15 +40,11 @@ def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
     before = base if caching else [t for t in base if t["term"] == "cuda_context"]
-    found = [_adapter_injection(cfg, checked, plan, before), caching, _loading(cfg, checked, gpu, plan, before),
-             _step(plan),
+    # loading: DeepSpeed's engine and ZeRO optimizer take the U-Net, each stage's own rule (stage0, zero12, zero3)
+    found = [_adapter_injection(cfg, checked, plan, before), caching,
+             rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, before), _step(plan),
              _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
     return _carry([p for p in found if p is not None])
-
-
-def _loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
-    """DeepSpeed's engine and ZeRO optimizer take the U-Net: each stage's own rule (stage0, zero12, zero3)."""
-    return rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, base)
 
 
 def run_peak(phases: list[dict]) -> dict:
@@ -68,15 +66,11 @@ def _carry(phases: list[dict]) -> list[dict]:
     return phases
 
 
-def _cache_device_is_gpu(cfg: Config, gpu: GPU | None) -> bool:
-    choice = str(cfg.data.cache_device)
-    return choice.startswith("cuda") or (choice == "auto" and gpu is not None)
-
-
 def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
     """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
-    if cfg.data.name != "folder" or not _cache_device_is_gpu(cfg, gpu):
+    device = str(cfg.data.cache_device)
+    if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
     found = encoders.configs(cfg.model)
     if found is None:
@@ -129,7 +123,7 @@ def _step(plan: dict) -> dict:
     """What the step holds throughout and at its largest moment (plan/step_peak.py): its terms add up."""
     moment = plan["step_peak_moment"]
     return {"phase": "step", "peak_mib": plan["gpu_peak_mib"],
-            "terms": [t for t in plan["gpu_terms"] if t.get("moment", "persistent") in ("persistent", moment)],
+            "terms": terms_at_peak(plan["gpu_terms"], moment),
             "source": f"the step's prediction (plan/predict.py gpu_terms), at its largest moment: {moment}"}
 
 
@@ -137,7 +131,7 @@ def _live_states(plan: dict) -> list[dict]:
     """What stays allocated after a step: the model states and the parameters' rounding (activations and the
     step's transients are freed, their blocks reserved)."""
     keep = ("params", "grads", "master_weights", "optimizer_states", "params_persistent", "allocator_rounding")
-    return [t for t in plan["gpu_terms"] if t["term"] in keep and t.get("moment", "persistent") == "persistent"]
+    return [t for t in plan["gpu_terms"] if t["term"] in keep and moment_of(t) == PERSISTENT]
 
 
 def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:

@@ -11,56 +11,56 @@ from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_by
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases
-from zerotune.plan.rules import frozen_numels, term
-from zerotune.plan.step_peak import StepShape, gradient_terms, step_peak, step_transients
+from zerotune.plan.rules import StepShape, frozen_numels, numels_of, offload_devices, term, zero_stage
+from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import Term
-from zerotune.schema import Adapter, Config, launch_world_size
+from zerotune.rundir.plan import PERSISTENT, Term
+from zerotune.schema import launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
-
-
-def _offload(ds: dict) -> tuple[str, str]:
-    zero = ds.get("zero_optimization", {})
-    return ((zero.get("offload_optimizer") or {}).get("device", "none"),
-            (zero.get("offload_param") or {}).get("device", "none"))
 
 
 def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
     """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
-    cfg = checked.config
-    ds, world = checked.ds_config, launch_world_size(cfg.launch)
-    use_ds = checked.use_deepspeed
-    stage = int(ds["zero_optimization"]["stage"]) if use_ds else 0
-    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), cfg.precision.name,
-                       bool(cfg.train.gradient_checkpointing), str(cfg.model.attention),
-                       cfg.adapter)
-    numels, train = _numels(checked)
+    cfg, ds, use_ds, stage = checked.config, checked.ds_config, checked.use_deepspeed, zero_stage(checked)
+    world, precision = launch_world_size(cfg.launch), cfg.precision.name
+    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
+                       bool(cfg.train.gradient_checkpointing), str(cfg.model.attention), cfg.adapter)
+    numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     states = model_state_bytes(numels, ds, world, 0, use_ds, train)
-    buffers = buffer_terms(ds, numels, world, cfg.precision.name, 0, use_ds, train)
+    lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train)}
     shape = _step_shape(states, stage, use_ds, train, device)
-    step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, cfg.precision.name, 0, use_ds,
-                                                                train), trace, shape)
-    host_terms = _host_terms(cfg, checked, states) + [
-        term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
-            ds, numels, world, cfg.precision.name, 0, use_ds, train).items()]
-    plan = {"workload": _workload(cfg, ds, world, stage, shape.offloaded) + _adapter_words(cfg.adapter, checked),
-            "device": device, "trainable_params": checked.model_stats.num_trainable,
-            "frozen_params": checked.model_stats.num_frozen, "gpu": gpu.as_dict() if gpu else None,
-            "world_size": world, "rank": 0, "trace": {"key": trace.key, "seconds": trace.seconds}}
-    plan.update(_memory(cfg, checked, gpu, device, step_terms, host_terms, states, stage, world,
-                        param_blocks(numels, stage, cfg.precision.name, use_ds, states, train)))
-    plan.update(_times(gpu, trace, states, ds, cfg.precision.name))
-    return _whole_run(cfg, checked, gpu, plan)
-
-
-def _whole_run(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, plan: dict) -> dict:
-    """Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
-    on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved)."""
-    if plan["device"] == "cpu":
+    step_terms = _step_terms(states, lifetimes, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train),
+                             trace, shape)
+    host_terms = _state_terms(states, "host")
+    if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
+        host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
+                               "fp32 copy of the trained parameters, rank 0"))
+    host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
+        ds, numels, world, precision, 0, use_ds, train).items()]
+    host_peak, load = _host_peak(checked, host_terms, stage, world)
+    per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
+    plan = {"workload": _workload(checked, world, stage, shape.offloaded), "device": device,
+            "trainable_params": checked.model_stats.num_trainable, "frozen_params": checked.model_stats.num_frozen,
+            "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
+            "trace": {"key": trace.key, "seconds": trace.seconds}, "host_peak_mib": per_node * host_peak,
+            "host_terms": [*host_terms, load], "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms),
+            "nvme_terms": nvme_terms}
+    if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
+        pool = step_terms + host_terms
+        peak, moment = step_peak(pool)
+        plan.update({"gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool})
+    else:
+        gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
+        peak, moment = step_peak(gpu_terms)
+        plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
+    plan.update({"step_peak_mib": peak, "step_peak_moment": moment, **_times(gpu, trace, states, ds, precision)})
+    # Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
+    # on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved).
+    if device == "cpu":
         node = process.node_rss_prediction(plan, int(cfg.launch.num_processes), process.process_baseline_mib(),
-                                           process.parent_baseline_mib())
+                                           process.PARENT_BASELINE_MIB)
         return process.mark_process_prediction(plan, node)
     plan["phases"] = run_phases(cfg, checked, gpu, plan)
     top = run_peak(plan["phases"])
@@ -80,7 +80,7 @@ def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device
                      part if use_ds and stage else sum(train), largest, device)
 
 
-def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace: Trace, shape: StepShape) -> list[dict]:
+def _step_terms(states: dict, lifetimes: dict, buffer_bytes: dict, trace: Trace, shape: StepShape) -> list[dict]:
     """Every term the device holds during the step, each with its moment (step_peak.py)."""
     terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
@@ -88,33 +88,13 @@ def _step_terms(states: dict, buffers: list[dict], buffer_bytes: dict, trace: Tr
     if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
         terms.append(term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
     terms += gradient_terms(shape, states["grads_bytes"], trace)
-    lifetimes = {b["name"]: b["lifetime"] for b in buffers}
-    terms += [{**term(f"deepspeed:{name}", nbytes), "moment": _MOMENT.get(lifetimes[name], "persistent")}
+    terms += [term(f"deepspeed:{name}", nbytes, moment=_MOMENT.get(lifetimes[name], PERSISTENT))
               for name, nbytes in buffer_bytes.items()]
     return terms + step_transients(shape)
 
 
 # buffers.py's lifetimes -> step_peak.py's moments
-_MOMENT = {"backward": "forward+backward", "forward+backward": "forward+backward", "reduce": "reduce",
-           "step:flatten": "step:flatten", "step:update": "step:update"}
-
-
-def _memory(cfg: Config, checked: ResolvedRun, gpu: gpus.GPU | None, device: str, step_terms: list[dict], host_terms: list[dict],
-            states: dict, stage: int, world: int, blocks: tuple[list[int], str]) -> dict:
-    host_peak, load = _host_peak(cfg, checked, host_terms, stage, world, cfg.precision.name)
-    per_node = int(cfg.launch.num_processes)
-    nvme_terms = _state_terms(states, "nvme")
-    out = {"host_peak_mib": per_node * host_peak, "host_terms": [*host_terms, load],
-           "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms), "nvme_terms": nvme_terms}
-    if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
-        pool = step_terms + host_terms
-        peak, moment = step_peak(pool)
-        return {**out, "gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool,
-                "step_peak_mib": peak, "step_peak_moment": moment}
-    gpu_terms = _cuda_terms(gpu, blocks) + step_terms
-    peak, moment = step_peak(gpu_terms)
-    return {**out, "gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib,
-            "step_peak_mib": peak, "step_peak_moment": moment}
+_MOMENT = {"backward": "forward+backward", **{m: m for m in MOMENTS}}
 
 
 def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dict]:
@@ -129,52 +109,56 @@ def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dic
 
 
 def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str) -> dict:
-    opt_device, param_device = _offload(ds)
-    time_terms = _time_terms(gpu, trace, states, ds, precision, opt_device, param_device,
-                             int(ds["gradient_accumulation_steps"]))
-    known = [t for t in time_terms if t["seconds"] is not None]
+    opt_device, param_device = offload_devices(ds)
+    flops = (trace.forward_flops + trace.backward_flops) * int(ds["gradient_accumulation_steps"])
+    compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
+    terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
+                         else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops
+                                                   else "fp32 peak in the catalog")).to_dict()]
+    moved = 0
+    if opt_device != "none":  # gradients down, updated (trainable) params up, every step
+        moved += states["grads_bytes"] + states["trainable_params_bytes"]
+    if param_device != "none":  # params fetched for forward and again for backward
+        moved += 2 * states["params_bytes"]
+    if moved:
+        link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
+        terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
+                                 f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
+    if opt_device != "none":
+        per_param = cpu_optimizer.seconds_per_param()
+        partition = states["master_weights_bytes"] // 4
+        terms.append(Term.timing("cpu_optimizer", per_param * partition if per_param else None,
+                                 "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here").to_dict())
+    known = [t for t in terms if t["seconds"] is not None]
     bound = max(known, key=lambda t: t["seconds"]) if known else None
     return {"time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
-            "time_terms": time_terms}
+            "time_terms": terms}
 
 
-def _numels(checked: ResolvedRun) -> tuple[list[int], list[int]]:
-    """Every module parameter's size and the optimizer's, in unet.parameters() order (models.model_stats)."""
-    stats = checked.model_stats
-    return list(stats.param_numels), list(stats.trainable_numels or stats.param_numels)
-
-
-def _workload(cfg: Config, ds: dict, world: int, stage: int, offloaded: bool) -> str:
-    return (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
-            f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
-            f"{_offload(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
-            f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
-
-
-def _adapter_words(adapter_cfg: Adapter | None, checked: ResolvedRun) -> str:
-    if adapter_cfg is None or adapter_cfg.name == "none":
-        return ""
-    stats = checked.model_stats
-    return (f", adapter {adapter_cfg.name} rank {adapter_cfg.rank}: {stats.num_trainable:,} parameters "
+def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> str:
+    cfg, ds, stats, adapter = checked.config, checked.ds_config, checked.model_stats, checked.config.adapter
+    words = (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
+             f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
+             f"{offload_devices(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
+             f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
+    if adapter is None or adapter.name == "none":
+        return words
+    return (f"{words}, adapter {adapter.name} rank {adapter.rank}: {stats.num_trainable:,} parameters "
             f"trained, {stats.num_frozen:,} frozen")
-
-
-_STATES = (("params", "params", "params_bytes"), ("grads", "grads", "grads_bytes"),
-           ("master_weights", "master_weights", "master_weights_bytes"),
-           ("optimizer_states", "optimizer_state", "optimizer_state_bytes"))
 
 
 def _state_terms(states: dict, place: str) -> list[dict]:
     """The model states that live in `place` (gpu | host | nvme), as model_states.py places them."""
     terms = []
-    for name, where_key, key in _STATES:
-        if name == "master_weights" and states.get("master_weights_alias_params"):
+    for key in ("params", "grads", "master_weights", "optimizer_state"):
+        if key == "master_weights" and states.get("master_weights_alias_params"):
             continue  # fp32 ZeRO-3 without offload: the partitions are the parameters themselves
-        nbytes = states[key]
-        if name == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
+        nbytes = states[f"{key}_bytes"]
+        if key == "params" and place != "gpu":  # ZeRO-3's whole small parameters stay on the device
             nbytes -= states.get("params_persistent_bytes") or 0
-        if states["where"][where_key] == place and nbytes:
-            terms.append(term(name, nbytes, f"{states['elem_bytes'][where_key]} B/element"))
+        if states["where"][key] == place and nbytes:
+            name = "optimizer_states" if key == "optimizer_state" else key
+            terms.append(term(name, nbytes, f"{states['elem_bytes'][key]} B/element"))
     return terms
 
 
@@ -200,20 +184,12 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _host_terms(cfg: Config, checked: ResolvedRun, states: dict) -> list[dict]:
-    terms = _state_terms(states, "host")
-    if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
-        terms.append(term("ema", checked.model_stats.num_trainable * 4, "fp32 copy of the trained parameters, rank 0"))
-    return terms
-
-
-def _host_peak(cfg: Config, checked: ResolvedRun, terms: list[dict], stage: int, world: int,
-               precision: str) -> tuple[float, dict]:
+def _host_peak(checked: ResolvedRun, terms: list[dict], stage: int, world: int) -> tuple[float, dict]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
     (training/backend.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
     until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
-    stats = checked.model_stats
+    stats, precision = checked.model_stats, checked.config.precision.name
     if stage == 3:
         partition = -(-stats.num_params // world) * DTYPE_BYTES.get(precision, 4)
         # adapter=lora: the targets are gathered whole while peft wraps them (models/adapter.py gathered_targets),
@@ -226,27 +202,3 @@ def _host_peak(cfg: Config, checked: ResolvedRun, terms: list[dict], stage: int,
     else:
         load = term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
     return max(sum(t["mib"] for t in terms), load["mib"]), load
-
-
-def _time_terms(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str, opt_device: str,
-                param_device: str, accum: int) -> list[dict]:
-    flops = (trace.forward_flops + trace.backward_flops) * accum
-    compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
-    terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
-                         else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops
-                                                   else "fp32 peak in the catalog")).to_dict()]
-    moved = 0
-    if opt_device != "none":  # gradients down, updated (trainable) params up, every step
-        moved += states["grads_bytes"] + states["trainable_params_bytes"]
-    if param_device != "none":  # params fetched for forward and again for backward
-        moved += 2 * states["params_bytes"]
-    if moved:
-        link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
-        terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
-                                 f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
-    if opt_device != "none":
-        per_param = cpu_optimizer.seconds_per_param()
-        partition = states["master_weights_bytes"] // 4
-        terms.append(Term.timing("cpu_optimizer", per_param * partition if per_param else None,
-                                 "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here").to_dict())
-    return terms

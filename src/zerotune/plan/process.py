@@ -14,7 +14,7 @@ job's workers alone: launch/job.py samples with `MemorySampler(include_root=Fals
 - the rank's tensors: the plan's `step_peak_mib` on a CPU plan (the whole step's peak of torch-allocated
   bytes, host and offloaded states included), else the sum of host.py's rank terms; or the fp32 build of the
   U-Net at load time (host.py's MODEL_LOAD), whichever is larger, as host.py's node_need_mib takes it;
-- the parent: 0, since the sampled tree leaves the job process out (parent_baseline_mib).
+- the parent: 0, since the sampled tree leaves the job process out (PARENT_BASELINE_MIB).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.lau
                   "zerotune.training.trainer", "torch._inductor.compile_fx")
 _VERSIONED = ("torch", "deepspeed", "accelerate", "diffusers")
 MEASURE_TIMEOUT_S = 300
+# The job process's share of the measured tree: 0, because the job's sampler leaves it out
+# (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process).
+PARENT_BASELINE_MIB = 0.0
 _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
 
 
@@ -84,12 +87,6 @@ def measure_imports(modules: tuple[str, ...]) -> dict | None:
     if done.returncode != 0 or "VmRSS" not in found:
         return None
     return {"rss_mib": found["VmRSS"], "hwm_mib": found.get("VmHWM"), "modules": list(modules)}
-
-
-def parent_baseline_mib() -> float:
-    """The job process's share of the measured tree: 0, because the job's sampler leaves it out
-    (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process)."""
-    return 0.0
 
 
 def rank_tensors_mib(plan: dict) -> tuple[float | None, str]:

@@ -38,30 +38,21 @@ def peak_mib(plan: dict | None) -> float:
     return found.peak_mib
 
 
-def _cost(row: Row) -> tuple:
-    """Cheaper first: lower stage, then less offload, then no recomputation."""
-    return row.stage, _OFFLOAD_COST[row.offload], row.checkpointing
-
-
 def rank(rows: list[Row], gpu: GPU | None) -> dict:
     """The table (fitting options first, cheapest first) and the recommendation with its reason."""
-    ordered = sorted(rows, key=lambda r: (r.fits(gpu) is not True, r.plan is None, _cost(r)))
+    # cheaper first: lower stage, then less offload, then no recomputation
+    ordered = sorted(rows, key=lambda r: (r.fits(gpu) is not True, r.plan is None, r.stage, _OFFLOAD_COST[r.offload],
+                                          r.checkpointing))
     fitting = [r for r in ordered if r.fits(gpu)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
               "fits": r.fits(gpu), "refused": r.refused,
-              **_figures(r.plan),
+              **({k: getattr(Plan.from_dict(r.plan), k) for k in _FIGURES} if r.plan else {}),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
     return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
 
 
 _FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",
             "time_floor_s", "bound")
-
-
-def _figures(plan: dict | None) -> dict:
-    """A row's figures from its plan ({} for a refused option)."""
-    found = Plan.from_dict(plan) if plan else None
-    return {k: getattr(found, k) for k in _FIGURES} if found else {}
 
 
 def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:

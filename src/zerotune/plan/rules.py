@@ -85,6 +85,13 @@ def offload_device(block: Any) -> str:
     return "none" if device is None else str(getattr(device, "value", device))
 
 
+def offload_devices(ds: dict) -> tuple[str, str]:
+    """(optimizer, parameters) offload devices as the dict names them: none | cpu | nvme."""
+    zero = ds.get("zero_optimization", {})
+    return ((zero.get("offload_optimizer") or {}).get("device", "none"),
+            (zero.get("offload_param") or {}).get("device", "none"))
+
+
 def place(device: str) -> str:
     """Where an offload device puts a tensor: cpu -> host memory; nvme -> swap files (pinned host buffers)."""
     return {"none": "gpu", "cpu": "host"}.get(device, device)
@@ -121,16 +128,24 @@ def optimizer_state(kind: OptimizerKind, elements: int, tensors: int) -> int:
     return kind.tensors * elements * kind.state_elem + (FP32_STEP_BYTES * tensors if kind.torch_step else 0)
 
 
-def trainable_or_all(param_numels: list[int], trainable_numels: list[int] | None) -> list[int]:
-    return [int(n) for n in (param_numels if trainable_numels is None else trainable_numels)]
+def numels_of(param_numels: Any, trainable_numels: Any = None) -> tuple[list[int], list[int]]:
+    """Every parameter's size and the optimizer's (None: all), as lists of ints."""
+    numels = [int(n) for n in param_numels]
+    return numels, numels if trainable_numels is None else [int(n) for n in trainable_numels]
 
 
-def states_record(stage: int, world: int, rank: int, params: int, grads: int, master: int, state: int,
-                  **extra: Any) -> dict:
-    where = extra.pop("where")
-    return {"zero_stage": stage, "world_size": world, "rank": rank, "params_bytes": params, "grads_bytes": grads,
-            "master_weights_bytes": master, "optimizer_state_bytes": state, "where": where,
-            "grads_on_gpu": where["grads"] == "gpu", **extra}
+ON_GPU = dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu")
+
+
+def states_record(params: int, grads: int, master: int, state: int, elem: tuple[int, int, int], kind: OptimizerKind,
+                  trainable: int, where: dict = ON_GPU, **extra: Any) -> dict:
+    """One rank's model states: bytes, where each lives, element sizes (params, grads, master), the optimizer."""
+    return {"params_bytes": params, "grads_bytes": grads, "master_weights_bytes": master,
+            "optimizer_state_bytes": state, "where": where,
+            "elem_bytes": {**dict(zip(("params", "grads", "master_weights"), elem, strict=True)),
+                           "optimizer_state": kind.state_elem},
+            "optimizer": kind.name, "params_persistent_bytes": 0, "master_weights_alias_params": False,
+            "trainable_params_bytes": trainable, **extra}
 
 
 def term(name: str, nbytes: float, note: str = "", moment: str | None = None) -> dict[str, Any]:
@@ -175,7 +190,6 @@ def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
 
 def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]]:
     """(every parameter's bytes, the frozen ones'), in the run's dtype: module.to(device) gives each its own block."""
-    stats = checked.model_stats
-    numels = list(stats.param_numels)
-    frozen = frozen_numels(numels, list(stats.trainable_numels or stats.param_numels))
+    numels, trainable = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
+    frozen = frozen_numels(numels, trainable)
     return [n * elem for n in numels], [n * elem for n in frozen]

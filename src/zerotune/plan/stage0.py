@@ -1,5 +1,5 @@
-"""Plain accelerate and ZeRO-0: nothing is partitioned. Every rule of these two in one place: the model states,
-DeepSpeed's gradient all-reduce bucket, the step's fp32 gradient copies, and the loading phase."""
+"""Plain accelerate and ZeRO-0's rules: nothing is partitioned; DeepSpeed adds its gradient all-reduce bucket and
+the step's fp32 gradient copies."""
 
 from __future__ import annotations
 
@@ -28,31 +28,17 @@ if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 
-def plain_states(numels: list[int], train: list[int], ds: dict, world: int, rank: int) -> dict:
-    # Plain accelerate keeps fp32 weights (autocast for bf16/fp16) and builds torch's optimizer on them.
-    prec = Precision("fp32", 4, 4, 4, False)
-    kind, trained = optimizer_kind(ds, False, prec, plain=True), sum(train)
-    return states_record(0, world, rank, sum(numels) * 4, trained * 4, 0, optimizer_state(kind, trained, len(train)),
-                         where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
-                         elem_bytes={"params": 4, "grads": 4, "master_weights": 4, "optimizer_state": kind.state_elem},
-                         optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
-                         trainable_params_bytes=trained * 4)
-
-
-def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision, zero: DeepSpeedZeroConfig) -> dict:
-    kind, trained = optimizer_kind(ds, False, prec), sum(train)
+def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
+           zero: DeepSpeedZeroConfig | None, plain: bool = False) -> dict:
+    """`plain`: plain accelerate, torch's optimizer on fp32 weights (model_states.py gives it fp32 `prec`)."""
+    kind, trained = optimizer_kind(ds, False, prec, plain), sum(train)
     if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
         master, tensors = 0, len(train)
     else:  # FP16_Optimizer (FusedAdam: one flat fp32 copy) or FP16_UnfusedOptimizer (an fp32 copy per tensor)
         master, tensors = trained * 4, 1 if kind.name == "FusedAdam" else len(train)
     kind = OptimizerKind(kind.name, kind.tensors, 4, kind.torch_step)  # the updated tensors are fp32 here
-    return states_record(0, world, rank, sum(numels) * prec.param, trained * prec.param, master,
-                         optimizer_state(kind, trained, tensors),
-                         where=dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu"),
-                         elem_bytes={"params": prec.param, "grads": prec.param, "master_weights": 4,
-                                     "optimizer_state": kind.state_elem},
-                         optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
-                         trainable_params_bytes=trained * prec.param)
+    return states_record(sum(numels) * prec.param, trained * prec.param, master, optimizer_state(kind, trained, tensors),
+                         (prec.param, prec.param, 4), kind, trained * prec.param)
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
@@ -63,8 +49,8 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
     bucket = min(sum(train), MEMORY_OPT_ALLREDUCE_SIZE + max(train, default=0))
     comm = comm_elem(ds, prec.param)
     return [buffer_term("allreduce_flat_bucket", bucket * (prec.param + (comm if comm != prec.param else 0)), "gpu",
-                  "upper", "reduce", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
-                  "(flattens gradients in buckets of MEMORY_OPT_ALLREDUCE_SIZE elements)")]
+                        "upper", "reduce", "runtime/engine.py:DeepSpeedEngine.allreduce_no_retain / allreduce_bucket "
+                        "(flattens gradients in buckets of MEMORY_OPT_ALLREDUCE_SIZE elements)")]
 
 
 def step_transients(shape: StepShape) -> list[dict]:

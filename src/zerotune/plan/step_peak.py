@@ -20,8 +20,6 @@ from zerotune.plan.stages import rules_for
 if TYPE_CHECKING:  # activations imports torch: the planner's callers that only read a plan need not
     from zerotune.plan.activations import Trace
 
-__all__ = ["MOMENTS", "StepShape", "gradient_terms", "moment_of", "step_peak", "step_transients", "terms_at_peak"]
-
 MOMENTS = ("forward+backward", "reduce", "step:flatten", "step:update")
 _TRACE = "fake-tensor trace of forward + backward"
 _JOINT = _TRACE + ": activations and the gradients accumulated so far, at their joint peak"
@@ -46,8 +44,7 @@ def terms_at_peak(terms: list[dict], moment: str) -> list[dict]:
 
 def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
     """The gradients and the activations, as each stage holds them."""
-    deepspeed = shape.use_deepspeed
-    if not deepspeed or shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
+    if not shape.use_deepspeed or shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
         return [term("activations_and_grads", trace.activation_and_grad_peak_bytes, _JOINT, "forward+backward"),
                 *(term("grads", grads_bytes, "param.grad", m) for m in ("reduce", "step:flatten", "step:update"))]
     if shape.offloaded or shape.stage == 3:  # reduced into pinned host buffers, or ZeRO-3's flat partition

@@ -1,6 +1,5 @@
-"""ZeRO-1 and ZeRO-2 (DeepSpeed 0.19.8's runtime/zero/stage_1_and_2.py): the optimizer's parameters form one
-flat group padded to 2 x world size, each rank owning `flat // world` elements of it. Every rule of these stages
-in one place: the model states, DeepSpeed's buffers, the step's flattened gradients, and the loading phase."""
+"""ZeRO-1 and ZeRO-2's rules (DeepSpeed 0.19.8's runtime/zero/stage_1_and_2.py): the optimizer's parameters form
+one flat group padded to 2 x world size, each rank owning `flat // world` elements of it."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from zerotune.plan.rules import (
     buffer_term,
     module_blocks,
     offload_device,
+    offload_devices,
     optimizer_kind,
     optimizer_state,
     state_mib,
@@ -47,34 +47,24 @@ def zero12_flat(numels: list[int], world: int, parameter_alignment: bool, param_
     return padded + get_alignment_padding([torch.empty(padded, device="meta")], nccl_start_alignment_factor * world)
 
 
-def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
+def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
            zero: DeepSpeedZeroConfig) -> dict:
-    out = _states(numels, train, ds, world, rank, prec, zero)
-    if int(zero.stage) == 1 and prec.name == "bf16" and prec.grad_accum == 4 and \
-            offload_device(zero.offload_optimizer) == "none":
-        # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
-        # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer).
-        return {**out, "grads_bytes": zero12_flat(train, world, False, 2) * 4}
-    return out
-
-
-def _states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
-            zero: DeepSpeedZeroConfig) -> dict:
     stage, trained = int(zero.stage), sum(train)
     opt_dev = offload_device(zero.offload_optimizer)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
     part = zero12_flat(train, world, zero.parameter_alignment, prec.param) // world
     grads = part * prec.param if stage == 2 else trained * prec.param
+    if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and opt_dev == "none":
+        # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
+        # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer).
+        grads = zero12_flat(train, world, False, 2) * 4
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
     # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
     # flattens the optimizer's param_groups)
-    return states_record(stage, world, rank, sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, part, 1),
+    return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, part, 1),
+                         (prec.param, prec.param, prec.master), kind, trained * prec.param,
                          where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
-                                "optimizer_state": host},
-                         elem_bytes={"params": prec.param, "grads": prec.param, "master_weights": prec.master,
-                                     "optimizer_state": kind.state_elem},
-                         optimizer=kind.name, params_persistent_bytes=0, master_weights_alias_params=False,
-                         partition_numel=part, trainable_params_bytes=trained * prec.param)
+                                "optimizer_state": host}, partition_numel=part)
 
 
 def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
@@ -85,17 +75,6 @@ def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
             total += n
         index += n
     return total
-
-
-def _zero12_grads(numels: list[int], part: int, world: int, rank: int | None, prec: Precision) -> Term:
-    if prec.grad_accum == 4 and prec.param != 4:  # _use_compact_grad_partition_buffer
-        return buffer_term("compact_grad_partition", part * 4, "gpu", "exact", "backward",
-                     "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer._build_compact_grad_partition_buffer")
-    ranks = range(world) if rank is None else [rank]
-    held = max(_overlap_partition(numels, part, r) for r in ranks)
-    return buffer_term("contiguous_gradients", held * prec.param, "gpu", "exact" if rank is not None else "upper",
-                 "backward", "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer.copy_grads_in_partition "
-                 "(grads_in_partition: whole parameters touching the rank's partition)", "grads_bytes")
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
@@ -127,8 +106,15 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
                         src + "set_norm_for_param_grad_in_gpu / copy_grads_in_partition (each gradient "
                         "cast to fp64, zero/utils.py:get_norm_dtype, for its norm)")]
         return terms
-    if stage == 2 and zero.contiguous_gradients:
-        terms.append(_zero12_grads(train, part, world, rank, prec))
+    if stage == 2 and zero.contiguous_gradients and prec.grad_accum == 4 and prec.param != 4:
+        # _use_compact_grad_partition_buffer
+        terms.append(buffer_term("compact_grad_partition", part * 4, "gpu", "exact", "backward",
+                                 src + "_build_compact_grad_partition_buffer"))
+    elif stage == 2 and zero.contiguous_gradients:
+        held = max(_overlap_partition(train, part, r) for r in (range(world) if rank is None else [rank]))
+        terms.append(buffer_term("contiguous_gradients", held * prec.param, "gpu", "exact" if rank is not None
+                                 else "upper", "backward", src + "copy_grads_in_partition (grads_in_partition: "
+                                 "whole parameters touching the rank's partition)", "grads_bytes"))
     terms.append(buffer_term("step_fp32_grad_partition", part * prec.master, "gpu", "exact", "step:update",
                        src + "step (flattened gradient partition, cast to the master dtype; the gradients freed)"))
     return terms
@@ -157,7 +143,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     flat = sum(sizes) - sum(frozen)
     separate = allocator.reserved_bytes(sizes)
     on_gpu = gpu is None or (gpu.memory_mib - sum(t["mib"] for t in base)) * MIB - separate >= flat
-    offload = (checked.ds_config["zero_optimization"].get("offload_optimizer") or {}).get("device", "none")
+    offload = offload_devices(checked.ds_config)[0]
     master = state_mib(plan, "master_weights") * MIB
     clone = 0 if (elem == 4 and offload == "none") else allocator.reserved_bytes([-(-flat // world)])
     where = "no card named: taken as fitting" if gpu is None else f"{gpu.name} holds it"

@@ -1,7 +1,5 @@
-"""ZeRO-3 (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py): each
-module parameter is padded to a multiple of the world size and split evenly. Every rule of this stage in one
-place: the model states, DeepSpeed's buffers (offload and NVMe swap included), the step's fp32 sub-group, and
-the loading phase."""
+"""ZeRO-3's rules (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py):
+each module parameter is padded to a multiple of the world size and split evenly."""
 
 from __future__ import annotations
 
@@ -62,8 +60,8 @@ def stage3_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[
     return groups
 
 
-def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int, prec: Precision,
-            zero: DeepSpeedZeroConfig) -> dict:
+def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
+           zero: DeepSpeedZeroConfig) -> dict:
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     kind = optimizer_kind(ds, opt_dev != "none", prec)
     # zero.Init partitions every module parameter (parameter_offload.py:_convert_to_zero_parameters) and
@@ -73,17 +71,16 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, rank: int,
     parts = [stage3_partition_numel(n, world) for n in train]
     part, groups = sum(parts), stage3_sub_groups(parts, zero.sub_group_size)
     host = place(opt_dev)
-    return states_record(3, world, rank, (every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
-                         optimizer_state(kind, part, len(groups)),
+    return states_record((every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
+                         optimizer_state(kind, part, len(groups)), (prec.param, prec.grad_accum, prec.master), kind,
+                         part * prec.param,
                          # the gradient partitions sit on the optimizer's device: host memory even for NVMe
                          where={"params": place(param_dev), "grads": "gpu" if opt_dev == "none" else "host",
                                 "master_weights": host, "optimizer_state": host},
-                         elem_bytes={"params": prec.param, "grads": prec.grad_accum, "master_weights": prec.master,
-                                     "optimizer_state": kind.state_elem},
-                         optimizer=kind.name, params_persistent_bytes=persist * prec.param,
+                         params_persistent_bytes=persist * prec.param,
                          # fp32 without offload: the "master" partitions are the parameter partitions themselves
                          master_weights_alias_params=opt_dev == "none" and param_dev == "none" and prec.param == prec.master,
-                         partition_numel=part, sub_groups=len(groups), trainable_params_bytes=part * prec.param)
+                         partition_numel=part, sub_groups=len(groups))
 
 
 def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
@@ -95,51 +92,46 @@ def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
     return numel + (-numel) % align
 
 
-def _offload(ds: dict, parts: list[int], prec: Precision, zero: DeepSpeedZeroConfig) -> list[Term]:
-    src, terms = _SRC, []
-    opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
-    if opt_dev == "cpu":
-        terms.append(buffer_term("offload_fp32_grad_partition", sum(parts) * prec.master, "host", "exact", "persistent",
-                           src + "initialize_optimizer_states (subgroup_gradient_buffer, pinned)"))
-    if param_dev != "none":
-        terms.append(buffer_term("offload_param_flat", sum(parts) * prec.param, "host", "exact", "persistent",
-                           src + "_create_param_groups_fp16_flat_cpu_memory (pinned)", "params_bytes"))
-    if param_dev == "nvme":
-        block = zero.offload_param
-        terms.append(buffer_term("nvme_param_swap_buffers", block.buffer_count * _aio_aligned(
-            block.buffer_size, prec.param, ds) * prec.param, "host", "exact", "persistent",
-            "runtime/swap_tensor/partitioned_param_swapper.py:AsyncPartitionedParameterSwapper.__init__"))
-    if opt_dev == "nvme":
-        largest = max(stage3_sub_groups(parts, zero.sub_group_size))
-        terms.append(buffer_term("nvme_optimizer_swap_buffers", zero.offload_optimizer.buffer_count * _aio_aligned(
-            largest, prec.master, ds) * prec.master, "host", "upper", "persistent",
-            "runtime/swap_tensor/optimizer_utils.py:OptimizerSwapper.__init__ (SwapBufferManager)"))
-    return terms
-
-
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
             zero: DeepSpeedZeroConfig) -> list[Term]:
-    src = _SRC
+    src, opt_dev, param_dev = _SRC, offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     parts = [stage3_partition_numel(n, world) for n in train]  # the optimizer's partitions
+    largest = max(stage3_sub_groups(parts, zero.sub_group_size))
     persist = stage3_persistent(numels, zero)
     # every module parameter (frozen ones too) is all-gathered for forward and backward, at padded size
     gathered = sum(stage3_partition_numel(n, world) * world for n, keep in zip(numels, persist, strict=True)
                    if not keep)
     coord = "runtime/zero/partitioned_param_coordinator.py:PartitionedParameterCoordinator.fetch_sub_module"
     terms = [buffer_term("stage3_live_params", min(zero.max_live_parameters, gathered) * prec.param, "gpu", "upper",
-                   "forward+backward", coord + " (cap on gathered parameters; the running module is fetched "
-                   "even past it)"),
-             buffer_term("stage3_prefetch_bucket", min(zero.prefetch_bucket_size, gathered) * prec.param, "gpu", "upper",
-                   "forward+backward", coord + " (prefetch, inside the live-parameter cap)", "stage3_live_params")]
+                         "forward+backward", coord + " (cap on gathered parameters; the running module is fetched "
+                         "even past it)"),
+             buffer_term("stage3_prefetch_bucket", min(zero.prefetch_bucket_size, gathered) * prec.param, "gpu",
+                         "upper", "forward+backward", coord + " (prefetch, inside the live-parameter cap)",
+                         "stage3_live_params")]
     if zero.contiguous_gradients:
         terms.append(buffer_term("ipg_bucket", zero.reduce_bucket_size * comm_elem(ds, prec.param), "gpu", "exact",
-                           "persistent", src + "_setup_for_real_optimizer (one buffer, overlap_comm or not)"))
-    if offload_device(zero.offload_optimizer) == "none":
-        largest = max(stage3_sub_groups(parts, zero.sub_group_size))
+                                 "persistent", src + "_setup_for_real_optimizer (one buffer, overlap_comm or not)"))
+    if opt_dev == "none":
         cast = prec.master if prec.master != prec.grad_accum else 0
-        terms.append(buffer_term("step_fp32_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "upper", "step:flatten",
-                           src + "_prepare_fp32_grad_for_sub_group (flatten, then cast to the master dtype)"))
-    return terms + _offload(ds, parts, prec, zero)
+        terms.append(buffer_term("step_fp32_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "upper",
+                                 "step:flatten", src + "_prepare_fp32_grad_for_sub_group (flatten, then cast to the "
+                                 "master dtype)"))
+    if opt_dev == "cpu":
+        terms.append(buffer_term("offload_fp32_grad_partition", sum(parts) * prec.master, "host", "exact", "persistent",
+                                 src + "initialize_optimizer_states (subgroup_gradient_buffer, pinned)"))
+    if param_dev != "none":
+        terms.append(buffer_term("offload_param_flat", sum(parts) * prec.param, "host", "exact", "persistent",
+                                 src + "_create_param_groups_fp16_flat_cpu_memory (pinned)", "params_bytes"))
+    if param_dev == "nvme":
+        block = zero.offload_param
+        terms.append(buffer_term("nvme_param_swap_buffers", block.buffer_count * _aio_aligned(
+            block.buffer_size, prec.param, ds) * prec.param, "host", "exact", "persistent",
+            "runtime/swap_tensor/partitioned_param_swapper.py:AsyncPartitionedParameterSwapper.__init__"))
+    if opt_dev == "nvme":
+        terms.append(buffer_term("nvme_optimizer_swap_buffers", zero.offload_optimizer.buffer_count * _aio_aligned(
+            largest, prec.master, ds) * prec.master, "host", "upper", "persistent",
+            "runtime/swap_tensor/optimizer_utils.py:OptimizerSwapper.__init__ (SwapBufferManager)"))
+    return terms
 
 
 def step_transients(shape: StepShape) -> list[dict]:

@@ -65,6 +65,11 @@ def terms_of(found: Any) -> tuple[Term, ...]:
     return tuple(Term.from_dict(t) for t in found) if isinstance(found, list) else ()
 
 
+def at_peak(terms: tuple[Term, ...], moment: str | None) -> list[Term]:
+    """The terms held at the step's `moment`: those held throughout and that moment's own."""
+    return [t for t in terms if t.held_in in (PERSISTENT, moment)]
+
+
 _TERM_LISTS = ("gpu_terms", "host_terms", "nvme_terms", "step_terms", "time_terms")
 
 
@@ -142,5 +147,5 @@ class Plan:
         return max(self.run_peak_mib or 0.0, self.gpu_peak_mib)
 
     def terms_at_peak(self) -> list[Term]:
-        """The GPU terms held at the step's largest moment: those held throughout and that moment's own."""
-        return [t for t in self.gpu_terms if t.held_in in (PERSISTENT, self.step_peak_moment)]
+        """The GPU terms held at the step's largest moment."""
+        return at_peak(self.gpu_terms, self.step_peak_moment)
