@@ -383,8 +383,8 @@ def test_an_fp16_file_on_a_machine_without_fp16_is_fixed_in_the_file_or_planned_
         "bf16", {}).get("enabled")
     overrides = plan_overrides(err.fix)
     assert overrides == [f"deepspeed.config_file={file}", "accelerate.config_file=null"]
-    from zerotune.plan.command_line import plan_one
     from zerotune.plan import gpus
+    from zerotune.plan.command_line import plan_one
 
     assert plan_one(overrides, gpus.lookup("h100"))["gpu"]  # what `zerotune plan ... --gpu h100` runs
 

@@ -7,8 +7,8 @@ import pytest
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from zerotune.builder.fit import phase_marks
-from zerotune.plan.command_line import platform_for
 from zerotune.plan import gpus, render
+from zerotune.plan.command_line import platform_for
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.predict import predict
 from zerotune.preflight import preflight

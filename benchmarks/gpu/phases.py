@@ -179,8 +179,8 @@ def main(argv: list[str]) -> int:
 def predict(overrides: list[str]) -> dict | None:
     """The planner's answer for this job on the card present: in this one-process run, zerotune's parent (which
     records it in summary.json as plan.*) does not run."""
-    from zerotune.plan.command_line import plan_one
     from zerotune.errors import ConfigError
+    from zerotune.plan.command_line import plan_one
     from zerotune.plan.guard import present_gpu
 
     try:
