@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -84,10 +84,11 @@ class CacheStats:
     failed: list[Skipped] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "failed"}
-        out.update(latent_seconds=round(self.latent_seconds, 3), text_seconds=round(self.text_seconds, 3),
-                   images_per_s=self.images_encoded / self.latent_seconds if self.images_encoded else None)
-        return out
+        rate = self.images_encoded / self.latent_seconds if self.images_encoded else None
+        return {"latents_computed": self.latents_computed, "latents_reused": self.latents_reused,
+                "texts_computed": self.texts_computed, "texts_reused": self.texts_reused,
+                "images_encoded": self.images_encoded, "latent_seconds": round(self.latent_seconds, 3),
+                "text_seconds": round(self.text_seconds, 3), "images_per_s": rate}
 
 
 class Encoders(Protocol):
