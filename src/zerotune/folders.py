@@ -37,13 +37,27 @@ def write_probe(folder: Path) -> OSError | None:
             folder.rmdir()
 
 
+def mount_of(path: Path) -> psutil._common.sdiskpart | None:
+    """The mount holding `path` (the longest mount point above it); None where none is found."""
+    real = os.path.realpath(path)
+    try:
+        mounts = [m for m in psutil.disk_partitions(all=True)
+                  if os.path.commonpath([real, m.mountpoint]) == m.mountpoint]
+    except (OSError, ValueError):
+        return None
+    return max(mounts, key=lambda m: len(m.mountpoint)) if mounts else None
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system holding `path` (ext4, nfs4, tmpfs, ...); "" where unknown."""
+    mount = mount_of(path)
+    return mount.fstype if mount else ""
+
+
 def file_system(path: Path) -> str:
     """The file system holding `path`, in words: "a proc file system", "a tmpfs file system, mounted read-only"."""
-    real = os.path.realpath(path)
-    mounts = [m for m in psutil.disk_partitions(all=True)
-              if os.path.commonpath([real, m.mountpoint]) == m.mountpoint]
-    if not mounts:
+    mount = mount_of(path)
+    if mount is None:
         return "an unknown file system"
-    mount = max(mounts, key=lambda m: len(m.mountpoint))
     read_only = ", mounted read-only" if "ro" in mount.opts.split(",") else ""
     return f"a {mount.fstype} file system{read_only}"

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
-from zerotune.folders import nearest_existing
+from zerotune.folders import fs_type, nearest_existing
 from zerotune.ops import locks
 from zerotune.units import MIB
 
@@ -32,7 +32,7 @@ def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) 
         return Check("offload path", FAIL, exc.problem, exc.fix, {"path": path})
     existing = nearest_existing(folder)
     free = shutil.disk_usage(existing).free
-    facts = {"path": str(folder), "free_bytes": free, "file_system": locks.fs_type(existing)}
+    facts = {"path": str(folder), "free_bytes": free, "file_system": fs_type(existing)}
     found = f"{folder} is writable, {_size(free / MIB)} free ({facts['file_system'] or 'unknown'} file system)"
     need = _nvme_need_mib(cfg, overrides) if cfg.offload.device == "nvme" else None
     facts["needed_mib"] = need

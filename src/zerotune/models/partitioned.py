@@ -16,10 +16,7 @@ from typing import Any
 
 import torch
 
-from zerotune.errors import ConfigError
-
-KEY = "model.pretrained"
-WRONG_MODEL = "choose the model option whose architecture the weights were saved from"
+from zerotune.models.weights import compare_shapes
 
 
 def build(make_unet, init: contextlib.AbstractContextManager, weight_files: list[Path] | None, what: str):
@@ -70,7 +67,10 @@ def load_into_partitioned(unet: torch.nn.Module, files: list[Path], what: str) -
 
     weights = _Weights(files)
     try:
-        _check(unet, weights, what)  # on every rank, from the files' headers: no rank stops alone mid-gather
+        # On every rank, from the files' headers: no rank stops alone mid-gather. A partitioned parameter's
+        # whole shape is its ds_shape.
+        expected = {name: tuple(getattr(t, "ds_shape", t.shape)) for name, t in unet.state_dict(keep_vars=True).items()}
+        compare_shapes(what, {name: weights.shape(name) for name in weights.names()}, expected, "the model")
         is_writer = dist.get_rank() == 0
         for prefix, module in unet.named_modules():
             prefix = f"{prefix}." if prefix else ""
@@ -87,15 +87,3 @@ def load_into_partitioned(unet: torch.nn.Module, files: list[Path], what: str) -
                         param.data.copy_(weights.get(prefix + name))
     finally:
         weights.close()
-
-
-def _check(unet: torch.nn.Module, weights: _Weights, what: str) -> None:
-    """The same names and shapes as the model (a partitioned parameter's whole shape is its ds_shape)."""
-    expected = {name: tuple(getattr(t, "ds_shape", t.shape)) for name, t in unet.state_dict(keep_vars=True).items()}
-    missing, unexpected = sorted(expected.keys() - weights.names()), sorted(weights.names() - expected.keys())
-    reshaped = [f"{name} {list(weights.shape(name))} (model: {list(shape)})" for name, shape in sorted(expected.items())
-                if name in weights.names() and weights.shape(name) != shape]
-    if missing or unexpected or reshaped:
-        raise ConfigError(KEY, f"{what} does not match the model: {len(missing)} missing keys (e.g. {missing[:2]}), "
-                          f"{len(unexpected)} unexpected (e.g. {unexpected[:2]}), {len(reshaped)} of another shape "
-                          f"(e.g. {reshaped[:2]})", WRONG_MODEL)

@@ -69,7 +69,7 @@ def read_shapes(file: Path) -> dict[str, tuple[int, ...]]:
                           "point model.pretrained at a .safetensors file of the U-Net's state dict") from None
 
 
-def compare_shapes(file: Path, found: dict, expected: dict, model: str) -> None:
+def compare_shapes(file: Path | str, found: dict, expected: dict, model: str) -> None:
     """Refuse weights whose tensor names or shapes differ from the U-Net they will be loaded into."""
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())

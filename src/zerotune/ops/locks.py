@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 from filelock import FileLock, Timeout
 
+from zerotune.folders import fs_type
 from zerotune.ops.torch_lib import extensions_root
 
 log = logging.getLogger("zerotune")
@@ -204,17 +205,6 @@ def _uid(pid: int) -> int:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return -1
-
-
-def fs_type(path: Path) -> str:
-    """The type of the file system holding `path` (ext4, nfs4, tmpfs, ...); "" where unknown."""
-    real = os.path.realpath(path)
-    try:
-        mounts = [m for m in psutil.disk_partitions(all=True)
-                  if os.path.commonpath([real, m.mountpoint]) == m.mountpoint]
-    except (OSError, ValueError):
-        return ""
-    return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else ""
 
 
 def _name(pid: int) -> str:

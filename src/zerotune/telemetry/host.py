@@ -16,10 +16,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import psutil
 
-from zerotune.telemetry.memory import ProcessTree
+from zerotune.telemetry.memory import Periodic, ProcessTree
 from zerotune.telemetry.nvml import in_child_pid_namespace
 from zerotune.units import MIB
 
@@ -204,44 +205,28 @@ class HostExit:
         return bool(self.cgroup_oom_kills) or bool(self.kernel_log)
 
 
-class HostWatch:
+class HostWatch(Periodic):
     """Samples host memory and the RSS of `root`'s descendants every `interval_s`, keeping the last `window_s`;
     when a process of the tree is gone, the window before it left is kept for `exit(pid)`."""
 
     MAX_EXITS = 64
 
+    thread_name = "zerotune-host-watch"
+
     def __init__(self, root: int | None = None, interval_s: float = 0.1, window_s: float = 3.0) -> None:
-        self.interval_s = interval_s
+        super().__init__(interval_s)
         self._tree = ProcessTree(os.getpid() if root is None else root, include_root=False)
         self._recent: deque[HostSample] = deque(maxlen=max(2, int(window_s / interval_s) + 1))
         self._exits: dict[int, list[HostSample]] = {}
         self._alive: set[int] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._oom_kills_at_start: int | None = None
         # Found once: finding them (/proc/self/cgroup, a stat a level) costs twice what reading them does.
         self._cgroup = cgroup_files()
 
-    def start(self) -> HostWatch:
+    def start(self) -> Self:
         self._oom_kills_at_start = cgroup_oom_kills()
-        self.sample_now()
-        self._thread = threading.Thread(target=self._run, name="zerotune-host-watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._stop.set()
-            thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sample_now()
-            except Exception:  # a telemetry bug must not stop the job
-                log.exception("host memory sample failed")
+        return super().start()
 
     def sample_now(self) -> HostSample:
         pids = self._tree.pids()

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from typing import Self
 
 import psutil
 
@@ -108,7 +109,54 @@ class ProcessTree:
         return total
 
 
-class MemorySampler:
+class Periodic:
+    """Calls `sample_now()` at start, then every `interval_s` in a daemon thread until `stop()`."""
+
+    thread_name = "zerotune-sampler"
+
+    def __init__(self, interval_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample_now(self) -> object:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__} already started")
+        self._stop.clear()
+        self.sample_now()  # a baseline even if the run is shorter than one interval
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> bool:
+        """Stops and joins the thread; False where it was not running. Safe to call more than once."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return False
+        self._stop.set()
+        thread.join()
+        return True
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample_now()
+            except Exception:  # keep sampling; a telemetry bug must not kill the run
+                log.exception("%s: a sample failed", self.thread_name)
+
+
+class MemorySampler(Periodic):
     """Samples memory in a daemon thread and keeps peaks. Thread-safe; all values are MiB floats or None.
 
     None means "not measured" (no NVML/GPU, no nvme_dir), never zero.
@@ -123,9 +171,7 @@ class MemorySampler:
         exclude_names: tuple[str, ...] = DEFAULT_EXCLUDE_NAMES,
         include_root: bool = True,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        self.interval_s = interval_s
+        super().__init__(interval_s)
         self.pid = os.getpid() if pid is None else pid
         self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
         self._nvml = Nvml(int(os.environ.get("LOCAL_RANK", "0")) if cuda_index is None else cuda_index)
@@ -142,39 +188,15 @@ class MemorySampler:
         self._n_samples = 0
         self._sample_time_s = 0.0
         self._sample_cpu_s = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def start(self) -> MemorySampler:
-        if self._thread is not None:
-            raise RuntimeError("MemorySampler already started")
-        self._stop.clear()
-        self.sample_now()  # a baseline even if the run is shorter than one interval
-        self._thread = threading.Thread(target=self._run, name="zerotune-memory-sampler", daemon=True)
-        self._thread.start()
-        return self
+    thread_name = "zerotune-memory-sampler"
 
-    def stop(self) -> None:
-        """Stops and joins the thread, then takes a last sample. Safe to call more than once."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
-        thread.join()
-        self.sample_now()
-
-    def __enter__(self) -> MemorySampler:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sample_now()
-            except Exception:  # keep sampling; a telemetry bug must not kill the run
-                log.exception("memory sample failed")
+    def stop(self) -> bool:
+        """Stops and joins the thread, then takes a last sample."""
+        stopped = super().stop()
+        if stopped:
+            self.sample_now()
+        return stopped
 
     def sample_now(self) -> dict[str, float | None]:
         """Takes one sample synchronously, updates peaks and returns the sample."""
