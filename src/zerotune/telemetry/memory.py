@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Self
 
 import psutil
@@ -109,7 +110,7 @@ class ProcessTree:
         return total
 
 
-class Periodic:
+class Periodic(ABC):
     """Calls `sample_now()` at start, then every `interval_s` in a daemon thread until `stop()`."""
 
     thread_name = "zerotune-sampler"
@@ -121,8 +122,9 @@ class Periodic:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @abstractmethod
     def sample_now(self) -> object:
-        raise NotImplementedError
+        """Takes one sample now (also called from the thread)."""
 
     def start(self) -> Self:
         if self._thread is not None:
