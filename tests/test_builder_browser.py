@@ -177,6 +177,30 @@ def test_a_traversal_name_is_refused_next_to_the_name_field(page, workdir):
     assert not (workdir / "outside.yaml").exists() and not (workdir.parent / "outside.yaml").exists()
 
 
+def test_a_save_that_would_write_a_callback_is_refused_next_to_the_name_field(page, workdir, experiments):
+    page.fill("#extra", "+hydra.callbacks.x._target_=os.system")
+    _save_is_refused_at_the_name_field(page, workdir, "builder_browser_callback", "_target_", "remove the override")
+    assert not (experiments / "builder_browser_callback.yaml").exists()
+
+
+def test_a_loaded_callback_is_shown_not_editable_and_the_file_is_not_saved_over(page, shots, workdir, experiments):
+    name = "builder_browser_hand_written"
+    path = experiments / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# @package _global_\nhydra:\n  run:\n    dir: outputs/kept\n  callbacks:\n    x:\n"
+                    "      _target_: builtins.open\n      file: victim.txt\n      mode: w\n")
+    written = path.read_text()
+    page.reload()  # the experiment list is the page's as it was served
+    page.select_option("#experiment-list", name)
+    page.click("#load")
+    expect(page.locator("#not-editable-list")).to_contain_text("hydra.callbacks.x._target_=builtins.open")
+    expect(page.locator("#extra")).to_have_value("hydra.run.dir=outputs/kept")
+    expect(page.locator("#command")).to_have_text("zerotune train hydra.run.dir=outputs/kept")
+    _save_is_refused_at_the_name_field(page, workdir, name, "hydra.callbacks.x._target_", "another name")
+    assert path.read_text() == written
+    page.screenshot(path=shots / "builder-not-editable.png", full_page=True)
+
+
 def test_an_imported_deepspeed_json_fills_the_form(page, shots):
     page.fill("#import-text", '{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},'
               ' "bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": 2}')
