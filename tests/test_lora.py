@@ -20,6 +20,7 @@ from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.decide import decide_resume
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, lora_export
+from zerotune.preflight import preflight
 
 QUICK = ["adapter=lora", "train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2", "precision=fp32"]
@@ -118,14 +119,26 @@ def test_sdxl_defaults_to_the_attention_projections():
     assert wrapped == {"to_q", "to_k", "to_v", "0"}
 
 
-@pytest.mark.parametrize(("args", "key", "says"), [
+BAD_ADAPTER_INPUT = [
     (["adapter.rank=0"], "adapter.rank", "at least 1"),
     (["adapter.target_modules=[to_qq]"], "adapter.target_modules", "conv1"),
     (["adapter.init=xavier"], "adapter.init", "gaussian"),
     (["optimizer=muadam"], "optimizer", "adamw"),
     (["adapter=dora"], "adapter", "lora"),
-])
-def test_bad_adapter_input_exits_2_naming_the_key(tmp_path, args, key, says):
+]
+
+
+@pytest.mark.parametrize(("args", "key", "says"), BAD_ADAPTER_INPUT[1:])
+def test_bad_adapter_input_is_a_config_error_naming_the_key(args, key, says):
+    """What train.py composes and checks before any worker starts; the CLI prints every ConfigError alike (the
+    first case, through the CLI, below)."""
+    with pytest.raises(ConfigError) as err:
+        preflight(compose_cfg("adapter=lora", *args))
+    assert err.value.key == key and says in str(err.value), str(err.value)
+
+
+def test_bad_adapter_input_exits_2_naming_the_key(tmp_path):
+    args, key, says = BAD_ADAPTER_INPUT[0]
     proc = run_cli("adapter=lora", *args, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`{key}`" in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
