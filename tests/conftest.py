@@ -47,6 +47,15 @@ def packaged_configs_only(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny_sdxl_components(tmp_path_factory):
+    """Tiny random SDXL components (tests/helpers/tiny_components.py) saved once: a model.components folder for
+    every test that caches or trains on data=folder."""
+    from tests.helpers.tiny_components import save_tiny_pipeline
+
+    return save_tiny_pipeline(tmp_path_factory.mktemp("sdxl_tiny"))
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node SLURM cluster on this machine (scripts/slurm_local.sh), stopped by its pids after the
     session. `make setup` installs the daemons; without them (or without root) the tests that need one fail."""

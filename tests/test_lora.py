@@ -14,10 +14,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, call_main, cli_env, compose_cfg, read_summary, run_cli
 from zerotune import checkpoints, models
 from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.decide import decide_resume
+from zerotune.cli.export import main as export_main
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, lora_export
 from zerotune.preflight import preflight
@@ -67,7 +68,7 @@ def check_export(run_dir, out, base) -> None:
     from diffusers import UNet2DConditionModel
     from safetensors.torch import load_file
 
-    proc = run_cli(str(run_dir), str(out), "--merge", module="zerotune.export")
+    proc = call_main(export_main, str(run_dir), str(out), "--merge")  # its process: tests/test_final_checkpoint.py
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = checkpoints.find(run_dir)
     weights = {k: v.float() for k, v in full_state(path, with_optimizer=False)[0].items()}
