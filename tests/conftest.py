@@ -46,6 +46,27 @@ def packaged_configs_only(monkeypatch):
     monkeypatch.setenv(config_search.CONFIG_DIR_ENV, "")  # empty is unset; restored (removed) afterwards
 
 
+# The default job (ZeRO-2, the tiny U-Net on the digits), short: 20 steps of 8 images, evaluated on 2 samples per
+# class in 2 sampler steps, with its final checkpoint. ema.decay=0 makes the EMA a host copy of the live weights
+# after every step (lerp with weight 1 is exact): the trained weights at the last step, taken outside DeepSpeed's
+# checkpoint, to compare an export with.
+DEFAULT_JOB_STEPS = 20
+DEFAULT_JOB_ARGS = ("train.batch_size=8", f"train.max_steps={DEFAULT_JOB_STEPS}", "train.log_every=1",
+                    "evaluate.per_class=2", "evaluate.steps=2", "ema.enabled=true", "ema.decay=0")
+
+
+@pytest.fixture(scope="session")
+def default_job_run(tmp_path_factory):
+    """(run dir, summary) of DEFAULT_JOB_ARGS through the CLI: trained once, read (never written) by the tests of
+    what such a run leaves: its final checkpoint and export, its measured phases."""
+    from tests.helpers.cli import read_summary, run_cli
+
+    run_dir = tmp_path_factory.mktemp("default_job") / "run"
+    proc = run_cli(*DEFAULT_JOB_ARGS, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, read_summary(run_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_sdxl_components(tmp_path_factory):
     """Tiny random SDXL components (tests/helpers/tiny_components.py) saved once: a model.components folder for
