@@ -77,6 +77,22 @@ def tiny_sdxl_components(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def built_offload_ops():
+    """The torch extensions cache this session's jobs use, with the ops an offload=cpu job loads built and current:
+    by an earlier job, or here, once (a fresh clone's cache is empty: minutes, which its offload runs pay anyway).
+    For tests that work on a copy of the built ops, which would otherwise have nothing to copy."""
+    from tests.helpers.built_ops import OFFLOAD_CPU_OPS, build_offload_ops, is_current
+    from zerotune.ops.torch_lib import extensions_root
+
+    root = extensions_root()
+    if not all(is_current(root / op) for op in OFFLOAD_CPU_OPS):
+        build_offload_ops(root)
+    missing = [op for op in OFFLOAD_CPU_OPS if not is_current(root / op)]
+    assert not missing, f"built, but not current in {root}: {missing}"
+    return root
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node SLURM cluster on this machine (scripts/slurm_local.sh), stopped by its pids after the
     session. `make setup` installs the daemons; without them (or without root) the tests that need one fail."""
