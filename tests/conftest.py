@@ -67,6 +67,24 @@ def default_job_run(tmp_path_factory):
     return run_dir, read_summary(run_dir)
 
 
+# README's `python train.py zero_stage=2 offload=cpu`, short: tests/test_train_cli.py's QUICK run of 4 steps of 8
+# images, with a checkpoint every 2 steps.
+OFFLOAD_RUN_ARGS = ("zero_stage=2", "offload=cpu", "train.max_steps=4", "train.batch_size=8",
+                    "train.log_every=1", "evaluate.enabled=false", "scheduler=constant", "checkpoint.every_n_steps=2")
+
+
+@pytest.fixture(scope="session")
+def offload_run(tmp_path_factory):
+    """(run dir, CompletedProcess) of OFFLOAD_RUN_ARGS through the CLI: trained once, read (never written; copy
+    it to change it) by the README's offload test and the damaged-checkpoint tests (its two checkpoints)."""
+    from tests.helpers.cli import run_cli
+
+    run_dir = tmp_path_factory.mktemp("offload") / "run"
+    proc = run_cli(*OFFLOAD_RUN_ARGS, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
 @pytest.fixture(scope="session")
 def tiny_sdxl_components(tmp_path_factory):
     """Tiny random SDXL components (tests/helpers/tiny_components.py) saved once: a model.components folder for

@@ -142,11 +142,10 @@ def test_disk_full_during_save_unit(tmp_path):
 # ---------------------------------------------------------------------------- 3. damaged checkpoints
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("source") / "run"
-    proc = run_cli(*SHORT, "train.max_steps=4", "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.fixture
+def two_checkpoints(offload_run):
+    """A run dir with checkpoints at steps 2 and 4 (the session's offload=cpu run: tests/conftest.py)."""
+    run_dir, _ = offload_run
     return run_dir
 
 
