@@ -15,7 +15,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.helpers.browser import launch, start_builder, stop_builder
 from tests.helpers.builder_workdir import packaged_configs
-from tests.helpers.cli import cli_env, run_cli
+from tests.helpers.cli import call_main, cli_env, run_cli
+from zerotune.cli.plan import main as plan_main
 
 SDXL_TRACE_S = 180_000  # ms: a cold SDXL 1024^2 batch-8 trace is ~20 s on 2 cores; a loaded machine is slower
 expect.set_options(timeout=20_000)  # ms: the server composes and validates; a busy 2-core machine is slow
@@ -103,7 +104,7 @@ def test_rtx4090_sdxl_1024_batch_8_shows_the_planners_figure(page, shots):
     expect(status).to_contain_text("of 24,564 MiB (rtx4090)")
     expect(status).to_contain_text("does not fit")  # full SDXL at ZeRO-2 without offload: ~57 GiB
     command = page.locator("#command").text_content().split()[2:]
-    planned = run_cli(*command, "--gpu", "rtx4090", "--json", module="zerotune.plan")
+    planned = call_main(plan_main, *command, "--gpu", "rtx4090", "--json")  # `zerotune plan`, in this process
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert shown == pytest.approx(json.loads(planned.stdout)["gpu_peak_mib"])
     expect(page.locator("#bar > div")).to_have_count(6)  # five segments and the card's line
