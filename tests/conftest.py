@@ -85,6 +85,22 @@ def offload_run(tmp_path_factory):
     return run_dir, proc
 
 
+LLAMAFACTORY_OFFLOAD = "llamafactory_z3_offload.json"  # in tests/data/ds_configs
+
+
+@pytest.fixture(scope="session")
+def llamafactory_offload_run(tmp_path_factory):
+    """(run dir, CompletedProcess): LLaMA-Factory's ZeRO-3 offload file, whose keys DeepSpeed does not read are
+    warned of, trained 2 steps through the CLI from the corpus folder, as its authors run it. Trained once, read
+    by the tests of what a user's file trains (test_user_configs) and of what the workers read (test_resolved)."""
+    from tests.helpers.cli import run_cli
+    from tests.helpers.ds_corpus import CORPUS, QUICK, file_override
+
+    run_dir = tmp_path_factory.mktemp("llamafactory") / "run"
+    proc = run_cli(*file_override(LLAMAFACTORY_OFFLOAD), *QUICK, f"hydra.run.dir={run_dir}", cwd=CORPUS)
+    return run_dir, proc
+
+
 @pytest.fixture(scope="session")
 def tiny_sdxl_components(tmp_path_factory):
     """Tiny random SDXL components (tests/helpers/tiny_components.py) saved once: a model.components folder for

@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from tests.conftest import LLAMAFACTORY_OFFLOAD
 from tests.helpers.cli import ROOT, call_main, compose_cfg, read_summary, run_cli
+from tests.helpers.ds_corpus import CORPUS, EXPECTED, QUICK, file_override
 from zerotune.cli.ds_config import main as ds_config_main
 from zerotune.cli.import_config import main as import_config_main
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
@@ -26,22 +27,14 @@ from zerotune.preflight import preflight
 from zerotune.rundir.summary import key_choices
 from zerotune.user_config import accelerate_config
 
-CORPUS = ROOT / "tests" / "data" / "ds_configs"
-EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text())
 SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
-QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false"]
 # The CPU run in the default suite: LLaMA-Factory's stage-3 offload file (DeepSpeed's CPU Adam, and keys DeepSpeed
-# does not read, each warned of once). Every other accepted file trains in the slow suite; its fast sibling is
+# does not read, each warned of once), trained once for this module and tests/test_resolved.py (conftest's
+# llamafactory_offload_run). Every other accepted file trains in the slow suite; its fast sibling is
 # test_every_file_is_settled_before_training, which runs DeepSpeed's own config parser on the final dict
 # (preflight's validator) and checks in-process what the run's records show.
-FAST_RUNS = {"llamafactory_z3_offload.json"}
+FAST_RUNS = {LLAMAFACTORY_OFFLOAD}
 IGNORED_KEYS = {"comms_config", "monitor_config"}  # DeepSpeed does not read them: left out of the run's dict
-
-
-def file_override(name: str) -> list[str]:
-    if name.endswith(".yaml"):
-        return [f"accelerate.config_file={CORPUS / name}"]
-    return [f"deepspeed.config_file={CORPUS / name}", "accelerate.config_file=null"]
 
 
 def warned_keys(warnings: list[str]) -> list[str]:
@@ -114,11 +107,14 @@ def cpu_runnable() -> list:
 
 
 @pytest.mark.parametrize("name", cpu_runnable())
-def test_accepted_files_train_on_the_cpu(name, tmp_path):
-    proc = run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", cwd=CORPUS)
+def test_accepted_files_train_on_the_cpu(name, tmp_path, request):
+    if name == LLAMAFACTORY_OFFLOAD:
+        run_dir, proc = request.getfixturevalue("llamafactory_offload_run")
+    else:
+        run_dir, proc = tmp_path, run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", cwd=CORPUS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    summary = read_summary(tmp_path)
+    summary = read_summary(run_dir)
     assert summary["status"] == "ok" and summary["steps"] == 2
     for key, value in EXPECTED[name].get("choices", {}).items():
         assert summary["choices"][key] == value, (key, summary["choices"])
@@ -127,7 +123,7 @@ def test_accepted_files_train_on_the_cpu(name, tmp_path):
     parent = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[default_role")]
     for warning in summary["config_warnings"]:  # the job's process says each once (its workers, in their logs)
         assert sum(line.endswith(warning) for line in parent) == 1, warning
-    ds = json.loads((tmp_path / "ds_config.json").read_text())
+    ds = json.loads((run_dir / "ds_config.json").read_text())
     assert not set(ds) & IGNORED_KEYS  # left out: what DeepSpeed was given
     if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
         assert summary["optimizer_class"] == "DeepSpeedCPUAdam"  # not torch's AdamW: the file's offload counts
