@@ -27,13 +27,13 @@ def test_hang_becomes_timeout(tmp_path):
 
 
 def test_sweep_continues_past_a_failing_job(tmp_path):
-    """The failed job is recorded, with its peak and the step it logged, and the sweep goes on."""
-    proc = run_cli("-m", "debug.fail_at_step=null,1", "train.max_steps=2", *QUICK[1:],
+    """The first job fails: it is recorded, with its peak and the step it logged, and the sweep goes on."""
+    proc = run_cli("-m", "debug.fail_at_step=1,null", "train.max_steps=2", *QUICK[1:],
                    f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_summary(tmp_path / "0")["status"] == "ok"
-    failed = read_summary(tmp_path / "1")
+    failed = read_summary(tmp_path / "0")
     assert failed["status"] == "failed"
     assert "injected failure" in failed["error"]["message"]
     assert failed["memory"]["host_peak_rss_mib"] > 50  # the job's peak before it died
-    assert (tmp_path / "1" / "metrics.jsonl").is_file()  # step 1 was logged before the failure
+    assert (tmp_path / "0" / "metrics.jsonl").is_file()  # step 1 was logged before the failure
+    assert read_summary(tmp_path / "1")["status"] == "ok"  # the job after it ran
