@@ -45,8 +45,8 @@ def call_main(main, *args: str) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
-        except SystemExit as exc:  # argparse's usage errors
-            code = exc.code if isinstance(exc.code, int) else 1
+        except SystemExit as exc:  # argparse's usage errors; sys.exit(None) is 0, sys.exit("why") is 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     return subprocess.CompletedProcess(["main", *args], code, out.getvalue(), err.getvalue())
 
 
