@@ -15,7 +15,8 @@ from playwright.sync_api import expect, sync_playwright
 
 from tests.helpers.browser import launch, start_builder, stop_builder
 from tests.helpers.builder_workdir import packaged_configs
-from tests.helpers.cli import cli_env, run_cli
+from tests.helpers.cli import call_main, cli_env, run_cli
+from zerotune.cli.plan import main as plan_main
 
 SDXL_TRACE_S = 180_000  # ms: a cold SDXL 1024^2 batch-8 trace is ~20 s on 2 cores; a loaded machine is slower
 expect.set_options(timeout=20_000)  # ms: the server composes and validates; a busy 2-core machine is slow
@@ -103,7 +104,7 @@ def test_rtx4090_sdxl_1024_batch_8_shows_the_planners_figure(page, shots):
     expect(status).to_contain_text("of 24,564 MiB (rtx4090)")
     expect(status).to_contain_text("does not fit")  # full SDXL at ZeRO-2 without offload: ~57 GiB
     command = page.locator("#command").text_content().split()[2:]
-    planned = run_cli(*command, "--gpu", "rtx4090", "--json", module="zerotune.plan")
+    planned = call_main(plan_main, *command, "--gpu", "rtx4090", "--json")  # `zerotune plan`, in this process
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert shown == pytest.approx(json.loads(planned.stdout)["gpu_peak_mib"])
     expect(page.locator("#bar > div")).to_have_count(6)  # five segments and the card's line
@@ -175,6 +176,30 @@ def _wait_until(page, condition, timeout_s: float = 30) -> None:
 def test_a_traversal_name_is_refused_next_to_the_name_field(page, workdir):
     _save_is_refused_at_the_name_field(page, workdir, "../../outside", "path separators")
     assert not (workdir / "outside.yaml").exists() and not (workdir.parent / "outside.yaml").exists()
+
+
+def test_a_save_that_would_write_a_callback_is_refused_next_to_the_name_field(page, workdir, experiments):
+    page.fill("#extra", "+hydra.callbacks.x._target_=os.system")
+    _save_is_refused_at_the_name_field(page, workdir, "builder_browser_callback", "_target_", "remove the override")
+    assert not (experiments / "builder_browser_callback.yaml").exists()
+
+
+def test_a_loaded_callback_is_shown_not_editable_and_the_file_is_not_saved_over(page, shots, workdir, experiments):
+    name = "builder_browser_hand_written"
+    path = experiments / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# @package _global_\nhydra:\n  run:\n    dir: outputs/kept\n  callbacks:\n    x:\n"
+                    "      _target_: builtins.open\n      file: victim.txt\n      mode: w\n")
+    written = path.read_text()
+    page.reload()  # the experiment list is the page's as it was served
+    page.select_option("#experiment-list", name)
+    page.click("#load")
+    expect(page.locator("#not-editable-list")).to_contain_text("hydra.callbacks.x._target_=builtins.open")
+    expect(page.locator("#extra")).to_have_value("hydra.run.dir=outputs/kept")
+    expect(page.locator("#command")).to_have_text("zerotune train hydra.run.dir=outputs/kept")
+    _save_is_refused_at_the_name_field(page, workdir, name, "hydra.callbacks.x._target_", "another name")
+    assert path.read_text() == written
+    page.screenshot(path=shots / "builder-not-editable.png", full_page=True)
 
 
 def test_an_imported_deepspeed_json_fills_the_form(page, shots):

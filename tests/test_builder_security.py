@@ -17,10 +17,10 @@ from playwright.sync_api import expect, sync_playwright
 from tests.helpers.browser import launch, start_builder, stop_builder
 from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, run_in, snapshot, with_multirun_readme
 from tests.helpers.cli import ROOT, cli_env
+from zerotune.builder import allowed, preview
 from zerotune.builder import app as builder_app
-from zerotune.builder import preview
 from zerotune.builder.access import allowed_hosts, cookie_name
-from zerotune.compose import compose
+from zerotune.compose import compose, parse_typed
 from zerotune.compose.interpolation import PURE_RESOLVERS, check_pure_interpolations, resolvers_in
 from zerotune.errors import ConfigError
 
@@ -284,6 +284,150 @@ def test_an_interpolation_that_does_not_resolve_is_a_field_error(client, extra, 
     error = field_error(answer)
     assert error["key"] == key and error["field"] == key, error
     assert written_files() == before
+
+
+# --- Overrides that are not configuration: what Hydra would run, Hydra's settings, unknown keys ---------
+
+CALLBACK = "+hydra.callbacks.x._target_=os.system"
+# (the request's state, the key its error names, what the problem says)
+NOT_CONFIGURATION = [
+    ({"extra": [CALLBACK]}, "hydra.callbacks.x._target_", "`_target_`"),
+    ({"extra": ["++hydra.callbacks.x._target_=builtins.open", "++hydra.callbacks.x.file=victim.txt"]},
+     "hydra.callbacks.x._target_", "`_target_`"),
+    ({"extra": ["~model.unet._target_"]}, "model.unet._target_", "`_target_`"),
+    ({"extra": ["+model.unet={block: {_target_: builtins.open, file: victim.txt, mode: w}}"]}, "model.unet",
+     "`_target_`"),
+    ({"values": {"train.seed": {"_target_": "os.system"}}}, "train.seed", "`_target_`"),
+    ({"extra": ["hydra.run.dir=/etc"]}, "hydra.run.dir", "not a folder under multirun or outputs"),
+    ({"extra": ["hydra.job_logging.root.level=DEBUG"]}, "hydra.job_logging.root.level", "Hydra's own settings"),
+    ({"extra": ["hydra/job_logging=disabled"]}, "hydra/job_logging", "Hydra's own settings"),
+    ({"extra": ["foo.bar=1"]}, "foo.bar", "zerotune has no key `foo`"),
+]
+
+
+@pytest.mark.parametrize("route", ["/api/preview", "/api/fit", "/api/cheapest", "/api/experiment"])
+@pytest.mark.parametrize(("state", "key", "said"), NOT_CONFIGURATION,
+                         ids=[f"{i}-{k}" for i, (_, k, _) in enumerate(NOT_CONFIGURATION)])
+def test_an_override_that_is_not_configuration_is_refused_at_its_key(client, route, state, key, said):
+    before = written_files()
+    answer = client.post(route, json={**FORM, **state, "gpu": "rtx4090", "name": "builder_security_refused"})
+    error = field_error(answer)  # the preview answers 200 with its errors, as for every refused value
+    assert route == "/api/preview" or answer.status_code == 400, answer.text
+    assert error["key"] == key and error["field"] == preview.field_for(key), error
+    assert said in error["problem"] and "remove the override" in error["fix"], error
+    assert written_files() == before and not user_experiment("builder_security_refused").exists()
+
+
+def test_the_fixes_of_refused_overrides_work_when_applied(client):
+    name = "builder_security_fixed"
+    folder = field_error(client.post("/api/experiment", json={**FORM, "extra": ["hydra.run.dir=/etc"], "name": name}))
+    suggested = folder["fix"].split(" ")[0]
+    typo = field_error(client.post("/api/preview", json={"extra": ["train.batchsize=4"]}))
+    corrected = re.search(r"set a key zerotune has: (\S+)", typo["fix"])[1]
+    callback = field_error(client.post("/api/experiment", json={**FORM, "extra": [suggested, CALLBACK], "name": name}))
+    removed = re.search(r"remove the override `([^`]+)`", callback["fix"])[1]
+    assert (suggested, corrected, removed) == ("hydra.run.dir=outputs/my_run", "train.batch_size=4", CALLBACK)
+    saved = client.post("/api/experiment", json={**FORM, "extra": [suggested, corrected], "name": name})
+    assert saved.status_code == 200, saved.text
+    text = user_experiment(name).read_text()
+    assert "_target_" not in text and "dir: outputs/my_run" in text and "batch_size: 4" in text
+
+
+def test_a_refused_save_leaves_the_experiment_it_would_overwrite_as_it_was(client):
+    name = "builder_security_kept"
+    assert client.post("/api/experiment", json={**FORM, "name": name}).status_code == 200
+    before = written_files()
+    refused = client.post("/api/experiment", json={**FORM, "extra": [CALLBACK], "name": name, "overwrite": True})
+    assert refused.status_code == 400 and refused.json()["error"]["key"] == "hydra.callbacks.x._target_", refused.text
+    assert written_files() == before
+
+
+def test_the_run_and_sweep_folders_are_saved_and_loaded_back(client):
+    name = "builder_security_folders"
+    extra = ["hydra.run.dir=outputs/${now:%Y-%m-%d}/mine", "hydra.sweep.dir=multirun/mine",
+             "hydra.sweep.subdir=job_${now:%H%M%S%f}"]
+    saved = client.post("/api/experiment", json={**FORM, "extra": extra, "name": name})
+    assert saved.status_code == 200, saved.text
+    text = user_experiment(name).read_text()
+    assert "dir: outputs/${now:%Y-%m-%d}/mine" in text and "subdir: job_${now:%H%M%S%f}" in text
+    loaded = client.get("/api/experiment", params={"name": name}).json()
+    assert loaded["not_editable"] == []
+    assert [(o.key_or_group, o.value()) for o in map(parse_typed, loaded["extra"])] == \
+        [(o.key_or_group, o.value()) for o in map(parse_typed, extra)]
+
+
+@pytest.mark.parametrize("line", ["hydra.run.dir=outputs/../../etc", "hydra.run.dir=outputs/escape/run",
+                                  "hydra.run.dir='outputs/${now:../../../etc}'", "hydra.run.dir=${data.path}",
+                                  "hydra.run.dir='${oc.select:data.path,outputs/x}'", "hydra.sweep.dir=/tmp/sweep",
+                                  "hydra.sweep.subdir=../../x", "~hydra.run.dir", "hydra.run={dir: outputs/x}",
+                                  "hydra={run: {dir: outputs/x}}", "data@hydra.callbacks.x=folder"])
+def test_a_folder_that_could_be_outside_outputs_and_multirun_is_refused(client, workdir, line):
+    """Resolved as paths.py resolves the page's reads (a symlink out of outputs/ too); of interpolations only
+    the time, as Hydra's own folders use it: another key's value could name any folder."""
+    escape = workdir / "outputs" / "escape"
+    if not escape.is_symlink():
+        escape.parent.mkdir(exist_ok=True)
+        escape.symlink_to("/etc")
+    error = field_error(client.post("/api/preview", json={"extra": [line]}))
+    assert error["key"] == parse_typed(line).key_or_group and "remove the override" in error["fix"], error
+
+
+@pytest.mark.parametrize("line", ["zero_stage=3", "+reference.name=x", "model.unet.block_out_channels=[32,64]",
+                                  "data.repeats={cats: 2}", "experiment=sdxl_4090_128_bs8", "~train.seed",
+                                  "hydra.run.dir=outputs/x", "hydra.sweep.subdir=a/b"])
+def test_configuration_and_the_folders_are_allowed(line):
+    assert allowed.refusal(line) is None
+
+
+HAND_WRITTEN = """# @package _global_
+defaults:
+  - override /zero_stage: "1"
+  - override /hydra/job_logging: disabled
+train:
+  batch_size: 4
+hydra:
+  run:
+    dir: outputs/kept
+  callbacks:
+    x:
+      _target_: builtins.open
+      file: victim.txt
+      mode: w
+"""
+
+
+def test_an_experiment_holding_a_callback_loads_it_not_editable_and_is_never_saved_over(client):
+    name = "builder_security_hand_written"
+    path = user_experiment(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(HAND_WRITTEN)
+    loaded = client.get("/api/experiment", params={"name": name}).json()
+    held = {entry["key"]: entry["override"] for entry in loaded["not_editable"]}
+    assert held == {"hydra/job_logging": "hydra/job_logging=disabled",
+                    "hydra.callbacks.x._target_": "hydra.callbacks.x._target_=builtins.open",
+                    "hydra.callbacks.x.file": "hydra.callbacks.x.file=victim.txt",
+                    "hydra.callbacks.x.mode": "hydra.callbacks.x.mode=w"}, loaded["not_editable"]
+    assert loaded["extra"] == ["hydra.run.dir=outputs/kept"] and loaded["values"]["train.batch_size"] == 4
+    form_state = {k: loaded[k] for k in ("choices", "values", "extra")}
+    before = written_files()
+    for overwrite in (False, True):  # refused before the page would ask to overwrite
+        back = client.post("/api/experiment", json={**form_state, "name": name, "overwrite": overwrite})
+        assert back.status_code == 400, back.text
+        error = back.json()["error"]
+        assert error["key"] == "name" and "hydra.callbacks.x._target_" in error["problem"], error
+        assert "another name" in error["fix"] and str(path) in error["fix"]
+    assert written_files() == before
+    copy = client.post("/api/experiment", json={**form_state, "name": f"{name}_copy"})
+    assert copy.status_code == 200, copy.text
+    text = Path(copy.json()["path"]).read_text()
+    assert "callbacks" not in text and "job_logging" not in text and "dir: outputs/kept" in text
+
+
+def test_a_packaged_sweep_shows_its_sweeper_params_not_editable(client):
+    loaded = client.get("/api/experiment", params={"name": "stage_resolution_batch"}).json()
+    assert [e["key"] for e in loaded["not_editable"]] == [
+        f"hydra.sweeper.params.{k}" for k in ("zero_stage", "offload", "resolution", "train.batch_size")]
+    assert not any(line.startswith("hydra") for line in loaded["extra"])
 
 
 # --- interpolation.py: what it finds in an override ------------------------------------------------------

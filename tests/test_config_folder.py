@@ -8,8 +8,9 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import call_main, run_cli
 from zerotune import config_search
+from zerotune.cli.doctor import main as doctor_main
 from zerotune.compose import compose
 from zerotune.doctor.files import configs_check
 from zerotune.errors import ConfigError
@@ -130,9 +131,10 @@ def test_a_config_dir_that_is_not_a_folder_is_a_config_error(tmp_path, how):
     assert fixed.returncode == 0, fixed.stderr
 
 
-def test_doctor_prints_the_search_path(tmp_path):
+def test_doctor_prints_the_search_path(tmp_path, monkeypatch):
     user_folder(tmp_path / "zerotune")
-    proc = run_cli("--json", cwd=tmp_path, module="zerotune.doctor", timeout=300)
+    monkeypatch.chdir(tmp_path)
+    proc = call_main(doctor_main, "--json")  # the doctor's own process: tests/test_doctor.py
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert checks["configs"]["status"] == "OK"
     assert checks["configs"]["details"]["folders"][0] == str((tmp_path / "zerotune").resolve())

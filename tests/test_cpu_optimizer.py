@@ -1,5 +1,5 @@
-"""The CPU-Adam time probe (plan/cpu_optimizer.py): its size is past the last-level cache, and its cached
-figure is keyed by that size. Nothing here times anything: the timing itself is benchmarks/bench_cpu_adam.py's
+"""The CPU-Adam time probe (plan/cpu_optimizer.py): its size is past the last-level cache, and its figure is
+measured once per host and thread count, whatever memory is free when a job starts. Nothing here times anything: the timing itself is benchmarks/bench_cpu_adam.py's
 (experiments/results/planner.md, "The CPU optimizer's time floor")."""
 
 from __future__ import annotations
@@ -39,23 +39,54 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path):
     assert cpu_optimizer.last_level_cache_bytes(tmp_path / "absent") is None
 
 
-def test_the_cached_figure_is_keyed_by_the_probe_size(tmp_path: Path, monkeypatch):
+def _timer(monkeypatch, timed: list[int], figure: float = 7e-10) -> None:
+    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: timed.append(n) or figure)
+
+
+def test_the_figure_is_measured_once_per_host_whatever_memory_is_free(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
-    params = cpu_optimizer.probe_params()
-    key = cpu_optimizer.host_key(params)
-    assert key.endswith(f"|{params}params")
+    monkeypatch.setattr(cpu_optimizer, "last_level_cache_bytes", lambda: 32 * MIB)
+    free = {"bytes": 64 * GIB}
+    monkeypatch.setattr(cpu_optimizer, "available_bytes", lambda: free["bytes"])
     plan_dir = tmp_path / "plan"
     plan_dir.mkdir()
-    # The old probe's file and a figure for another size are not reused: the op is timed anew.
-    (plan_dir / "cpu_adam.json").write_text(json.dumps({key.rsplit("|", 1)[0]: 1e-10}))
-    (plan_dir / cpu_optimizer.CACHE_FILE).write_text(json.dumps({cpu_optimizer.host_key(4_000_000): 1e-10}))
-    timed = []
-    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: timed.append(n) or 7e-10)
-    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [params]
+    # The older files (v1's 4M figures, v2's keyed by probe size) are not read: the op is timed anew.
+    (plan_dir / "cpu_adam.json").write_text(json.dumps({cpu_optimizer.host_key(): 1e-10}))
+    (plan_dir / "cpu_adam_v2.json").write_text(json.dumps({f"{cpu_optimizer.host_key()}|{64 * MIB}params": 1e-10}))
+    timed: list[int] = []
+    _timer(monkeypatch, timed)
+    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [64 * MIB]
     stored = json.loads((plan_dir / cpu_optimizer.CACHE_FILE).read_text())
-    assert stored[key] == 7e-10 and stored[cpu_optimizer.host_key(4_000_000)] == 1e-10
-    # Then the figure for this size is read back, not timed again.
-    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [params]
+    assert stored == {cpu_optimizer.host_key(): {"s_per_param": 7e-10, "params": 64 * MIB}}
+    # Later jobs read it back, whatever is free then (the memory cap would size a probe differently each time).
+    for available in (20 * GIB, 3 * GIB, 64 * GIB):
+        free["bytes"] = available
+        assert cpu_optimizer.seconds_per_param() == 7e-10
+    assert timed == [64 * MIB]
+
+
+def test_a_probe_capped_by_memory_is_timed_again_once_a_bigger_one_fits(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_optimizer, "last_level_cache_bytes", lambda: 32 * MIB)
+    free = {"bytes": 4 * GIB}  # caps the probe at 1/8 of it: 32M parameters, below the full 64M
+    monkeypatch.setattr(cpu_optimizer, "available_bytes", lambda: free["bytes"])
+    timed: list[int] = []
+    _timer(monkeypatch, timed, 9e-10)
+    capped = 4 * GIB // 8 // 16
+    assert cpu_optimizer.seconds_per_param() == 9e-10 and timed == [capped]
+    assert cpu_optimizer.seconds_per_param() == 9e-10 and timed == [capped]  # still capped: reused
+    free["bytes"] = 64 * GIB
+    _timer(monkeypatch, timed, 7e-10)
+    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [capped, 64 * MIB]
+    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [capped, 64 * MIB]
+
+
+def test_the_key_is_the_host_and_its_thread_count(monkeypatch):
+    monkeypatch.setattr(cpu_optimizer.torch, "get_num_threads", lambda: 2)
+    two = cpu_optimizer.host_key()
+    monkeypatch.setattr(cpu_optimizer.torch, "get_num_threads", lambda: 16)
+    assert two.endswith("|2threads") and cpu_optimizer.host_key().endswith("|16threads")
+    assert "params" not in two
 
 
 def test_an_unmeasurable_floor_is_none_and_not_cached(tmp_path: Path, monkeypatch):

@@ -1,5 +1,6 @@
-"""`zerotune doctor` (`python -m zerotune.doctor`), run as users run it, on this machine: each line states the
-truth of the machine, and each problem comes with its fix."""
+"""`zerotune doctor` (`python -m zerotune.doctor`) on this machine: each line states the truth of the machine, and
+each problem comes with its fix. The machine as it is, through the command run as users run it; each case, through
+its main() in this process."""
 
 from __future__ import annotations
 
@@ -13,15 +14,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import ROOT, cli_env
+from tests.helpers.cli import ROOT, call_main, cli_env
+from zerotune.cli.doctor import main as doctor_main
 
 STATUSES = ("OK", "INFO", "WARN", "FAIL")
 NAMES = ["configs", "platform", "build tools", "ops", "libaio", "offload path", "locks", "gpus", "accelerate"]
 
 
-def doctor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def doctor_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zerotune.doctor", *args], cwd=ROOT, env={**cli_env(), **(env or {})},
                           capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture
+def doctor(monkeypatch):
+    """The doctor's main(argv) in this process, with `env` set for the call: the checks read the environment
+    when they run, so this says what the command says (`report` below, and tests/test_console_scripts.py, run
+    it as a process) without a process's seconds of imports."""
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            return call_main(doctor_main, *args)
+    return run
 
 
 def lines(proc: subprocess.CompletedProcess) -> dict[str, str]:
@@ -51,7 +66,7 @@ def tex(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> subprocess.CompletedProcess:
     """The doctor on this machine as it is, but for accelerate's config folder (HF_HOME): an empty one."""
-    return doctor(env={"HF_HOME": str(tmp_path_factory.mktemp("hf_home"))})
+    return doctor_process(env={"HF_HOME": str(tmp_path_factory.mktemp("hf_home"))})
 
 
 def test_every_check_has_one_line_and_problems_have_fixes(report):
@@ -86,7 +101,7 @@ def test_the_libaio_line_matches_dpkg(report):
         assert line.startswith(("WARN", "FAIL")) and "apt-get install libaio-dev" in fix_of(report, "libaio")
 
 
-def test_ops_are_listed_as_built_only_where_the_cache_has_them(tex):
+def test_ops_are_listed_as_built_only_where_the_cache_has_them(tex, doctor):
     (tex / "cpu_adam").mkdir()
     (tex / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # what a finished build leaves
     proc = doctor("--json", env={"TORCH_EXTENSIONS_DIR": str(tex)})
@@ -96,7 +111,7 @@ def test_ops_are_listed_as_built_only_where_the_cache_has_them(tex):
     assert "built: cpu_adam;" in ops["summary"] and "cpu_lion" in ops["summary"].split("built on first use:")[1]
 
 
-def test_a_stale_lock_is_a_problem_with_its_path_and_fix(tex):
+def test_a_stale_lock_is_a_problem_with_its_path_and_fix(tex, doctor):
     lock = tex / "cpu_adam" / "lock"
     lock.parent.mkdir()
     lock.touch()  # left by a killed build: open nowhere
@@ -110,7 +125,7 @@ def test_a_stale_lock_is_a_problem_with_its_path_and_fix(tex):
     assert not lock.exists()
 
 
-def test_a_writable_offload_path_shows_its_free_space(tmp_path):
+def test_a_writable_offload_path_shows_its_free_space(tmp_path, doctor):
     proc = doctor("--offload-path", str(tmp_path))
     line = lines(proc)["offload path"]
     assert line.startswith("OK") and f"{tmp_path} is writable" in line
@@ -120,7 +135,7 @@ def test_a_writable_offload_path_shows_its_free_space(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["chmod", "proc"])
-def test_an_unwritable_offload_path_fails_with_exit_1(tmp_path, how):
+def test_an_unwritable_offload_path_fails_with_exit_1(tmp_path, doctor, how):
     if how == "chmod":
         if os.geteuid() == 0:
             pytest.skip("root writes into a mode-500 folder anyway")
@@ -140,14 +155,14 @@ def test_an_unwritable_offload_path_fails_with_exit_1(tmp_path, how):
     assert "offload.path" in fix_of(proc, "offload path")
 
 
-def test_the_composed_config_gives_the_offload_path(tmp_path):
+def test_the_composed_config_gives_the_offload_path(tmp_path, doctor):
     """offload=nvme offload.path=...: that folder is checked, with what the run would swap there."""
     proc = doctor("zero_stage=3", "offload=nvme", f"offload.path={tmp_path}")
     line = lines(proc)["offload path"]
     assert f"{tmp_path} is writable" in line and "the run swaps about" in line
 
 
-def test_json_parses_and_agrees_with_the_exit_code(tmp_path):
+def test_json_parses_and_agrees_with_the_exit_code(tmp_path, doctor):
     proc = doctor("--json", "--offload-path", "/proc/self")
     answer = json.loads(proc.stdout)
     checks = {c["name"]: c for c in answer["checks"]}
@@ -157,7 +172,7 @@ def test_json_parses_and_agrees_with_the_exit_code(tmp_path):
     assert checks["platform"]["details"]["accelerator"]
 
 
-def test_the_accelerate_default_config_in_effect_is_shown(isolated_accelerate_config):
+def test_the_accelerate_default_config_in_effect_is_shown(isolated_accelerate_config, doctor):
     folder = isolated_accelerate_config / "accelerate"  # HF_HOME: accelerate's default location is under it
     folder.mkdir()
     (folder / "default_config.yaml").write_text(

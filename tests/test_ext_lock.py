@@ -17,13 +17,10 @@ from pathlib import Path
 import pytest
 from torch.utils.file_baton import FileBaton
 
+from tests.helpers.built_ops import ADAM_CPU_OFFLOAD, OFFLOAD_CPU_OPS, is_current
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 from zerotune.ops import build as ops
 from zerotune.ops import locks as ext_lock
-
-ADAM_CPU_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                    "optimizer": {"type": "AdamW", "params": {}}}
-OFFLOAD_CPU_OPS = ["deepspeed_shm_comm", "cpu_adam"]  # what ADAM_CPU_OFFLOAD loads, on the CPU accelerator
 
 
 @pytest.fixture
@@ -177,23 +174,17 @@ def test_prebuild_clears_the_lock_before_torchs_loader_takes_it(tex, monkeypatch
     assert not lock.exists() and f"removed the stale torch extensions lock {lock}" in caplog.text
 
 
-def copy_current_cache(root: Path, op_names: list[str]) -> None:
-    """Copy the built ops from the real cache, or skip: a test must never start a multi-minute compile."""
-    real = ext_lock.extensions_root()
-    ninja = shutil.which("ninja")
+def copy_built_ops(built: Path, root: Path, op_names: list[str]) -> None:
+    """Copy the session's built ops (conftest's built_offload_ops): loading the copy compiles nothing."""
     for op in op_names:
-        if not (real / op / f"{op}.so").is_file() or ninja is None:
-            pytest.skip(f"no built {op} in {real} to copy (run a job with offload=cpu once)")
-        shutil.copytree(real / op, root / op, ignore=shutil.ignore_patterns("lock"))  # copy2 keeps mtimes
-        dry = subprocess.run([ninja, "-C", str(root / op), "-n"], capture_output=True, text=True, timeout=60)
-        if "no work to do" not in dry.stdout:
-            pytest.skip(f"the built {op} in {real} is not current: loading the copy would rebuild it")
+        shutil.copytree(built / op, root / op, ignore=shutil.ignore_patterns("lock"))  # copy2 keeps mtimes
+        assert is_current(root / op), f"the copy of {built / op} would be rebuilt"
 
 
-def test_a_real_prebuild_is_not_stuck_on_a_stale_lock(tmp_path):
+def test_a_real_prebuild_is_not_stuck_on_a_stale_lock(tmp_path, built_offload_ops):
     """The real DeepSpeed loaders, on a copy of the built cache with a stale lock planted on cpu_adam."""
     root = tmp_path / "torch_extensions"
-    copy_current_cache(root, OFFLOAD_CPU_OPS)
+    copy_built_ops(built_offload_ops, root, OFFLOAD_CPU_OPS)
     lock = plant(root, "cpu_adam")
     code = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
             "from zerotune.ops.build import prebuild_ops\n"
@@ -207,11 +198,11 @@ def test_a_real_prebuild_is_not_stuck_on_a_stale_lock(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_job_starts_despite_a_stale_lock(tmp_path):
+def test_a_job_starts_despite_a_stale_lock(tmp_path, built_offload_ops):
     """`train.py ... offload=cpu` with a stale lock on cpu_adam: the job runs to the end and says which file
     it removed."""
     root = tmp_path / "torch_extensions"
-    copy_current_cache(root, OFFLOAD_CPU_OPS)
+    copy_built_ops(built_offload_ops, root, OFFLOAD_CPU_OPS)
     lock = plant(root, "cpu_adam")
     run_dir = tmp_path / "job"
     os.environ["TORCH_EXTENSIONS_DIR"] = str(root)  # run_cli's env copies os.environ

@@ -142,11 +142,10 @@ def test_disk_full_during_save_unit(tmp_path):
 # ---------------------------------------------------------------------------- 3. damaged checkpoints
 
 
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("source") / "run"
-    proc = run_cli(*SHORT, "train.max_steps=4", "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.fixture
+def two_checkpoints(offload_run):
+    """A run dir with checkpoints at steps 2 and 4 (the session's offload=cpu run: tests/conftest.py)."""
+    run_dir, _ = offload_run
     return run_dir
 
 
@@ -206,20 +205,24 @@ def test_strict_resume_stops_on_a_damaged_checkpoint_with_the_fix(two_checkpoint
 
 
 def test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first(tmp_path):
-    shared = tmp_path / "shared_ck"
-    first = start_cli("train.max_steps=100000", "checkpoint.every_n_steps=1000", f"checkpoint.dir={shared}",
-                      f"hydra.run.dir={tmp_path / 'a'}")
+    """The first job then gets SIGTERM and ends cleanly, saving a last checkpoint: the default suite's case of
+    test_a_stop_signal_ends_the_job_cleanly (one long job for both)."""
+    shared, run_dir = tmp_path / "shared_ck", tmp_path / "a"
+    first = start_cli("train.max_steps=100000", "checkpoint.every_n_steps=1000", "checkpoint.on_signal=true",
+                      f"checkpoint.dir={shared}", f"hydra.run.dir={run_dir}")
     try:
         wait_for(lambda: (shared / checkpoints.lock.OWNER_FILE).is_file(), what="the first job's lock")
         proc = run_cli(*SHORT, "train.max_steps=2", "checkpoint.every_n_steps=1", f"checkpoint.dir={shared}",
                        f"hydra.run.dir={tmp_path / 'b'}")
         assert proc.returncode == 2
-        assert "`checkpoint.dir`" in proc.stderr and f"the job in {tmp_path / 'a'}" in proc.stderr
+        assert "`checkpoint.dir`" in proc.stderr and f"the job in {run_dir}" in proc.stderr
         assert read_summary(tmp_path / "b")["error"]["key"] == "checkpoint.dir"
         assert first.poll() is None, "the first job runs on"
+        wait_for(lambda: steps_logged(run_dir) >= 3, what="three steps")
     finally:
         first.send_signal(signal.SIGTERM)
-        first.communicate(timeout=120)
+        _, err = first.communicate(timeout=120)
+    check_stopped_cleanly(first, err, run_dir, shared, signal.SIGTERM, 143, on_signal=True)
 
 
 def test_the_lock_goes_with_a_killed_holder(tmp_path):
@@ -246,10 +249,23 @@ def test_temporary_folders_are_private_to_a_job(tmp_path):
 # ---------------------------------------------------------------------------- 5. stop signals
 
 
-@pytest.mark.parametrize(("sig", "code", "on_signal"), [
-    (signal.SIGTERM, 143, True),
-    pytest.param(signal.SIGINT, 130, False, marks=pytest.mark.slow),
-    pytest.param(signal.SIGUSR1, 138, True, marks=pytest.mark.slow)])
+def check_stopped_cleanly(job: subprocess.Popen, err: str, run_dir: Path, checkpoint_dir: Path, sig, code: int,
+                          on_signal: bool) -> None:
+    """A job that `sig` stopped after its third step: its exit code, no traceback, an interrupted record, a last
+    checkpoint where on_signal asks for one, and no worker left."""
+    assert job.returncode == code, err[-2000:]
+    assert "Traceback" not in err and "SignalException" not in err
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["steps"] >= 3
+    assert summary["interrupted"]["signal"] == sig.name
+    saved = summary["checkpoint"]["last_complete"]
+    assert (saved == str(checkpoints.step_dir(checkpoint_dir, summary["steps"]))) if on_signal else saved is None
+    assert not workers_of(run_dir)
+
+
+# SIGTERM with on_signal, in the default suite: test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "code", "on_signal"), [(signal.SIGINT, 130, False), (signal.SIGUSR1, 138, True)])
 def test_a_stop_signal_ends_the_job_cleanly(tmp_path, sig, code, on_signal):
     run_dir = tmp_path / "run"
     job = start_cli("train.max_steps=100000", f"checkpoint.on_signal={str(on_signal).lower()}",
@@ -257,15 +273,7 @@ def test_a_stop_signal_ends_the_job_cleanly(tmp_path, sig, code, on_signal):
     wait_for(lambda: steps_logged(run_dir) >= 3, what="three steps")
     job.send_signal(sig)
     _, err = job.communicate(timeout=120)
-    assert job.returncode == code, err[-2000:]
-    assert "Traceback" not in err and "SignalException" not in err
-    summary = read_summary(run_dir)
-    assert summary["status"] == "interrupted" and summary["steps"] >= 3
-    assert summary["interrupted"]["signal"] == sig.name
-    saved = summary["checkpoint"]["last_complete"]
-    assert (saved == str(checkpoints.step_dir(run_dir / "checkpoints", summary["steps"]))) if on_signal \
-        else saved is None
-    assert not workers_of(run_dir)
+    check_stopped_cleanly(job, err, run_dir, run_dir / "checkpoints", sig, code, on_signal)
 
 
 @pytest.mark.slow

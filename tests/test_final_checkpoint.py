@@ -11,16 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import DEFAULT_JOB_STEPS
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from zerotune import checkpoints
 from zerotune.checkpoints.store import cleanup
 from zerotune.export import find_checkpoint
 
 SHORT = ["train.batch_size=8", "evaluate.enabled=false"]
-# ema.decay=0 makes the EMA a host copy of the live weights after every step (lerp with weight 1 is exact):
-# the trained weights at the last step, taken outside DeepSpeed's checkpoint, to compare the export with.
-LIVE_COPY = ["ema.enabled=true", "ema.decay=0"]
-STEPS = 20
+LIVE_COPY = ["ema.enabled=true", "ema.decay=0"]  # as the default job run's (tests/conftest.py)
+STEPS = DEFAULT_JOB_STEPS
 
 
 def train(run_dir, *args, expect: int = 0) -> dict:
@@ -60,13 +59,21 @@ def assert_final_of_last_step(run_dir, summary: dict, written: dict) -> None:
     assert ema["updates"] == STEPS, "the live copy was taken after the last step"
 
 
-@pytest.mark.parametrize("stage", ["2", pytest.param("3", marks=pytest.mark.slow)])
-def test_a_default_run_exports_its_last_step_with_no_flag(tmp_path, stage):
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    summary = train(run_dir, f"train.max_steps={STEPS}", f"zero_stage={stage}", *LIVE_COPY)
+def check_exports_its_last_step(run_dir, summary: dict, out) -> None:
     written = export(run_dir, out)
     assert_final_of_last_step(run_dir, summary, written)
     assert_same(load_file(str(out / "unet.safetensors")), load_file(str(out / "unet_ema.safetensors")))
+
+
+def test_a_default_run_exports_its_last_step_with_no_flag(default_job_run, tmp_path):
+    check_exports_its_last_step(*default_job_run, tmp_path / "out")
+
+
+@pytest.mark.slow  # ZeRO-2 in the default suite: test_a_default_run_exports_its_last_step_with_no_flag
+def test_a_zero3_run_exports_its_last_step_with_no_flag(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train(run_dir, f"train.max_steps={STEPS}", "zero_stage=3", *LIVE_COPY)
+    check_exports_its_last_step(run_dir, summary, tmp_path / "out")
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from tests.helpers.folder_fixtures import (
     USED,
     make_folder,
 )
-from tests.helpers.tiny_components import save_tiny_pipeline, save_vae
+from tests.helpers.tiny_components import save_vae
 from zerotune.data import build_loader, check_data
 from zerotune.data.buckets import closest_bucket, make_buckets, place
 from zerotune.data.components import SDXLEncoders
@@ -41,11 +41,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def components(tmp_path_factory):
-    return save_tiny_pipeline(tmp_path_factory.mktemp("sdxl_tiny"))
 
 
 @pytest.fixture
@@ -77,11 +72,11 @@ def folder_cfg(folder, components, tmp_path, *extra) -> DataSpec:
         "resolution.size=128", "train.batch_size=2", f"data.cache_dir={tmp_path / 'cache'}", *extra))
 
 
-def test_tiny_tokenizer_works_offline(components, monkeypatch):
+def test_tiny_tokenizer_works_offline(tiny_sdxl_components, monkeypatch):
     from transformers import CLIPTokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tok = CLIPTokenizer.from_pretrained(components / "tokenizer", local_files_only=True)
+    tok = CLIPTokenizer.from_pretrained(tiny_sdxl_components / "tokenizer", local_files_only=True)
     ids = tok("a red dog", padding="max_length", max_length=77).input_ids
     assert tok.convert_ids_to_tokens(ids[:5]) == ["<|startoftext|>", "a</w>", "red</w>", "dog</w>", "<|endoftext|>"]
     assert len(ids) == 77
@@ -177,8 +172,8 @@ def test_flip_sampler_yields_index_and_coin():
 
 # --- prepare: report, cache, bad input --------------------------------------------------------------------
 
-def test_prepare_reports_every_image(folder, components, tmp_path, calls):
-    cfg = folder_cfg(folder, components, tmp_path, REPEATS)
+def test_prepare_reports_every_image(folder, tiny_sdxl_components, tmp_path, calls):
+    cfg = folder_cfg(folder, tiny_sdxl_components, tmp_path, REPEATS)
     dataset, report = prepare_folder_data(cfg, tmp_path / "run", progress=False)
     full = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["images_found"] == 14 and report["images_used"] == len(USED) == 11
@@ -201,20 +196,20 @@ def test_prepare_reports_every_image(folder, components, tmp_path, calls):
     assert item["time_ids"].tolist() == dataset.items[0].placement.time_ids()
 
 
-def test_latents_are_the_scaled_vae_mean(folder, components, tmp_path):
+def test_latents_are_the_scaled_vae_mean(folder, tiny_sdxl_components, tmp_path):
     from diffusers import AutoencoderKL
 
-    dataset, _ = prepare_folder_data(folder_cfg(folder, components, tmp_path), progress=False)
+    dataset, _ = prepare_folder_data(folder_cfg(folder, tiny_sdxl_components, tmp_path), progress=False)
     item = next(it for it in dataset.items if it.record.rel == "wide_a.png")
-    vae = AutoencoderKL.from_pretrained(components / "vae", local_files_only=True)
+    vae = AutoencoderKL.from_pretrained(tiny_sdxl_components / "vae", local_files_only=True)
     with torch.no_grad():
         mean = vae.encode(crop_pixels(open_rgb(item.record.path), item.placement)[None]).latent_dist.mean[0]
     cached = dataset[dataset.items.index(item)]["x0"]
     assert torch.allclose(cached, mean * vae.config.scaling_factor, atol=1e-5)
 
 
-def test_second_run_computes_and_loads_nothing(folder, components, tmp_path, calls):
-    cfg = folder_cfg(folder, components, tmp_path)
+def test_second_run_computes_and_loads_nothing(folder, tiny_sdxl_components, tmp_path, calls):
+    cfg = folder_cfg(folder, tiny_sdxl_components, tmp_path)
     _, first = prepare_folder_data(cfg, progress=False)
     calls.clear()
     dataset, second = prepare_folder_data(cfg, progress=False)
@@ -225,8 +220,8 @@ def test_second_run_computes_and_loads_nothing(folder, components, tmp_path, cal
     assert len(dataset) == 11 and second["skipped"]["unreadable"] == 2  # the corrupt file is retried, reported
 
 
-def test_one_changed_caption_recomputes_one_text_entry(folder, components, tmp_path, calls):
-    cfg = folder_cfg(folder, components, tmp_path)
+def test_one_changed_caption_recomputes_one_text_entry(folder, tiny_sdxl_components, tmp_path, calls):
+    cfg = folder_cfg(folder, tiny_sdxl_components, tmp_path)
     prepare_folder_data(cfg, progress=False)
     calls.clear()
     (folder / "sq_a.txt").write_text("a green dog")
@@ -235,26 +230,26 @@ def test_one_changed_caption_recomputes_one_text_entry(folder, components, tmp_p
     assert report["cache"]["texts_computed"] == 1 and report["cache"]["latents_computed"] == 0
 
 
-def test_another_vae_recomputes_every_latent_and_no_text(folder, components, tmp_path, calls):
-    prepare_folder_data(folder_cfg(folder, components, tmp_path), progress=False)
+def test_another_vae_recomputes_every_latent_and_no_text(folder, tiny_sdxl_components, tmp_path, calls):
+    prepare_folder_data(folder_cfg(folder, tiny_sdxl_components, tmp_path), progress=False)
     calls.clear()
     save_vae(tmp_path / "vae_b", seed=1)  # same architecture, other weights
-    cfg = folder_cfg(folder, components, tmp_path, f"model.vae={tmp_path / 'vae_b'}")
+    cfg = folder_cfg(folder, tiny_sdxl_components, tmp_path, f"model.vae={tmp_path / 'vae_b'}")
     _, report = prepare_folder_data(cfg, progress=False)
     assert report["cache"]["latents_computed"] == 11 and report["cache"]["latents_reused"] == 0
     assert report["cache"]["texts_computed"] == 0 and "_load_text" not in calls
 
 
-def test_random_flip_caches_mirrored_views(folder, components, tmp_path, calls):
-    prepare_folder_data(folder_cfg(folder, components, tmp_path), progress=False)
-    cfg = folder_cfg(folder, components, tmp_path, "data.random_flip=true")
+def test_random_flip_caches_mirrored_views(folder, tiny_sdxl_components, tmp_path, calls):
+    prepare_folder_data(folder_cfg(folder, tiny_sdxl_components, tmp_path), progress=False)
+    cfg = folder_cfg(folder, tiny_sdxl_components, tmp_path, "data.random_flip=true")
     dataset, report = prepare_folder_data(cfg, progress=False)
     assert report["cache"]["latents_computed"] == 11 and report["cache"]["latents_reused"] == 11
     i = next(i for i, it in enumerate(dataset.items) if it.record.rel == "wide_b.png")
     plain, flipped = dataset[i], dataset[(i, True)]
     assert flipped["time_ids"].tolist() == dataset.items[i].placement.time_ids(flipped=True)
     assert not torch.allclose(plain["x0"], flipped["x0"])
-    encoders = SDXLEncoders(cfg_paths(components), torch.device("cpu"))
+    encoders = SDXLEncoders(cfg_paths(tiny_sdxl_components), torch.device("cpu"))
     pixels = crop_pixels(open_rgb(dataset.items[i].record.path), dataset.items[i].placement)
     assert torch.allclose(flipped["x0"], encoders.encode_images(pixels.flip(-1)[None])[0], atol=1e-5)
     batch = next(iter(build_loader(cfg, 2, seed=0)))
@@ -267,15 +262,15 @@ def cfg_paths(components):
     return resolve_components(compose_cfg("model=sdxl_tiny", f"model.components={components}").model)
 
 
-def test_upscale_small_keeps_and_counts_small_images(folder, components, tmp_path):
-    _, report = prepare_folder_data(folder_cfg(folder, components, tmp_path, "data.upscale_small=true"),
+def test_upscale_small_keeps_and_counts_small_images(folder, tiny_sdxl_components, tmp_path):
+    _, report = prepare_folder_data(folder_cfg(folder, tiny_sdxl_components, tmp_path, "data.upscale_small=true"),
                                     progress=False)
     assert report["skipped"] == {"unreadable": 2, "too_small": 0} and report["upscaled"] == 1
     assert report["images_used"] == 12
 
 
-def test_build_loader_gives_bucket_batches(folder, components, tmp_path):
-    loader = build_loader(folder_cfg(folder, components, tmp_path, REPEATS), 2, seed=0, run_dir=tmp_path / "r")
+def test_build_loader_gives_bucket_batches(folder, tiny_sdxl_components, tmp_path):
+    loader = build_loader(folder_cfg(folder, tiny_sdxl_components, tmp_path, REPEATS), 2, seed=0, run_dir=tmp_path / "r")
     assert isinstance(loader.batch_sampler, BucketBatchSampler) and (tmp_path / "r/data_report.json").is_file()
     shapes = Counter(tuple(b["x0"].shape) for b in loader)
     assert shapes == {(2, 4, 32, 32): 5, (2, 4, 16, 64): 1, (2, 4, 48, 16): 1}
@@ -295,24 +290,24 @@ def fails_with(key, cfg, calls, run=prepare_folder_data):
 
 def test_empty_folder(tmp_path, calls):
     (tmp_path / "empty").mkdir()
-    # No components either: the folder is checked first.
+    # No tiny_sdxl_components either: the folder is checked first.
     cfg = compose_cfg("model=sdxl_tiny", "data=folder", f"data.path={tmp_path / 'empty'}", "resolution.size=128")
     err = fails_with("data.path", cfg, calls, check_data)
     assert "no usable image" in err.problem and "metadata.jsonl" in err.fix
     fails_with("data.path", cfg, calls)
 
 
-def test_only_corrupt_or_small_images(tmp_path, components, calls):
+def test_only_corrupt_or_small_images(tmp_path, tiny_sdxl_components, calls):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "a.png").write_bytes(b"garbage")
-    fails_with("data.path", folder_cfg(bad, components, tmp_path), calls)
+    fails_with("data.path", folder_cfg(bad, tiny_sdxl_components, tmp_path), calls)
     Image.new("RGB", (30, 30)).save(bad / "small.png")
-    assert "upscale_small" in fails_with("data.path", folder_cfg(bad, components, tmp_path), calls).fix
+    assert "upscale_small" in fails_with("data.path", folder_cfg(bad, tiny_sdxl_components, tmp_path), calls).fix
     # Headers fine, pixels not: found while caching (the VAE never loads: no image decoded).
     (bad / "small.png").unlink()
     (bad / "cut.jpg").write_bytes((make_folder(tmp_path / "src") / "truncated.jpg").read_bytes())
-    fails_with("data.path", folder_cfg(bad, components, tmp_path, "train.batch_size=1"), calls)
+    fails_with("data.path", folder_cfg(bad, tiny_sdxl_components, tmp_path, "train.batch_size=1"), calls)
 
 
 @pytest.mark.parametrize(("overrides", "key"), [
@@ -325,8 +320,8 @@ def test_only_corrupt_or_small_images(tmp_path, components, calls):
     (["data.bucket_step=72"], "data.bucket_step"),
     (["train.batch_size=11"], "train.batch_size"),
 ])
-def test_config_errors_name_the_key(folder, components, tmp_path, calls, overrides, key):
-    err = fails_with(key, folder_cfg(folder, components, tmp_path, *overrides), calls, check_data)
+def test_config_errors_name_the_key(folder, tiny_sdxl_components, tmp_path, calls, overrides, key):
+    err = fails_with(key, folder_cfg(folder, tiny_sdxl_components, tmp_path, *overrides), calls, check_data)
     assert err.fix
 
 
@@ -338,10 +333,10 @@ def test_folder_needs_a_text_time_model(folder, calls):
 # --- end to end ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_folder_training_through_the_cli(folder, components, tmp_path, monkeypatch):
+def test_folder_training_through_the_cli(folder, tiny_sdxl_components, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as one_thread does in-process
     run_dir = tmp_path / "run"
-    proc = run_cli("model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={components}",
+    proc = run_cli("model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={tiny_sdxl_components}",
                    "resolution.size=64", "train.max_steps=3", "train.batch_size=2", "evaluate.enabled=false",
                    f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]

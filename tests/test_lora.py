@@ -14,12 +14,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, call_main, cli_env, compose_cfg, read_summary, run_cli
 from zerotune import checkpoints, models
 from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.decide import decide_resume
+from zerotune.cli.export import main as export_main
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, lora_export
+from zerotune.preflight import preflight
 
 QUICK = ["adapter=lora", "train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2", "precision=fp32"]
@@ -66,7 +68,7 @@ def check_export(run_dir, out, base) -> None:
     from diffusers import UNet2DConditionModel
     from safetensors.torch import load_file
 
-    proc = run_cli(str(run_dir), str(out), "--merge", module="zerotune.export")
+    proc = call_main(export_main, str(run_dir), str(out), "--merge")  # its process: tests/test_final_checkpoint.py
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = checkpoints.find(run_dir)
     weights = {k: v.float() for k, v in full_state(path, with_optimizer=False)[0].items()}
@@ -118,14 +120,26 @@ def test_sdxl_defaults_to_the_attention_projections():
     assert wrapped == {"to_q", "to_k", "to_v", "0"}
 
 
-@pytest.mark.parametrize(("args", "key", "says"), [
+BAD_ADAPTER_INPUT = [
     (["adapter.rank=0"], "adapter.rank", "at least 1"),
     (["adapter.target_modules=[to_qq]"], "adapter.target_modules", "conv1"),
     (["adapter.init=xavier"], "adapter.init", "gaussian"),
     (["optimizer=muadam"], "optimizer", "adamw"),
     (["adapter=dora"], "adapter", "lora"),
-])
-def test_bad_adapter_input_exits_2_naming_the_key(tmp_path, args, key, says):
+]
+
+
+@pytest.mark.parametrize(("args", "key", "says"), BAD_ADAPTER_INPUT[1:])
+def test_bad_adapter_input_is_a_config_error_naming_the_key(args, key, says):
+    """What train.py composes and checks before any worker starts; the CLI prints every ConfigError alike (the
+    first case, through the CLI, below)."""
+    with pytest.raises(ConfigError) as err:
+        preflight(compose_cfg("adapter=lora", *args))
+    assert err.value.key == key and says in str(err.value), str(err.value)
+
+
+def test_bad_adapter_input_exits_2_naming_the_key(tmp_path):
+    args, key, says = BAD_ADAPTER_INPUT[0]
     proc = run_cli("adapter=lora", *args, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`{key}`" in proc.stderr and says in proc.stderr, proc.stderr[-2000:]

@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import read_summary, run_cli
+from tests.helpers.cli import call_main, read_summary, run_cli
+from zerotune.cli.plan import main as plan_main
 from zerotune.errors import ConfigError
 from zerotune.plan import allocator, gpus, recommend
 from zerotune.plan import guard as planning
@@ -156,12 +157,13 @@ def test_frozen_parameters_are_blocks_of_their_own_beside_the_flat_buffer():
 
 
 # ------------------------------------------------------------------------------------------ commands
+# `zerotune plan` through its main() in this process (tests/test_console_scripts.py runs it as a process).
 
 
 def test_plan_command_json_has_the_per_rank_gpu_peak():
     # overrides before and after the flags, as users type them
-    proc = run_cli("train.batch_size=8", "--gpu", "rtx4090", "--json", "deepspeed.reduce_bucket_size=1000",
-                   module="zerotune.plan")
+    proc = call_main(plan_main, "train.batch_size=8", "--gpu", "rtx4090", "--json",
+                     "deepspeed.reduce_bucket_size=1000")
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)
     assert "batch 8x1" in plan["workload"]
@@ -179,7 +181,7 @@ def test_plan_command_json_has_the_per_rank_gpu_peak():
 
 def test_plan_with_an_adapter_trains_and_averages_the_adapter_only():
     def plan(*args):
-        proc = run_cli("ema.enabled=true", "--json", *args, module="zerotune.plan")
+        proc = call_main(plan_main, "ema.enabled=true", "--json", *args)
         assert proc.returncode == 0, proc.stderr[-2000:]
         answer = json.loads(proc.stdout)
         return answer, {t["term"]: t["mib"] * MIB for t in answer["gpu_terms"] + answer["host_terms"]}
@@ -200,7 +202,7 @@ def test_plan_with_an_adapter_trains_and_averages_the_adapter_only():
 @pytest.mark.parametrize(("args", "key"), [(["--gpu", "rtx5090"], "--gpu"), (["--gpu-mib", "-5"], "--gpu-mib"),
                                            (["plan.gpu=gtx1080"], "plan.gpu")])
 def test_plan_command_bad_gpu_exits_2_naming_the_key(args, key):
-    proc = run_cli(*args, module="zerotune.plan")
+    proc = call_main(plan_main, *args)
     assert proc.returncode == 2 and f"`{key}`" in proc.stderr
 
 
@@ -292,7 +294,7 @@ def test_the_readmes_plan_example_plans_the_batch_it_names():
 
     example = "zerotune plan model=sdxl resolution=1024 train.batch_size=8 precision=bf16 --gpu rtx4090"
     assert (ROOT / "README.md").read_text().count(example) >= 2  # the wheel section and "Will it fit?"
-    proc = run_cli(*example.split()[2:], module="zerotune.plan")
+    proc = call_main(plan_main, *example.split()[2:])
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert lines[1] == "micro batch: 8 per rank, from the command line: train.batch_size=8"

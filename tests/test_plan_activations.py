@@ -30,9 +30,24 @@ def cases(listed: list, suffix: str = "") -> list:
     return [pytest.param(*case, id=i, marks=pytest.mark.slow if i in SLOW_IDS else ()) for case, i in zip(listed, ids, strict=True)]
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """One trace cache for the module's tests, empty at its start: a step traced by one test (the 128 px U-Net's
+    with and without checkpointing, say) is read by the next that asks for it, as the planner reads it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        patch.setattr(activations, "_TRACES", {})
+        yield
+
+
 @pytest.fixture(autouse=True)
+def shared_cache(module_cache):
+    """Every test but the cache's own reads and writes the module's cache."""
+
+
+@pytest.fixture
 def private_cache(tmp_path, monkeypatch):
-    """Each test traces afresh, into its own cache folder."""
+    """The cache's own tests: their own folder, traced afresh."""
     monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(activations, "_TRACES", {})
 
@@ -69,8 +84,8 @@ def test_traced_activation_peak_is_the_real_steps_with_lora(model, size, checkpo
 
 
 def test_checkpointing_lowers_the_peak_and_adds_recomputation():
-    cfg = _model("sdxl_tiny")
-    full, checkpointed = (trace_step(cfg, (4, 32, 32), 2, "fp32", gc, "sdpa") for gc in (False, True))
+    cfg = _model("sdxl_tiny")  # the 128 px steps test_traced_activation_peak_is_the_real_steps traced
+    full, checkpointed = (trace_step(cfg, (4, 32, 32), 2, "fp32", gc, str(cfg.attention)) for gc in (False, True))
     assert checkpointed.activation_peak_bytes < full.activation_peak_bytes / 2
     assert checkpointed.forward_flops == full.forward_flops
     assert checkpointed.backward_flops > full.backward_flops
@@ -79,12 +94,12 @@ def test_checkpointing_lowers_the_peak_and_adds_recomputation():
 def test_parameters_and_gradients_at_the_traced_precision():
     cfg = _model("sdxl_tiny")
     params = model_stats(cfg).num_params
-    for precision, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
-        trace = trace_step(cfg, (4, 16, 16), 1, precision, False, "sdpa")
+    for precision, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):  # fp32: the traced 64 px step's
+        trace = trace_step(cfg, (4, 16, 16), 2, precision, False, str(cfg.attention))
         assert trace.param_bytes == trace.grad_bytes == params * size, precision
 
 
-def test_a_cached_trace_is_returned_without_tracing(monkeypatch):
+def test_a_cached_trace_is_returned_without_tracing(private_cache, monkeypatch):
     cfg = _model("tiny")
     first = trace_step(cfg, (1, 16, 16), 2, "bf16", True, "default")
     assert trace_step(cfg, (1, 16, 16), 2, "bf16", True, "default") is first
@@ -116,7 +131,7 @@ def test_every_setting_has_its_own_key():
     assert activations.trace_key(cfg, *base, compose_cfg("model=tiny").adapter) == activations.trace_key(cfg, *base)
 
 
-def test_a_corrupt_cache_file_is_traced_again():
+def test_a_corrupt_cache_file_is_traced_again(private_cache):
     cfg = _model("tiny")
     key = activations.trace_key(cfg, (1, 8, 8), 1, "fp32", False, "default")
     activations.cache_dir().mkdir(parents=True)

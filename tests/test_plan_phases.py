@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import compose_cfg
 from zerotune.builder.fit import phase_marks
 from zerotune.plan import gpus, render
 from zerotune.plan.command_line import platform_for
@@ -116,12 +116,9 @@ def test_the_breakdown_and_the_builder_show_the_phases():
     assert phase_marks(without) == []
 
 
-def test_a_cpu_run_records_its_phases(tmp_path):
-    run = tmp_path / "run"
-    proc = run_cli("train.max_steps=2", "train.log_every=1", "evaluate.per_class=2", "evaluate.steps=2",
-                   "checkpoint.final=false", f"hydra.run.dir={run}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    phases = read_summary(run)["memory"]["phases"]
+def test_a_cpu_run_records_its_phases(default_job_run):
+    _, summary = default_job_run
+    phases = summary["memory"]["phases"]
     assert [p["phase"] for p in phases] == ["loading", "step", "sampling"]
     for before, after in zip(phases, phases[1:], strict=False):
         assert before["end"] <= after["start"]

@@ -20,7 +20,7 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
-from tests.helpers.cli import cli_env
+from tests.helpers.cli import call_main, cli_env
 from zerotune.cli.report import main as report_main
 from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
 from zerotune.report.build import build_report
@@ -334,11 +334,11 @@ def test_cli_writes_report_and_answers_budget(gpu_sweep: Path, tmp_path: Path):
 
 
 def test_cli_exit_codes_for_bad_paths(gpu_sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
-    missing = run_report(str(gpu_sweep), str(tmp_path / "no-such-sweep"))
+    # The usage errors in-process (the module's entry point, without an interpreter start each; its process:
+    # test_cli_writes_report_and_answers_budget).
+    missing = call_main(report_main, str(gpu_sweep), str(tmp_path / "no-such-sweep"))
     assert missing.returncode == 2
     assert "argument DIR" in missing.stderr and "no-such-sweep does not exist" in missing.stderr
-
-    # The other usage errors in-process (the module's entry point, without an interpreter start each).
     (tmp_path / "empty").mkdir()
     for argv, message in [([str(tmp_path / "empty")], "holds no runs"),
                           ([str(gpu_sweep), "--budget-mib", "-5"], "argument --budget-mib"),

@@ -37,11 +37,11 @@ def test_every_stage_trains(stage, offload, tmp_path):
     assert summary["memory"]["gpu_peak_process_mib"] is None  # no GPU here: unmeasured, not 0
 
 
-def test_zero2_cpu_offload_as_documented(tmp_path):
-    """`python train.py zero_stage=2 offload=cpu` exactly as the README types it (plus a short run)."""
-    proc = run_cli("zero_stage=2", "offload=cpu", *QUICK, f"hydra.run.dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_run(tmp_path, 2, "cpu")
+def test_zero2_cpu_offload_as_documented(offload_run):
+    """`python train.py zero_stage=2 offload=cpu` exactly as the README types it (plus a short run, with
+    checkpoints: tests/conftest.py)."""
+    run_dir, proc = offload_run
+    check_run(run_dir, 2, "cpu")
     assert "result: status ok" in proc.stdout + proc.stderr
 
 

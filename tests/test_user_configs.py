@@ -14,30 +14,27 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.helpers.cli import ROOT, compose_cfg, read_summary, run_cli
+from tests.conftest import LLAMAFACTORY_OFFLOAD
+from tests.helpers.cli import ROOT, call_main, compose_cfg, read_summary, run_cli
+from tests.helpers.ds_corpus import CORPUS, EXPECTED, QUICK, file_override
+from zerotune.cli.ds_config import main as ds_config_main
+from zerotune.cli.import_config import main as import_config_main
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.ops.build import needed_ops
 from zerotune.platform import Platform
 from zerotune.preflight import preflight
 from zerotune.rundir.summary import key_choices
 from zerotune.user_config import accelerate_config
 
-CORPUS = ROOT / "tests" / "data" / "ds_configs"
-EXPECTED = yaml.safe_load((CORPUS / "expected.yaml").read_text())
 SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
-QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false"]
-# CPU runs in the default suite: a stage-3 offload file with HF "auto", a stage-2 one, and LLaMA-Factory's files
-# with keys DeepSpeed does not read (every other file is settled by preflight in the default suite, and trains
-# in the slow one).
-FAST_RUNS = {"hf_zero3_offload_auto.json", "llamafactory_z2.json", "llamafactory_z0.json",
-             "llamafactory_z3_offload.json"}
-
-
-def file_override(name: str) -> list[str]:
-    if name.endswith(".yaml"):
-        return [f"accelerate.config_file={CORPUS / name}"]
-    return [f"deepspeed.config_file={CORPUS / name}", "accelerate.config_file=null"]
+# The CPU run in the default suite: LLaMA-Factory's stage-3 offload file (DeepSpeed's CPU Adam, and keys DeepSpeed
+# does not read, each warned of once), trained once for this module and tests/test_resolved.py (conftest's
+# llamafactory_offload_run). Every other accepted file trains in the slow suite; its fast sibling is
+# test_every_file_is_settled_before_training, which runs DeepSpeed's own config parser on the final dict
+# (preflight's validator) and checks in-process what the run's records show.
+FAST_RUNS = {LLAMAFACTORY_OFFLOAD}
+IGNORED_KEYS = {"comms_config", "monitor_config"}  # DeepSpeed does not read them: left out of the run's dict
 
 
 def warned_keys(warnings: list[str]) -> list[str]:
@@ -89,8 +86,13 @@ def test_every_file_is_settled_before_training(name, monkeypatch):
     for key, value in expected.get("ds", {}).items():
         assert dotted(checked.ds_config, key) == value, key
     assert warned_keys(checked.config_warnings) == expected.get("warnings", [])
+    assert checked.config_sources["values"]
     assert "auto" not in list(all_values(checked.ds_config))
     ds = checked.ds_config
+    assert not set(ds) & IGNORED_KEYS
+    if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
+        # the engine builds DeepSpeed's CPU Adam (what test_accepted_files_train_on_the_cpu sees run), not torch's
+        assert ds["optimizer"]["type"] in ("Adam", "AdamW") and "CPUAdamBuilder" in needed_ops(ds, True)
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * \
         choices["world_size"]
     from accelerate.utils import DeepSpeedPlugin
@@ -105,11 +107,14 @@ def cpu_runnable() -> list:
 
 
 @pytest.mark.parametrize("name", cpu_runnable())
-def test_accepted_files_train_on_the_cpu(name, tmp_path):
-    proc = run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", cwd=CORPUS)
+def test_accepted_files_train_on_the_cpu(name, tmp_path, request):
+    if name == LLAMAFACTORY_OFFLOAD:
+        run_dir, proc = request.getfixturevalue("llamafactory_offload_run")
+    else:
+        run_dir, proc = tmp_path, run_cli(*file_override(name), *QUICK, f"hydra.run.dir={tmp_path}", cwd=CORPUS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    summary = read_summary(tmp_path)
+    summary = read_summary(run_dir)
     assert summary["status"] == "ok" and summary["steps"] == 2
     for key, value in EXPECTED[name].get("choices", {}).items():
         assert summary["choices"][key] == value, (key, summary["choices"])
@@ -118,8 +123,8 @@ def test_accepted_files_train_on_the_cpu(name, tmp_path):
     parent = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("[default_role")]
     for warning in summary["config_warnings"]:  # the job's process says each once (its workers, in their logs)
         assert sum(line.endswith(warning) for line in parent) == 1, warning
-    ds = json.loads((tmp_path / "ds_config.json").read_text())
-    assert not set(ds) & {"comms_config", "monitor_config"}  # left out: what DeepSpeed was given
+    ds = json.loads((run_dir / "ds_config.json").read_text())
+    assert not set(ds) & IGNORED_KEYS  # left out: what DeepSpeed was given
     if ds["zero_optimization"].get("offload_optimizer", {}).get("device") == "cpu":
         assert summary["optimizer_class"] == "DeepSpeedCPUAdam"  # not torch's AdamW: the file's offload counts
 
@@ -244,11 +249,9 @@ def test_nvme_file_with_a_real_folder_is_measured_there(tmp_path):
 
 
 def test_ds_config_cli_says_where_each_value_came_from():
-    proc = run_cli("zero_stage=3", *file_override("llava_zero2.json")[:1], module="zerotune.ds_config",
-                   timeout=180)
+    proc = call_main(ds_config_main, "zero_stage=3", *file_override("llava_zero2.json")[:1])
     assert proc.returncode == CONFIG_ERROR_EXIT  # the file says stage 2
-    proc = run_cli("train.batch_size=4", *file_override("llava_zero2.json"), module="zerotune.ds_config",
-                   timeout=180)
+    proc = call_main(ds_config_main, "train.batch_size=4", *file_override("llava_zero2.json"))
     assert proc.returncode == 0, proc.stderr
     ds = json.loads(proc.stdout)
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_micro_batch_size_per_gpu"] == 4
@@ -379,19 +382,18 @@ def test_import_config_cli_saves_an_experiment_in_the_users_folder(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     cfg = compose_cfg(f"experiment={name}")
     assert (cfg.zero_stage.stage, cfg.precision.name, cfg.train.grad_accum) == (1, "bf16", 4)
-    again = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
-                    cwd=tmp_path, timeout=180)
+    again = call_main(import_config_main, str(CORPUS / "accelerate_reference.yaml"), "--save", name)
     assert again.returncode == CONFIG_ERROR_EXIT and "--force" in again.stderr
 
 
 @pytest.mark.parametrize("name", ["../outside", "a/b", ".hidden"])
-def test_import_config_refuses_a_save_name_that_leaves_the_experiments_folder(name, tmp_path):
-    proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
-                   cwd=tmp_path, timeout=180)
+def test_import_config_refuses_a_save_name_that_leaves_the_experiments_folder(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = call_main(import_config_main, str(CORPUS / "accelerate_reference.yaml"), "--save", name)
     assert proc.returncode == CONFIG_ERROR_EXIT and "`--save`" in proc.stderr and "path separators" in proc.stderr
     assert not (tmp_path / "zerotune").exists() and not (tmp_path / "outside.yaml").exists()
 
 
 def test_import_config_refuses_what_zerotune_refuses():
-    proc = run_cli(str(CORPUS / "removed_amp.json"), module="zerotune.import_config", timeout=180)
+    proc = call_main(import_config_main, str(CORPUS / "removed_amp.json"))
     assert proc.returncode == CONFIG_ERROR_EXIT and "`amp`" in proc.stderr and "Traceback" not in proc.stderr

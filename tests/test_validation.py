@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import call_main, compose_cfg, read_summary, run_cli
 from tests.helpers.fixes import check_fix
+from zerotune.cli.ds_config import main as ds_config_main
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform, detect
 from zerotune.preflight import preflight
@@ -199,7 +200,7 @@ def test_cli_unknown_group_choice_exits_nonzero():
 
 
 def test_ds_config_cli_error_exits_nonzero():
-    proc = run_cli("train.batch_size=0", module="zerotune.ds_config", timeout=120)
+    proc = call_main(ds_config_main, "train.batch_size=0")  # its process: tests/test_ds_config.py
     assert proc.returncode == CONFIG_ERROR_EXIT and "train.batch_size" in proc.stderr
 
 
@@ -248,7 +249,7 @@ def test_a_bad_value_in_one_job_of_a_sweep_stops_the_sweep_before_it_starts(tmp_
 
 @pytest.mark.parametrize("world", ["0", "-2"])
 def test_ds_config_cli_refuses_a_world_size_below_one(world):
-    proc = run_cli("--world-size", world, module="zerotune.ds_config", timeout=120)
+    proc = call_main(ds_config_main, "--world-size", world)
     assert proc.returncode == CONFIG_ERROR_EXIT and "`--world-size`" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.cli import read_summary, run_cli
+from tests.helpers.cli import call_main, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
-from tests.helpers.tiny_components import save_tiny_pipeline
 from tests.test_lora import check_export, losses, pretrained, train_ok  # noqa: F401  (pretrained: a fixture)
 from zerotune import checkpoints
+from zerotune.cli.export import main as export_main
 
 # The evaluation pass, as small as it gets: two samples per class, two sampler steps.
 EVALUATE = ["evaluate.enabled=true", "evaluate.per_class=2", "evaluate.steps=2"]
@@ -84,7 +84,7 @@ def test_full_training_at_zero3_exports_and_loads_back_per_module(full3, tmp_pat
     loss a plain (stage 0) run from the same export gives."""
     run, _ = full3
     out = tmp_path / "out"
-    proc = run_cli(str(run), str(out), module="zerotune.export")
+    proc = call_main(export_main, str(run), str(out))  # its process: tests/test_final_checkpoint.py
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = {}
     for stage in (3, 0):
@@ -104,12 +104,11 @@ def test_zero3_checkpoint_resumes_into_another_stage_or_optimizer(full3, tmp_pat
     assert sorted(losses(tmp_path / "resumed")) == [3]
 
 
-def test_own_images_at_zero3_on_a_cold_cache(tmp_path):
+def test_own_images_at_zero3_on_a_cold_cache(tmp_path, tiny_sdxl_components):
     """The frozen encoders load whole at ZeRO-3 (never partitioned): a first run on an empty cache trains, and
     caches what a second run then reads."""
-    components, folder, cache = save_tiny_pipeline(tmp_path / "pipeline"), make_folder(tmp_path / "images"), \
-        tmp_path / "cache"
-    args = ["model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={components}",
+    folder, cache = make_folder(tmp_path / "images"), tmp_path / "cache"
+    args = ["model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={tiny_sdxl_components}",
             f"data.cache_dir={cache}", "zero_stage=3", "resolution.size=128", "train.batch_size=2",
             "train.max_steps=2", "evaluate.enabled=false", "checkpoint.final=false", "train.log_every=1"]
     assert not cache.exists()

@@ -1,7 +1,9 @@
-"""Compose configs in-process, and run the real CLI as a subprocess."""
+"""Compose configs in-process, and run the real CLI as a subprocess (or a command's main in-process)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -33,6 +35,19 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: int = 900, module: str | None
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(ROOT / "train.py")]
     return subprocess.run([*cmd, *args], cwd=cwd, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def call_main(main, *args: str) -> subprocess.CompletedProcess:
+    """An argparse command's `main(argv)` run in this process, answered as `run_cli` answers: for tests of what
+    a command says and returns, a few seconds of imports cheaper than a new process. That each command starts as a
+    process of its own is tests/test_console_scripts.py's."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors; sys.exit(None) is 0, sys.exit("why") is 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["main", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_losses(run_dir: Path) -> list[float]:

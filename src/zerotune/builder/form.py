@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from zerotune import config_search, schema
+from zerotune.builder import allowed
 from zerotune.compose import compose, compose_with_choices
 from zerotune.compose.interpolation import check_pure_interpolations
 from zerotune.compose.overrides import override
@@ -89,10 +90,12 @@ def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] 
     """What differs from the default job, as `zerotune train` takes it: group choices first, then keys,
     then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
     the user set; each is compared with what the rest of the composition gives it. The page's input
-    composes without reading the environment: `${oc.env:...}` and the like are refused at their key."""
+    composes without reading the environment: `${oc.env:...}` and the like are refused at their key; and it
+    sets configuration only (allowed.py): no `_target_`, no Hydra settings but its folders, no unknown key."""
     extra = [e.strip() for e in extra if e.strip()]
-    check_pure_interpolations([*(override(g, o) for g, o in choices.items()),
-                               *(override(k, v) for k, v in values.items()), *extra])
+    typed = [*(override(g, o) for g, o in choices.items()), *(override(k, v) for k, v in values.items()), *extra]
+    allowed.check(typed)
+    check_pure_interpolations(typed)
     groups = group_overrides(choices)
     if not values:
         return groups + extra

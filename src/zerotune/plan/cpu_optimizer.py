@@ -7,8 +7,10 @@ than a model runs (issue 29: 0.19 ns/param at 4M, 0.24 at 200M), and on a host w
 fixed few milliseconds (OpenMP's threads waking), a small probe times a slower one (here 4M took about 2.0
 ns/param against 0.76-0.95 at 200M; experiments/results/planner.md, "The CPU optimizer's time floor"). The
 probe is capped to a share of the available memory. The figure is the median of REPEATS steps after a warm-up,
-cached per host, thread count and probe size in the planner's cache folder; a host where the op cannot be
-built gets None (unmeasured), never a guess.
+cached per host and thread count in the planner's cache folder, so it is measured once per host: the size of
+the probe depends on the memory free at that moment, which changes from run to run, and a key holding it timed
+the op again in most jobs. A figure from a probe that memory capped below its size is timed again once the
+whole probe fits. A host where the op cannot be built gets None (unmeasured), never a guess.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-
 PROBE_BYTES_PER_PARAM = 16      # the probe holds fp32 param + grad + two Adam moments
 MEMORY_SHARE = 8                # the probe takes at most 1/8 of the available memory
 REPEATS = 5                     # timed steps after the warm-up step; their median is the figure
-CACHE_FILE = "cpu_adam_v2.json"  # v1 (cpu_adam.json) timed 4M parameters, inside the cache: not reused
+CACHE_FILE = "cpu_adam_v3.json"  # v2 keyed each figure by the probe size; v1 timed 4M parameters: not reused
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -53,31 +55,35 @@ def available_bytes() -> int:
 
 def probe_params(llc_bytes: int | None = None, avail_bytes: int | None = None) -> int:
     """How many parameters the probe steps: past the LLC (at least MIN_PROBE_PARAMS), within its memory share."""
-    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    size = full_probe_params(llc_bytes)
     avail = available_bytes() if avail_bytes is None else avail_bytes
-    size = max(MIN_PROBE_PARAMS, PROBE_LLC_MULTIPLE * (llc or 0) // 4)
-    if avail:
-        size = min(size, avail // MEMORY_SHARE // PROBE_BYTES_PER_PARAM)
-    return size
+    return min(size, avail // MEMORY_SHARE // PROBE_BYTES_PER_PARAM) if avail else size
 
 
-def host_key(params: int) -> str:
-    """The cache key: host, CPU, threads and the probe's size (a figure is only reused for the same probe)."""
+def full_probe_params(llc_bytes: int | None = None) -> int:
+    """The probe's size where memory allows: PROBE_LLC_MULTIPLE × the LLC, at least MIN_PROBE_PARAMS."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    return max(MIN_PROBE_PARAMS, PROBE_LLC_MULTIPLE * (llc or 0) // 4)
+
+
+def host_key() -> str:
+    """The cache key: host, CPU and torch's thread count (CPU-Adam's OpenMP threads)."""
     cpu = platform.processor() or platform.machine()
-    return f"{platform.node()}|{cpu}|{torch.get_num_threads()}threads|{params}params"
+    return f"{platform.node()}|{cpu}|{torch.get_num_threads()}threads"
 
 
 def seconds_per_param() -> float | None:
     """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
-    params = probe_params()
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
-    if host_key(params) in known:
-        return known[host_key(params)]
+    cached, params = known.get(host_key()), probe_params()
+    # Reused unless memory capped its probe and a bigger one (up to the full size) fits now.
+    if isinstance(cached, dict) and cached.get("params", 0) >= params:
+        return float(cached["s_per_param"])
     measured = time_step(params)
     if measured is not None:
-        files.write_cached_json(file, {**known, host_key(params): measured})
+        files.write_cached_json(file, {**known, host_key(): {"s_per_param": measured, "params": params}})
     return measured
 
 

@@ -222,7 +222,18 @@ async function loadExperiment() {
   const { ok, data } = await call("GET", `/api/experiment?${new URLSearchParams({ name })}`);
   if (!ok) { showError(data.error); return; }
   $("#experiment-name").value = name;
+  showNotEditable(data.not_editable);
   fillForm(data);
+}
+
+// What the loaded file holds that the page may not write (a callback, Hydra's settings): shown, never sent back.
+function showNotEditable(held) {
+  $("#not-editable-list").replaceChildren(...held.map((h) => {
+    const item = document.createElement("li");
+    item.textContent = h.override; item.title = h.problem;
+    return item;
+  }));
+  $("#not-editable").hidden = held.length === 0;
 }
 
 async function saveExperiment(overwrite = false) {
@@ -251,6 +262,7 @@ async function importText() {
     ? `No zerotune equivalent (the file stays in use for these): ${data.no_equivalent.join(", ")}`
     : "Every value has a zerotune equivalent.";
   $("#import-result").hidden = false;
+  showNotEditable([]);   // the form no longer shows that file
   fillForm(data);
 }
 
