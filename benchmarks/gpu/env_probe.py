@@ -1,9 +1,12 @@
 """The `env` part's probe, run in a fresh process (so no other CUDA context is on the card): versions, the GPU
-memory nvidia-smi shows after each first use (CUDA context, cuBLAS, cuDNN, NCCL), and DeepSpeed's CPU-Adam
+memory nvidia-smi shows after each first use (CUDA context, cuBLAS, cuDNN, NCCL), DeepSpeed's ops (whether each
+could JIT-build here and whether it is built already: ds_report's table, nothing built) and DeepSpeed's CPU-Adam
 build time, into a JSON file. Without a GPU (--dry-run) the same steps run on the CPU and every GPU
-figure is None.
+figure is None. --no-build leaves CPU-Adam unbuilt: the `first` part's first row builds it (zerotune's launch
+checks, timed in its summary.json), so the probe takes seconds.
 
-    python benchmarks/gpu/env_probe.py OUT.json [--dry-run]     (DeepSpeed logs to stdout: the answer is a file)
+    python benchmarks/gpu/env_probe.py OUT.json [--dry-run] [--no-build]   (DeepSpeed logs to stdout: the answer
+                                                                             is a file)
 """
 
 from __future__ import annotations
@@ -108,17 +111,33 @@ def init_one_rank(dist, device, gpu: bool) -> None:
     dist.all_reduce(torch.ones(1, device=device))
 
 
-def cpu_adam_build(dry_run: bool) -> dict:
+def ops_report() -> list[dict]:
+    """Every DeepSpeed op this accelerator has: whether it could JIT-build here (DeepSpeed's own probe, run at
+    its import anyway) and whether it is built (in the torch extensions cache). Nothing is built."""
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+    from zerotune.ops.build import is_cached
+
+    return [{"op": name, "compatible": bool(probe_is_compatible(builder, False)), "built": is_cached(name)}
+            for name, builder in sorted(ALL_OPS.items())]
+
+
+def cpu_adam_build(dry_run: bool, build: bool) -> dict:
     """DeepSpeed's CPU-Adam op, built (or found in the torch extensions cache) and loaded, timed. A dry run only
-    loads a cached one: a cold build takes minutes on 2 cores."""
+    loads a cached one: a cold build takes minutes on 2 cores. `build=False` only says whether it is cached."""
     from deepspeed.accelerator import get_accelerator
 
+    from zerotune.ops.build import is_cached
+    from zerotune.ops.torch_lib import extensions_root
+
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    was_cached = any(cache.glob(f"*/{builder.name}/*.so"))
-    if dry_run and not was_cached:
-        return {"op": builder.name, "seconds": None, "was_cached": False, "extensions_dir": str(cache),
-                "error": None, "skipped": "dry run: not built here (not in the torch extensions cache)"}
+    cache, was_cached = extensions_root(), is_cached(builder.name)
+    why_not = ("not built here (--no-build: the first row with offload=cpu builds it)" if not build else
+               "dry run: not built here (not in the torch extensions cache)" if dry_run and not was_cached else None)
+    if why_not:
+        return {"op": builder.name, "seconds": None, "was_cached": was_cached, "extensions_dir": str(cache),
+                "error": None, "skipped": why_not}
     started = time.perf_counter()
     try:
         builder.load(verbose=False)
@@ -130,12 +149,12 @@ def cpu_adam_build(dry_run: bool) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    dry_run = "--dry-run" in argv
+    dry_run, build = "--dry-run" in argv, "--no-build" not in argv
     import torch
 
     gpu = not dry_run and torch.cuda.is_available()
-    result = {"gpu_present": gpu, "versions": versions(gpu), "first_uses": first_uses(gpu),
-              "cpu_adam": cpu_adam_build(dry_run)}
+    result = {"gpu_present": gpu, "versions": versions(gpu), "first_uses": first_uses(gpu), "ops": ops_report(),
+              "cpu_adam": cpu_adam_build(dry_run, build)}
     Path(argv[0]).write_text(json.dumps(result, indent=2))
     return 0
 

@@ -1,21 +1,34 @@
-"""The rows of the `reference` and `grid` parts, most valuable first (a part stops starting rows when its time
-budget is spent, and lists the rest as not run, with their commands)."""
+"""The rows of the `first`, `reference` and `grid` parts, most valuable first (a part starts a row only when its
+estimated seconds fit what is left of its time budget, and lists the rest as not run, with their commands)."""
 
 from __future__ import annotations
 
+import estimates
 from rows import Row
 
 REF_128, REF_1024, REF_8GIB = "experiment=sdxl_4090_128_bs8", "experiment=sdxl_4090_1024_bs8", \
     "experiment=sdxl_1024_bs1_8gib"
+REF_1024_NOTE = "SimpleTuner's RTX 4090 figure: 13102 MiB, 8 s/it"
+REF_128_NOTE = "SimpleTuner's RTX 4090 figure: 9237 MiB"
+
+# The first call's rows: the two reference rows, 10 steps each instead of 20, about 28 s sooner per row (10 x
+# 2.65-2.93 s). zerotune's median leaves out its 5 warm-up steps, which leaves 5 timed; ZeRO-2 + CPU offload's step
+# is steady by its third (9.93, 3.36, 2.88 s: grid-call1 z2_cpu_512_bs1), so the median is a steady one still. The
+# memory peaks need no more steps: every recorded run's nvidia-smi peak was its loading phase, before any step.
+FIRST = [
+    Row("ref_1024_bs8", [REF_1024, "train.max_steps=10"], estimates.REF_1024_BS8, f"{REF_1024_NOTE} (10 steps)"),
+    Row("ref_128_bs8", [REF_128, "train.max_steps=10"], estimates.REF_128_BS8, f"{REF_128_NOTE} (10 steps)"),
+]
 
 REFERENCE = [
-    Row("ref_128_bs8", [REF_128], "SimpleTuner's RTX 4090 figure: 9237 MiB (20 steps)"),
-    Row("ref_1024_bs8", [REF_1024], "SimpleTuner's RTX 4090 figure: 13102 MiB, 8 s/it (20 steps)"),
-    Row("ref_1024_bs1_8gib", [REF_8GIB, "train.max_steps=10"], "the guide's untested claim: <= 8192 MiB"),
-    Row("phases_128_bs8_kept", [REF_128, "train.max_steps=10"],
+    Row("ref_128_bs8", [REF_128], estimates.REF_128_BS8, f"{REF_128_NOTE} (20 steps)"),
+    Row("ref_1024_bs8", [REF_1024], estimates.REF_1024_BS8, f"{REF_1024_NOTE} (20 steps)"),
+    Row("ref_1024_bs1_8gib", [REF_8GIB, "train.max_steps=10"], estimates.REF_1024_BS1,
+        "the guide's untested claim: <= 8192 MiB"),
+    Row("phases_128_bs8_kept", [REF_128, "train.max_steps=10"], estimates.PHASES_128_BS8,
         "latent caching + validation decode first, encoders dropped without empty_cache", kind="phases",
         phases={"keep_reserved": 1, "image_size": 128, "images": 16}),
-    Row("phases_128_bs8_empty_cache", [REF_128, "train.max_steps=10"],
+    Row("phases_128_bs8_empty_cache", [REF_128, "train.max_steps=10"], estimates.PHASES_128_BS8,
         "latent caching + validation decode first, torch.cuda.empty_cache() before training (zerotune's own)",
         kind="phases", phases={"keep_reserved": 0, "image_size": 128, "images": 16}),
 ]
@@ -31,15 +44,19 @@ def grid_rows() -> list[Row]:
     for batch in (1, 4):
         for stage in (2, 1, 3):
             for offload in ("cpu", "none"):
-                rows.append(Row(f"z{stage}_{offload}_512_bs{batch}",
-                                [*GRID_BASE, f"zero_stage={stage}", f"offload={offload}", "resolution=512",
-                                 f"train.batch_size={batch}"]))
+                name = f"z{stage}_{offload}_512_bs{batch}"
+                rows.append(Row(name, [*GRID_BASE, f"zero_stage={stage}", f"offload={offload}", "resolution=512",
+                                       f"train.batch_size={batch}"], grid_cost(name)))
     rows.append(Row("lora_1024_bs1", [*GRID_BASE, "adapter=lora", "zero_stage=2", "offload=none", "resolution=1024",
-                                      "train.batch_size=1"], "LoRA on a frozen U-Net"))
+                                      "train.batch_size=1"], grid_cost("lora_1024_bs1"), "LoRA on a frozen U-Net"))
     rows.append(Row("z2_cpu_512_bs1_no_ckpt", [*GRID_BASE, "zero_stage=2", "offload=cpu", "resolution=512",
                                                "train.batch_size=1", "train.gradient_checkpointing=false"],
-                    "no gradient checkpointing"))
+                    grid_cost("z2_cpu_512_bs1_no_ckpt"), "no gradient checkpointing"))
     return rows
+
+
+def grid_cost(name: str) -> estimates.Cost:
+    return estimates.GRID.get(name, estimates.GRID_UNRECORDED)
 
 
 GRID = grid_rows()

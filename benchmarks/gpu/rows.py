@@ -6,6 +6,7 @@ A figure that was not measured is None (JSON null; "unmeasured" in the Markdown)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -13,6 +14,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
+from estimates import Cost
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib",
@@ -26,10 +30,16 @@ COMMON = ["plan.guard=warn", "checkpoint.final=false"]
 TINY = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "train.max_steps=1", "offload=none", "plan.gpu=h100"]
 
 
+# The last seconds of a row's time: zerotune stops its job at train.timeout_s and writes summary.json (what it
+# measured) before the kit's own limit kills the process.
+STOP_GRACE_S = 30
+
+
 @dataclass
 class Row:
     name: str
     overrides: list[str]
+    cost: Cost                     # its seconds on an H100 (estimates.py): what the budget plans with
     note: str = ""
     kind: str = "train"            # train: `python -m zerotune train`; phases: benchmarks/gpu/phases.py
     phases: dict = field(default_factory=dict)   # phases.py's options (kind == "phases")
@@ -45,7 +55,7 @@ def shrink(overrides: list[str], dry_run: bool) -> list[str]:
 
 def command(row: Row, run_dir: Path, dry_run: bool, timeout_s: float) -> list[str]:
     overrides = [*shrink(row.overrides, dry_run), *COMMON, f"hydra.run.dir={run_dir}",
-                 f"train.timeout_s={max(int(timeout_s), 30)}"]
+                 f"train.timeout_s={max(int(timeout_s) - STOP_GRACE_S, 30)}"]
     if row.kind == "phases":
         shapes = {"image_size": 32, "images": 4} if dry_run else {}  # TINY's resolution, two batches of 2
         opts = [f"--{k.replace('_', '-')}={v}" for k, v in {**row.phases, **shapes}.items()]
@@ -55,25 +65,46 @@ def command(row: Row, run_dir: Path, dry_run: bool, timeout_s: float) -> list[st
 
 
 def run_row(row: Row, work: Path, dry_run: bool, timeout_s: float) -> dict:
-    """Runs the row's job (at most `timeout_s`), and returns its record."""
+    """Runs the row's job (killed at `timeout_s`), and returns its record."""
     run_dir = work / row.name
     cmd = command(row, run_dir, dry_run, timeout_s)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout_s + 60)
-        exit_code, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        exit_code, log = None, f"killed after {timeout_s + 60:.0f} s\n{exc.stdout or ''}{exc.stderr or ''}"
+    exit_code, log = run_bounded(cmd, work, env, timeout_s)
     record = {"name": row.name, "kind": row.kind, "note": row.note, "overrides": cmd[cmd.index("--") + 1:]
               if "--" in cmd else cmd[4:], "command": " ".join(cmd[1:]), "exit_code": exit_code,
               "wall_s": round(time.monotonic() - start, 1)}
     record.update(read_run(run_dir))
     if record["status"] != "ok":
-        record["log_tail"] = log[-3000:] if isinstance(log, str) else str(log)[-3000:]
+        record["log_tail"] = log[-3000:]
     return record
+
+
+def run_bounded(cmd: list[str], cwd: Path, env: dict | None, timeout_s: float) -> tuple[int | None, str]:
+    """(exit code, output) of `cmd`; at `timeout_s` it and every process it started are killed, exit code None.
+    A job's workers hold its output pipe: killing the job's parent alone would leave the kit waiting on them."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        return None, f"killed after {timeout_s:.0f} s\n{output}"
+
+
+def kill_tree(pid: int) -> None:
+    """The process and all its descendants, listed while it still holds them, then killed."""
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def read_run(run_dir: Path) -> dict:
@@ -90,7 +121,11 @@ def read_run(run_dir: Path) -> dict:
     phases = json.loads(extra.read_text()) if extra.is_file() else {}
     plan = summary.get("plan") or phases.pop("plan", None)  # phases.py plans in its own process
     out = {"status": summary.get("status"), "measured": measured, "predicted": prediction(plan),
-           "reference": (summary.get("experiment") or {}).get("reference")}
+           "reference": (summary.get("experiment") or {}).get("reference"),
+           # per phase, per step, per op build: what the next lease's estimates (estimates.py) are made of
+           "phases_torch": [phase_peaks(p) for p in memory.get("phases") or []],
+           "step_times_s": step_times(run_dir / "metrics.jsonl"), "ops_build": summary.get("ops_build"),
+           "startup": summary.get("startup")}
     if phases:
         out["phases_measured"] = phases
     if phases:  # its own NVML sampler: the card's whole use (the job is the only process on it)
@@ -99,6 +134,22 @@ def read_run(run_dir: Path) -> dict:
     predicted = out["predicted"] or {}  # nvidia-smi's peak is the run's: its phases where the plan has them
     out["ratio"] = ratio(peak, predicted.get("run_peak_mib") or predicted.get("gpu_peak_mib"))
     return out
+
+
+def phase_peaks(phase: dict) -> dict:
+    """One of the run's phases (loading, caching, step, sampling): its seconds and torch's peaks in it."""
+    return {"phase": phase.get("phase"), "seconds": round(phase["end"] - phase["start"], 1),
+            "gpu_max_allocated_mib": phase.get("gpu_max_allocated_mib"),
+            "gpu_max_reserved_mib": phase.get("gpu_max_reserved_mib"),
+            "host_peak_rss_mib": phase.get("host_peak_rss_mib")}
+
+
+def step_times(metrics: Path) -> list[float]:
+    """Each step's seconds, in order (the median leaves out zerotune's warm-up steps; these do not)."""
+    if not metrics.is_file():
+        return []
+    rows = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+    return [r["perf/step_time_s"] for r in rows if r.get("perf/step_time_s") is not None]
 
 
 def unmeasured() -> dict:
