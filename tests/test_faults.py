@@ -84,7 +84,7 @@ def small_disk(tmp_path):
 
 
 def test_a_save_that_would_not_fit_is_refused_before_writing(tmp_path, small_disk):
-    disk, run_dir = small_disk(60), tmp_path / "run"   # one tiny-model checkpoint is ~37 MiB
+    disk, run_dir = small_disk(15), tmp_path / "run"   # one tiny-model checkpoint is ~9.3 MiB: one fits, two do not
     proc = run_cli(*SHORT, "train.max_steps=6", "checkpoint.every_n_steps=2", f"checkpoint.dir={disk / 'ck'}",
                    f"hydra.run.dir={run_dir}")
     assert proc.returncode == 1

@@ -81,6 +81,19 @@ def inverted_fraction(images: torch.Tensor) -> float:
     return float((border_brightness(images) > DIGITS_MAX / 2).mean())
 
 
+def save_samples(images: torch.Tensor, labels: torch.Tensor | np.ndarray, path: str | Path) -> Path:
+    """The scored samples as they came from the sampler (float32 [N, 1, H, W] in [-1, 1]) with their classes,
+    so that anyone can score them again: `load_samples` gives them back."""
+    path = Path(path)
+    np.savez_compressed(path, images=images.detach().float().cpu().numpy(), labels=_as_numpy(labels))
+    return path
+
+
+def load_samples(path: str | Path) -> tuple[torch.Tensor, np.ndarray]:
+    with np.load(path) as f:
+        return torch.from_numpy(f["images"]), f["labels"]
+
+
 def _as_numpy(labels: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
     if isinstance(labels, torch.Tensor):
         return labels.detach().cpu().numpy()

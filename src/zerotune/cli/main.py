@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -73,7 +74,9 @@ def _hydra_main(cfg: DictConfig) -> None:
             return
         exit_config_error(exc)
     if distributed.rank() == 0:  # under an external launcher the other ranks' summaries are partial
-        print_result(summary)
+        # Under an external launcher this process is one rank, not the command the person typed.
+        command_s = None if distributed.launched_externally() else time.time() - process_start_time()
+        print_result(summary, command_s=command_s)
     if summary.status == Status.INTERRUPTED:
         requeue_if_preempted(summary)  # under submitit, on its signal: now that the workers have saved
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it

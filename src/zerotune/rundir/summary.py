@@ -75,8 +75,8 @@ def per_rank_summary(ranks: list[JsonDict]) -> JsonDict:
             "host_peak_rss_mib_max_rank": max(host) if host else None}
 
 
-def print_result(summary: RunSummary) -> None:
-    """The one line a person reads at the end of a run."""
+def print_result(summary: RunSummary, command_s: float | None = None) -> None:
+    """The one line a person reads at the end of a run; `command_s`: seconds since the command's process began."""
     q, perf = summary.quality or {}, summary.perf or {}
     first, last = summary.loss_first, summary.loss_last
     parts = [f"status {summary.status}", f"steps {summary.steps}"]
@@ -90,7 +90,8 @@ def print_result(summary: RunSummary) -> None:
     if plan.get("gpu_peak_mib") is not None:
         card = (plan.get("gpu") or {}).get("name")
         parts.append(f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB per rank" + (f" on {card}" if card else ""))
-    parts.append(f"wall time {summary.wall_time_s or 0:.0f} s")
+    wall = f"wall time {summary.wall_time_s or 0:.0f} s"
+    parts.append(wall + (f" ({command_s:.0f} s since the command started)" if command_s is not None else ""))
     log.info("result: %s", ", ".join(parts))
     if summary.error:
         log.error("error: %s", json.dumps(summary.error.get("message")))

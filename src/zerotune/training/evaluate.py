@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerotune.models import adapter, build_unet
-from zerotune.quality import DigitClassifier, save_grid
+from zerotune.quality import DigitClassifier, save_grid, save_samples
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.sampling import sample_images
 from zerotune.schema import Config
@@ -37,13 +37,15 @@ def evaluate_digits(trainer: Trainer, cfg: Config, run_dir: RunDir) -> dict | No
                            int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(cfg.train.seed),
                            cfg.diffusion.prediction_type)
     clf = DigitClassifier()
-    grid = run_dir.path / SAMPLES / "grid.png"
+    grid, samples = run_dir.path / SAMPLES / "grid.png", run_dir.path / SAMPLES / "samples.npz"
     if run_dir.is_writer:
         save_grid(images, labels, grid, nrow=min(int(ev.per_class), 10))
+        save_samples(images, labels, samples)  # the very tensors scored below
     result: dict[str, Any] = {"digit_accuracy": clf.accuracy(images, labels),
               "per_class_accuracy": {str(k): v for k, v in clf.per_class_accuracy(images, labels).items()},
               "samples": len(labels), "weights": "ema" if use_ema else "model",
-              "sampling_s": time.perf_counter() - t0, "grid": str(grid.relative_to(run_dir.path))}
+              "sampling_s": time.perf_counter() - t0, "grid": str(grid.relative_to(run_dir.path)),
+              "samples_file": str(samples.relative_to(run_dir.path))}
     log.info("digit accuracy %.1f%% over %d samples (%s weights)", 100 * result["digit_accuracy"], len(labels),
              result["weights"])
     return result
