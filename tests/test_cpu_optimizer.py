@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import OFFLOAD_RUN_ARGS
+from tests.helpers.cli import read_summary, run_cli
 from zerotune.plan import cpu_optimizer
 
 MIB, GIB = 2**20, 2**30
@@ -39,6 +41,11 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path):
     assert cpu_optimizer.last_level_cache_bytes(tmp_path / "absent") is None
 
 
+def figure() -> float | None:
+    found = cpu_optimizer.seconds_per_param()
+    return found.s_per_param if found else None
+
+
 def _timer(monkeypatch, timed: list[int], figure: float = 7e-10) -> None:
     monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: timed.append(n) or figure)
 
@@ -55,13 +62,15 @@ def test_the_figure_is_measured_once_per_host_whatever_memory_is_free(tmp_path: 
     (plan_dir / "cpu_adam_v2.json").write_text(json.dumps({f"{cpu_optimizer.host_key()}|{64 * MIB}params": 1e-10}))
     timed: list[int] = []
     _timer(monkeypatch, timed)
-    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [64 * MIB]
+    first = cpu_optimizer.seconds_per_param()
+    assert first is not None and first.timed_now and timed == [64 * MIB]
     stored = json.loads((plan_dir / cpu_optimizer.CACHE_FILE).read_text())
     assert stored == {cpu_optimizer.host_key(): {"s_per_param": 7e-10, "params": 64 * MIB}}
     # Later jobs read it back, whatever is free then (the memory cap would size a probe differently each time).
     for available in (20 * GIB, 3 * GIB, 64 * GIB):
         free["bytes"] = available
-        assert cpu_optimizer.seconds_per_param() == 7e-10
+        again = cpu_optimizer.seconds_per_param()
+        assert again == cpu_optimizer.CpuAdamFigure(7e-10, 64 * MIB, timed_now=False)
     assert timed == [64 * MIB]
 
 
@@ -73,12 +82,14 @@ def test_a_probe_capped_by_memory_is_timed_again_once_a_bigger_one_fits(tmp_path
     timed: list[int] = []
     _timer(monkeypatch, timed, 9e-10)
     capped = 4 * GIB // 8 // 16
-    assert cpu_optimizer.seconds_per_param() == 9e-10 and timed == [capped]
-    assert cpu_optimizer.seconds_per_param() == 9e-10 and timed == [capped]  # still capped: reused
+    assert figure() == 9e-10 and timed == [capped]
+    assert figure() == 9e-10 and timed == [capped]  # still capped: reused
+    free["bytes"] = 6 * GIB  # a bigger capped probe would fit, but not the whole one: reused still
+    assert figure() == 9e-10 and timed == [capped]
     free["bytes"] = 64 * GIB
     _timer(monkeypatch, timed, 7e-10)
-    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [capped, 64 * MIB]
-    assert cpu_optimizer.seconds_per_param() == 7e-10 and timed == [capped, 64 * MIB]
+    assert figure() == 7e-10 and timed == [capped, 64 * MIB]
+    assert figure() == 7e-10 and timed == [capped, 64 * MIB]
 
 
 def test_the_key_is_the_host_and_its_thread_count(monkeypatch):
@@ -94,3 +105,24 @@ def test_an_unmeasurable_floor_is_none_and_not_cached(tmp_path: Path, monkeypatc
     monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: None)
     assert cpu_optimizer.seconds_per_param() is None
     assert not (tmp_path / "plan" / cpu_optimizer.CACHE_FILE).exists()
+
+
+def cpu_adam_term(run_dir: Path) -> dict:
+    terms = read_summary(run_dir)["plan"]["time_terms"]
+    return next(t for t in terms if t["term"] == "cpu_optimizer")
+
+
+def test_a_second_offload_job_runs_no_probe(offload_run, tmp_path: Path):
+    """Two `offload=cpu` jobs in a row on one host: the first timed CPU-Adam or found it timed, the second reads
+    the figure (its plan says so), whatever memory is free when it starts."""
+    first_dir, _ = offload_run
+    first = cpu_adam_term(first_dir)
+    assert first["seconds"] is not None, first
+    second_dir = tmp_path / "second"
+    proc = run_cli(*OFFLOAD_RUN_ARGS, "train.max_steps=1", "checkpoint.final=false", "checkpoint.every_n_steps=0",
+                   f"hydra.run.dir={second_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = cpu_adam_term(second_dir)
+    assert "no probe ran" in second["note"], second
+    assert second["seconds"] == first["seconds"]  # the same per-parameter figure over the same partition
+    assert read_summary(second_dir)["startup"]["checks"]["plan"] is not None

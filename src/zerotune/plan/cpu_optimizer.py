@@ -18,6 +18,7 @@ from __future__ import annotations
 import platform
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -72,19 +73,28 @@ def host_key() -> str:
     return f"{platform.node()}|{cpu}|{torch.get_num_threads()}threads"
 
 
-def seconds_per_param() -> float | None:
+@dataclass(frozen=True)
+class CpuAdamFigure:
+    s_per_param: float  # median seconds per parameter per step
+    params: int         # the probe's size when it was timed
+    timed_now: bool     # False: read from this host's cache, no probe ran
+
+
+def seconds_per_param() -> CpuAdamFigure | None:
     """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
     cached, params = known.get(host_key()), probe_params()
-    # Reused unless memory capped its probe and a bigger one (up to the full size) fits now.
-    if isinstance(cached, dict) and cached.get("params", 0) >= params:
-        return float(cached["s_per_param"])
+    # Reused unless memory capped its probe and the whole probe fits now: free memory moves by a little from
+    # run to run, and re-timing whenever a slightly bigger capped probe fits would time it in most jobs.
+    if isinstance(cached, dict) and (cached.get("params", 0) >= params or params < full_probe_params()):
+        return CpuAdamFigure(float(cached["s_per_param"]), int(cached["params"]), timed_now=False)
     measured = time_step(params)
-    if measured is not None:
-        files.write_cached_json(file, {**known, host_key(): {"s_per_param": measured, "params": params}})
-    return measured
+    if measured is None:
+        return None
+    files.write_cached_json(file, {**known, host_key(): {"s_per_param": measured, "params": params}})
+    return CpuAdamFigure(measured, params, timed_now=True)
 
 
 def time_step(params: int, repeats: int = REPEATS) -> float | None:

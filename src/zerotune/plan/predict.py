@@ -125,14 +125,21 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
         terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
                                  f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
     if opt_device != "none":
-        per_param = cpu_optimizer.seconds_per_param()
+        figure = cpu_optimizer.seconds_per_param()
         partition = states["master_weights_bytes"] // 4
-        terms.append(Term.timing("cpu_optimizer", per_param * partition if per_param else None,
-                                 "DeepSpeed CPU-Adam, timed on this host" if per_param else "unmeasured here").to_dict())
+        terms.append(Term.timing("cpu_optimizer", figure.s_per_param * partition if figure else None,
+                                 _cpu_adam_note(figure)).to_dict())
     known = [t for t in terms if t["seconds"] is not None]
     bound = max(known, key=lambda t: t["seconds"]) if known else None
     return {"time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
             "time_terms": terms}
+
+
+def _cpu_adam_note(figure: cpu_optimizer.CpuAdamFigure | None) -> str:
+    if figure is None:
+        return "unmeasured here"
+    when = "just now" if figure.timed_now else "earlier (this host's cache; no probe ran)"
+    return f"DeepSpeed CPU-Adam, timed on this host {when} over {figure.params / 1e6:,.0f}M parameters"
 
 
 def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> str:
