@@ -42,7 +42,7 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path):
 
 
 def figure() -> float | None:
-    found = cpu_optimizer.seconds_per_param()
+    found = cpu_optimizer.cpu_adam_figure()
     return found.s_per_param if found else None
 
 
@@ -62,14 +62,14 @@ def test_the_figure_is_measured_once_per_host_whatever_memory_is_free(tmp_path: 
     (plan_dir / "cpu_adam_v2.json").write_text(json.dumps({f"{cpu_optimizer.host_key()}|{64 * MIB}params": 1e-10}))
     timed: list[int] = []
     _timer(monkeypatch, timed)
-    first = cpu_optimizer.seconds_per_param()
+    first = cpu_optimizer.cpu_adam_figure()
     assert first is not None and first.timed_now and timed == [64 * MIB]
     stored = json.loads((plan_dir / cpu_optimizer.CACHE_FILE).read_text())
     assert stored == {cpu_optimizer.host_key(): {"s_per_param": 7e-10, "params": 64 * MIB}}
     # Later jobs read it back, whatever is free then (the memory cap would size a probe differently each time).
     for available in (20 * GIB, 3 * GIB, 64 * GIB):
         free["bytes"] = available
-        again = cpu_optimizer.seconds_per_param()
+        again = cpu_optimizer.cpu_adam_figure()
         assert again == cpu_optimizer.CpuAdamFigure(7e-10, 64 * MIB, timed_now=False)
     assert timed == [64 * MIB]
 
@@ -103,7 +103,7 @@ def test_the_key_is_the_host_and_its_thread_count(monkeypatch):
 def test_an_unmeasurable_floor_is_none_and_not_cached(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: None)
-    assert cpu_optimizer.seconds_per_param() is None
+    assert cpu_optimizer.cpu_adam_figure() is None
     assert not (tmp_path / "plan" / cpu_optimizer.CACHE_FILE).exists()
 
 

@@ -80,8 +80,8 @@ class CpuAdamFigure:
     timed_now: bool     # False: read from this host's cache, no probe ran
 
 
-def seconds_per_param() -> CpuAdamFigure | None:
-    """Median seconds CPU-Adam takes per parameter per step on this host (cached), or None if unmeasurable."""
+def cpu_adam_figure() -> CpuAdamFigure | None:
+    """CPU-Adam's median seconds per parameter per step on this host (cached), or None if unmeasurable."""
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}

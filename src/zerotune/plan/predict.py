@@ -125,7 +125,7 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
         terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
                                  f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
     if opt_device != "none":
-        figure = cpu_optimizer.seconds_per_param()
+        figure = cpu_optimizer.cpu_adam_figure()
         partition = states["master_weights_bytes"] // 4
         terms.append(Term.timing("cpu_optimizer", figure.s_per_param * partition if figure else None,
                                  _cpu_adam_note(figure)).to_dict())
