@@ -85,10 +85,11 @@ def cpu_adam_figure() -> CpuAdamFigure | None:
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
-    cached, params = known.get(host_key()), probe_params()
+    llc = last_level_cache_bytes()  # read once: both sizes below follow it
+    cached, params, full = known.get(host_key()), probe_params(llc), full_probe_params(llc)
     # Reused unless memory capped its probe and the whole probe fits now: free memory moves by a little from
     # run to run, and re-timing whenever a slightly bigger capped probe fits would time it in most jobs.
-    if isinstance(cached, dict) and (cached.get("params", 0) >= params or params < full_probe_params()):
+    if isinstance(cached, dict) and (cached.get("params", 0) >= params or params < full):
         return CpuAdamFigure(float(cached["s_per_param"]), int(cached["params"]), timed_now=False)
     measured = time_step(params)
     if measured is None:
