@@ -35,11 +35,14 @@ $(STAMP): pyproject.toml
 train: setup
 	$(PY) train.py
 
-# The suite without the long end-to-end runs (marked slow): about 13 minutes on 2 cores, 16 from a fresh clone.
+# The suite without the long end-to-end runs (marked slow), one pytest-xdist worker per core, each with its share of
+# the cores' torch threads; tests sharing a trained run, a cluster or a browser run on one worker
+# (tests/helpers/xdist_groups.py). About 10 minutes on 2 cores, 11 from a fresh clone.
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
 
-# Everything, slow runs included (every stage x offload, NVMe, fidelity, sweeps, resume, multi-process).
+# Everything, slow runs included (every stage x offload, NVMe, fidelity, sweeps, resume, multi-process), in one
+# process: the slow set's SLURM pre-emption and multi-process runs are timed against one machine's cores.
 test-all: setup
 	$(PY) -m pytest -q
 

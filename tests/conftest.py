@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import xdist_groups
 
+# Before any test module imports torch: under pytest-xdist each worker and the jobs it starts (launch.threads=auto
+# takes OMP_NUM_THREADS) share the cores with the other workers. A thread count the user set is kept.
+if (_threads := xdist_groups.threads_per_worker()) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which names each item's group in its node id
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` need a CUDA GPU: skipped where torch sees none (torch is imported only if some are
-    collected)."""
+    """Under `--dist loadgroup`, tests that share a session or module fixture run on one worker. Tests marked
+    `cuda` need a CUDA GPU: skipped where torch sees none (torch is imported only if some are collected)."""
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist") == "loadgroup":
+        xdist_groups.mark_groups(items, Path(__file__).parent)
     wanting = [item for item in items if item.get_closest_marker("cuda")]
     if not wanting:
         return

@@ -1,0 +1,68 @@
+"""The suite's own split across pytest-xdist workers (tests/helpers/xdist_groups.py): tests that share a set-up
+wider than one test land in one group, so that set-up runs once; tests that share nothing are left free."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.xdist_groups import mark_groups, threads_per_worker
+
+pytest_plugins = ["pytester"]
+
+SOURCE = '''
+import pytest
+
+@pytest.fixture(scope="session")
+def trained_run():
+    return 1
+
+@pytest.fixture(scope="session")
+def cluster():
+    return 2
+
+@pytest.fixture(scope="module")
+def browser():
+    return 3
+
+@pytest.fixture
+def per_test():
+    return 4
+
+def test_reads_the_run(trained_run): pass
+def test_reads_the_run_and_the_cluster(trained_run, cluster): pass
+def test_uses_the_cluster(cluster): pass
+def test_drives_the_browser(browser): pass
+def test_drives_it_again(browser, per_test): pass
+def test_shares_nothing(per_test, tmp_path_factory): pass
+'''
+
+
+def groups(pytester: pytest.Pytester) -> dict[str, str | None]:
+    items = pytester.getitems(SOURCE)
+    mark_groups(items, pytester.path)
+    return {item.name: (mark.args[0] if (mark := item.get_closest_marker("xdist_group")) else None) for item in items}
+
+
+def test_tests_sharing_a_fixture_through_another_test_share_one_group(pytester):
+    found = groups(pytester)
+    run = found["test_reads_the_run"]
+    assert run is not None
+    assert found["test_reads_the_run_and_the_cluster"] == run and found["test_uses_the_cluster"] == run
+
+
+def test_a_module_fixture_groups_its_module_and_per_test_fixtures_group_nothing(pytester):
+    found = groups(pytester)
+    browser = found["test_drives_the_browser"]
+    assert browser is not None and browser.endswith("::browser")
+    assert found["test_drives_it_again"] == browser != found["test_reads_the_run"]
+    assert found["test_shares_nothing"] is None  # pytest's own session fixtures are shared by every test
+
+
+@pytest.mark.parametrize(("cores", "workers", "threads"), [(2, "2", 1), (16, "4", 4), (2, "3", 1), (8, None, None)])
+def test_each_worker_takes_its_share_of_the_cores(monkeypatch, cores, workers, threads):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    if workers is None:
+        monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
+    assert threads_per_worker() == threads
