@@ -19,6 +19,7 @@ from typing import Any
 
 from zerotune.errors import ConfigError
 from zerotune.ops import locks
+from zerotune.ops.cpu_info import remember_cpu_info
 from zerotune.ops.torch_lib import KEY, link_torch_lib
 from zerotune.telemetry import MemorySampler
 
@@ -92,6 +93,7 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool, before_compiling: Callabl
     from deepspeed.accelerator import get_accelerator  # the parent imported DeepSpeed already (preflight)
 
     link_torch_lib()  # torch under a path with a space: its builds link through a link to its libraries
+    remember_cpu_info()  # DeepSpeed's builders ask py-cpuinfo at each op: a new interpreter each time
     accelerator = get_accelerator()
     start = time.perf_counter()
     for name in names:
@@ -213,6 +215,7 @@ def _child_build(name: str, send: Any) -> None:
     builder = get_accelerator().create_op_builder(name)
     try:
         link_torch_lib()  # a process of its own: torch's module state is not the parent's
+        remember_cpu_info()
         send.send(load_op(name, builder))
     except ConfigError as exc:
         send.send({"error": str(exc.__cause__ or exc), "op": builder.NAME})

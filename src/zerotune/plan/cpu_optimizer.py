@@ -25,6 +25,7 @@ import psutil
 import torch
 
 from zerotune import files
+from zerotune.ops.cpu_info import remember_cpu_info
 from zerotune.ops.torch_lib import link_torch_lib
 
 MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
@@ -116,6 +117,7 @@ def build_optimizer(params: int) -> torch.optim.Optimizer | None:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         link_torch_lib()  # torch under a path with a space: the op links through a link to its libraries
+        remember_cpu_info()  # CPU-Adam and its builder ask py-cpuinfo: a new interpreter per question
         param = torch.nn.Parameter(torch.zeros(params))
         param.grad = torch.full_like(param, 1e-3)
         return DeepSpeedCPUAdam([param], lr=1e-4)

@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from zerotune.errors import ConfigError
+from zerotune.ops.cpu_info import remember_cpu_info
 from zerotune.ops.torch_lib import link_torch_lib
 from zerotune.resolved import ResolvedRun
 from zerotune.user_config.accelerate_config import absorbed_launch_environment
@@ -34,6 +35,7 @@ def make_accelerator(run: ResolvedRun, collective_timeout_s: float) -> Accelerat
         from accelerate.utils import DeepSpeedPlugin
 
         link_torch_lib()  # before DeepSpeed loads its ops (torch under a path with a space)
+        remember_cpu_info()  # its builders and CPU-Adam ask py-cpuinfo: a new interpreter per question
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
             return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds), kwargs_handlers=handlers)

@@ -81,9 +81,11 @@ def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
         return  # on CUDA accelerate gets it right (nccl); one process needs nothing
     from accelerate.state import PartialState
 
+    from zerotune.ops.cpu_info import remember_cpu_info
     from zerotune.ops.torch_lib import link_torch_lib
 
     link_torch_lib()  # DeepSpeed's process group loads its shm op (torch under a path with a space)
+    remember_cpu_info()  # whose builder asks py-cpuinfo: a new interpreter per question
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what Accelerator(deepspeed_plugin=...) sets, a bit earlier
     state = PartialState(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
     if state.num_processes != world_size():
