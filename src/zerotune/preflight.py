@@ -54,6 +54,34 @@ def _check_train(cfg: Config) -> None:
     if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction"):
         raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
                           "diffusion.prediction_type=epsilon or v_prediction")
+    _check_loss_settings(cfg)
+
+
+def _check_loss_settings(cfg: Config) -> None:
+    """The loss settings SDXL recipes use (noise offset, Min-SNR-γ, a timestep range, zero terminal SNR)."""
+    diff = cfg.diffusion
+    offset = diff.noise_offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not 0 <= offset < 1:
+        raise ConfigError("diffusion.noise_offset", f"must be a number from 0 (off) up to 1, got {offset!r}",
+                          "diffusion.noise_offset=0.05 (SDXL recipes use 0.05 to 0.1), or diffusion.noise_offset=0 to turn it off")
+    gamma = diff.min_snr_gamma
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma <= 0):
+        raise ConfigError("diffusion.min_snr_gamma", f"must be a positive number or null, got {gamma!r}",
+                          "diffusion.min_snr_gamma=5 (the paper's), or diffusion.min_snr_gamma=null to turn it off")
+    steps = diff.num_train_timesteps
+    window = diff.timestep_range
+    if window is not None:
+        if (len(window) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in window)
+                or not 0 <= window[0] <= window[1] < steps):
+            raise ConfigError("diffusion.timestep_range", f"must be [first, last] with 0 <= first <= last < "
+                              f"{steps} (diffusion.num_train_timesteps), got {list(window)!r}",
+                              f"diffusion.timestep_range=[0,{steps // 2 - 1}] (the less noisy half), or "
+                              "diffusion.timestep_range=null for all of them")
+    if diff.rescale_betas_zero_snr and diff.prediction_type != "v_prediction":
+        raise ConfigError("diffusion.rescale_betas_zero_snr", "zero terminal SNR needs a v-prediction model: at "
+                          "the last timestep the image is pure noise, so an epsilon model predicts nothing and "
+                          "sampling divides by 0 (Lin et al. 2023, section 3.2)",
+                          "model.prediction_type=v_prediction, or diffusion.rescale_betas_zero_snr=false")
 
 
 def _check_inputs(cfg: Config) -> None:

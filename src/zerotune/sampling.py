@@ -22,8 +22,12 @@ def make_sampler(
     """
     config = dict(noise_scheduler_config)
     config.pop("variance_type", None)  # a DDPM-only setting ("fixed_small" is no DPM-Solver variance type)
+    # Lin et al. 2023: with zero terminal SNR, sampling must start at the last timestep (trailing spacing). A
+    # keyword: from_config drops the keys the training schedule holds at their defaults (`_use_default_values`).
+    spacing = {"timestep_spacing": "trailing"} if config.get("rescale_betas_zero_snr") else {}
     return DPMSolverMultistepScheduler.from_config(
         config,
+        **spacing,
         prediction_type=prediction_type,
         algorithm_type="dpmsolver++",
         solver_order=2,

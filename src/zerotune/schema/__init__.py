@@ -144,6 +144,10 @@ class Diffusion:
     beta_end: float = 0.012
     prediction_type: str = "epsilon"
     cond_dropout: float = 0.1
+    noise_offset: float = 0.0                    # 0: off
+    min_snr_gamma: Optional[float] = None        # None: off
+    timestep_range: Optional[list[int]] = None   # [first, last] inclusive; None: every timestep
+    rescale_betas_zero_snr: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -93,7 +94,8 @@ def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
 
 
 def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int, world: int,
-                       num_timesteps: int, cond_dropout: float) -> dict:
+                       num_timesteps: int, cond_dropout: float, noise_offset: float = 0.0,
+                       timestep_range: Sequence[int] | None = None) -> dict:
     """This rank's slice of the random draws for the GLOBAL micro batch (world × local), from a generator
     seeded the same on every rank.
 
@@ -101,6 +103,10 @@ def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int,
     count, so 2 processes × batch B compute what 1 process × batch 2B computes. The order of the draws
     (dropout, noise, timesteps) is the order a lone process always used: one process is bit-identical
     to before. The cost, world× the draws of one rank, is negligible next to the U-Net.
+
+    `noise_offset` adds offset × N(0, 1) per image and channel to the noise, drawn after the timesteps (as
+    diffusers' examples add it), so a run without it draws exactly what it drew before. `timestep_range`
+    draws timesteps from [first, last] (inclusive) instead of all of them.
     """
     import torch
 
@@ -109,7 +115,11 @@ def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int,
     total = (n * world, *local_shape[1:])
     uniform = torch.rand(total[0], generator=generator)[rows] if cond_dropout > 0 else None
     noise = torch.randn(total, generator=generator)[rows]
-    timesteps = torch.randint(0, num_timesteps, (total[0],), generator=generator)[rows]
+    first, last = timestep_range if timestep_range is not None else (0, num_timesteps - 1)
+    timesteps = torch.randint(first, last + 1, (total[0],), generator=generator)[rows]
+    if noise_offset:
+        per_channel = (total[0], total[1], *([1] * (len(total) - 2)))
+        noise = noise + noise_offset * torch.randn(per_channel, generator=generator)[rows]
     return {"uniform": uniform, "noise": noise, "timesteps": timesteps}
 
 

@@ -182,12 +182,16 @@ class Trainer:
     def forward_backward(self, batch: dict) -> float:
         dev = self.accelerator.device
         batch = {k: (v.to(dev, self.dtype) if v.is_floating_point() else v.to(dev)) for k, v in batch.items()}
-        p = self.cfg.diffusion.cond_dropout
-        draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world,
-                                               self.noise_schedule.config.num_train_timesteps, p)  # type: ignore[attr-defined]
+        diff = self.cfg.diffusion
+        p = diff.cond_dropout
+        draws = distributed.global_batch_draws(
+            self.gen, tuple(batch["x0"].shape), self.rank, self.world,
+            self.noise_schedule.config.num_train_timesteps, p, noise_offset=diff.noise_offset,  # type: ignore[attr-defined]
+            timestep_range=diff.timestep_range)
         cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
         loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise_schedule,
-                              self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"])
+                              self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"],
+                              min_snr_gamma=diff.min_snr_gamma)
         self.accelerator.backward(loss)
         return float(loss.detach())
 
