@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
 
+from zerotune.schema import Diffusion
 
-def noise_scheduler(diff: Any) -> DDPMScheduler:
+
+def noise_scheduler(diff: Diffusion) -> DDPMScheduler:
     """The training schedule. `rescale_betas_zero_snr` is diffusers' own rescaling (Lin et al. 2023, Algorithm 1):
     the last timestep's signal-to-noise ratio becomes exactly 0."""
     return DDPMScheduler(num_train_timesteps=int(diff.num_train_timesteps), beta_schedule=str(diff.beta_schedule),
                          beta_start=float(diff.beta_start), beta_end=float(diff.beta_end),
                          prediction_type=str(diff.prediction_type),
-                         rescale_betas_zero_snr=bool(getattr(diff, "rescale_betas_zero_snr", False)))
+                         rescale_betas_zero_snr=diff.rescale_betas_zero_snr)
 
 
 def min_snr_weights(sched: DDPMScheduler, timesteps: torch.Tensor, gamma: float) -> torch.Tensor:

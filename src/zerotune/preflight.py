@@ -63,7 +63,8 @@ def _check_loss_settings(cfg: Config) -> None:
     offset = diff.noise_offset
     if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not 0 <= offset < 1:
         raise ConfigError("diffusion.noise_offset", f"must be a number from 0 (off) up to 1, got {offset!r}",
-                          "diffusion.noise_offset=0.05 (SDXL recipes use 0.05 to 0.1), or diffusion.noise_offset=0 to turn it off")
+                          "diffusion.noise_offset=0.05 (SDXL recipes use 0.05 to 0.1), or "
+                          "diffusion.noise_offset=0 to turn it off")
     gamma = diff.min_snr_gamma
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or gamma <= 0):
         raise ConfigError("diffusion.min_snr_gamma", f"must be a positive number or null, got {gamma!r}",

@@ -45,7 +45,7 @@ def shared_setups(item: pytest.Item, tests_dir: Path) -> list[str]:
 
 def _defined_in(func: object, tests_dir: Path) -> bool:
     try:
-        return Path(inspect.getfile(func)).resolve().is_relative_to(tests_dir.resolve())  # type: ignore[arg-type]
+        return Path(inspect.getfile(func)).resolve().is_relative_to(tests_dir)  # type: ignore[arg-type]
     except TypeError:  # a builtin: not this suite's
         return False
 
@@ -62,6 +62,7 @@ def mark_groups(items: list[pytest.Item], tests_dir: Path) -> None:
             key = parent[key]
         return key
 
+    tests_dir = tests_dir.resolve()  # once: every fixture's file is compared with it
     per_item = [(item, shared_setups(item, tests_dir)) for item in items]
     for _, keys in per_item:
         for key in keys:

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,37 +47,30 @@ def _usable(answer: Any) -> bool:
 
 
 @functools.cache
-def cached_cpu_info() -> dict:
-    """py-cpuinfo's answer: from the cache when this CPU's is there, else asked once and kept."""
-    import cpuinfo
-
+def cached_cpu_info(ask: Callable[[], dict]) -> dict:
+    """py-cpuinfo's answer: from the cache when this CPU's is there, else `ask`ed once and kept."""
     identity = cpu_identity()
     file = files.cache_dir("ops") / CACHE_FILE
     known = files.read_json(file) if identity is not None else None
     known = known if isinstance(known, dict) else {}
     if identity is not None and _usable(known.get(identity)):
         return known[identity]
-    answer = _ask(cpuinfo)
+    answer = ask()
     if identity is not None and _usable(answer):
         files.write_cached_json(file, {**known, identity: answer})
     return answer
-
-
-def _ask(cpuinfo: Any) -> dict:
-    ask = getattr(cpuinfo.get_cpu_info, "__wrapped_by_zerotune__", cpuinfo.get_cpu_info)
-    return ask()
 
 
 def remember_cpu_info() -> None:
     """Point `cpuinfo.get_cpu_info` at the cached answer, in this process, before DeepSpeed loads its ops."""
     import cpuinfo
 
-    if getattr(cpuinfo.get_cpu_info, "__wrapped_by_zerotune__", None) is not None:
+    if hasattr(cpuinfo.get_cpu_info, "__wrapped__"):  # done already in this process
         return
-    original = cpuinfo.get_cpu_info
+    ask = cpuinfo.get_cpu_info
 
+    @functools.wraps(ask)
     def get_cpu_info() -> dict:
-        return copy.deepcopy(cached_cpu_info())  # a caller that edits its answer cannot change the next one's
+        return copy.deepcopy(cached_cpu_info(ask))  # a caller that edits its answer cannot change the next one's
 
-    get_cpu_info.__wrapped_by_zerotune__ = original  # type: ignore[attr-defined]
     cpuinfo.get_cpu_info = get_cpu_info
