@@ -20,6 +20,7 @@ from zerotune.resolved import ResolvedRun
 from zerotune.schema import Config
 from zerotune.settle import Settled, settle
 from zerotune.user_config import autofill, merge
+from zerotune.validation import check_validation
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def _check_inputs(cfg: Config) -> None:
     """The weights, data and logger a worker would open: what would fail there (after its start-up) fails here."""
     models.check_pretrained(cfg.model)
     check_data(DataSpec.from_config(cfg))
+    check_validation(cfg)
     check_logger(cfg.logger)
 
 

@@ -12,13 +12,14 @@ from zerotune.models.conditioning import NULL_CLASS, unet_kwargs
 
 
 def make_sampler(
-    noise_scheduler_config: Mapping[str, Any], prediction_type: str
+    noise_scheduler_config: Mapping[str, Any], prediction_type: str, pixel_space: bool = True
 ) -> DPMSolverMultistepScheduler:
     """DPM-Solver++ (2nd order, multistep) sharing the training betas; good samples in ~20 steps.
 
-    The predicted clean image is clipped to [-1, 1] at every step (thresholding with a max of 1). Without
-    that an epsilon model is unusable on squaredcos_cap_v2: alpha_bar at t=999 is ~2e-9, so the first
-    x0 = (x - sigma * eps) / alpha multiplies any eps error by ~2e4 and samples saturate to noise.
+    In pixel space the predicted clean image is clipped to [-1, 1] at every step (thresholding with a max of 1).
+    Without that an epsilon model is unusable on squaredcos_cap_v2: alpha_bar at t=999 is ~2e-9, so the first
+    x0 = (x - sigma * eps) / alpha multiplies any eps error by ~2e4 and samples saturate to noise. Latents
+    (pixel_space=False) have no such range, and are left unclipped, as diffusers' SDXL pipelines leave them.
     """
     config = dict(noise_scheduler_config)
     config.pop("variance_type", None)  # a DDPM-only setting ("fixed_small" is no DPM-Solver variance type)
@@ -31,7 +32,7 @@ def make_sampler(
         prediction_type=prediction_type,
         algorithm_type="dpmsolver++",
         solver_order=2,
-        thresholding=True,
+        thresholding=pixel_space,
         sample_max_value=1.0,
     )
 

@@ -167,3 +167,42 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
 
     what = [unet_config(model_cfg), adapter.settings(adapter_cfg), torch.__version__, FORMAT]
     return int(_cached("modules-", what, count)["numel"])
+
+
+def trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, latent_hw: tuple[int, int],
+                   precision: str) -> dict:
+    """A validation pass (validation/passes.py) on fake tensors: {"vae_params": [bytes per parameter, in the
+    training dtype], "unet_peak": B (one guided step: the prompt and its negative as a batch of 2, no grad),
+    "vae_decode_peak": B (one latent decoded), "seconds"}."""
+    from zerotune.models import unet_config
+
+    what = [archs["vae"], unet_config(model_cfg), adapter_cfg and list(adapter_cfg.target_modules), list(latent_hw),
+            precision, str(model_cfg.attention), int(model_cfg.text_seq_len), torch.__version__, FORMAT]
+    return _cached("sampling-", what, lambda: _trace_sampling(archs, model_cfg, adapter_cfg, latent_hw, precision))
+
+
+def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, latent_hw: tuple[int, int],
+                    precision: str) -> dict:
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zerotune.plan.activations import DTYPES, _inputs, _meta_unet
+    from zerotune.plan.step_tracker import StepTracker
+
+    start, dtype = time.perf_counter(), DTYPES[precision]
+    unet = _meta_unet(model_cfg, precision, False, str(model_cfg.attention), adapter_cfg).eval()
+    with init_empty_weights():
+        vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"})
+        torch.nn.Module.to(vae, dtype)  # nn.Module's: diffusers' own `to` warns about fp32 modules
+    vae_params = [p.numel() * p.element_size() for p in vae.parameters()]
+    channels = int(archs["vae"].get("latent_channels", 4))
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        unet.to_empty(device="cpu")
+        vae.to_empty(device="cpu")
+        inputs = _inputs(model_cfg, (channels, *latent_hw), 2, dtype)
+        unet_peak = _peak(StepTracker(), [unet], lambda: unet(inputs["x0"], inputs["timesteps"], **inputs["cond"]))
+        latents = torch.randn(1, channels, *latent_hw, dtype=dtype)
+        decode_peak = _peak(StepTracker(), [vae], lambda: vae.decode(latents).sample)
+    return {"vae_params": vae_params, "unet_peak": unet_peak, "vae_decode_peak": decode_peak,
+            "seconds": round(time.perf_counter() - start, 3)}

@@ -8,7 +8,8 @@ training/trainer.py Trainer._prepare):
   its partitions are on the GPU already, built under zero.Init) and before accelerate.prepare moves it;
 - loading: DeepSpeed's engine and ZeRO optimizer take the U-Net (cast, move, flatten, master copies);
 - step: the training step (predict.predict's gpu_terms, taken as given);
-- sampling: evaluate_digits (class-conditional digits only): the weights are gathered, sampling runs on the CPU;
+- sampling: validation passes (text models with validation prompts: the U-Net as trained, the VAE moved in for
+  the pass), or evaluate_digits (class-conditional digits: the weights are gathered, sampling runs on the CPU);
 - export: the run's checkpoint saves, and `zerotune export` (its own process, on the CPU).
 
 The rule for what each phase leaves reserved: without empty_cache, the pool during a phase is at least the
@@ -135,6 +136,59 @@ def _live_states(plan: dict) -> list[dict]:
 
 
 def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
+    """The run's sampling: validation passes (text models with prompts), or the digits' evaluation."""
+    from zerotune.validation import enabled
+
+    if enabled(cfg) and cfg.model.conditioning == "text_time":
+        return _validation(cfg, checked, plan, base)
+    return _digits_sampling(cfg, checked, plan, base)
+
+
+def _validation(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
+    """validation/passes.py, at its largest prompt: what training holds after a step, and what the pass adds
+    (validation_pass_terms). The pass ends with torch.cuda.empty_cache()."""
+    found = validation_pass_terms(cfg, checked)
+    if found is None:
+        return None
+    added, source = found
+    live = [*base, *_live_states(plan)]
+    terms = [*live, *added]
+    return {"phase": "sampling", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "source": f"{source}; Validator._vae_off_device calls torch.cuda.empty_cache()",
+            "end_live_mib": sum(t["mib"] for t in live)}
+
+
+def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict], str] | None:
+    """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3
+    (GatheredParameters over every parameter, in the training dtype; below ZeRO-3 the engine's module holds
+    them already), the VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode
+    (fake-tensor traces). The prompts' embeddings come from the latent cache: no text encoder is loaded.
+    None when no architecture describes the VAE."""
+    from zerotune.validation import check_validation
+
+    found = encoders.configs(cfg.model)
+    if found is None:
+        return None
+    archs, where = found
+    prompts = check_validation(cfg)
+    largest = max(prompts, key=lambda p: p.width * p.height)
+    scale, precision = int(cfg.model.vae_scale_factor), str(cfg.precision.name)
+    hw = (largest.height // scale, largest.width // scale)
+    traced = encoders.trace_sampling(archs, cfg.model, cfg.adapter, hw, precision)
+    terms = []
+    if zero_stage(checked) == 3:
+        sizes = [n * DTYPE_BYTES[precision] for n in checked.model_stats.param_numels]
+        terms.append(term("unet_gathered_for_sampling", allocator.reserved_bytes(sizes),
+                          "every parameter whole in the training dtype (deepspeed.zero.GatheredParameters)"))
+    terms += [term("vae_weights", allocator.reserved_bytes(traced["vae_params"]), f"{precision}, one block per "
+                   f"parameter ({where}); on the device for the pass only"),
+              term("sampling_activations", max(traced["unet_peak"], traced["vae_decode_peak"]),
+                   f"fake-tensor trace at {largest.width}x{largest.height}: one guided U-Net call (batch 2) "
+                   f"{traced['unet_peak'] / MIB:,.1f} MiB, the VAE's decode {traced['vae_decode_peak'] / MIB:,.1f} MiB")]
+    return terms, f"validation/passes.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
+
+
+def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
     parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
     each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its

@@ -64,6 +64,7 @@ class RunSummary:
     data: JsonDict | None = None
     partition: JsonDict | None = None
     quality: JsonDict | None = None
+    validation: JsonDict | None = None      # prompts, passes (step, images, seconds, errors), memory
     wall_time_s: float | None = None
     startup_marks: JsonDict | None = None
     startup: JsonDict | None = None

@@ -159,6 +159,24 @@ class Evaluate:
 
 
 @dataclass(frozen=True)
+class Validation:
+    """Prompts sampled with the weights being trained (text_time models; src/zerotune/validation/)."""
+    prompts: list[str] = field(default_factory=list)
+    prompt_file: Optional[str] = None    # .txt (one per line, kohya's --n/--d), .jsonl, or .json
+    negative_prompt: str = ""            # for prompts that name none; "" samples against the null condition
+    every_n_steps: int = 0               # 0: at the start and the end only
+    at_start: bool = True                # step 0: the untrained baseline
+    at_end: bool = True
+    seed: int = 0                        # prompt i draws its noise from seed + i (unless its line names one)
+    resolution: Any = None               # null: resolution.size; a side, or [width, height]
+    steps: int = 20
+    guidance_scale: float = 5.0
+    guidance_rescale: float = 0.0        # 0.7 with zero terminal SNR (Lin et al. 2023)
+    weights: str = "auto"                # auto | model | ema | comparison
+    strict: bool = False                 # a failing pass stops the run instead of being recorded
+
+
+@dataclass(frozen=True)
 class Adapter:
     name: str = "none"                   # none | lora
     rank: int = 16
@@ -209,6 +227,7 @@ class Config:
     train: Train = field(default_factory=Train)
     diffusion: Diffusion = field(default_factory=Diffusion)
     evaluate: Evaluate = field(default_factory=Evaluate)
+    validation: Validation = field(default_factory=Validation)
     adapter: Adapter = field(default_factory=Adapter)
     ema: Ema = field(default_factory=Ema)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -59,6 +59,7 @@ class Debug:
     hang_at_step: Optional[int] = None
     kill_at_step: Optional[int] = None
     host_alloc_mib: Optional[int] = None
+    validation_oom_at_step: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
 from zerotune.training.rungs import PRUNED, TrialRungs
+from zerotune.validation import make_validator
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Trainer:
         self.logged_losses: dict[int, float] = {}
         if self.resume_decision is not None:
             self._restore(self.resume_decision)
+        self.validator, self.validation_error = make_validator(self, logger)
 
     def _prepare(self, seed: int) -> None:
         """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
@@ -95,7 +97,7 @@ class Trainer:
 
     def _trained_named_parameters(self) -> list:
         """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora."""
-        return [(n, p) for n, p in self._module().named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in self.unet_module().named_parameters() if p.requires_grad]
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
@@ -103,7 +105,7 @@ class Trainer:
         inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
-    def _module(self) -> torch.nn.Module:
+    def unet_module(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.unet)
 
     def _infinite_batches(self):
@@ -156,7 +158,7 @@ class Trainer:
             raw_scheduler = getattr(self.unet, "lr_scheduler", None)
         else:
             raw_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
-        position, ema = resume.load(self.accelerator, decision, self._module(), raw_optimizer, raw_scheduler)
+        position, ema = resume.load(self.accelerator, decision, self.unet_module(), raw_optimizer, raw_scheduler)
         self.load_position_state(position, decision.meta["world_size"], self.accelerator.num_processes)
         if self.ema is not None and ema is not None:
             self.ema.load_state_dict(ema)
@@ -173,7 +175,7 @@ class Trainer:
         self.saves.save(self.accelerator, self.step, lambda: store.SaveRequest(
             root=self.saves.root, step=self.step,
             meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world),
-            position_state=self.position_state(), unet=self._module(), job=self.saves.job,
+            position_state=self.position_state(), unet=self.unet_module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones
             size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
@@ -240,7 +242,10 @@ class Trainer:
         trial, rungs = self.cfg.trial, None
         if trial is not None and trial.storage:  # a tune trial: its study may stop it at a rung
             rungs = TrialRungs(trial, self.accelerator.is_main_process)
+        validator = self.validator
         try:
+            if validator is not None and validator.due_at_start(self.step):
+                self._validate()
             while self.step < max_steps:
                 self.stopped_by = stop.agreed(self.accelerator.device)
                 if self.stopped_by is not None:
@@ -258,13 +263,26 @@ class Trainer:
                     break
                 if self.saves.due(self.step):
                     self.save_checkpoint()
+                if validator is not None and validator.due(self.step, max_steps):
+                    self._validate()
             # Only a run that completed its steps: a failure never gets here (its state may be what broke it,
             # and a save is a collective a failed rank cannot join); a stop saves per checkpoint.on_signal.
             if self.stopped_by is None:
                 self.saves.save_final(self.step, self.save_checkpoint)
+                if validator is not None and validator.due_at_end(self.step):  # after the save: nothing to lose
+                    self._validate(then_train=False)
         finally:
             progress.close()
         return self.progress()
+
+    def _validate(self, then_train: bool = True) -> None:
+        """A validation pass, timed as the run's sampling phase (telemetry/phases.py) between training steps."""
+        assert self.validator is not None
+        if self._phases is not None:
+            self._phases.begin("sampling")
+        self.validator.run(self.step, self)
+        if self._phases is not None and then_train:
+            self._phases.begin("step")
 
     def _timed_step(self, telemetry) -> dict:
         telemetry.timer.start_step()

@@ -21,7 +21,8 @@ log = logging.getLogger("zerotune")
 STUDY = "tune"
 JOURNAL = "tune.journal"
 # Trials are measurements: no checkpoint, no sampling, no logger; what the command line set for these is replaced.
-TRIAL_SETTINGS = ("checkpoint.final=false", "checkpoint.every_n_steps=0", "evaluate.enabled=false")
+TRIAL_SETTINGS = ("checkpoint.final=false", "checkpoint.every_n_steps=0", "evaluate.enabled=false",
+                  "validation.prompts=[]", "validation.prompt_file=null")
 
 
 @dataclass

@@ -1,0 +1,264 @@
+"""Validation passes during training: the same prompts with the same seeds at step 0, every N steps and at the
+end, sampled with the weights being trained (weights.py) through diffusers' StableDiffusionXLPipeline.
+
+- The prompts are encoded once, before training, through data=folder's latent cache (a text entry per prompt,
+  keyed like a caption), so the text encoders never share the device with training; the VAE is loaded once on the
+  host and is on the device only during a pass.
+- Each rank samples its share of the prompts (every world-th); rank 0 gathers the images and writes
+  <run dir>/samples/step-NNNNNNN/<prompt name>[-ema].png, a grid.png (a row per prompt, a column per weights)
+  and prompts.json, and logs each prompt's images under the W&B key validation/<prompt name>.
+- A pass draws from its own generators only (one per prompt, seeded the same at every pass) and puts every
+  weight back: the training that follows is bit-identical to a run without it.
+- A pass that fails (out of memory, ...) is recorded in summary.json's validation.passes and the run goes on,
+  unless validation.strict.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerotune.data.components import SDXLEncoders, component_ids, resolve_components, whole_frozen_models
+from zerotune.data.hashing import FileHasher
+from zerotune.data.latent_cache import LatentCache
+from zerotune.data.prepare import cache_dir
+from zerotune.data.spec import DataSpec
+from zerotune.loggers.base import RunLogger
+from zerotune.rundir import SAMPLES, RunDir
+from zerotune.sampling import make_sampler
+from zerotune.schema import Config
+from zerotune.training import distributed
+from zerotune.validation.prompts import ValidationPrompt, weights_to_sample
+from zerotune.validation.weights import sampling_unet
+
+if TYPE_CHECKING:
+    from zerotune.training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+PROMPTS_FILE = "prompts.json"
+
+
+class ValidationFailed(RuntimeError):
+    """A pass failed under validation.strict=true."""
+
+
+class Validator:
+    def __init__(self, cfg: Config, prompts: list[ValidationPrompt], run_dir: RunDir, logger: RunLogger,
+                 device: torch.device, dtype: torch.dtype, rank: int, world: int):
+        self.cfg, self.v, self.prompts = cfg, cfg.validation, prompts
+        self.run_dir, self.logger = run_dir, logger
+        self.device, self.dtype, self.rank, self.world = device, dtype, rank, world
+        self.weights = weights_to_sample(cfg)
+        self.paths = resolve_components(cfg.model)
+        self.mine = [p for i, p in enumerate(prompts) if i % world == rank]
+        self.embeddings = self._encode_prompts()
+        self._vae: Any = None
+        self.passes: list[dict] = []
+        self.last_step: int | None = None
+
+    # ---- when
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """After optimizer step `step` inside the loop (the end pass, after the final save, is due_at_end's)."""
+        every = int(self.v.every_n_steps)
+        return every > 0 and step % every == 0 and not (step == max_steps and self.v.at_end)
+
+    def due_at_start(self, step: int) -> bool:
+        return bool(self.v.at_start) and step == 0
+
+    def due_at_end(self, step: int) -> bool:
+        return bool(self.v.at_end) and self.last_step != step
+
+    # ---- a pass
+
+    def run(self, step: int, trainer: Trainer) -> dict:
+        """Sample every prompt at `step` (every rank calls it: a collective under ZeRO-3); rank 0 returns the
+        pass's record, the other ranks theirs without files."""
+        start = time.perf_counter()
+        images, errors = self._sample_share(trainer, step)
+        gathered = distributed.gather_object((images, errors))
+        record: dict[str, Any] = {"step": step}
+        if gathered is not None:
+            all_images = {k: v for imgs, _ in gathered for k, v in imgs.items()}
+            all_errors = [e for _, errs in gathered for e in errs]
+            if all_images:
+                record.update(self._write(step, all_images))
+            if all_errors:
+                record["errors"] = all_errors
+                log.warning("validation at step %d failed: %s", step, all_errors[0]["message"])
+        record["seconds"] = round(time.perf_counter() - start, 3)
+        self.last_step = step
+        failed = distributed.broadcast_object(bool(record.get("errors")))
+        self.passes.append(record)
+        if failed and self.v.strict:
+            raise ValidationFailed(f"validation at step {step} failed ({(record.get('errors') or [{}])[0].get('message', 'on another rank')}); "
+                                   "validation.strict=false records a failed pass and goes on")
+        return record
+
+    def summary(self) -> dict:
+        return {"prompts": len(self.prompts), "weights": list(self.weights),
+                "passes": self.passes, "failed_passes": sum(1 for p in self.passes if p.get("errors"))}
+
+    def _sample_share(self, trainer: Trainer, step: int) -> tuple[dict, list]:
+        """This rank's prompts as PNG bytes {(name, weights): bytes}, and what failed."""
+        debug = self.cfg.debug
+        inject_oom = debug.validation_oom_at_step == step and debug.fail_rank in (None, self.rank)
+        images: dict[tuple[str, str], bytes] = {}
+        errors: list[dict] = []
+        zero3 = trainer.run.zero_stage == 3
+        try:
+            for which in self.weights:
+                shadow = trainer.ema.shadow if which == "ema" and trainer.ema is not None else None
+                # Entered by every rank whatever happens inside (a collective under ZeRO-3): failures are caught within.
+                with sampling_unet(trainer.unet, trainer.unet_module(), zero3, shadow) as unet:
+                    pipe = None
+                    try:
+                        pipe = self._pipeline(unet, self._vae_on_device(), trainer)
+                        if inject_oom:
+                            raise torch.OutOfMemoryError(f"debug.validation_oom_at_step={step}: injected")
+                        for p in self.mine:
+                            images[(p.name, which)] = self._png(pipe, p)
+                    except Exception as exc:  # noqa: BLE001  (recorded; the run goes on unless strict)
+                        errors.append(_error(exc, self.rank, which))
+                    finally:
+                        del pipe
+        except Exception as exc:  # noqa: BLE001  (gathering or putting the weights back)
+            errors.append(_error(exc, self.rank, None))
+        finally:
+            self._vae_off_device()
+        return images, errors
+
+    def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trainer) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+
+        schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
+        scheduler = make_sampler(schedule, str(self.cfg.diffusion.prediction_type), pixel_space=False)
+        pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                         tokenizer_2=None, unet=unet, scheduler=scheduler, add_watermarker=False,
+                                         force_zeros_for_empty_prompt=True)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _png(self, pipe: Any, p: ValidationPrompt) -> bytes:
+        states, pooled = self.embeddings[p.prompt]
+        kwargs: dict[str, Any] = {}
+        if p.negative_prompt:
+            neg_states, neg_pooled = self.embeddings[p.negative_prompt]
+            kwargs = {"negative_prompt_embeds": neg_states[None].to(self.device, self.dtype),
+                      "negative_pooled_prompt_embeds": neg_pooled[None].to(self.device, self.dtype)}
+        image = pipe(prompt_embeds=states[None].to(self.device, self.dtype),
+                     pooled_prompt_embeds=pooled[None].to(self.device, self.dtype),
+                     width=p.width, height=p.height, num_inference_steps=p.steps, guidance_scale=p.guidance_scale,
+                     guidance_rescale=float(self.v.guidance_rescale),
+                     generator=torch.Generator("cpu").manual_seed(p.seed), output_type="pil", **kwargs).images[0]
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    # ---- files and the logger (rank 0)
+
+    def _write(self, step: int, images: dict[tuple[str, str], bytes]) -> dict:
+        from PIL import Image
+
+        folder = self.run_dir.path / SAMPLES / f"step-{step:07d}"
+        rows, index = [], []
+        if self.run_dir.is_writer:
+            folder.mkdir(parents=True, exist_ok=True)
+        for p in self.prompts:
+            files = {}
+            for which in self.weights:
+                data = images.get((p.name, which))
+                if data is None:
+                    continue
+                name = f"{p.name}.png" if which == "model" else f"{p.name}-{which}.png"
+                if self.run_dir.is_writer:
+                    (folder / name).write_bytes(data)
+                files[which] = name
+            if files:
+                rows.append([Image.open(io.BytesIO(images[(p.name, w)])).convert("RGB") for w in files])
+                index.append({**asdict(p), "files": files})
+                self.logger.log_images(f"validation/{p.name}", [str(folder / f) for f in files.values()], step=step)
+        record: dict[str, Any] = {"folder": str(folder.relative_to(self.run_dir.path)), "images": sum(len(r) for r in rows)}
+        if self.run_dir.is_writer and rows:
+            _grid(rows).save(folder / "grid.png")
+            (folder / PROMPTS_FILE).write_text(json.dumps({"step": step, "prompts": index}, indent=1))
+            record["grid"] = str((folder / "grid.png").relative_to(self.run_dir.path))
+        return record
+
+    # ---- the frozen components
+
+    def _encode_prompts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{text: (hidden states [seq, d], pooled [p])} for this rank's prompts and negative prompts, from the
+        latent cache's text entries (computed there on a miss, the text encoders then released)."""
+        texts = sorted({t for p in self.mine for t in (p.prompt, p.negative_prompt) if t})
+        if not texts:
+            return {}
+        spec = DataSpec.from_config(self.cfg)
+        cache = LatentCache(cache_dir(spec))
+        seq_len = int(self.cfg.model.text_seq_len)
+        text_id = component_ids(self.paths, FileHasher(cache.root / "file_hashes.json"))["text"]
+        keys = {t: LatentCache.text_key(t, text_id, seq_len) for t in texts}
+        todo = [t for t in texts if not cache.has("text", keys[t])]
+        if todo:
+            encoders = SDXLEncoders(self.paths, _encode_device(self.cfg, self.device), seq_len)
+            try:
+                hidden, pooled = encoders.encode_text(todo)
+            finally:
+                encoders.release()
+            for t, h, q in zip(todo, hidden, pooled, strict=True):
+                cache.put("text", keys[t], {"encoder_hidden_states": h, "text_embeds": q}, {"caption": t})
+        out = {}
+        for t in texts:
+            entry = cache.get("text", keys[t])
+            out[t] = (entry["encoder_hidden_states"], entry["text_embeds"])
+        return out
+
+    def _vae_on_device(self) -> Any:
+        if self._vae is None:
+            from diffusers import AutoencoderKL
+
+            with whole_frozen_models():
+                self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
+                                                          torch_dtype=self.dtype).eval()
+        return self._vae.to(self.device)
+
+    def _vae_off_device(self) -> None:
+        """The VAE back on the host and the allocator's cache emptied: the step's memory is what it was."""
+        if self._vae is not None:
+            self._vae.to("cpu")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _encode_device(cfg: Config, device: torch.device) -> torch.device:
+    choice = str(cfg.data.cache_device) if cfg.data.name == "folder" else "auto"
+    return device if choice == "auto" else torch.device(choice)
+
+
+def _error(exc: BaseException, rank: int, weights: str | None) -> dict:
+    oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return {"type": type(exc).__name__, "message": str(exc)[:500], "rank": rank, "weights": weights, "oom": oom}
+
+
+def _grid(rows: list[list[Any]]) -> Any:
+    """A row per prompt, a column per weights; cells as large as the largest image (prompts may differ in size)."""
+    from PIL import Image
+
+    width = max(im.width for row in rows for im in row)
+    height = max(im.height for row in rows for im in row)
+    columns = max(len(row) for row in rows)
+    grid = Image.new("RGB", (width * columns, height * len(rows)), "white")
+    for r, row in enumerate(rows):
+        for c, im in enumerate(row):
+            grid.paste(im, (c * width, r * height))
+    return grid

@@ -1,0 +1,209 @@
+"""Validation prompts during training, end to end: model=sdxl_tiny on a captioned folder with the local tiny
+components, at ZeRO-2 with CPU offload and at ZeRO-3 (with LoRA and an EMA compared side by side), through the CLI.
+
+Each configuration trains twice, with validation and without: the loss curves must be bit-identical (a pass
+consumes no training randomness and leaves no state behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.helpers.cli import read_losses, read_summary, run_cli
+from tests.helpers.folder_fixtures import make_folder
+
+PROMPTS = 'validation.prompts=["a red dog","a blue cat"]'
+NAMES = ("00-a-red-dog", "01-a-blue-cat")
+MAX_STEPS, EVERY = 4, 2
+STEPS = (0, 2, 4)  # step 0 (the untrained baseline), every 2, the end
+
+
+def _common(folder: Path, components: Path, cache: Path) -> list[str]:
+    # A constant 1e-3 learning rate: the weights move enough in 4 steps for the images to change.
+    return ["model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={components}",
+            "resolution.size=64", f"train.max_steps={MAX_STEPS}", "train.batch_size=2", "train.log_every=1",
+            "scheduler=constant", "optimizer.lr=1e-3", f"data.cache_dir={cache}"]
+
+
+def _validation(*extra: str) -> list[str]:
+    return [PROMPTS, f"validation.every_n_steps={EVERY}", "validation.steps=4", *extra]
+
+
+def _train(run_dir: Path, *args: str, env: dict | None = None) -> Path:
+    proc = run_cli(*args, f"hydra.run.dir={run_dir}", env={"OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "ok", summary.get("error")
+    return run_dir
+
+
+def _pixels(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
+
+
+def _wandb_env(root: Path) -> dict:
+    """wandb offline, kept out of ~/ (as tests/test_wandb_logger.py's isolated_wandb)."""
+    return {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(root / "wandb-dir"),
+            "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "wandb-cache"),
+            "WANDB_DATA_DIR": str(root / "wandb-data")}
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(tmp_path_factory, tiny_sdxl_components):
+    """ZeRO-2 with CPU offload: with validation (twice; the first logs to W&B offline) and without."""
+    root = tmp_path_factory.mktemp("validation_zero2")
+    folder = make_folder(root / "images")
+    common = [*_common(folder, tiny_sdxl_components, root / "cache"), "zero_stage=2", "offload=cpu"]
+    return {"validated": _train(root / "validated", *common, *_validation(), "logger=wandb", env=_wandb_env(root)),
+            "again": _train(root / "again", *common, *_validation()),
+            "plain": _train(root / "plain", *common),
+            "components": tiny_sdxl_components, "root": root}
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory, tiny_sdxl_components):
+    """ZeRO-3 with LoRA and an EMA, validated with both weights side by side, and the same run without."""
+    root = tmp_path_factory.mktemp("validation_zero3")
+    folder = make_folder(root / "images")
+    common = [*_common(folder, tiny_sdxl_components, root / "cache"), "zero_stage=3", "adapter=lora",
+              "ema.enabled=true", "ema.warmup=false", "ema.decay=0.5", "checkpoint.final=false"]
+    return {"validated": _train(root / "validated", *common, *_validation("validation.weights=comparison")),
+            "plain": _train(root / "plain", *common)}
+
+
+def test_zero2_offload_samples_at_the_start_every_n_steps_and_the_end(zero2_runs):
+    run = zero2_runs["validated"]
+    record = read_summary(run)["validation"]
+    assert [p["step"] for p in record["passes"]] == list(STEPS) and record["failed_passes"] == 0
+    for step in STEPS:
+        folder = run / "samples" / f"step-{step:07d}"
+        assert sorted(p.name for p in folder.iterdir()) == sorted([f"{n}.png" for n in NAMES] + ["grid.png",
+                                                                                                  "prompts.json"])
+        assert _pixels(folder / f"{NAMES[0]}.png").shape == (64, 64, 3)
+        index = json.loads((folder / "prompts.json").read_text())
+        assert [p["prompt"] for p in index["prompts"]] == ["a red dog", "a blue cat"]
+        assert [p["seed"] for p in index["prompts"]] == [0, 1]
+        assert _pixels(folder / "grid.png").shape == (128, 64, 3)  # a row per prompt, one column (model weights)
+
+
+def test_the_images_are_deterministic_and_show_training(zero2_runs):
+    first, again = zero2_runs["validated"], zero2_runs["again"]
+    for step in STEPS:
+        for name in NAMES:
+            a = _pixels(first / "samples" / f"step-{step:07d}" / f"{name}.png")
+            assert np.array_equal(a, _pixels(again / "samples" / f"step-{step:07d}" / f"{name}.png"))
+    start = _pixels(first / "samples" / "step-0000000" / f"{NAMES[0]}.png")
+    end = _pixels(first / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}.png")
+    assert np.abs(start - end).mean() > 1.0  # the trained weights sample something else
+    # Different prompts and seeds give different images.
+    other = _pixels(first / "samples" / "step-0000000" / f"{NAMES[1]}.png")
+    assert not np.array_equal(start, other)
+
+
+def test_validation_leaves_the_loss_curve_bit_identical(zero2_runs, zero3_runs):
+    for runs in (zero2_runs, zero3_runs):
+        validated, plain = read_losses(runs["validated"]), read_losses(runs["plain"])
+        assert len(validated) == MAX_STEPS and validated == plain  # exact floats, every step
+
+
+def test_wandb_offline_holds_each_prompts_images_per_step(zero2_runs):
+    from tests.helpers.wandb_records import read_offline_run
+
+    record = read_offline_run(zero2_runs["validated"])
+    assert record["exit_code"] == 0
+    logged = {(row["_step"], key): row[key] for row in record["history"] for key in row
+              if key.startswith("validation/")}
+    assert sorted(logged) == sorted((step, f"validation/{n}") for step in STEPS for n in NAMES)
+    files = os.path.join(os.path.dirname(record["path"]), "files")
+    for (step, key), image in logged.items():
+        assert image["_type"] == "images/separated" and image["count"] == 1
+        media = os.path.join(files, image["filenames"][0])
+        name = key.split("/", 1)[1]
+        assert np.array_equal(_pixels(Path(media)),
+                              _pixels(zero2_runs["validated"] / "samples" / f"step-{step:07d}" / f"{name}.png"))
+
+
+def test_zero3_gathers_the_lora_model_and_compares_it_with_the_ema(zero2_runs, zero3_runs):
+    run = zero3_runs["validated"]
+    record = read_summary(run)["validation"]
+    assert record["weights"] == ["model", "ema"] and record["failed_passes"] == 0
+    end = run / "samples" / f"step-{MAX_STEPS:07d}"
+    assert _pixels(end / "grid.png").shape == (128, 128, 3)  # a column per weights
+    model, ema = _pixels(end / f"{NAMES[0]}.png"), _pixels(end / f"{NAMES[0]}-ema.png")
+    assert not np.array_equal(model, ema)  # decay 0.5: the EMA lags the model
+    # LoRA starts as the identity (B = 0) and the build is seeded the same at every stage: before training, the
+    # gathered ZeRO-3 LoRA model samples exactly what the plain ZeRO-2 model samples.
+    start = "samples/step-0000000"
+    for name in NAMES:
+        assert np.array_equal(_pixels(run / start / f"{name}.png"),
+                              _pixels(zero2_runs["validated"] / start / f"{name}.png"))
+    trained = _pixels(end / f"{NAMES[0]}.png")
+    assert np.abs(trained - _pixels(run / start / f"{NAMES[0]}.png")).mean() > 0.5  # the adapter was applied
+
+
+def test_the_sampling_phase_is_planned_and_measured(zero2_runs, zero3_runs):
+    for runs, gathered in ((zero2_runs, False), (zero3_runs, True)):
+        summary = read_summary(runs["validated"])
+        memory = summary["validation"]["memory"]
+        terms = memory["planned_pass_terms"]
+        assert ("unet_gathered_for_sampling" in terms) == gathered
+        assert terms["vae_weights"] > 0 and terms["sampling_activations"] > 0
+        assert memory["planned_pass_mib"] == pytest.approx(sum(terms.values()))
+        # On this CPU nothing is measured on a device: None, never 0; the host is measured.
+        assert memory["measured_gpu_max_reserved_mib"] is None and memory["gpu_measured_over_planned"] is None
+        assert memory["measured_host_peak_rss_mib"] > 0
+        phases = [p["phase"] for p in summary["memory"]["phases"]]
+        assert phases.count("sampling") == len(STEPS)
+
+
+def test_the_export_generates_in_diffusers_sdxl_pipeline(zero2_runs, tmp_path):
+    """The run's export, with the local components, is a StableDiffusionXLPipeline that draws from a prompt."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from zerotune.export import export
+
+    export(zero2_runs["validated"], tmp_path / "out")
+    parts = zero2_runs["components"]
+    pipe = StableDiffusionXLPipeline(
+        vae=AutoencoderKL.from_pretrained(parts / "vae"), unet=UNet2DConditionModel.from_pretrained(tmp_path / "out/unet"),
+        text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"),
+        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder_2"),
+        tokenizer=CLIPTokenizer.from_pretrained(parts / "tokenizer"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(parts / "tokenizer_2"),
+        scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
+        add_watermarker=False)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a red dog", negative_prompt="a blue cat", height=64, width=64, num_inference_steps=3,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
+
+
+def test_a_failed_pass_is_recorded_and_the_run_goes_on(tmp_path, tiny_sdxl_components):
+    folder = make_folder(tmp_path / "images")
+    common = [*_common(folder, tiny_sdxl_components, tmp_path / "cache"), "checkpoint.final=false",
+              *_validation(), "debug.validation_oom_at_step=2"]
+    run = _train(tmp_path / "run", *common)
+    record = read_summary(run)["validation"]
+    assert [p["step"] for p in record["passes"]] == list(STEPS) and record["failed_passes"] == 1
+    failed = record["passes"][1]
+    assert failed["errors"][0]["oom"] and failed["errors"][0]["type"] == "OutOfMemoryError"
+    assert not (run / "samples" / "step-0000002").exists()
+    assert (run / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}.png").is_file()  # the next pass ran
+    assert len(read_losses(run)) == MAX_STEPS
+
+    # validation.strict: the run stops at the failing pass, with the reason and what came before kept.
+    proc = run_cli(*common, "validation.strict=true", f"hydra.run.dir={tmp_path / 'strict'}",
+                   env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    summary = read_summary(tmp_path / "strict")
+    assert summary["status"] == "failed" and summary["error"]["type"] == "ValidationFailed"
+    assert "validation.strict=false" in summary["error"]["message"]
+    assert (tmp_path / "strict" / "samples" / "step-0000000" / f"{NAMES[0]}.png").is_file()
+    assert len(read_losses(tmp_path / "strict")) == EVERY
