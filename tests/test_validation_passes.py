@@ -164,7 +164,12 @@ def test_the_sampling_phase_is_planned_and_measured(zero2_runs, zero3_runs):
 def test_the_export_generates_in_diffusers_sdxl_pipeline(zero2_runs, tmp_path):
     """The run's export, with the local components, is a StableDiffusionXLPipeline that draws from a prompt."""
     import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     from zerotune.export import export

@@ -11,6 +11,7 @@ from tests.helpers.cli import compose_cfg
 from tests.helpers.fixes import check_fix
 from tests.helpers.folder_fixtures import make_folder
 from zerotune.errors import ConfigError
+from zerotune.loggers.base import NullLogger
 from zerotune.preflight import preflight
 from zerotune.schema import Validation
 from zerotune.validation.prompts import check_validation, load_prompts, weights_to_sample
@@ -138,18 +139,22 @@ def test_a_good_block_passes(text_run, tmp_path):
 
 def test_a_prompt_file_gone_after_the_checks_turns_validation_off_unless_strict(text_run, tmp_path):
     """Between preflight and the workers' start the file went away: recorded, and the run trains on."""
-    from types import SimpleNamespace
+    import torch
 
-    from zerotune.validation import make_validator
+    from zerotune.rundir import RunDir
+    from zerotune.training.validation import make_validator
 
     file = tmp_path / "gone.txt"
+
+    def made(cfg):
+        return make_validator(cfg, RunDir(tmp_path / "run"), NullLogger(), torch.device("cpu"), torch.float32, 0, 1)
+
     for strict in (False, True):
         cfg = compose_cfg(*text_run, f"validation.prompt_file={file}", f"validation.strict={strict}")
-        trainer = SimpleNamespace(cfg=cfg)
         if strict:
             with pytest.raises(ConfigError) as err:
-                make_validator(trainer, None)  # type: ignore[arg-type]
+                made(cfg)
             assert err.value.key == "validation.prompt_file"
         else:
-            validator, error = make_validator(trainer, None)  # type: ignore[arg-type]
+            validator, error = made(cfg)
             assert validator is None and error["key"] == "validation.prompt_file" and "gone.txt" in error["message"]

@@ -29,6 +29,7 @@ from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
+from zerotune.validation import check_validation, enabled
 
 _BASE = ("cuda_context", "cublas_workspace")
 
@@ -137,8 +138,6 @@ def _live_states(plan: dict) -> list[dict]:
 
 def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """The run's sampling: validation passes (text models with prompts), or the digits' evaluation."""
-    from zerotune.validation import enabled
-
     if enabled(cfg) and cfg.model.conditioning == "text_time":
         return _validation(cfg, checked, plan, base)
     return _digits_sampling(cfg, checked, plan, base)
@@ -163,9 +162,9 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
     (GatheredParameters over every parameter, in the training dtype; below ZeRO-3 the engine's module holds
     them already), the VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode
     (fake-tensor traces). The prompts' embeddings come from the latent cache: no text encoder is loaded.
-    None when no architecture describes the VAE."""
-    from zerotune.validation import check_validation
-
+    None without validation prompts, or when no architecture describes the VAE."""
+    if not (enabled(cfg) and cfg.model.conditioning == "text_time"):
+        return None
     found = encoders.configs(cfg.model)
     if found is None:
         return None

@@ -10,7 +10,7 @@ from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
-from zerotune.plan.phases import run_peak, run_phases
+from zerotune.plan.phases import run_peak, run_phases, validation_pass_terms
 from zerotune.plan.rules import StepShape, frozen_numels, numels_of, offload_devices, term, zero_stage
 from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
@@ -56,6 +56,9 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
         peak, moment = step_peak(gpu_terms)
         plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
     plan.update({"step_peak_mib": peak, "step_peak_moment": moment, **_times(gpu, trace, states, ds, precision)})
+    passes = validation_pass_terms(cfg, checked)  # what a validation pass adds, on any device (None: no prompts)
+    if passes is not None:
+        plan["sampling_pass_terms"] = passes[0]
     # Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     # on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved).
     if device == "cpu":

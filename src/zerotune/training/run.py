@@ -30,7 +30,7 @@ from zerotune.training.rungs import PRUNED
 from zerotune.training.stop import StopSignals
 from zerotune.training.threads import apply_threads
 from zerotune.training.trainer import Trainer
-from zerotune.validation.record import validation_record
+from zerotune.training.validation import validation_record
 
 log = logging.getLogger("zerotune")
 
@@ -175,7 +175,7 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
         if trainer.ema is not None:
             out.ema = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
-    out.validation = validation_record(trainer, run.plan, telemetry.phases.records)
+    out.validation = validation_record(trainer.validator, trainer.validation_error, run.plan, telemetry.phases.records)
     if trainer.data_report:
         out.data = trainer.data_report
     out.partition = trainer.partition

@@ -25,7 +25,7 @@ from zerotune.training.ema import HostEMA
 from zerotune.training.partition import partition_bytes
 from zerotune.training.progress import Progress
 from zerotune.training.rungs import PRUNED, TrialRungs
-from zerotune.validation import make_validator
+from zerotune.training.validation import make_validator
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class Trainer:
         self.logged_losses: dict[int, float] = {}
         if self.resume_decision is not None:
             self._restore(self.resume_decision)
-        self.validator, self.validation_error = make_validator(self, logger)
+        self.validator, self.validation_error = make_validator(cfg, run_dir, logger, self.accelerator.device,
+                                                               self.dtype, self.rank, self.world)
 
     def _prepare(self, seed: int) -> None:
         """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""

@@ -64,7 +64,7 @@ def check_validation(cfg: Config) -> list[ValidationPrompt]:
                           "validation.weights=auto")
     if v.weights in ("ema", "comparison") and not cfg.ema.enabled:
         raise ConfigError("validation.weights", f"{v.weights} samples with the EMA's weights, but ema.enabled=false",
-                          f"ema.enabled=true, or validation.weights=model")
+                          "ema.enabled=true, or validation.weights=model")
     prompts = load_prompts(v, _default_size(cfg))
     for p in prompts:
         _check_size(cfg.model, p)

@@ -1,4 +1,4 @@
-"""Validation passes during training: the same prompts with the same seeds at step 0, every N steps and at the
+"""Validation passes during training (the prompts and their checks: zerotune/validation): the same prompts with the same seeds at step 0, every N steps and at the
 end, sampled with the weights being trained (weights.py) through diffusers' StableDiffusionXLPipeline.
 
 - The prompts are encoded once, before training, through data=folder's latent cache (a text entry per prompt,
@@ -10,7 +10,8 @@ end, sampled with the weights being trained (weights.py) through diffusers' Stab
 - A pass draws from its own generators only (one per prompt, seeded the same at every pass) and puts every
   weight back: the training that follows is bit-identical to a run without it.
 - A pass that fails (out of memory, ...) is recorded in summary.json's validation.passes and the run goes on,
-  unless validation.strict.
+  unless validation.strict. So is a prompt file gone between preflight and the workers' start (make_validator).
+- validation_record: summary.json's `validation`, with the planner's sampling terms beside the measured phase.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import io
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,20 +32,29 @@ from zerotune.data.hashing import FileHasher
 from zerotune.data.latent_cache import LatentCache
 from zerotune.data.prepare import cache_dir
 from zerotune.data.spec import DataSpec
+from zerotune.errors import ConfigError
 from zerotune.loggers.base import RunLogger
+from zerotune.resolved import ResolvedRun
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.sampling import make_sampler
 from zerotune.schema import Config
 from zerotune.training import distributed
-from zerotune.validation.prompts import ValidationPrompt, weights_to_sample
-from zerotune.validation.weights import sampling_unet
-
-if TYPE_CHECKING:
-    from zerotune.training.trainer import Trainer
+from zerotune.training.sampling_weights import sampling_unet
+from zerotune.validation import ValidationPrompt, check_validation, enabled, weights_to_sample
 
 log = logging.getLogger(__name__)
 
 PROMPTS_FILE = "prompts.json"
+
+
+class Trained(Protocol):
+    """What a pass samples with (the Trainer): its engine and the U-Net inside, its EMA and noise schedule."""
+    unet: Any                    # DeepSpeed's engine, or accelerate's wrapped module
+    ema: Any                     # training/ema.py HostEMA, or None
+    noise_schedule: Any          # the training DDPMScheduler
+    run: ResolvedRun
+
+    def unet_module(self) -> torch.nn.Module: ...
 
 
 class ValidationFailed(RuntimeError):
@@ -80,7 +90,7 @@ class Validator:
 
     # ---- a pass
 
-    def run(self, step: int, trainer: Trainer) -> dict:
+    def run(self, step: int, trainer: Trained) -> dict:
         """Sample every prompt at `step` (every rank calls it: a collective under ZeRO-3); rank 0 returns the
         pass's record, the other ranks theirs without files."""
         start = time.perf_counter()
@@ -108,7 +118,7 @@ class Validator:
         return {"prompts": len(self.prompts), "weights": list(self.weights),
                 "passes": self.passes, "failed_passes": sum(1 for p in self.passes if p.get("errors"))}
 
-    def _sample_share(self, trainer: Trainer, step: int) -> tuple[dict, list]:
+    def _sample_share(self, trainer: Trained, step: int) -> tuple[dict, list]:
         """This rank's prompts as PNG bytes {(name, weights): bytes}, and what failed."""
         debug = self.cfg.debug
         inject_oom = debug.validation_oom_at_step == step and debug.fail_rank in (None, self.rank)
@@ -137,7 +147,7 @@ class Validator:
             self._vae_off_device()
         return images, errors
 
-    def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trainer) -> Any:
+    def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trained) -> Any:
         from diffusers import StableDiffusionXLPipeline
 
         schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
@@ -262,3 +272,60 @@ def _grid(rows: list[list[Any]]) -> Any:
         for c, im in enumerate(row):
             grid.paste(im, (c * width, r * height))
     return grid
+
+
+def make_validator(cfg: Config, run_dir: RunDir, logger: RunLogger, device: torch.device, dtype: torch.dtype,
+                   rank: int, world: int) -> tuple[Validator | None, dict | None]:
+    """(the run's Validator or None, what stopped it from being made or None). Preflight has checked the prompts;
+    a prompt file changed since, or components that fail to load, are recorded and the run goes on without
+    validation, unless validation.strict."""
+    if not enabled(cfg):
+        return None, None
+    try:
+        prompts = check_validation(cfg)
+        validator = Validator(cfg, prompts, run_dir, logger, device, dtype, rank, world)
+    except (ConfigError, OSError, RuntimeError, ValueError) as exc:
+        if cfg.validation.strict:
+            raise
+        log.warning("validation is off for this run: %s", exc)
+        return None, {"type": type(exc).__name__, "message": str(exc)[:500], "key": getattr(exc, "key", None)}
+    return validator, None
+
+
+def validation_record(validator: Validator | None, error: dict | None, plan: dict[str, Any] | None,
+                      phases: Sequence[dict]) -> dict | None:
+    """summary.json's `validation` (`error`: make_validator's); None for a run without validation prompts."""
+    if error is not None:
+        return {"error": error, "passes": []}
+    if validator is None:
+        return None
+    return {**validator.summary(), "memory": phase_memory(plan, phases)}
+
+
+def phase_memory(plan: dict[str, Any] | None, phases: Sequence[dict]) -> dict:
+    """The planner's sampling phase and the largest measured pass. On a CUDA device the allocator's reserved peak
+    during the passes is what the planned reserved figure predicts; on a CPU there is no device figure (None,
+    unmeasured), and the host RSS rise over the training steps' peak stands beside the terms the pass adds
+    (the plan's sampling_pass_terms, plan/phases.py validation_pass_terms, predicted on any device)."""
+    plan = plan or {}
+    planned = next((p for p in plan.get("phases") or [] if p.get("phase") == "sampling"), None)
+    added = plan.get("sampling_pass_terms")
+    passes = [r for r in phases if r.get("phase") == "sampling"]
+    steps = [r for r in phases if r.get("phase") == "step"]
+    reserved = _largest(passes, "gpu_max_reserved_mib")
+    host, step_host = _largest(passes, "host_peak_rss_mib"), _largest(steps, "host_peak_rss_mib")
+    planned_reserved: float | None = planned.get("reserved_mib") if planned else None
+    out = {"planned_reserved_mib": planned_reserved,
+           "planned_pass_mib": sum(t["mib"] for t in added) if added is not None else None,
+           "planned_pass_terms": {t["term"]: t["mib"] for t in added or []},
+           "measured_gpu_max_reserved_mib": reserved,
+           "measured_gpu_max_allocated_mib": _largest(passes, "gpu_max_allocated_mib"),
+           "measured_host_peak_rss_mib": host, "steps_host_peak_rss_mib": step_host,
+           "host_rss_rise_mib": host - step_host if host is not None and step_host is not None else None}
+    out["gpu_measured_over_planned"] = reserved / planned_reserved if reserved is not None and planned_reserved else None
+    return out
+
+
+def _largest(records: Sequence[dict], key: str) -> float | None:
+    known = [r[key] for r in records if r.get(key) is not None]
+    return max(known) if known else None
