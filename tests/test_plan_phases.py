@@ -151,3 +151,45 @@ def test_lora_at_zero3_gathers_its_targets_before_caching():
     for overrides in (("zero_stage=2", "adapter=lora"), ("zero_stage=3", "adapter=none")):
         _, phases = plan_with_phases(*tiny, *overrides)
         assert "adapter_injection" not in by_name(phases)
+
+
+# --- validation passes: the sampling phase of a text model with prompts ---------------------------------------
+
+VALIDATED = ("model=sdxl", "resolution=1024", "train.batch_size=1", "precision=bf16", "offload=cpu",
+             "model.components=/path/of/the/pipeline")  # preflight wants no folder for data=synthetic
+PROMPTS = 'validation.prompts=["a photo of a dog"]'
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
+    (tmp_path / "vae").mkdir()
+    overrides = (*VALIDATED[:-1], f"model.components={tmp_path}", f"zero_stage={stage}")
+    plan, phases = plan_with_phases(*overrides, card="h100", phase_overrides=(PROMPTS,))
+    check_accounting(phases)
+    sampling = by_name(phases)["sampling"]
+    terms = {t["term"]: t["mib"] for t in sampling["terms"]}
+    # SDXL's VAE in bf16 (83.7M parameters), and at ZeRO-3 the U-Net's 2.57G parameters gathered whole in bf16,
+    # each parameter its own allocator block (rounded up: at most a tenth more here).
+    vae, unet = 83_653_863 * 2 / 2**20, 2_567_463_684 * 2 / 2**20
+    assert vae <= terms["vae_weights"] <= 1.1 * vae
+    assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
+    if stage == 3:
+        assert unet <= terms["unet_gathered_for_sampling"] <= 1.1 * unet
+    assert terms["sampling_activations"] > 0 and "1024x1024" in next(
+        t["note"] for t in sampling["terms"] if t["term"] == "sampling_activations")
+    # Without prompts there is no sampling phase for a text model.
+    assert "sampling" not in by_name(plan_with_phases(*overrides, card="h100")[1])
+
+
+@pytest.mark.parametrize("size", [64, 256])
+def test_the_sampling_trace_matches_the_pass_run_on_this_cpu(size):
+    """trace_sampling (fake tensors) against the same pipeline call run for real here, through torch.profiler."""
+    from zerotune.plan import encoders
+
+    cfg = compose_cfg("model=sdxl_tiny")
+    archs, _ = encoders.configs(cfg.model)
+    hw = (size // 4, size // 4)
+    traced = encoders.trace_sampling(archs, cfg.model, None, hw, "fp32")
+    predicted = max(traced["unet_peak"], traced["vae_decode_peak"])
+    measured = encoders.measure_sampling_on_cpu(archs, cfg.model, hw)["between_ops"]
+    assert 0.95 < measured / predicted < 1.15, (measured, predicted)  # 1.06 at 64 px, 1.03 at 256 and 512

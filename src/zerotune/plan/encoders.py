@@ -206,3 +206,34 @@ def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, 
         decode_peak = _peak(StepTracker(), [vae], lambda: vae.decode(latents).sample)
     return {"vae_params": vae_params, "unet_peak": unet_peak, "vae_decode_peak": decode_peak,
             "seconds": round(time.perf_counter() - start, 3)}
+
+
+def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int, int], steps: int = 2) -> dict:
+    """A validation pass's call run for real on this CPU, at the traced size (the check on trace_sampling):
+    diffusers' StableDiffusionXLPipeline with guidance, as training/validation.py calls it, on a U-Net and a VAE
+    built from the same configs with random weights. {"between_ops", "with_workspaces"}: bytes held beyond the
+    weights, from torch.profiler's record of every allocation and free (activations.measure_step_on_cpu's way)."""
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerotune.models import build_unet, unet_config
+    from zerotune.plan.activations import _peaks
+    from zerotune.sampling import make_sampler
+
+    torch.manual_seed(0)
+    unet = build_unet(model_cfg).eval()
+    vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"}).eval()
+    schedule = dict(DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).config)
+    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
+                                     unet=unet, scheduler=make_sampler(schedule, str(model_cfg.prediction_type),
+                                                                       pixel_space=False), add_watermarker=False)
+    pipe.set_progress_bar_config(disable=True)
+    config = unet_config(model_cfg)
+    pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(config["addition_time_embed_dim"])
+    states = torch.randn(1, int(model_cfg.text_seq_len), int(config["cross_attention_dim"]))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
+        pipe(prompt_embeds=states, pooled_prompt_embeds=torch.randn(1, pooled), height=latent_hw[0] * 2 ** (
+            len(archs["vae"]["block_out_channels"]) - 1), width=latent_hw[1] * 2 ** (len(archs["vae"]["block_out_channels"]) - 1),
+             num_inference_steps=steps, guidance_scale=5.0, generator=torch.Generator().manual_seed(0), output_type="pt")
+    peaks = _peaks(prof.profiler.kineto_results.events())
+    return {"between_ops": peaks.between_ops, "with_workspaces": peaks.with_workspaces}
