@@ -55,24 +55,28 @@ def _wandb_env(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def zero2_runs(tmp_path_factory, tiny_sdxl_components):
-    """ZeRO-2 with CPU offload: with validation (twice; the first logs to W&B offline) and without."""
+    """ZeRO-2 with CPU offload: with validation (twice: the first logs to W&B offline, the second's pass at step 2
+    runs out of memory) and without."""
     root = tmp_path_factory.mktemp("validation_zero2")
     folder = make_folder(root / "images")
     common = [*_common(folder, tiny_sdxl_components, root / "cache"), "zero_stage=2", "offload=cpu"]
     return {"validated": _train(root / "validated", *common, *_validation(), "logger=wandb", env=_wandb_env(root)),
-            "again": _train(root / "again", *common, *_validation()),
+            "again": _train(root / "again", *common, *_validation(), "debug.validation_oom_at_step=2"),
             "plain": _train(root / "plain", *common),
             "components": tiny_sdxl_components, "root": root}
 
 
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory, tiny_sdxl_components):
-    """ZeRO-3 with LoRA and an EMA, validated with both weights side by side, and the same run without."""
+    """ZeRO-3 with LoRA and an EMA, validated with both weights side by side on a cold latent cache, and the same
+    run without validation on the cache the first one filled."""
     root = tmp_path_factory.mktemp("validation_zero3")
-    folder = make_folder(root / "images")
-    common = [*_common(folder, tiny_sdxl_components, root / "cache"), "zero_stage=3", "adapter=lora",
+    folder, cache = make_folder(root / "images"), root / "cache"
+    common = [*_common(folder, tiny_sdxl_components, cache), "zero_stage=3", "adapter=lora",
               "ema.enabled=true", "ema.warmup=false", "ema.decay=0.5", "checkpoint.final=false"]
-    return {"validated": _train(root / "validated", *common, *_validation("validation.weights=comparison")),
+    cold_cache = not cache.exists()
+    validated = _train(root / "validated", *common, *_validation("validation.weights=comparison"))
+    return {"validated": validated, "cold_cache": cold_cache, "filled": any(cache.rglob("*.safetensors")),
             "plain": _train(root / "plain", *common)}
 
 
@@ -93,7 +97,7 @@ def test_zero2_offload_samples_at_the_start_every_n_steps_and_the_end(zero2_runs
 
 def test_the_images_are_deterministic_and_show_training(zero2_runs):
     first, again = zero2_runs["validated"], zero2_runs["again"]
-    for step in STEPS:
+    for step in (0, MAX_STEPS):  # (the second run's pass at step 2 failed: test_a_failed_pass_...)
         for name in NAMES:
             a = _pixels(first / "samples" / f"step-{step:07d}" / f"{name}.png")
             assert np.array_equal(a, _pixels(again / "samples" / f"step-{step:07d}" / f"{name}.png"))
@@ -106,9 +110,10 @@ def test_the_images_are_deterministic_and_show_training(zero2_runs):
 
 
 def test_validation_leaves_the_loss_curve_bit_identical(zero2_runs, zero3_runs):
-    for runs in (zero2_runs, zero3_runs):
-        validated, plain = read_losses(runs["validated"]), read_losses(runs["plain"])
-        assert len(validated) == MAX_STEPS and validated == plain  # exact floats, every step
+    for validated in (zero2_runs["validated"], zero2_runs["again"], zero3_runs["validated"]):
+        plain = zero3_runs["plain"] if validated == zero3_runs["validated"] else zero2_runs["plain"]
+        losses = read_losses(validated)
+        assert len(losses) == MAX_STEPS and losses == read_losses(plain)  # exact floats, every step
 
 
 def test_wandb_offline_holds_each_prompts_images_per_step(zero2_runs):
@@ -126,6 +131,15 @@ def test_wandb_offline_holds_each_prompts_images_per_step(zero2_runs):
         name = key.split("/", 1)[1]
         assert np.array_equal(_pixels(Path(media)),
                               _pixels(zero2_runs["validated"] / "samples" / f"step-{step:07d}" / f"{name}.png"))
+
+
+def test_own_images_at_zero3_on_a_cold_cache(zero3_runs):
+    """The frozen encoders load whole at ZeRO-3 (never partitioned under zero.Init), for the folder's captions and
+    for the prompts: the first run fills an empty cache; the second reads the same latents from it (the same
+    losses: test_validation_leaves_the_loss_curve_bit_identical)."""
+    assert zero3_runs["cold_cache"] and zero3_runs["filled"]
+    assert read_summary(zero3_runs["validated"])["data"]["cache"]["latents_computed"] == 11
+    assert read_summary(zero3_runs["plain"])["data"]["cache"]["latents_reused"] == 11
 
 
 def test_zero3_gathers_the_lora_model_and_compares_it_with_the_ema(zero2_runs, zero3_runs):
@@ -190,22 +204,21 @@ def test_the_export_generates_in_diffusers_sdxl_pipeline(zero2_runs, tmp_path):
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
 
 
-def test_a_failed_pass_is_recorded_and_the_run_goes_on(tmp_path, tiny_sdxl_components):
-    folder = make_folder(tmp_path / "images")
-    common = [*_common(folder, tiny_sdxl_components, tmp_path / "cache"), "checkpoint.final=false",
-              *_validation(), "debug.validation_oom_at_step=2"]
-    run = _train(tmp_path / "run", *common)
+def test_a_failed_pass_is_recorded_and_the_run_goes_on(zero2_runs):
+    run = zero2_runs["again"]
     record = read_summary(run)["validation"]
     assert [p["step"] for p in record["passes"]] == list(STEPS) and record["failed_passes"] == 1
     failed = record["passes"][1]
     assert failed["errors"][0]["oom"] and failed["errors"][0]["type"] == "OutOfMemoryError"
     assert not (run / "samples" / "step-0000002").exists()
     assert (run / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}.png").is_file()  # the next pass ran
-    assert len(read_losses(run)) == MAX_STEPS
 
-    # validation.strict: the run stops at the failing pass, with the reason and what came before kept.
-    proc = run_cli(*common, "validation.strict=true", f"hydra.run.dir={tmp_path / 'strict'}",
-                   env={"OMP_NUM_THREADS": "1"})
+
+def test_under_strict_a_failed_pass_stops_the_run_keeping_what_came_before(tmp_path, tiny_sdxl_components):
+    folder = make_folder(tmp_path / "images")
+    proc = run_cli(*_common(folder, tiny_sdxl_components, tmp_path / "cache"), "checkpoint.final=false",
+                   *_validation(), "debug.validation_oom_at_step=2", "validation.strict=true",
+                   f"hydra.run.dir={tmp_path / 'strict'}", env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     summary = read_summary(tmp_path / "strict")
     assert summary["status"] == "failed" and summary["error"]["type"] == "ValidationFailed"

@@ -1,7 +1,8 @@
 """Every user path that meets a ZeRO-3 model built under zero.Init, end to end, in the default suite: LoRA (with
 offload, EMA and the evaluation pass), its export and resume, full training with offload and EMA, its export, the
-export loaded back per module, resume into another stage and into another optimizer, and a folder of the user's
-own images on a cold latent cache. Tiny U-Net, a few steps each; the runs are shared by the module's tests."""
+export loaded back per module, resume into another stage and into another optimizer. Tiny U-Net, a few steps each;
+the runs are shared by the module's tests. A folder of the user's own images on a cold latent cache at ZeRO-3,
+validated with prompts: tests/test_validation_passes.py."""
 
 from __future__ import annotations
 
@@ -102,18 +103,3 @@ def test_zero3_checkpoint_resumes_into_another_stage_or_optimizer(full3, tmp_pat
     assert summary["checkpoint"]["resumed_from"]["step"] == 2
     assert summary["checkpoint"]["resumed_from"]["mode"] == mode
     assert sorted(losses(tmp_path / "resumed")) == [3]
-
-
-def test_own_images_at_zero3_on_a_cold_cache(tmp_path, tiny_sdxl_components):
-    """The frozen encoders load whole at ZeRO-3 (never partitioned): a first run on an empty cache trains, and
-    caches what a second run then reads."""
-    folder, cache = make_folder(tmp_path / "images"), tmp_path / "cache"
-    args = ["model=sdxl_tiny", "data=folder", f"data.path={folder}", f"model.components={tiny_sdxl_components}",
-            f"data.cache_dir={cache}", "zero_stage=3", "resolution.size=128", "train.batch_size=2",
-            "train.max_steps=2", "evaluate.enabled=false", "checkpoint.final=false", "train.log_every=1"]
-    assert not cache.exists()
-    cold = run_ok(tmp_path / "cold", *args)
-    assert any(cache.rglob("*")) and cold["steps"] == 2
-    warm = run_ok(tmp_path / "warm", *args)
-    assert losses(tmp_path / "warm") == losses(tmp_path / "cold")  # the same latents, from the cache
-    assert warm["steps"] == 2
