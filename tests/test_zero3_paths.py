@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.helpers.cli import call_main, read_summary, run_cli
-from tests.helpers.folder_fixtures import make_folder
 from tests.test_lora import check_export, losses, pretrained, train_ok  # noqa: F401  (pretrained: a fixture)
 from zerotune import checkpoints
 from zerotune.cli.export import main as export_main
