@@ -55,27 +55,25 @@ def _wandb_env(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def zero2_runs(tmp_path_factory, tiny_sdxl_components):
-    """ZeRO-2 with CPU offload: with validation (twice: the first logs to W&B offline, the second's pass at step 2
-    runs out of memory) and without."""
+    """ZeRO-2 with CPU offload: with validation (logged to W&B offline) and without."""
     root = tmp_path_factory.mktemp("validation_zero2")
     folder = make_folder(root / "images")
     common = [*_common(folder, tiny_sdxl_components, root / "cache"), "zero_stage=2", "offload=cpu"]
     return {"validated": _train(root / "validated", *common, *_validation(), "logger=wandb", env=_wandb_env(root)),
-            "again": _train(root / "again", *common, *_validation(), "debug.validation_oom_at_step=2"),
-            "plain": _train(root / "plain", *common),
-            "components": tiny_sdxl_components, "root": root}
+            "plain": _train(root / "plain", *common), "common": common, "components": tiny_sdxl_components}
 
 
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory, tiny_sdxl_components):
-    """ZeRO-3 with LoRA and an EMA, validated with both weights side by side on a cold latent cache, and the same
-    run without validation on the cache the first one filled."""
+    """ZeRO-3 with LoRA and an EMA, validated with both weights side by side on a cold latent cache (its pass at
+    step 2 runs out of memory), and the same run without validation on the cache the first one filled."""
     root = tmp_path_factory.mktemp("validation_zero3")
     folder, cache = make_folder(root / "images"), root / "cache"
     common = [*_common(folder, tiny_sdxl_components, cache), "zero_stage=3", "adapter=lora",
               "ema.enabled=true", "ema.warmup=false", "ema.decay=0.5", "checkpoint.final=false"]
     cold_cache = not cache.exists()
-    validated = _train(root / "validated", *common, *_validation("validation.weights=comparison"))
+    validated = _train(root / "validated", *common, *_validation("validation.weights=comparison",
+                                                                 "debug.validation_oom_at_step=2"))
     return {"validated": validated, "cold_cache": cold_cache, "filled": any(cache.rglob("*.safetensors")),
             "plain": _train(root / "plain", *common)}
 
@@ -95,12 +93,8 @@ def test_zero2_offload_samples_at_the_start_every_n_steps_and_the_end(zero2_runs
         assert _pixels(folder / "grid.png").shape == (128, 64, 3)  # a row per prompt, one column (model weights)
 
 
-def test_the_images_are_deterministic_and_show_training(zero2_runs):
-    first, again = zero2_runs["validated"], zero2_runs["again"]
-    for step in (0, MAX_STEPS):  # (the second run's pass at step 2 failed: test_a_failed_pass_...)
-        for name in NAMES:
-            a = _pixels(first / "samples" / f"step-{step:07d}" / f"{name}.png")
-            assert np.array_equal(a, _pixels(again / "samples" / f"step-{step:07d}" / f"{name}.png"))
+def test_the_images_show_training(zero2_runs):
+    first = zero2_runs["validated"]
     start = _pixels(first / "samples" / "step-0000000" / f"{NAMES[0]}.png")
     end = _pixels(first / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}.png")
     assert np.abs(start - end).mean() > 1.0  # the trained weights sample something else
@@ -109,11 +103,21 @@ def test_the_images_are_deterministic_and_show_training(zero2_runs):
     assert not np.array_equal(start, other)
 
 
+@pytest.mark.slow
+def test_the_images_are_the_same_in_a_second_run(zero2_runs, tmp_path):
+    """Every pass of a second identical run draws the same pixels (the fast set compares two runs' step 0:
+    test_zero3_gathers_the_lora_model_and_compares_it_with_the_ema)."""
+    again = _train(tmp_path / "again", *zero2_runs["common"], *_validation())
+    for step in STEPS:
+        for name in NAMES:
+            folder = f"samples/step-{step:07d}/{name}.png"
+            assert np.array_equal(_pixels(zero2_runs["validated"] / folder), _pixels(again / folder))
+
+
 def test_validation_leaves_the_loss_curve_bit_identical(zero2_runs, zero3_runs):
-    for validated in (zero2_runs["validated"], zero2_runs["again"], zero3_runs["validated"]):
-        plain = zero3_runs["plain"] if validated == zero3_runs["validated"] else zero2_runs["plain"]
-        losses = read_losses(validated)
-        assert len(losses) == MAX_STEPS and losses == read_losses(plain)  # exact floats, every step
+    for runs in (zero2_runs, zero3_runs):  # (the ZeRO-3 run's pass at step 2 failed: nothing of it stays either)
+        losses = read_losses(runs["validated"])
+        assert len(losses) == MAX_STEPS and losses == read_losses(runs["plain"])  # exact floats, every step
 
 
 def test_wandb_offline_holds_each_prompts_images_per_step(zero2_runs):
@@ -145,13 +149,13 @@ def test_own_images_at_zero3_on_a_cold_cache(zero3_runs):
 def test_zero3_gathers_the_lora_model_and_compares_it_with_the_ema(zero2_runs, zero3_runs):
     run = zero3_runs["validated"]
     record = read_summary(run)["validation"]
-    assert record["weights"] == ["model", "ema"] and record["failed_passes"] == 0
+    assert record["weights"] == ["model", "ema"]
     end = run / "samples" / f"step-{MAX_STEPS:07d}"
     assert _pixels(end / "grid.png").shape == (128, 128, 3)  # a column per weights
     model, ema = _pixels(end / f"{NAMES[0]}.png"), _pixels(end / f"{NAMES[0]}-ema.png")
     assert not np.array_equal(model, ema)  # decay 0.5: the EMA lags the model
     # LoRA starts as the identity (B = 0) and the build is seeded the same at every stage: before training, the
-    # gathered ZeRO-3 LoRA model samples exactly what the plain ZeRO-2 model samples.
+    # gathered ZeRO-3 LoRA model samples exactly what the plain ZeRO-2 model of another run samples.
     start = "samples/step-0000000"
     for name in NAMES:
         assert np.array_equal(_pixels(run / start / f"{name}.png"),
@@ -204,14 +208,15 @@ def test_the_export_generates_in_diffusers_sdxl_pipeline(zero2_runs, tmp_path):
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
 
 
-def test_a_failed_pass_is_recorded_and_the_run_goes_on(zero2_runs):
-    run = zero2_runs["again"]
+def test_a_failed_pass_is_recorded_and_the_run_goes_on(zero3_runs):
+    run = zero3_runs["validated"]
     record = read_summary(run)["validation"]
     assert [p["step"] for p in record["passes"]] == list(STEPS) and record["failed_passes"] == 1
     failed = record["passes"][1]
-    assert failed["errors"][0]["oom"] and failed["errors"][0]["type"] == "OutOfMemoryError"
+    assert [e["weights"] for e in failed["errors"]] == ["model", "ema"]
+    assert all(e["out_of_memory"] and e["type"] == "OutOfMemoryError" for e in failed["errors"])
     assert not (run / "samples" / "step-0000002").exists()
-    assert (run / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}.png").is_file()  # the next pass ran
+    assert (run / "samples" / f"step-{MAX_STEPS:07d}" / f"{NAMES[0]}-ema.png").is_file()  # the next pass ran
 
 
 def test_under_strict_a_failed_pass_stops_the_run_keeping_what_came_before(tmp_path, tiny_sdxl_components):

@@ -47,7 +47,7 @@ PROBE = textwrap.dedent("""
     if mode == "plain":
         trainer_module.zero3_init = lambda accelerator, checked: None
     t = trainer_module.Trainer(preflight(cfg, 1), RunDir(out), NullLogger())
-    params = list(t._module().named_parameters())
+    params = list(t.unet_module().named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params]):
         initial = {n: p.detach().clone() for n, p in params}
     ema_initial = {n: v.clone() for n, v in t.ema.shadow.items()}

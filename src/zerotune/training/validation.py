@@ -257,7 +257,8 @@ def _encode_device(cfg: Config, device: torch.device) -> torch.device:
 
 def _error(exc: BaseException, rank: int, weights: str | None) -> dict:
     oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-    return {"type": type(exc).__name__, "message": str(exc)[:500], "rank": rank, "weights": weights, "oom": oom}
+    return {"type": type(exc).__name__, "message": str(exc)[:500], "rank": rank, "weights": weights,
+            "out_of_memory": oom}
 
 
 def _grid(rows: list[list[Any]]) -> Any:
