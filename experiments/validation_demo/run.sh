@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's validation picture, on a CPU: shapes and a VAE that draws them (make_data.py), then a tiny
 # SDXL-shaped U-Net trained on them through zerotune with validation prompts every 200 steps, then one picture
-# of the passes (progress.py). About 10 minutes on 2 cores. Usage: bash experiments/validation_demo/run.sh [out]
+# of the passes (progress.py). About 8 minutes on 2 cores. Usage: bash experiments/validation_demo/run.sh [out]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
