@@ -230,3 +230,18 @@ def test_under_strict_a_failed_pass_stops_the_run_keeping_what_came_before(tmp_p
     assert "validation.strict=false" in summary["error"]["message"]
     assert (tmp_path / "strict" / "samples" / "step-0000000" / f"{NAMES[0]}.png").is_file()
     assert len(read_losses(tmp_path / "strict")) == EVERY
+
+
+def test_the_demo_puts_the_passes_side_by_side(zero2_runs, tmp_path):
+    """experiments/validation_demo/progress.py (the README's picture): a row per prompt, a column per pass."""
+    import subprocess
+    import sys
+
+    from tests.helpers.cli import ROOT
+
+    out = tmp_path / "progress.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments/validation_demo/progress.py"),
+                           str(zero2_runs["validated"]), str(out), "--scale", "1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    label = 14  # a line of text above each row and above the columns
+    assert Image.open(out).size == (64 * len(STEPS), (64 + label) * len(NAMES) + label)
