@@ -19,7 +19,7 @@ if (_threads := xdist_groups.threads_per_worker()) is not None:
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup`, tests that share a session or module fixture run on one worker. Tests marked
     `cuda` need a CUDA GPU: skipped where torch sees none (torch is imported only if some are collected)."""
-    if config.pluginmanager.hasplugin("xdist") and config.getoption("dist") == "loadgroup":
+    if config.pluginmanager.hasplugin("xdist") and xdist_groups.grouping(config):
         xdist_groups.mark_groups(items, Path(__file__).parent)
     wanting = [item for item in items if item.get_closest_marker("cuda")]
     if not wanting:

@@ -66,3 +66,47 @@ def test_each_worker_takes_its_share_of_the_cores(monkeypatch, cores, workers, t
     else:
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", workers)
     assert threads_per_worker() == threads
+
+
+SHARED = """
+import pytest
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    import os
+    with open({log!r}, "a") as f:
+        f.write("set up on " + os.environ.get("PYTEST_XDIST_WORKER", "?") + "\\n")
+    return 1
+
+@pytest.mark.parametrize("n", range(6))
+def test_reads_the_dry_run(dry_run, n): pass
+
+@pytest.mark.parametrize("n", range(6))
+def test_shares_nothing(n): pass
+"""
+
+CONFTEST = """
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import xdist_groups
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if xdist_groups.grouping(config):
+        xdist_groups.mark_groups(items, Path(__file__).parent)
+"""
+
+
+def test_under_two_real_workers_a_module_fixture_is_set_up_once(pytester, monkeypatch):
+    """The workers collect with `dist` rewritten to "no": the grouping must still happen there."""
+    from tests.helpers.cli import ROOT
+
+    log = pytester.path / "setups.log"
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_kit=SHARED.format(log=str(log)))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=12)
+    assert log.read_text().count("set up") == 1

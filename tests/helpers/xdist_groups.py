@@ -15,6 +15,12 @@ import pytest
 SHARED_SCOPES = ("session", "package", "module", "class")
 
 
+def grouping(config: pytest.Config) -> bool:
+    """Whether this process collects for `--dist loadgroup`. In a worker xdist rewrites `dist` to "no" and keeps
+    the choice as `loadgroup` (xdist/remote.py setup_config): the workers are the ones that collect."""
+    return config.getoption("dist", "no") == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
+
+
 def threads_per_worker() -> int | None:
     """Torch threads for each worker (and the jobs it starts), so that the workers together use each core once:
     two workers' spinning intra-op threads on the same cores slow both several times over. None outside xdist."""
