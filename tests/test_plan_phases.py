@@ -155,15 +155,15 @@ def test_lora_at_zero3_gathers_its_targets_before_caching():
 
 # --- validation passes: the sampling phase of a text model with prompts ---------------------------------------
 
-VALIDATED = ("model=sdxl", "resolution=1024", "train.batch_size=1", "precision=bf16", "offload=cpu",
-             "model.components=/path/of/the/pipeline")  # preflight wants no folder for data=synthetic
+# At 128 px: the traces of SDXL's U-Net and VAE stay a few seconds (the terms checked here are the weights).
+VALIDATED = ("model=sdxl", "resolution=128", "train.batch_size=1", "precision=bf16", "offload=cpu")
 PROMPTS = 'validation.prompts=["a photo of a dog"]'
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     (tmp_path / "vae").mkdir()
-    overrides = (*VALIDATED[:-1], f"model.components={tmp_path}", f"zero_stage={stage}")
+    overrides = (*VALIDATED, f"model.components={tmp_path}", f"zero_stage={stage}")
     plan, phases = plan_with_phases(*overrides, card="h100", phase_overrides=(PROMPTS,))
     check_accounting(phases)
     sampling = by_name(phases)["sampling"]
@@ -175,7 +175,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
     if stage == 3:
         assert unet <= terms["unet_gathered_for_sampling"] <= 1.1 * unet
-    assert terms["sampling_activations"] > 0 and "1024x1024" in next(
+    assert terms["sampling_activations"] > 0 and "128x128" in next(
         t["note"] for t in sampling["terms"] if t["term"] == "sampling_activations")
     # Without prompts there is no sampling phase for a text model.
     assert "sampling" not in by_name(plan_with_phases(*overrides, card="h100")[1])
