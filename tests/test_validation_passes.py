@@ -290,3 +290,23 @@ def test_the_demo_puts_the_passes_side_by_side(zero2_runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     label = 14  # a line of text above each row and above the columns
     assert Image.open(out).size == (64 * len(STEPS), (64 + label) * len(NAMES) + label)
+
+
+@pytest.mark.slow
+def test_two_processes_at_zero3_sample_their_shares_as_one_process_does(tmp_path, tiny_sdxl_components):
+    """Each rank samples every second prompt inside the gathered ZeRO-3 model; rank 0 writes them all. At one
+    thread per process (a kernel's sums depend on its thread count) the pixels are one process's."""
+    folder = make_folder(tmp_path / "images")
+    args = [*_common(folder, tiny_sdxl_components, tmp_path / "cache"), "zero_stage=3", "train.max_steps=1",
+            "checkpoint.final=false", 'validation.prompts=["a red dog","a blue cat","a photo"]', "validation.steps=4",
+            "launch.threads=1"]
+    two = _train(tmp_path / "two", *args, "launch.num_processes=2")
+    one = _train(tmp_path / "one", *args)
+    names = ("00-a-red-dog", "01-a-blue-cat", "02-a-photo")
+    for step in (0, 1):
+        assert read_summary(two)["validation"]["passes"][step]["images"] == 3
+        for name in names:
+            folder = f"samples/step-{step:07d}/{name}.png"
+            if step == 0:  # before training: the same weights (one process's batch differs from two's after)
+                assert np.array_equal(_pixels(two / folder), _pixels(one / folder))
+            assert (two / folder).is_file()
