@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml
 	@# torch first and pinned, so nothing below drags in a CUDA build.
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[wandb,gpu,slurm,dev]'
+	@# DeepSpeed's CPU ops (CPU Adam, the shared-memory collectives), compiled once now rather than by the first job.
+	$(PY) -m zerotune.ops || echo "DeepSpeed's CPU ops were not built now: the first job that needs them builds them"
 	touch $(STAMP)
 
 train: setup
