@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tests.helpers.cli import compose_cfg
-from tests.helpers.fixes import check_fix
 from tests.helpers.folder_fixtures import make_folder
+from tests.test_validation import plan_error
 from zerotune.errors import ConfigError
 from zerotune.loggers.base import NullLogger
 from zerotune.preflight import preflight
@@ -95,15 +95,8 @@ def text_run(tmp_path_factory, tiny_sdxl_components):
             "resolution.size=64", "train.batch_size=2"]
 
 
-def refused(*overrides: str) -> ConfigError:
-    with pytest.raises(ConfigError) as err:
-        preflight(compose_cfg(*overrides), overrides=list(overrides))
-    check_fix(err.value, list(overrides), lambda fixed: preflight(compose_cfg(*fixed), overrides=fixed))
-    return err.value
-
-
-def test_prompts_for_the_class_model_are_refused():
-    err = refused('validation.prompts=["a dog"]')
+def test_prompts_for_the_class_model_are_plan_error():
+    err = plan_error('validation.prompts=["a dog"]')
     assert err.key == "validation.prompts" and "class-conditional" in err.problem
 
 
@@ -119,11 +112,11 @@ def test_prompts_for_the_class_model_are_refused():
     ("validation.prompt_file=/nonexistent/prompts.txt", "validation.prompt_file"),
 ])
 def test_a_bad_setting_is_refused_with_a_fix_that_works(text_run, override, key):
-    err = refused(*text_run, 'validation.prompts=["a red dog"]', override)
+    err = plan_error(*text_run, 'validation.prompts=["a red dog"]', override)
     assert err.key == key
 
 
-def test_a_text_model_without_components_is_refused():
+def test_a_text_model_without_components_is_plan_error():
     with pytest.raises(ConfigError) as err:
         preflight(compose_cfg("model=sdxl_tiny", "data=synthetic", "resolution.size=64",
                               'validation.prompts=["a dog"]'))

@@ -26,7 +26,7 @@ class CachedFolderDataset(Dataset):
     def __getitem__(self, ref: SampleRef) -> dict[str, torch.Tensor]:
         index, flipped = ref if isinstance(ref, tuple) else (ref, False)
         item = self.items[self._item_of[index]]
-        text = self.cache.get("text", item.text_key)
+        hidden, pooled = self.cache.get_text(item.text_key)
         return {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"],
-                "encoder_hidden_states": text["encoder_hidden_states"], "text_embeds": text["text_embeds"],
+                "encoder_hidden_states": hidden, "text_embeds": pooled,
                 "time_ids": torch.tensor(item.placement.time_ids(flipped))}

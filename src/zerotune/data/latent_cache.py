@@ -62,6 +62,15 @@ class LatentCache:
     def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         return load_file(str(self._path(kind, key)))
 
+    def put_text(self, key: str, hidden: torch.Tensor, pooled: torch.Tensor, caption: str) -> None:
+        """A caption's (or validation prompt's) embeddings, as SDXLEncoders.encode_text gives them."""
+        self.put("text", key, {"encoder_hidden_states": hidden, "text_embeds": pooled}, {"caption": caption})
+
+    def get_text(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states [seq, d], pooled [p]) as put_text stored them."""
+        entry = self.get("text", key)
+        return entry["encoder_hidden_states"], entry["text_embeds"]
+
 
 @dataclass
 class CacheItem:
@@ -164,7 +173,7 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
             chunk = todo[i:i + batch_size]
             hidden, pooled = encoders.encode_text([c for _, c in chunk])
             for (key, caption), h, p in zip(chunk, hidden, pooled, strict=True):
-                cache.put("text", key, {"encoder_hidden_states": h, "text_embeds": p}, {"caption": caption})
+                cache.put_text(key, h, p, caption)
             stats.texts_computed += len(chunk)
             bar.update(len(chunk))
     stats.text_seconds = time.perf_counter() - start

@@ -171,12 +171,12 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
 
 def trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, latent_hw: tuple[int, int],
                    precision: str) -> dict:
-    """A validation pass (validation/passes.py) on fake tensors: {"vae_params": [bytes per parameter, in the
+    """A validation pass (training/validation.py) on fake tensors: {"vae_params": [bytes per parameter, in the
     training dtype], "unet_peak": B (one guided step: the prompt and its negative as a batch of 2, no grad),
     "vae_decode_peak": B (one latent decoded), "seconds"}."""
-    from zerotune.models import unet_config
+    from zerotune.models import adapter, unet_config
 
-    what = [archs["vae"], unet_config(model_cfg), adapter_cfg and list(adapter_cfg.target_modules), list(latent_hw),
+    what = [archs["vae"], unet_config(model_cfg), adapter.settings(adapter_cfg), list(latent_hw),
             precision, str(model_cfg.attention), int(model_cfg.text_seq_len), torch.__version__, FORMAT]
     return _cached("sampling-", what, lambda: _trace_sampling(archs, model_cfg, adapter_cfg, latent_hw, precision))
 
@@ -213,17 +213,19 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     diffusers' StableDiffusionXLPipeline with guidance, as training/validation.py calls it, on a U-Net and a VAE
     built from the same configs with random weights. {"between_ops", "with_workspaces"}: bytes held beyond the
     weights, from torch.profiler's record of every allocation and free (activations.measure_step_on_cpu's way)."""
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline
     from torch.profiler import ProfilerActivity, profile
 
+    from zerotune.diffusion import noise_scheduler
     from zerotune.models import build_unet, unet_config
     from zerotune.plan.activations import _peaks
     from zerotune.sampling import make_sampler
+    from zerotune.schema import Diffusion
 
     torch.manual_seed(0)
     unet = build_unet(model_cfg).eval()
     vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"}).eval()
-    schedule = dict(DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).config)
+    schedule = dict(noise_scheduler(Diffusion()).config)  # the training schedule's defaults
     pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
                                      unet=unet, scheduler=make_sampler(schedule, str(model_cfg.prediction_type),
                                                                        pixel_space=False), add_watermarker=False)
@@ -231,9 +233,10 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     config = unet_config(model_cfg)
     pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(config["addition_time_embed_dim"])
     states = torch.randn(1, int(model_cfg.text_seq_len), int(config["cross_attention_dim"]))
+    scale = 2 ** (len(archs["vae"]["block_out_channels"]) - 1)  # pixels per latent
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
-        pipe(prompt_embeds=states, pooled_prompt_embeds=torch.randn(1, pooled), height=latent_hw[0] * 2 ** (
-            len(archs["vae"]["block_out_channels"]) - 1), width=latent_hw[1] * 2 ** (len(archs["vae"]["block_out_channels"]) - 1),
-             num_inference_steps=steps, guidance_scale=5.0, generator=torch.Generator().manual_seed(0), output_type="pt")
+        pipe(prompt_embeds=states, pooled_prompt_embeds=torch.randn(1, pooled), height=latent_hw[0] * scale,
+             width=latent_hw[1] * scale, num_inference_steps=steps, guidance_scale=5.0,
+             generator=torch.Generator().manual_seed(0), output_type="pt")
     peaks = _peaks(prof.profiler.kineto_results.events())
     return {"between_ops": peaks.between_ops, "with_workspaces": peaks.with_workspaces}

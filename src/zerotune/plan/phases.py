@@ -138,17 +138,15 @@ def _live_states(plan: dict) -> list[dict]:
 
 def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
     """The run's sampling: validation passes (text models with prompts), or the digits' evaluation."""
-    if enabled(cfg) and cfg.model.conditioning == "text_time":
-        return _validation(cfg, checked, plan, base)
-    return _digits_sampling(cfg, checked, plan, base)
-
-
-def _validation(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
-    """validation/passes.py, at its largest prompt: what training holds after a step, and what the pass adds
-    (validation_pass_terms). The pass ends with torch.cuda.empty_cache()."""
     found = validation_pass_terms(cfg, checked)
     if found is None:
-        return None
+        return _digits_sampling(cfg, checked, plan, base)
+    return _validation(found, plan, base)
+
+
+def _validation(found: tuple[list[dict], str], plan: dict, base: list[dict]) -> dict:
+    """training/validation.py, at its largest prompt: what training holds after a step, and what the pass adds
+    (validation_pass_terms). The pass ends with torch.cuda.empty_cache()."""
     added, source = found
     live = [*base, *_live_states(plan)]
     terms = [*live, *added]
@@ -184,7 +182,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
               term("sampling_activations", max(traced["unet_peak"], traced["vae_decode_peak"]),
                    f"fake-tensor trace at {largest.width}x{largest.height}: one guided U-Net call (batch 2) "
                    f"{traced['unet_peak'] / MIB:,.1f} MiB, the VAE's decode {traced['vae_decode_peak'] / MIB:,.1f} MiB")]
-    return terms, f"validation/passes.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
+    return terms, f"training/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
 
 
 def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:

@@ -1,5 +1,6 @@
-"""Validation passes during training (the prompts and their checks: zerotune/validation): the same prompts with the same seeds at step 0, every N steps and at the
-end, sampled with the weights being trained (weights.py) through diffusers' StableDiffusionXLPipeline.
+"""Validation passes during training (the prompts and their checks: zerotune/validation): the same prompts with the
+same seeds at step 0, every N steps and at the end, sampled with the weights being trained (sampling_weights.py)
+through diffusers' StableDiffusionXLPipeline.
 
 - The prompts are encoded once, before training, through data=folder's latent cache (a text entry per prompt,
   keyed like a caption), so the text encoders never share the device with training; the VAE is loaded once on the
@@ -110,8 +111,9 @@ class Validator:
         failed = distributed.broadcast_object(bool(record.get("errors")))
         self.passes.append(record)
         if failed and self.v.strict:
-            raise ValidationFailed(f"validation at step {step} failed ({(record.get('errors') or [{}])[0].get('message', 'on another rank')}); "
-                                   "validation.strict=false records a failed pass and goes on")
+            why = record["errors"][0]["message"] if "errors" in record else "on another rank"
+            raise ValidationFailed(f"validation at step {step} failed ({why}); validation.strict=false records a "
+                                   "failed pass and goes on")
         return record
 
     def summary(self) -> dict:
@@ -174,15 +176,14 @@ class Validator:
         image.save(buffer, format="PNG")
         return buffer.getvalue()
 
-    # ---- files and the logger (rank 0)
+    # ---- files and the logger (rank 0, the run dir's writer: the only rank gather_object answers)
 
     def _write(self, step: int, images: dict[tuple[str, str], bytes]) -> dict:
         from PIL import Image
 
         folder = self.run_dir.path / SAMPLES / f"step-{step:07d}"
         rows, index = [], []
-        if self.run_dir.is_writer:
-            folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         for p in self.prompts:
             files = {}
             for which in self.weights:
@@ -190,15 +191,15 @@ class Validator:
                 if data is None:
                     continue
                 name = f"{p.name}.png" if which == "model" else f"{p.name}-{which}.png"
-                if self.run_dir.is_writer:
-                    (folder / name).write_bytes(data)
+                (folder / name).write_bytes(data)
                 files[which] = name
             if files:
                 rows.append([Image.open(io.BytesIO(images[(p.name, w)])).convert("RGB") for w in files])
                 index.append({**asdict(p), "files": files})
                 self.logger.log_images(f"validation/{p.name}", [str(folder / f) for f in files.values()], step=step)
-        record: dict[str, Any] = {"folder": str(folder.relative_to(self.run_dir.path)), "images": sum(len(r) for r in rows)}
-        if self.run_dir.is_writer and rows:
+        record: dict[str, Any] = {"folder": str(folder.relative_to(self.run_dir.path)),
+                                  "images": sum(len(r) for r in rows)}
+        if rows:
             _grid(rows).save(folder / "grid.png")
             (folder / PROMPTS_FILE).write_text(json.dumps({"step": step, "prompts": index}, indent=1))
             record["grid"] = str((folder / "grid.png").relative_to(self.run_dir.path))
@@ -225,12 +226,8 @@ class Validator:
             finally:
                 encoders.release()
             for t, h, q in zip(todo, hidden, pooled, strict=True):
-                cache.put("text", keys[t], {"encoder_hidden_states": h, "text_embeds": q}, {"caption": t})
-        out = {}
-        for t in texts:
-            entry = cache.get("text", keys[t])
-            out[t] = (entry["encoder_hidden_states"], entry["text_embeds"])
-        return out
+                cache.put_text(keys[t], h, q, t)
+        return {t: cache.get_text(keys[t]) for t in texts}
 
     def _vae_on_device(self) -> Any:
         if self._vae is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def _default_size(cfg: Config) -> tuple[int, int]:
         return int(cfg.resolution.size), int(cfg.resolution.size)
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value, value
-    if (isinstance(value, (list, tuple)) or hasattr(value, "__len__")) and len(value) == 2 and all(
+    if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 and all(
             isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value):
         return int(value[0]), int(value[1])
     raise ConfigError("validation.resolution", f"must be null (the run's), a side in pixels or [width, height], "
