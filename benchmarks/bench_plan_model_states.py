@@ -108,8 +108,8 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
     checked = preflight(cfg, world_size=world)
     numels, trainable = param_numels(checked.config.model, checked.config.adapter)
-    return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable)
-            for r in range(world)]
+    return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable,
+                              checked.client_optimizer, checked.model_stats.trained_shapes()) for r in range(world)]
 
 
 def compare(combo, engine: list[dict]) -> list[dict]:

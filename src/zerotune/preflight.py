@@ -115,17 +115,21 @@ def check(settled: Settled, platform: Platform | None = None, run_dir: str | Pat
     except ConfigError as exc:
         raise user.attribute(exc) from None
     builder.choose_adam(ds, cfg)
-    adapter.check_optimizer(cfg.adapter, ds["optimizer"]["type"])
     try:
-        ds = validator.validate(ds, platform, world_size)
+        client = builder.client_optimizer(cfg.optimizer)
+    except ConfigError as exc:
+        raise user.attribute(exc) from None
+    adapter.check_optimizer(cfg.adapter, ds["optimizer"]["type"] if client is None else client["name"])
+    try:
+        ds = validator.validate(ds, platform, world_size, client)
     except ConfigError as exc:
         raise user.attribute(exc) from None  # named where the user set it: a file's key or zerotune's
     resume = None
     if run_dir is not None:
         path = checkpoints.resolve_resume(cfg.resume, cfg.checkpoint.dir, Path(run_dir))
-        resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size), ds)
+        resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size, client), ds)
     return ResolvedRun(config=cfg, ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape,
-                       platform=platform, world_size=world_size,
+                       platform=platform, world_size=world_size, client_optimizer=client,
                        config_sources={**user.summary(ds), "configs": config_search.current().describe()},
                        config_warnings=tuple(user.warnings), resume=resume)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from zerotune.checkpoints import ResumeDecision
 from zerotune.files import write_json_atomic
-from zerotune.models import ModelStats
+from zerotune.models import ModelStats, stats_from_json
 from zerotune.platform import Platform
 from zerotune.schema import Config, as_dict, to_config
 
@@ -34,6 +34,15 @@ class ResolvedRun:
     config_warnings: tuple[str, ...] = ()  # the DeepSpeed file's keys left out or translated
     resume: ResumeDecision | None = None  # the checkpoint to continue (checked), and how
     plan: dict[str, Any] | None = None    # the planner's prediction, as summary.json's "plan" holds it
+    # the optimizer zerotune builds and hands the engine ({"name", "class", "params"}); None: the dict's own
+    client_optimizer: dict[str, Any] | None = None
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer as checkpoints and reports name it: DeepSpeed's type (AdamW, Lion) or the client's."""
+        if self.client_optimizer is not None:
+            return str(self.client_optimizer["name"])
+        return str(self.ds_config["optimizer"]["type"])
 
     @property
     def zero_stage(self) -> int:
@@ -52,7 +61,7 @@ class ResolvedRun:
                 "model_stats": asdict(self.model_stats), "input_shape": list(self.input_shape),
                 "platform": asdict(self.platform), "world_size": self.world_size,
                 "config_sources": self.config_sources, "config_warnings": list(self.config_warnings),
-                "resume": resume, "plan": self.plan}
+                "resume": resume, "plan": self.plan, "client_optimizer": self.client_optimizer}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResolvedRun:
@@ -60,15 +69,14 @@ class ResolvedRun:
         resume = data["resume"]
         return cls(config=to_config(data["config"]), ds_config=data["ds_config"],
                    use_deepspeed=bool(data["use_deepspeed"]),
-                   model_stats=ModelStats(**{**stats, "param_numels": tuple(stats["param_numels"]),
-                                             "trainable_numels": tuple(stats["trainable_numels"])}),
+                   model_stats=stats_from_json(stats),
                    input_shape=tuple(data["input_shape"]),  # type: ignore[arg-type]
                    platform=Platform(**data["platform"]), world_size=int(data["world_size"]),
                    config_sources=data["config_sources"], config_warnings=tuple(data["config_warnings"]),
                    resume=None if resume is None else ResumeDecision(
                        path=Path(resume["path"]), mode=resume["mode"], meta=resume["meta"],
                        changed={k: tuple(v) for k, v in resume["changed"].items()}),
-                   plan=data["plan"])
+                   plan=data["plan"], client_optimizer=data["client_optimizer"])
 
     def save(self, run_dir: str | Path) -> None:
         write_json_atomic(Path(run_dir) / resolved_file(self.config.launch.node_rank), self.to_json())

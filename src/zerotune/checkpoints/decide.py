@@ -18,13 +18,16 @@ log = logging.getLogger(__name__)
 _TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload", "offload_params")
 
 
-def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: int) -> dict:
-    """What this run would record in meta.json."""
+def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: int,
+                 client_optimizer: dict | None = None) -> dict:
+    """What this run would record in meta.json. `client_optimizer`: the one zerotune hands the engine, if any."""
     zero = ds_config["zero_optimization"]
+    optimizer = ds_config["optimizer"]["type"] if client_optimizer is None else client_optimizer["name"]
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
             "use_deepspeed": bool(use_deepspeed), "precision": cfg.precision.name,
             "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
-            "model": cfg.model.name, "optimizer": ds_config["optimizer"]["type"], "adapter": _adapter(cfg),
+            "model": cfg.model.name, "optimizer": optimizer, "client_optimizer": client_optimizer is not None,
+            "adapter": _adapter(cfg),
             # The adapter's keys, for export to rebuild it (models/adapter.py reads them).
             "adapter_config": None if cfg.adapter.name == "none" else as_dict(cfg.adapter),
             "zerotune_version": __version__}
@@ -65,13 +68,26 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
     if meta.get("model") != now["model"]:
         raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
                           f"model={now['model']}", f"model={meta.get('model')}")
-    changed = {k: (meta.get(k), now[k]) for k in _TOPOLOGY if meta.get(k) != now[k]}
+    if (meta.get("client_optimizer") or now["client_optimizer"]) and meta.get("optimizer") != now["optimizer"]:
+        raise ConfigError("optimizer", f"checkpoint {path} holds optimizer={meta.get('optimizer')}'s state, this run "
+                          f"builds optimizer={now['optimizer']}: one cannot load the other's",
+                          f"optimizer={_option(meta.get('optimizer'))}, or {_export_fix(path)}")
+    changed = {k: (meta.get(k), now[k]) for k in sorted(_changed(meta, now))}
     mode = "native" if not changed else conversion_mode(path, meta, now)
     if mode == "universal":
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
     if changed:
         log.warning("resuming %s across changes %s: %s conversion", path, changed, mode)
     return ResumeDecision(path=path, mode=mode, meta=meta, changed=changed)
+
+
+def _option(optimizer: object) -> str:
+    """The optimizer group's option for a name meta.json holds (DeepSpeed's type is the option in lower case)."""
+    return str(optimizer).lower()
+
+
+def _changed(meta: dict, now: dict) -> set[str]:
+    return {k for k in _TOPOLOGY if meta.get(k) != now[k]}
 
 
 def _export_fix(path: Path) -> str:
@@ -82,6 +98,13 @@ def _export_fix(path: Path) -> str:
 def conversion_mode(path: Path, meta: dict, now: dict) -> str:
     """universal (to ZeRO-1/2/3) or full (to stage 0); refuses what cannot be converted."""
     src_zero = meta["use_deepspeed"] and meta["zero_stage"] >= 1
+    if meta.get("client_optimizer") or now["client_optimizer"]:
+        name = meta["optimizer"] if meta.get("client_optimizer") else now["optimizer"]
+        # ds_to_universal and the stage-0 conversion rebuild Adam's moments by name; a client optimizer's
+        # states (Adafactor's factored or flat second moment, 8-bit blocks) have no such rule.
+        raise ConfigError("resume", f"checkpoint {path} cannot be converted across {sorted(_changed(meta, now))}: "
+                          f"optimizer={name}'s state has no conversion (DeepSpeed converts Adam's moments only)",
+                          _export_fix(path))
     if "nvme" in (meta["offload"], now["offload"]):
         raise ConfigError("offload", "resuming across a change of ZeRO stage, DeepSpeed or process count is not "
                           "supported with NVMe offload on either side (its optimizer states live in swap files)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from zerotune.ds_config import offload as offload_mod
-from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, normalize
+from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, client_spec, is_client, normalize
 from zerotune.ds_config.schedulers import scheduler_block
 from zerotune.errors import ConfigError
 from zerotune.models import ModelStats
@@ -17,6 +17,12 @@ def optimizer_block(opt: Optimizer) -> dict:
     # The schema gives every optimizer every key; an option's unused ones are null and not DeepSpeed's.
     params = {k: (list(v) if k == "betas" else v) for k, v in as_dict(opt).items() if k != "name" and v is not None}
     return {"type": DEEPSPEED_TYPES[name], "params": params}
+
+
+def client_optimizer(opt: Optimizer) -> dict | None:
+    """The client optimizer the worker builds ({"name", "class", "params"}), or None: DeepSpeed builds its own."""
+    name = normalize(opt.name)
+    return client_spec(name, as_dict(opt)) if is_client(name) else None
 
 
 def precision_blocks(prec: Precision) -> dict:
@@ -95,7 +101,15 @@ def build(cfg: Config, world_size: int, stats: ModelStats, given: Collection[str
         "zero_allow_untested_optimizer": True,
         "zero_optimization": zero_block(cfg, stats),
     }
-    if "optimizer" not in given:
+    if is_client(normalize(cfg.optimizer.name)):
+        if "optimizer" in given:
+            raise ConfigError("optimizer", f"optimizer={cfg.optimizer.name} is built by zerotune and handed to "
+                              "DeepSpeed, and the DeepSpeed file's optimizer block would replace it",
+                              "remove the optimizer block from deepspeed.config_file, or choose its optimizer "
+                              "(optimizer=adamw)")
+        # the client optimizer may run on offloaded (host) partitions: DeepSpeed refuses that unless told
+        ds["zero_force_ds_cpu_optimizer"] = False
+    elif "optimizer" not in given:
         ds["optimizer"] = optimizer_block(cfg.optimizer)
     if not {"fp16", "bf16"} & set(given):
         ds.update(precision_blocks(cfg.precision))

@@ -8,7 +8,13 @@ from typing import Any
 
 from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.batch import Known, solve
-from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, check_params, check_supported, normalize
+from zerotune.ds_config.optimizers import (
+    DEEPSPEED_TYPES,
+    check_client,
+    check_params,
+    check_supported,
+    normalize,
+)
 from zerotune.errors import ConfigError
 from zerotune.platform import Platform
 
@@ -24,8 +30,9 @@ SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedZeroOffloadOpt
             "HybridEngineConfig": "hybrid_engine", "WeightQuantConfig": "weight_quantization"}
 
 
-def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
-    """Return a normalised copy of `ds`, or raise ConfigError naming the key and the fix."""
+def validate(ds: dict, platform: Platform, world_size: int = 1, client: dict | None = None) -> dict:
+    """Return a normalised copy of `ds`, or raise ConfigError naming the key and the fix. `client`: the
+    client optimizer the engine will be handed (builder.client_optimizer), checked against this ZeRO setup."""
     ds = copy.deepcopy(ds)
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
@@ -79,6 +86,8 @@ def validate(ds: dict, platform: Platform, world_size: int = 1) -> dict:
         opt["type"] = DEEPSPEED_TYPES[name]
         check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
         check_params(name, opt.get("params") or {}, offloaded)
+    if client is not None:
+        check_client(client, opt_dev, platform.device_type)
     if "scheduler" in ds:
         _check_scheduler(ds["scheduler"])
     _deepspeed_accepts(ds)

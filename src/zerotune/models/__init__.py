@@ -25,6 +25,11 @@ class ModelStats:
     param_numels: tuple[int, ...] = ()   # in model.parameters() order: what DeepSpeed partitions
     trainable_numels: tuple[int, ...] = ()  # those the optimizer gets, in the same order (all without an adapter)
     adapter_target_numel: int = 0  # the adapted modules' own weights: gathered whole while peft wraps them at ZeRO-3
+    trainable_shapes: tuple[tuple[int, ...], ...] = ()  # the trainable ones' shapes (Adafactor factors by shape)
+
+    def trained_shapes(self) -> list[tuple[int, ...]] | None:
+        """The trainable parameters' shapes, or None where these stats predate them."""
+        return [tuple(s) for s in self.trainable_shapes] or None
 
     @property
     def num_trainable(self) -> int:
@@ -33,6 +38,12 @@ class ModelStats:
     @property
     def num_frozen(self) -> int:
         return self.num_params - self.num_trainable
+
+
+def stats_from_json(data: dict) -> ModelStats:
+    """ModelStats from its JSON (lists back to tuples, the shapes' too)."""
+    return ModelStats(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()},
+                         "trainable_shapes": tuple(tuple(s) for s in data.get("trainable_shapes", ()))})
 
 
 def unet_config(model_cfg: Model) -> dict:
@@ -72,7 +83,7 @@ def model_stats(model_cfg: Model, adapter_cfg: Adapter | None = None) -> ModelSt
     file = files.cache_dir("models") / f"stats-{_stats_key(model_cfg, adapter_cfg)}.json"
     cached = files.read_json(file)
     if isinstance(cached, dict) and set(cached) == {f.name for f in fields(ModelStats)}:
-        return ModelStats(**{k: tuple(v) if isinstance(v, list) else v for k, v in cached.items()})
+        return stats_from_json(cached)
     stats = _measure_stats(model_cfg, adapter_cfg)
     files.write_cached_json(file, asdict(stats))
     return stats
@@ -89,7 +100,7 @@ def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
             return None
 
     what = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
-            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 2}
+            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 3}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -102,9 +113,10 @@ def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
         target_numel = sum(p.numel() for m in targets for p in m.parameters(recurse=False))
         unet = adapter.add_adapter(unet, adapter_cfg)
     numels = [p.numel() for p in unet.parameters()]
-    trainable = [p.numel() for p in unet.parameters() if p.requires_grad]
+    trained = [p for p in unet.parameters() if p.requires_grad]
     return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels),
-                      trainable_numels=tuple(trainable), adapter_target_numel=target_numel)
+                      trainable_numels=tuple(p.numel() for p in trained), adapter_target_numel=target_numel,
+                      trainable_shapes=tuple(tuple(p.shape) for p in trained))
 
 
 def build_unet(model_cfg: Model, zero_init=None):

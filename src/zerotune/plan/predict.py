@@ -28,7 +28,8 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
                        bool(cfg.train.gradient_checkpointing), str(cfg.model.attention), cfg.adapter)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
-    states = model_state_bytes(numels, ds, world, 0, use_ds, train)
+    states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
+                               checked.model_stats.trained_shapes())
     lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train)}
     shape = _step_shape(states, stage, use_ds, train, device)
     step_terms = _step_terms(states, lifetimes, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train),
@@ -168,7 +169,10 @@ def _state_terms(states: dict, place: str) -> list[dict]:
             nbytes -= states.get("params_persistent_bytes") or 0
         if states["where"][key] == place and nbytes:
             name = "optimizer_states" if key == "optimizer_state" else key
-            terms.append(term(name, nbytes, f"{states['elem_bytes'][key]} B/element"))
+            note = f"{states['elem_bytes'][key]} B/element"
+            if key == "optimizer_state":  # which optimizer, and the line that allocates its state
+                note = f"{states['optimizer']}: {states.get('optimizer_source', '')}"
+            terms.append(term(name, nbytes, note))
     return terms
 
 

@@ -4,6 +4,7 @@ an offload device puts a tensor; and the shapes the rules answer in (a state rec
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,12 +32,15 @@ class Precision:
 
 @dataclass(frozen=True)
 class OptimizerKind:
-    """The optimizer class DeepSpeed builds (engine._configure_basic_optimizer) and what its state holds."""
+    """The optimizer class DeepSpeed builds (engine._configure_basic_optimizer), or the client one zerotune
+    hands it, and what its state holds per optimized tensor."""
 
     name: str
-    tensors: int           # state tensors per optimized tensor, each of its size
+    tensors: int           # state tensors per optimized tensor, each of its size (dense layout)
     state_elem: int        # bytes per element of those tensors
     torch_step: bool       # torch's own optimizers add a 0-d float32 `step` tensor
+    layout: str = "dense"  # dense | adafactor | blockwise8bit: how the state follows a tensor's shape
+    source: str = "runtime/engine.py:DeepSpeedEngine._configure_basic_optimizer"  # the line that allocates it
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,35 @@ def place(device: str) -> str:
     return {"none": "gpu", "cpu": "host"}.get(device, device)
 
 
-def optimizer_kind(ds_config: dict, offloaded: bool, prec: Precision, plain: bool = False) -> OptimizerKind:
+def client_kind(client: dict, prec: Precision) -> OptimizerKind:
+    """A client optimizer's state, as its class allocates it (torch's: like the tensor it steps, the master
+    weights' dtype)."""
+    name, params = client["name"], client["params"]
+    if name == "adafactor":
+        # transformers/optimization.py Adafactor.step: exp_avg (beta1 set) and exp_avg_sq or its row and column
+        # factors, fp32 (`.to(grad)` of the fp32 gradient), and `RMS`, a 0-d fp32 tensor; `step` is an int.
+        return OptimizerKind("transformers.Adafactor", 1 if params.get("beta1") is None else 2, 4, False, "adafactor",
+                             "transformers/optimization.py:Adafactor.step (state initialisation; _get_options "
+                             "factors 2-D and larger tensors only)")
+    if name == "adamw8bit":
+        # bitsandbytes/optim/optimizer.py Optimizer2State.init_state: uint8 state1/state2, fp32 absmax per block
+        # of 256; below min_8bit_size (4096) elements, fp32 state1/state2; `step` is an int.
+        return OptimizerKind("bitsandbytes.AdamW8bit", 2, 1, False, "blockwise8bit",
+                             "bitsandbytes/optim/optimizer.py:Optimizer2State.init_state (uint8 state1/state2, "
+                             "fp32 absmax per 256 elements)")
+    if name == "torch_adamw":  # torch/optim/adamw.py _init_group: exp_avg, exp_avg_sq like the parameter
+        return OptimizerKind("torch.optim.AdamW", 2, prec.master, True, source="torch/optim/adamw.py:AdamW._init_group")
+    if name == "sgd":  # torch/optim/sgd.py: momentum_buffer like the parameter (none without momentum)
+        return OptimizerKind("torch.optim.SGD", 1 if params.get("momentum") else 0, prec.master, False,
+                             source="torch/optim/sgd.py:SGD.step (momentum_buffer)")
+    raise ValueError(f"no memory rule for client optimizer {name!r}")
+
+
+def optimizer_kind(ds_config: dict, offloaded: bool, prec: Precision, plain: bool = False,
+                   client: dict | None = None) -> OptimizerKind:
+    """`client`: the optimizer zerotune hands the engine (ResolvedRun.client_optimizer), if any."""
+    if client is not None:
+        return client_kind(client, prec)
     opt = ds_config.get("optimizer") or {}
     name, params = str(opt.get("type", "adamw")).lower(), opt.get("params") or {}
     if name in ("adam", "adamw"):
@@ -123,9 +155,32 @@ def optimizer_kind(ds_config: dict, offloaded: bool, prec: Precision, plain: boo
     raise ValueError(f"no memory rule for optimizer {opt.get('type')!r}")
 
 
-def optimizer_state(kind: OptimizerKind, elements: int, tensors: int) -> int:
-    """Optimizer state bytes for `tensors` optimized tensors holding `elements` elements in all."""
-    return kind.tensors * elements * kind.state_elem + (FP32_STEP_BYTES * tensors if kind.torch_step else 0)
+BNB_BLOCK = 256           # bitsandbytes/optim/optimizer.py Optimizer2State.init_state: blocksize = 256
+BNB_MIN_8BIT_SIZE = 4096  # Optimizer2State.__init__ min_8bit_size default
+BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap "dynamic" and "udynamic": 256 fp32 each, one pair per device
+
+
+def optimizer_state(kind: OptimizerKind, shapes: list[tuple[int, ...]]) -> int:
+    """Optimizer state bytes for the optimized tensors of these shapes (what the optimizer is given: the
+    parameters themselves, or DeepSpeed's flat 1-D partitions)."""
+    total = sum(_tensor_state(kind, shape) for shape in shapes)
+    if kind.layout == "blockwise8bit" and any(math.prod(s) >= BNB_MIN_8BIT_SIZE for s in shapes):
+        total += BNB_QMAPS_BYTES
+    return total
+
+
+def _tensor_state(kind: OptimizerKind, shape: tuple[int, ...]) -> int:
+    n = math.prod(shape)
+    if kind.layout == "adafactor":
+        # factored when the tensor has 2 or more dimensions (_get_options): rows shape[:-1], columns
+        # shape[:-2] + shape[-1:]; the flat partitions ZeRO 1-3 hand it are 1-D, so never factored there
+        second = (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) if len(shape) >= 2 else n
+        return (second + (n if kind.tensors == 2 else 0)) * kind.state_elem + 4  # + RMS
+    if kind.layout == "blockwise8bit":
+        if n < BNB_MIN_8BIT_SIZE:
+            return 2 * n * 4
+        return 2 * n + 2 * -(-n // BNB_BLOCK) * 4
+    return kind.tensors * n * kind.state_elem + (FP32_STEP_BYTES if kind.torch_step else 0)
 
 
 def numels_of(param_numels: Any, trainable_numels: Any = None) -> tuple[list[int], list[int]]:
@@ -144,7 +199,7 @@ def states_record(params: int, grads: int, master: int, state: int, elem: tuple[
             "optimizer_state_bytes": state, "where": where,
             "elem_bytes": {**dict(zip(("params", "grads", "master_weights"), elem, strict=True)),
                            "optimizer_state": kind.state_elem},
-            "optimizer": kind.name, "params_persistent_bytes": 0, "master_weights_alias_params": False,
+            "optimizer": kind.name, "optimizer_source": kind.source, "params_persistent_bytes": 0, "master_weights_alias_params": False,
             "trainable_params_bytes": trainable, **extra}
 
 

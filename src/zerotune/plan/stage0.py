@@ -3,12 +3,12 @@ the step's fp32 gradient copies."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
 from zerotune.plan.rules import (
-    OptimizerKind,
     Precision,
     StepShape,
     buffer_term,
@@ -29,15 +29,19 @@ if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
-           zero: DeepSpeedZeroConfig | None, plain: bool = False) -> dict:
-    """`plain`: plain accelerate, torch's optimizer on fp32 weights (model_states.py gives it fp32 `prec`)."""
-    kind, trained = optimizer_kind(ds, False, prec, plain), sum(train)
+           zero: DeepSpeedZeroConfig | None, plain: bool = False, client: dict | None = None,
+           shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """`plain`: plain accelerate, torch's optimizer on fp32 weights (model_states.py gives it fp32 `prec`).
+    `shapes`: the trained parameters' shapes (Adafactor factors by shape); None: each taken as 1-D."""
+    kind, trained = optimizer_kind(ds, False, prec, plain, client), sum(train)
+    each: list[tuple[int, ...]] = shapes if shapes is not None else [(n,) for n in train]
+    stepped: list[tuple[int, ...]]
     if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
-        master, tensors = 0, len(train)
+        master, stepped = 0, each
     else:  # FP16_Optimizer (FusedAdam: one flat fp32 copy) or FP16_UnfusedOptimizer (an fp32 copy per tensor)
-        master, tensors = trained * 4, 1 if kind.name == "FusedAdam" else len(train)
-    kind = OptimizerKind(kind.name, kind.tensors, 4, kind.torch_step)  # the updated tensors are fp32 here
-    return states_record(sum(numels) * prec.param, trained * prec.param, master, optimizer_state(kind, trained, tensors),
+        master, stepped = trained * 4, [(trained,)] if kind.name == "FusedAdam" else each
+    kind = dataclasses.replace(kind, state_elem=4 if kind.layout == "dense" else kind.state_elem)  # fp32 tensors
+    return states_record(sum(numels) * prec.param, trained * prec.param, master, optimizer_state(kind, stepped),
                          (prec.param, prec.param, 4), kind, trained * prec.param)
 
 

@@ -48,10 +48,11 @@ def zero12_flat(numels: list[int], world: int, parameter_alignment: bool, param_
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
-           zero: DeepSpeedZeroConfig) -> dict:
+           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """`shapes` is not read: the optimizer steps one flat 1-D partition."""
     stage, trained = int(zero.stage), sum(train)
     opt_dev = offload_device(zero.offload_optimizer)
-    kind = optimizer_kind(ds, opt_dev != "none", prec)
+    kind = optimizer_kind(ds, opt_dev != "none", prec, client=client)
     part = zero12_flat(train, world, zero.parameter_alignment, prec.param) // world
     grads = part * prec.param if stage == 2 else trained * prec.param
     if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and opt_dev == "none":
@@ -61,7 +62,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
     # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
     # flattens the optimizer's param_groups)
-    return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, part, 1),
+    return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, [(part,)]),
                          (prec.param, prec.param, prec.master), kind, trained * prec.param,
                          where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
                                 "optimizer_state": host}, partition_numel=part)

@@ -61,9 +61,10 @@ def stage3_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
-           zero: DeepSpeedZeroConfig) -> dict:
+           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None) -> dict:
+    """`shapes` is not read: the optimizer steps one flat 1-D tensor per sub-group."""
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
-    kind = optimizer_kind(ds, opt_dev != "none", prec)
+    kind = optimizer_kind(ds, opt_dev != "none", prec, client=client)
     # zero.Init partitions every module parameter (parameter_offload.py:_convert_to_zero_parameters) and
     # marks persistence over all of them; the optimizer's partitions are the trainable ones'.
     every = sum(stage3_partition_numel(n, world) for n in numels)
@@ -72,7 +73,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     part, groups = sum(parts), stage3_sub_groups(parts, zero.sub_group_size)
     host = place(opt_dev)
     return states_record((every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
-                         optimizer_state(kind, part, len(groups)), (prec.param, prec.grad_accum, prec.master), kind,
+                         optimizer_state(kind, [(g,) for g in groups]), (prec.param, prec.grad_accum, prec.master), kind,
                          part * prec.param,
                          # the gradient partitions sit on the optimizer's device: host memory even for NVMe
                          where={"params": place(param_dev), "grads": "gpu" if opt_dev == "none" else "host",

@@ -48,7 +48,12 @@ class Optimizer:
     betas: Optional[list[float]] = None
     eps: Optional[float] = None
     weight_decay: Optional[float] = None
-    momentum: Optional[float] = None     # musgd
+    momentum: Optional[float] = None     # musgd, sgd
+    nesterov: Optional[bool] = None      # sgd
+    beta1: Optional[float] = None        # adafactor: null keeps no first moment
+    clip_threshold: Optional[float] = None  # adafactor
+    decay_rate: Optional[float] = None   # adafactor
+    scale_parameter: Optional[bool] = None  # adafactor
 
 
 @dataclass(frozen=True)

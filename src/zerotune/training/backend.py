@@ -56,20 +56,31 @@ def zero3_init(accelerator: Accelerator, run: ResolvedRun):
 
 
 def optimizer_and_scheduler(run: ResolvedRun, params):
-    """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders); the plain path mirrors it."""
+    """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders), or is handed the client
+    optimizer built here; the plain path mirrors it."""
     ds = run.ds_config
+    client = run.client_optimizer
     if run.use_deepspeed:
         from accelerate.utils import DummyOptim, DummyScheduler
 
-        opt = DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
+        # with a real optimizer, accelerate hands it to deepspeed.initialize; the dict's scheduler wraps it
+        opt = client_optimizer(client, params) if client else DummyOptim(params, lr=ds["optimizer"]["params"]["lr"])
         return opt, (DummyScheduler(opt) if "scheduler" in ds else None)
-    opt = torch_optimizer(ds["optimizer"], params)
+    opt = client_optimizer(client, params) if client else torch_optimizer(ds["optimizer"], params)
     if "scheduler" not in ds:
         return opt, None
     # DeepSpeed's schedulers are plain classes over a torch optimizer: reuse them for identical curves.
     from deepspeed.runtime import lr_schedules
 
     return opt, getattr(lr_schedules, ds["scheduler"]["type"])(opt, **ds["scheduler"]["params"])
+
+
+def client_optimizer(spec: dict, params) -> torch.optim.Optimizer:
+    """The client optimizer's class (torch, transformers or bitsandbytes) over `params`, as the spec says."""
+    from zerotune.ds_config.optimizers import client_class
+
+    kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in spec["params"].items()}
+    return client_class(spec)(params, **kwargs)
 
 
 def torch_optimizer(block: dict, params) -> torch.optim.Optimizer:

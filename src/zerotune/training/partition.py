@@ -31,8 +31,13 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(_nbytes(v) for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor))
+    """Each storage once: bitsandbytes' 8-bit states all point at one pair of quantisation maps."""
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                seen[v.untyped_storage().data_ptr() or id(v)] = _nbytes(v)
+    return sum(seen.values())
 
 
 def partition_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) -> dict:

@@ -175,7 +175,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         self.saves.save(self.accelerator, self.step, lambda: store.SaveRequest(
             root=self.saves.root, step=self.step,
-            meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world),
+            meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world,
+                                           self.run.client_optimizer),
             position_state=self.position_state(), unet=self.unet_module(), job=self.saves.job,
             # fp32 weights, and Adam's two moments of the trained ones
             size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,

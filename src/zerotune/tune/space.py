@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from zerotune.compose.overrides import as_typed
 from zerotune.errors import ConfigError
 
-KNOBS = ("zero_stage", "offload", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",
+KNOBS = ("zero_stage", "offload", "optimizer", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",
          "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size", "deepspeed.stage3_prefetch_bucket_size",
          "launch.num_processes", "launch.threads")
 # ZeRO's own settings: DeepSpeed reads them at stages 1-3 only, so stage 0 tries their first value alone.

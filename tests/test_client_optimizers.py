@@ -1,0 +1,166 @@
+"""Client optimizers (optimizer=adafactor, adamw8bit, torch_adamw, sgd): zerotune builds them and hands them to
+the engine. Their state rules against the real classes, the refusals with fixes that work when applied, the
+resume rules, the tune knob; end to end: Adafactor at ZeRO-2 with offload=cpu, planned model states equal to
+the engine's (the whole stage x offload x world grid per optimizer under `-m slow`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmarks.bench_plan_model_states as bench
+from tests.helpers.cli import compose_cfg
+from zerotune.checkpoints.decide import conversion_mode, current_meta, decide_resume
+from zerotune.ds_config import optimizers
+from zerotune.errors import ConfigError
+from zerotune.plan.model_states import model_state_bytes
+from zerotune.plan.rules import Precision, client_kind, optimizer_state
+from zerotune.plan.zero12 import zero12_flat
+from zerotune.preflight import preflight
+from zerotune.training.backend import client_optimizer
+from zerotune.training.partition import _state_bytes
+from zerotune.tune.space import read_command_line
+
+# a linear weight, a 3x3 conv kernel, a bias, one tensor past bitsandbytes' 8-bit threshold and one below it
+SHAPES = [(4, 6), (3, 3, 2, 2), (5,), (80, 70), (20, 30)]
+FP32 = Precision("fp32", 4, 4, 4, False)
+CLIENTS = ["adafactor", "adamw8bit", "torch_adamw", "sgd"]
+
+
+def spec(name: str, *overrides: str) -> dict:
+    checked = preflight(compose_cfg(f"optimizer={name}", *overrides))
+    assert checked.client_optimizer is not None and "optimizer" not in checked.ds_config
+    return checked.client_optimizer
+
+
+@pytest.mark.parametrize("name", CLIENTS)
+def test_state_rule_equals_the_real_class_after_a_step(name):
+    """The planner's bytes for these shapes against the class's own state after one step (each storage once:
+    bitsandbytes' quantisation maps are shared)."""
+    client = spec(name)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = client_optimizer(client, params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert optimizer_state(client_kind(client, FP32), SHAPES) == _state_bytes(opt)
+
+
+def test_adafactor_factors_whole_tensors_but_not_zero_partitions():
+    client = spec("adafactor")
+    numels = [math.prod(s) for s in SHAPES]
+    plain = model_state_bytes(numels, {}, 1, 0, False, None, client, SHAPES)["optimizer_state_bytes"]
+    rows_cols = 4 + 6 + 18 + 18 + 5 + 80 + 70 + 20 + 30  # 1-D: the whole second moment (5)
+    assert plain == rows_cols * 4 + 4 * len(SHAPES)  # + a 0-d fp32 RMS each
+    ds = {"zero_optimization": {"stage": 2}}
+    flat = zero12_flat(numels, 1, False, 4)
+    # ZeRO-2 hands it one flat 1-D partition: a whole second moment, smaller saving than the paper's
+    assert model_state_bytes(numels, ds, 1, 0, True, None, client, SHAPES)["optimizer_state_bytes"] == flat * 4 + 4
+    with_momentum = spec("adafactor", "optimizer.beta1=0.9")
+    assert model_state_bytes(numels, ds, 1, 0, True, None, with_momentum)["optimizer_state_bytes"] == flat * 8 + 4
+
+
+def test_8bit_states_are_a_byte_per_element_plus_block_scales():
+    kind = client_kind(spec("adamw8bit"), FP32)
+    n = 1_000_000
+    assert optimizer_state(kind, [(n,)]) == 2 * n + 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4
+    assert optimizer_state(kind, [(100,)]) == 2 * 100 * 4  # under 4096 elements: fp32 states, no maps
+
+
+def test_the_plan_names_the_optimizer_and_its_source():
+    checked = preflight(compose_cfg("optimizer=adafactor", "zero_stage=2", "offload=cpu"))
+    from zerotune.plan import predict
+
+    plan = predict.predict(checked, None, device="cpu")
+    terms = [t for t in plan["host_terms"] if t["term"] == "optimizer_states"]
+    assert terms and "transformers.Adafactor" in terms[0]["note"] and "optimization.py" in terms[0]["note"]
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def _refused(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as err:
+        preflight(compose_cfg(*overrides), overrides=overrides)  # as train.py: the typed overrides known
+    return err.value
+
+
+def test_8bit_without_usable_kernels_is_refused_and_the_fix_works(monkeypatch):
+    monkeypatch.setattr(optimizers, "_bnb_runs_on_cpu", lambda: False)
+    err = _refused("optimizer=adamw8bit", "zero_stage=2", "offload=cpu")
+    assert err.key == "optimizer.name" and "bitsandbytes" in err.problem
+    assert "optimizer=adafactor" in err.fix
+    assert preflight(compose_cfg("optimizer=adafactor", "zero_stage=2", "offload=cpu")).client_optimizer
+
+
+def test_a_key_the_class_does_not_take_is_named_and_the_fix_works():
+    err = _refused("optimizer=adafactor", "optimizer.betas=[0.9,0.99]")
+    assert err.key == "optimizer.betas" and "remove optimizer.betas" in err.fix
+    assert preflight(compose_cfg("optimizer=adafactor")).client_optimizer["params"]["relative_step"] is False
+
+
+def test_a_deepspeed_files_optimizer_block_conflicts_and_the_fix_works(tmp_path):
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                                "zero_optimization": {"stage": 2}}))
+    typed = (f"deepspeed.config_file={file}", "optimizer=adafactor")
+    err = _refused(*typed)  # the file's AdamW against the typed choice
+    assert err.key.startswith("optimizer") and "optimizer=adafactor" in err.problem
+    # a block without a type leaves optimizer=adafactor chosen: the builder refuses to drop either
+    file.write_text(json.dumps({"optimizer": {"params": {"lr": 1e-4}}, "zero_optimization": {"stage": 2}}))
+    err = _refused(*typed)
+    assert err.key == "optimizer" and "remove the optimizer block" in err.fix
+    file.write_text(json.dumps({"zero_optimization": {"stage": 2}}))  # the fix, applied
+    checked = preflight(compose_cfg(*typed), overrides=typed)
+    assert checked.client_optimizer["name"] == "adafactor" and checked.ds_config["zero_force_ds_cpu_optimizer"] is False
+
+
+def _meta(*overrides: str) -> dict:
+    checked = preflight(compose_cfg(*overrides))
+    return current_meta(checked.config, checked.ds_config, checked.use_deepspeed, 1, checked.client_optimizer)
+
+
+def test_resume_refuses_another_optimizers_state(tmp_path):
+    saved = _meta("optimizer=adafactor")
+    (tmp_path / "meta.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError) as err:
+        decide_resume(tmp_path, _meta("optimizer=adamw"), {})
+    assert err.value.key == "optimizer" and "optimizer=adafactor" in err.value.fix
+    assert decide_resume(tmp_path, _meta("optimizer=adafactor"), {}).mode == "native"
+
+
+def test_a_client_optimizers_state_is_not_converted_across_stages(tmp_path):
+    saved, now = _meta("optimizer=adafactor", "zero_stage=2"), _meta("optimizer=adafactor", "zero_stage=3")
+    with pytest.raises(ConfigError, match="adafactor's state has no conversion") as err:
+        conversion_mode(Path(tmp_path), saved, now)
+    assert "zerotune export" in err.value.fix
+
+
+def test_tune_takes_the_optimizer_as_a_knob():
+    line = read_command_line(["optimizer=adamw,adafactor", "zero_stage=2"])
+    assert line.values["optimizer"] == ["adamw", "adafactor"] and "optimizer" not in line.workload
+
+
+# ------------------------------------------------------------------------------------------- vs the engine
+
+
+def _engine_check(monkeypatch, tmp_path, optimizer: str, combos: list[tuple]) -> None:
+    monkeypatch.setattr(bench, "EXTRA", [f"optimizer={optimizer}"])
+    engine = bench.engine_partitions(combos, tmp_path, bench.ROOT)
+    bad = [r for c in combos if not bench.refused(*c) for r in bench.compare(c, engine[c]) if r["diff"]]
+    assert not bad, bad
+
+
+def test_adafactor_at_zero2_with_cpu_offload_matches_the_plan(monkeypatch, tmp_path):
+    _engine_check(monkeypatch, tmp_path, "adafactor", [("sdxl_tiny", 2, "cpu", 1)])
+
+
+@pytest.mark.slow  # four sweeps of 14 engines each
+@pytest.mark.parametrize("name", CLIENTS)
+def test_every_client_optimizer_matches_the_plan_on_the_grid(name, monkeypatch, tmp_path):
+    grid = [(m, s, o, w) for m in ("sdxl_tiny",) for s in range(4) for o in ("none", "cpu") for w in (1, 2)]
+    _engine_check(monkeypatch, tmp_path, name, grid)
