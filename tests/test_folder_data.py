@@ -24,7 +24,7 @@ from tests.helpers.folder_fixtures import (
 from tests.helpers.tiny_components import save_vae
 from zerotune.data import build_loader, check_data
 from zerotune.data.buckets import closest_bucket, make_buckets, place
-from zerotune.data.components import SDXLEncoders
+from zerotune.data.components import FrozenEncoders
 from zerotune.data.folder import scan_folder
 from zerotune.data.images import crop_pixels, open_rgb
 from zerotune.data.prepare import prepare_folder_data
@@ -50,11 +50,11 @@ def folder(tmp_path):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How often each encoder runs and loads, through the real SDXLEncoders."""
+    """How often each encoder runs and loads, through the real FrozenEncoders."""
     counts = Counter()
 
     def counting(name):
-        original = getattr(SDXLEncoders, name)
+        original = getattr(FrozenEncoders, name)
 
         def wrapper(self, *args):
             counts[name] += len(args[0]) if name.startswith("encode") else 1
@@ -62,7 +62,7 @@ def calls(monkeypatch):
         return wrapper
 
     for name in ("encode_images", "encode_text", "_load_vae", "_load_text"):
-        monkeypatch.setattr(SDXLEncoders, name, counting(name))
+        monkeypatch.setattr(FrozenEncoders, name, counting(name))
     return counts
 
 
@@ -249,7 +249,7 @@ def test_random_flip_caches_mirrored_views(folder, tiny_sdxl_components, tmp_pat
     plain, flipped = dataset[i], dataset[(i, True)]
     assert flipped["time_ids"].tolist() == dataset.items[i].placement.time_ids(flipped=True)
     assert not torch.allclose(plain["x0"], flipped["x0"])
-    encoders = SDXLEncoders(cfg_paths(tiny_sdxl_components), torch.device("cpu"))
+    encoders = FrozenEncoders(cfg_paths(tiny_sdxl_components), torch.device("cpu"))
     pixels = crop_pixels(open_rgb(dataset.items[i].record.path), dataset.items[i].placement)
     assert torch.allclose(flipped["x0"], encoders.encode_images(pixels.flip(-1)[None])[0], atol=1e-5)
     batch = next(iter(build_loader(cfg, 2, seed=0)))

@@ -82,7 +82,7 @@ def test_caching_appears_only_when_it_runs_on_the_gpu():
 
 
 def test_sdxl_caching_at_1024_is_the_run_peak():
-    """SDXL's VAE encoding 8 images of 1024 px in fp32 (SDXLEncoders) holds more than the training step."""
+    """SDXL's VAE encoding 8 images of 1024 px in fp32 (FrozenEncoders) holds more than the training step."""
     _, phases = plan_with_phases("experiment=sdxl_4090_1024_bs8",
                                  phase_overrides=("data=folder", "data.path=/nonexistent"))
     check_accounting(phases)

@@ -79,9 +79,9 @@ def patch_encoders(sampler: Sampler, marks: list, keep_reserved: bool) -> None:
     torch.cuda.empty_cache()) and marks memory again."""
     import torch
 
-    from zerotune.data.components import SDXLEncoders
+    from zerotune.data.components import FrozenEncoders
 
-    original_encode, original_release = SDXLEncoders.encode_images, SDXLEncoders.release
+    original_encode, original_release = FrozenEncoders.encode_images, FrozenEncoders.release
 
     def encode_images(self, pixels):
         latents = original_encode(self, pixels)
@@ -100,7 +100,7 @@ def patch_encoders(sampler: Sampler, marks: list, keep_reserved: bool) -> None:
             original_release(self)         # zerotune's: drops them, then torch.cuda.empty_cache()
         mark(marks, sampler, "after_release")
 
-    SDXLEncoders.encode_images, SDXLEncoders.release = encode_images, release
+    FrozenEncoders.encode_images, FrozenEncoders.release = encode_images, release
 
 
 def mark(marks: list, sampler: Sampler, phase: str) -> None:

@@ -1,4 +1,5 @@
-"""Tiny random SDXL components matching conf/model/sdxl_tiny.yaml, saved as a local pipeline folder.
+"""Tiny random SDXL and SD 1.5 components matching conf/model/sdxl_tiny.yaml and sd15_tiny.yaml, saved as local
+pipeline folders.
 
 Nothing is downloaded: the tokenizer is built from a vocab.json + merges.txt written here (CLIP's
 byte-level alphabet plus a few merges), the models from configs.
@@ -77,4 +78,19 @@ def save_tiny_pipeline(root: Path) -> Path:
     save_tokenizer(root / "tokenizer_2")
     save_vae(root / "vae")
     save_text_encoders(root, tok)
+    return root
+
+
+def save_tiny_sd15_pipeline(root: Path) -> Path:
+    """root/{vae, text_encoder, tokenizer}: an SD-1.5-shaped model.components folder for model=sd15_tiny (one
+    CLIPTextModel of hidden size 32 = the U-Net's cross_attention_dim)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tok = save_tokenizer(root / "tokenizer")
+    save_vae(root / "vae")
+    torch.manual_seed(1)
+    CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=77, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=37, hidden_size=TE1_HIDDEN,
+                                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)).save_pretrained(root / "text_encoder")
     return root

@@ -68,7 +68,7 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
     if meta.get("model") != now["model"]:
         raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
                           f"model={now['model']}", f"model={meta.get('model')}")
-    if (meta.get("client_optimizer") or now["client_optimizer"]) and meta.get("optimizer") != now["optimizer"]:
+    if (meta.get("client_optimizer") or now.get("client_optimizer")) and meta.get("optimizer") != now["optimizer"]:
         raise ConfigError("optimizer", f"checkpoint {path} holds optimizer={meta.get('optimizer')}'s state, this run "
                           f"builds optimizer={now['optimizer']}: one cannot load the other's",
                           f"optimizer={_option(meta.get('optimizer'))}, or {_export_fix(path)}")
@@ -98,7 +98,7 @@ def _export_fix(path: Path) -> str:
 def conversion_mode(path: Path, meta: dict, now: dict) -> str:
     """universal (to ZeRO-1/2/3) or full (to stage 0); refuses what cannot be converted."""
     src_zero = meta["use_deepspeed"] and meta["zero_stage"] >= 1
-    if meta.get("client_optimizer") or now["client_optimizer"]:
+    if meta.get("client_optimizer") or now.get("client_optimizer"):
         name = meta["optimizer"] if meta.get("client_optimizer") else now["optimizer"]
         # ds_to_universal and the stage-0 conversion rebuild Adam's moments by name; a client optimizer's
         # states (Adafactor's factored or flat second moment, 8-bit blocks) have no such rule.

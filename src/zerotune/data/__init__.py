@@ -19,9 +19,7 @@ def build_dataset(spec: DataSpec) -> Dataset:
     check_invert(spec)
     shape = latent_shape(model, spec.resolution)
     if name == "digits":
-        if model.conditioning != "class" or int(model.vae_scale_factor) != 1 or shape[0] != 1:
-            raise ConfigError("data", f"digits are 1-channel pixel images with class labels; model={model.name} "
-                              "does not take those", "model=tiny with data=digits, or data=synthetic")
+        check_digits(spec)
         from zerotune.data.digits import DigitsDataset
 
         return DigitsDataset(size=spec.resolution, split="train", seed=spec.seed, invert=bool(spec.data.invert))
@@ -39,11 +37,24 @@ def build_dataset(spec: DataSpec) -> Dataset:
 def check_data(spec: DataSpec) -> None:
     """The data checks that load no model (seconds): for the parent process, before workers start."""
     check_invert(spec)
+    if spec.data.name == "digits":
+        check_digits(spec)
     check_fits_memory(spec)
     if spec.data.name == "folder":
         from zerotune.data.prepare import check_folder_data
 
         check_folder_data(spec)
+
+
+def check_digits(spec: DataSpec) -> None:
+    """The digits are 1-channel pixel images with class labels: only a class-conditional pixel model takes them."""
+    model = spec.model
+    if model.conditioning != "class" or int(model.vae_scale_factor) != 1 or latent_shape(model, spec.resolution)[0] != 1:
+        text = model.conditioning != "class"
+        raise ConfigError("data", f"digits are 1-channel pixel images with class labels; model={model.name} "
+                          "does not take those", "data=synthetic (random inputs of its shapes)" + (
+                              ", or data=folder data.path=/path/to/captioned/images" if text else "")
+                          + ", or model=tiny with data=digits")
 
 
 def check_invert(spec: DataSpec) -> None:

@@ -1,4 +1,5 @@
-"""Training items read back from the latent cache: {"x0", "encoder_hidden_states", "text_embeds", "time_ids"}."""
+"""Training items read back from the latent cache: {"x0", "encoder_hidden_states"}, and SDXL's added
+conditioning {"text_embeds", "time_ids"}."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class CachedFolderDataset(Dataset):
         index, flipped = ref if isinstance(ref, tuple) else (ref, False)
         item = self.items[self._item_of[index]]
         hidden, pooled = self.cache.get_text(item.text_key)
-        return {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"],
-                "encoder_hidden_states": hidden, "text_embeds": pooled,
-                "time_ids": torch.tensor(item.placement.time_ids(flipped))}
+        sample = {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"], "encoder_hidden_states": hidden}
+        if pooled is not None:  # SDXL: the added conditioning
+            sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(flipped)))
+        return sample

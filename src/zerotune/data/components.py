@@ -1,7 +1,8 @@
-"""SDXL's frozen components from local folders: the VAE, both text encoders and their tokenizers.
+"""The frozen components from local folders: the VAE, the text encoders and their tokenizers (SDXL: two
+of each; SD 1.x/2.x, `conditioning: text`: one).
 
 Each comes from its own key (model.vae, model.text_encoder, model.text_encoder_2, model.tokenizer,
-model.tokenizer_2) or from the matching subfolder of one SDXL pipeline folder, model.components; an
+model.tokenizer_2) or from the matching subfolder of one pipeline folder, model.components; an
 own key wins. Nothing is ever downloaded (local_files_only). Their configs are checked against the
 U-Net before any weights load, and they load only when the latent cache misses.
 """
@@ -23,6 +24,7 @@ from zerotune.models import downsample_factor, unet_config
 from zerotune.schema import Model
 
 NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+ONE_ENCODER = ("vae", "text_encoder", "tokenizer")  # conditioning: text (SD 1.x / 2.x)
 # Files from_pretrained loads, in the order it looks for them; anything else in the folder
 # (other precision variants, READMEs) does not change what is computed.
 _WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin",
@@ -36,9 +38,21 @@ _VOLATILE = {"_diffusers_version", "transformers_version", "_name_or_path", "_co
 class ComponentPaths:
     vae: Path
     text_encoder: Path
-    text_encoder_2: Path
     tokenizer: Path
-    tokenizer_2: Path
+    text_encoder_2: Path | None = None  # SDXL's second encoder; None for SD 1.x / 2.x
+    tokenizer_2: Path | None = None
+
+    def text_pairs(self) -> list[tuple[Path, Path]]:
+        """(tokenizer, text encoder) folders, in the order their states are concatenated."""
+        pairs = [(self.tokenizer, self.text_encoder)]
+        if self.text_encoder_2 is not None and self.tokenizer_2 is not None:
+            pairs.append((self.tokenizer_2, self.text_encoder_2))
+        return pairs
+
+
+def component_names(model_cfg: Model) -> tuple[str, ...]:
+    """The components a model's conditioning needs."""
+    return ONE_ENCODER if model_cfg.conditioning == "text" else NAMES
 
 
 def resolve_components(model_cfg: Model) -> ComponentPaths:
@@ -49,14 +63,15 @@ def resolve_components(model_cfg: Model) -> ComponentPaths:
         raise ConfigError("model.components", f"{base} is not a folder",
                           "model.components=/path/to/a/local/sdxl/pipeline (with vae/, text_encoder/, ...)")
     found = {}
-    for name in NAMES:
+    for name in component_names(model_cfg):
         own = getattr(model_cfg, name)
         path = Path(str(own)).expanduser() if own else (base / name if base is not None else None)
         key = f"model.{name}" if own or base is None else "model.components"
         marker = "tokenizer_config.json" if name.startswith("tokenizer") else "config.json"
         if path is None:
             raise ConfigError(f"model.{name}", "data=folder encodes images and captions, but no local "
-                              f"{name} was given", f"model.components=/path/to/sdxl_pipeline or model.{name}=/path")
+                              f"{name} was given", f"model.components=/path/to/{model_cfg.name}_pipeline or "
+                              f"model.{name}=/path")
         if not (path / marker).is_file():
             raise ConfigError(key, f"{path} has no {marker}: not a saved {name}",
                               f"point model.{name} (or model.components) at a folder saved by save_pretrained")
@@ -83,7 +98,7 @@ def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
     """The components' output shapes against what the U-Net takes, from their configs alone."""
     unet = unet_config(model_cfg)
     vae = _config(paths.vae, "model.vae")
-    te1, te2 = _config(paths.text_encoder, "model.text_encoder"), _config(paths.text_encoder_2, "model.text_encoder_2")
+    te1 = _config(paths.text_encoder, "model.text_encoder")
     vae_factor = 2 ** (len(_field(vae, "block_out_channels", "model.vae", paths.vae)) - 1)
     if vae_factor != model_cfg.vae_scale_factor:
         raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
@@ -93,17 +108,25 @@ def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
         raise ConfigError("model.vae", f"{paths.vae} makes {vae.get('latent_channels')}-channel latents; the "
                           f"U-Net takes {unet['in_channels']}", "the VAE the U-Net was made for")
     h1 = int(_field(te1, "hidden_size", "model.text_encoder", paths.text_encoder))
-    h2 = int(_field(te2, "hidden_size", "model.text_encoder_2", paths.text_encoder_2))
-    if h1 + h2 != int(unet.get("cross_attention_dim") or 0):
-        raise ConfigError("model.text_encoder", f"the text encoders' hidden sizes add up to {h1 + h2} "
-                          f"({h1} + {h2}); the U-Net's cross_attention_dim is {unet.get('cross_attention_dim')}",
-                          "the text encoders the U-Net was made for")
-    pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
-    if int(te2.get("projection_dim", -1)) != pooled:
-        raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
-                          f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
+    encoders = [("model.text_encoder", te1)]
+    if paths.text_encoder_2 is None:  # SD 1.x / 2.x: cross-attention on the one encoder's states
+        if h1 != int(unet.get("cross_attention_dim") or 0):
+            raise ConfigError("model.text_encoder", f"its hidden size is {h1}; the U-Net's cross_attention_dim is "
+                              f"{unet.get('cross_attention_dim')}", "the text encoder the U-Net was made for")
+    else:
+        te2 = _config(paths.text_encoder_2, "model.text_encoder_2")
+        encoders.append(("model.text_encoder_2", te2))
+        h2 = int(_field(te2, "hidden_size", "model.text_encoder_2", paths.text_encoder_2))
+        if h1 + h2 != int(unet.get("cross_attention_dim") or 0):
+            raise ConfigError("model.text_encoder", f"the text encoders' hidden sizes add up to {h1 + h2} "
+                              f"({h1} + {h2}); the U-Net's cross_attention_dim is {unet.get('cross_attention_dim')}",
+                              "the text encoders the U-Net was made for")
+        pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
+        if int(te2.get("projection_dim", -1)) != pooled:
+            raise ConfigError("model.text_encoder_2", f"its pooled embedding has {te2.get('projection_dim')} "
+                              f"values; the U-Net expects {pooled}", "the text_encoder_2 the U-Net was made for")
     seq = int(model_cfg.text_seq_len)
-    for key, cfg in (("model.text_encoder", te1), ("model.text_encoder_2", te2)):
+    for key, cfg in encoders:
         if int(cfg.get("max_position_embeddings", seq)) < seq:
             raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "
                               f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
@@ -136,8 +159,9 @@ def component_id(path: Path, hasher: FileHasher) -> str:
 
 def component_ids(paths: ComponentPaths, hasher: FileHasher) -> dict[str, str]:
     """{"vae": ..., "text": ...}: latents depend on the first, text embeddings on the second."""
-    text = digest(component_id(paths.text_encoder, hasher), component_id(paths.text_encoder_2, hasher),
-                  hasher.folder(paths.tokenizer), hasher.folder(paths.tokenizer_2))
+    pairs = paths.text_pairs()
+    text = digest(*[component_id(encoder, hasher) for _, encoder in pairs],
+                  *[hasher.folder(tokenizer) for tokenizer, _ in pairs])
     return {"vae": component_id(paths.vae, hasher), "text": text}
 
 
@@ -164,8 +188,8 @@ def whole_frozen_models() -> Iterator[None]:
         set_hf_deepspeed_config(registered)
 
 
-class SDXLEncoders:
-    """The frozen encoders, each loaded on first use, in fp32, on `device`."""
+class FrozenEncoders:
+    """The frozen VAE and text encoders, each loaded on first use, in fp32, on `device`."""
 
     def __init__(self, paths: ComponentPaths, device: torch.device, seq_len: int = 77):
         self.paths, self.device, self.seq_len = paths, device, seq_len
@@ -183,18 +207,25 @@ class SDXLEncoders:
         return ((latents - shift) * vae.config.scaling_factor).float().cpu()
 
     @torch.no_grad()
-    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """SDXL's conditioning: both encoders' penultimate hidden states side by side [n, seq, d1 + d2],
-        and text_encoder_2's projected pooled embedding [n, p]."""
-        (tok1, enc1), (tok2, enc2) = self._load_text()
+        and text_encoder_2's projected pooled embedding [n, p]. SD 1.x / 2.x: the one encoder's last hidden
+        states (final layer norm applied, as StableDiffusionPipeline.encode_prompt takes them), no pooled."""
+        pairs = self._load_text()
+        if len(pairs) == 1:
+            tok, enc = pairs[0]
+            return enc(self._ids(tok, captions))[0].float().cpu(), None
         states, pooled = [], None
-        for tok, enc in ((tok1, enc1), (tok2, enc2)):
-            ids = tok(captions, padding="max_length", max_length=self.seq_len, truncation=True,
-                      return_tensors="pt").input_ids.to(self.device)
-            out = enc(ids, output_hidden_states=True)
+        for tok, enc in pairs:
+            out = enc(self._ids(tok, captions), output_hidden_states=True)
             states.append(out.hidden_states[-2])
             pooled = out[0]  # for text_encoder_2 (a ...WithProjection model), its text_embeds
+        assert pooled is not None
         return torch.cat(states, dim=-1).float().cpu(), pooled.float().cpu()
+
+    def _ids(self, tok, captions: list[str]) -> torch.Tensor:
+        return tok(captions, padding="max_length", max_length=self.seq_len, truncation=True,
+                   return_tensors="pt").input_ids.to(self.device)
 
     def _load_vae(self):
         if self._vae is None:
@@ -212,11 +243,10 @@ class SDXLEncoders:
             def model(cls, path: Path):
                 return cls.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(self.device).eval()
 
+            classes = [CLIPTextModel, CLIPTextModelWithProjection]
             with whole_frozen_models():
-                self._text = ((CLIPTokenizer.from_pretrained(self.paths.tokenizer, local_files_only=True),
-                               model(CLIPTextModel, self.paths.text_encoder)),
-                              (CLIPTokenizer.from_pretrained(self.paths.tokenizer_2, local_files_only=True),
-                               model(CLIPTextModelWithProjection, self.paths.text_encoder_2)))
+                self._text = [(CLIPTokenizer.from_pretrained(tok, local_files_only=True), model(cls, enc))
+                              for (tok, enc), cls in zip(self.paths.text_pairs(), classes, strict=False)]
         return self._text
 
     def release(self) -> None:

@@ -62,14 +62,17 @@ class LatentCache:
     def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         return load_file(str(self._path(kind, key)))
 
-    def put_text(self, key: str, hidden: torch.Tensor, pooled: torch.Tensor, caption: str) -> None:
-        """A caption's (or validation prompt's) embeddings, as SDXLEncoders.encode_text gives them."""
-        self.put("text", key, {"encoder_hidden_states": hidden, "text_embeds": pooled}, {"caption": caption})
+    def put_text(self, key: str, hidden: torch.Tensor, pooled: torch.Tensor | None, caption: str) -> None:
+        """A caption's (or validation prompt's) embeddings, as FrozenEncoders.encode_text gives them (no pooled
+        embedding for SD 1.x / 2.x)."""
+        tensors = {"encoder_hidden_states": hidden} if pooled is None else {"encoder_hidden_states": hidden,
+                                                                              "text_embeds": pooled}
+        self.put("text", key, tensors, {"caption": caption})
 
-    def get_text(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states [seq, d], pooled [p]) as put_text stored them."""
+    def get_text(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [seq, d], pooled [p] or None) as put_text stored them."""
         entry = self.get("text", key)
-        return entry["encoder_hidden_states"], entry["text_embeds"]
+        return entry["encoder_hidden_states"], entry.get("text_embeds")
 
 
 @dataclass
@@ -101,7 +104,7 @@ class CacheStats:
 
 
 class Encoders(Protocol):
-    """What build_cache needs; data.components.SDXLEncoders is the real one."""
+    """What build_cache needs; data.components.FrozenEncoders is the real one."""
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
@@ -172,8 +175,8 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
         for i in range(0, len(todo), batch_size):
             chunk = todo[i:i + batch_size]
             hidden, pooled = encoders.encode_text([c for _, c in chunk])
-            for (key, caption), h, p in zip(chunk, hidden, pooled, strict=True):
-                cache.put_text(key, h, p, caption)
+            for j, (key, caption) in enumerate(chunk):
+                cache.put_text(key, hidden[j], None if pooled is None else pooled[j], caption)
             stats.texts_computed += len(chunk)
             bar.update(len(chunk))
     stats.text_seconds = time.perf_counter() - start

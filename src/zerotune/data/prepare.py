@@ -20,7 +20,7 @@ from zerotune.data.buckets import Bucket, Placement, bucket_name, closest_bucket
 from zerotune.data.cached import CachedFolderDataset
 from zerotune.data.components import (
     ComponentPaths,
-    SDXLEncoders,
+    FrozenEncoders,
     check_bucket_step,
     check_compatible,
     component_ids,
@@ -58,9 +58,9 @@ def cache_dir(spec: DataSpec) -> Path:
 
 def check_folder_data(spec: DataSpec) -> CheckedFolder:
     """Every check of data=folder that loads no model and decodes no pixels."""
-    if spec.model.conditioning != "text_time":
-        raise ConfigError("data", f"data=folder makes SDXL text+time conditioning; model={spec.model.name} "
-                          f"takes {spec.model.conditioning!r}", "model=sdxl or model=sdxl_tiny with data=folder")
+    if spec.model.conditioning not in ("text", "text_time"):
+        raise ConfigError("data", f"data=folder makes text conditioning; model={spec.model.name} "
+                          f"takes {spec.model.conditioning!r}", "model=sdxl, sd15 or sd21 with data=folder")
     if not spec.data.path:
         raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
     step = spec.data.bucket_step
@@ -107,7 +107,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     cache = LatentCache(cache_dir(spec))
     seq_len = int(spec.model.text_seq_len)
     items, unreadable = _cache_items(spec, folder, cache, seq_len)
-    encoders = SDXLEncoders(folder.components, device or _device(spec), seq_len)
+    encoders = FrozenEncoders(folder.components, device or _device(spec), seq_len)
     try:
         ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress)
     finally:

@@ -33,6 +33,8 @@ class SyntheticDataset(Dataset):
         else:
             s = float(self.pixel_size)
             item["encoder_hidden_states"] = torch.randn(self.seq, self.dim, generator=g)
+            if self.kind == "text":  # SD 1.x / 2.x: nothing added
+                return item
             item["text_embeds"] = torch.randn(self.pooled, generator=g)
             # SDXL's time_ids: original size, crop top-left, target size.
             item["time_ids"] = torch.tensor([s, s, 0.0, 0.0, s, s])

@@ -11,6 +11,8 @@ def unet_kwargs(kind: str, batch: dict) -> dict:
     """Keyword arguments for unet(sample, timestep, **kwargs)."""
     if kind == "class":
         return {"encoder_hidden_states": None, "class_labels": batch["class_labels"]}
+    if kind == "text":  # SD 1.x / 2.x: one text encoder's hidden states, nothing added
+        return {"encoder_hidden_states": batch["encoder_hidden_states"]}
     if kind == "text_time":
         return {"encoder_hidden_states": batch["encoder_hidden_states"],
                 "added_cond_kwargs": {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}}
@@ -25,7 +27,8 @@ def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generat
     """
     if prob <= 0:
         return batch
-    keys = {"class": ("class_labels",), "text_time": ("encoder_hidden_states", "text_embeds")}[kind]
+    keys = {"class": ("class_labels",), "text": ("encoder_hidden_states",),
+            "text_time": ("encoder_hidden_states", "text_embeds")}[kind]
     n = batch[keys[0]].shape[0]
     drop = (torch.rand(n, generator=generator) if uniform is None else uniform) < prob
     out = dict(batch)

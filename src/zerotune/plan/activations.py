@@ -175,11 +175,11 @@ def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dt
     if model_cfg.conditioning == "class":
         cond = {"class_labels": torch.randint(int(model_cfg.num_classes), (batch,))}
     else:
-        pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
         seq = int(model_cfg.text_seq_len)
-        cond = {"encoder_hidden_states": torch.randn(batch, seq, int(unet["cross_attention_dim"]), dtype=dtype),
-                "text_embeds": torch.randn(batch, pooled, dtype=dtype),
-                "time_ids": torch.randn(batch, 6, dtype=dtype)}
+        cond = {"encoder_hidden_states": torch.randn(batch, seq, int(unet["cross_attention_dim"]), dtype=dtype)}
+        if model_cfg.conditioning == "text_time":  # SDXL's added conditioning
+            pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
+            cond.update(text_embeds=torch.randn(batch, pooled, dtype=dtype), time_ids=torch.randn(batch, 6, dtype=dtype))
     return {**drawn, "cond": conditioning.unet_kwargs(model_cfg.conditioning, cond)}
 
 

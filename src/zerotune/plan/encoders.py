@@ -1,16 +1,17 @@
-"""The frozen encoders of data=folder's caching (data/components.py SDXLEncoders) and the U-Net's module sizes,
+"""The frozen encoders of data=folder's caching (data/components.py FrozenEncoders) and the U-Net's module sizes,
 as the run phases need them (phases.py): parameter sizes and inference activation peaks, traced on fake tensors
 (no weights, no GPU), cached like activations.trace_step's traces (<cache>/plan/encoders-<key>.json).
 
-What is traced is what SDXLEncoders does on its device, in fp32:
+What is traced is what FrozenEncoders does on its device, in fp32:
 - latents: `vae.encode(pixels).latent_dist.mean`, scaled, on a batch of images at the bucket's size;
 - text: text_encoder then text_encoder_2 with output_hidden_states=True (the first's outputs stay referenced
-  while the second runs: `out` is rebound only when it returns), their penultimate states concatenated.
+  while the second runs: `out` is rebound only when it returns), their penultimate states concatenated;
+  SD 1.x / 2.x (`conditioning: text`): the one text_encoder's last hidden states.
 The VAE stays on the device while the text encoders run (both are dropped by release(), at the end).
 
 Architectures: the components' own config.json when model.components (or model.vae, ...) names local folders;
-otherwise SDXL base 1.0's published configs for model=sdxl, and tests/helpers/tiny_components.py's for
-model=sdxl_tiny (conf/model/sdxl_tiny.yaml describes the same set).
+otherwise the published configs for model=sdxl (SDXL base 1.0), sd15 and sd21, and
+tests/helpers/tiny_components.py's for model=sdxl_tiny and sd15_tiny (their conf/model/ files describe the same sets).
 """
 
 from __future__ import annotations
@@ -54,8 +55,20 @@ SDXL_TINY = {
     "text_encoder": {**_TINY_TEXT, "hidden_size": 32},
     "text_encoder_2": {**_TINY_TEXT, "hidden_size": 64, "projection_dim": 64},
 }
-BUILTIN: dict[str, tuple[dict, str]] = {"sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
-           "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)")}
+# runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-2-1: vae/config.json (SDXL's layout, SD's
+# scaling factor) and text_encoder/config.json (CLIP ViT-L/14; OpenCLIP ViT-H/14 with its last layer dropped).
+_SD_VAE = {**SDXL["vae"], "sample_size": 512, "scaling_factor": 0.18215}
+SD15 = {"vae": _SD_VAE, "text_encoder": SDXL["text_encoder"]}
+SD21 = {"vae": {**_SD_VAE, "sample_size": 768},
+        "text_encoder": {**_CLIP, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
+                         "num_attention_heads": 16, "hidden_act": "gelu", "projection_dim": 512}}
+SD15_TINY = {"vae": SDXL_TINY["vae"], "text_encoder": SDXL_TINY["text_encoder"]}
+BUILTIN: dict[str, tuple[dict, str]] = {
+    "sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
+    "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)"),
+    "sd15": (SD15, "Stable Diffusion 1.5's vae/, text_encoder/ config.json"),
+    "sd21": (SD21, "Stable Diffusion 2.1's vae/, text_encoder/ config.json"),
+    "sd15_tiny": (SD15_TINY, "tests/helpers/tiny_components.py (conf/model/sd15_tiny.yaml)")}
 _MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
 
 
@@ -64,7 +77,7 @@ def configs(model_cfg: Model) -> tuple[dict, str] | None:
     describe them."""
     base = model_cfg.components
     found = {}
-    for name in _MODEL_KEYS:
+    for name in _MODEL_KEYS if model_cfg.conditioning == "text_time" else _MODEL_KEYS[:2]:
         own = getattr(model_cfg, name) or (Path(str(base)) / name if base else None)
         file = Path(str(own)).expanduser() / "config.json" if own else None
         if file is None or not file.is_file():
@@ -106,8 +119,10 @@ def _meta_models(archs: dict) -> dict:
 
     with init_empty_weights():
         vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"})
-        return {"vae": vae.eval(), "text_encoder": text(CLIPTextModel, archs["text_encoder"]).eval(),
-                "text_encoder_2": text(CLIPTextModelWithProjection, archs["text_encoder_2"]).eval()}
+        models = {"vae": vae.eval(), "text_encoder": text(CLIPTextModel, archs["text_encoder"]).eval()}
+        if "text_encoder_2" in archs:  # SDXL
+            models["text_encoder_2"] = text(CLIPTextModelWithProjection, archs["text_encoder_2"]).eval()
+        return models
 
 
 def _trace(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
@@ -137,7 +152,7 @@ def _peak(tracker: StepTracker, modules: list[torch.nn.Module], run: Callable[[]
 
 
 def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Tensor:
-    """SDXLEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host. `vae`:
+    """FrozenEncoders.encode_images: the posterior's mean, shifted and scaled, then copied to the host. `vae`:
     diffusers' AutoencoderKL (Any: its decorated `encode` is opaque to a type checker)."""
     pixels = torch.randn(batch, 3, *image_hw)
     latents = vae.encode(pixels).latent_dist.mean
@@ -145,7 +160,11 @@ def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Ten
 
 
 def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
-    """SDXLEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile."""
+    """FrozenEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile;
+    SD 1.x / 2.x: the one encoder's last hidden states."""
+    if "text_encoder_2" not in models:
+        enc = models["text_encoder"]
+        return enc(torch.randint(0, int(enc.config.vocab_size), (batch, seq_len)))[0]
     states, out = [], None
     for name in ("text_encoder", "text_encoder_2"):
         enc = models[name]
@@ -213,7 +232,7 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     diffusers' StableDiffusionXLPipeline with guidance, as training/validation.py calls it, on a U-Net and a VAE
     built from the same configs with random weights. {"between_ops", "with_workspaces"}: bytes held beyond the
     weights, from torch.profiler's record of every allocation and free (activations.measure_step_on_cpu's way)."""
-    from diffusers import AutoencoderKL, StableDiffusionXLPipeline
+    from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from torch.profiler import ProfilerActivity, profile
 
     from zerotune.diffusion import noise_scheduler
@@ -226,16 +245,23 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     unet = build_unet(model_cfg).eval()
     vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"}).eval()
     schedule = dict(noise_scheduler(Diffusion()).config)  # the training schedule's defaults
-    pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None, tokenizer_2=None,
-                                     unet=unet, scheduler=make_sampler(schedule, str(model_cfg.prediction_type),
-                                                                       pixel_space=False), add_watermarker=False)
-    pipe.set_progress_bar_config(disable=True)
+    sampler = make_sampler(schedule, str(model_cfg.prediction_type), pixel_space=False)
     config = unet_config(model_cfg)
-    pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(config["addition_time_embed_dim"])
     states = torch.randn(1, int(model_cfg.text_seq_len), int(config["cross_attention_dim"]))
+    embeds: dict[str, torch.Tensor] = {"prompt_embeds": states}
+    if model_cfg.conditioning == "text":  # as training/validation.py: the zeros null condition as the negative
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=sampler,
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        embeds["negative_prompt_embeds"] = torch.zeros_like(states)
+    else:
+        pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                         tokenizer_2=None, unet=unet, scheduler=sampler, add_watermarker=False)
+        pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(config["addition_time_embed_dim"])
+        embeds["pooled_prompt_embeds"] = torch.randn(1, pooled)
+    pipe.set_progress_bar_config(disable=True)
     scale = 2 ** (len(archs["vae"]["block_out_channels"]) - 1)  # pixels per latent
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
-        pipe(prompt_embeds=states, pooled_prompt_embeds=torch.randn(1, pooled), height=latent_hw[0] * scale,
+        pipe(**embeds, height=latent_hw[0] * scale,
              width=latent_hw[1] * scale, num_inference_steps=steps, guidance_scale=5.0,
              generator=torch.Generator().manual_seed(0), output_type="pt")
     peaks = _peaks(prof.profiler.kineto_results.events())

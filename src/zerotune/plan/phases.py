@@ -69,7 +69,7 @@ def _carry(phases: list[dict]) -> list[dict]:
 
 
 def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
-    """SDXLEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
+    """FrozenEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
     device = str(cfg.data.cache_device)
     if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
@@ -85,17 +85,18 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, bas
     resident = _zero3_resident(checked, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
            term("vae_encode_activations", traced["vae_peak"], f"fake-tensor trace: {images} images of {size}x{size}, "
-                "fp32 (latent_cache._build_latents, SDXLEncoders.encode_images)")]
-    text = [vae[0], term("text_encoder_weights", weights["text_encoder"] + weights["text_encoder_2"],
-                         f"both, fp32, one block per parameter ({where}); the VAE stays loaded"),
+                "fp32 (latent_cache._build_latents, FrozenEncoders.encode_images)")]
+    text_weights = sum(b for name, b in weights.items() if name.startswith("text_encoder"))
+    text = [vae[0], term("text_encoder_weights", text_weights,
+                         f"every text encoder, fp32, one block per parameter ({where}); the VAE stays loaded"),
             term("text_encode_activations", traced["text_peak"], f"fake-tensor trace: {batch} captions, "
-                 "all hidden states (SDXLEncoders.encode_text)")]
+                 "all hidden states (FrozenEncoders.encode_text)")]
     top = max((vae, text), key=lambda ts: sum(t["mib"] for t in ts))
     terms = [*base, *resident, *top]
     live = sum(t["mib"] for t in [*base, *resident])
     return {"phase": "caching", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
             "source": "data/prepare.py prepare_folder_data -> data/latent_cache.py build_cache; "
-                      "data/components.py SDXLEncoders.release calls torch.cuda.empty_cache() (line 198)",
+                      "data/components.py FrozenEncoders.release calls torch.cuda.empty_cache() (line 198)",
             "end_live_mib": live}
 
 
@@ -161,7 +162,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
     them already), the VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode
     (fake-tensor traces). The prompts' embeddings come from the latent cache: no text encoder is loaded.
     None without validation prompts, or when no architecture describes the VAE."""
-    if not (enabled(cfg) and cfg.model.conditioning == "text_time"):
+    if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
         return None
     found = encoders.configs(cfg.model)
     if found is None:

@@ -77,7 +77,7 @@ class Model:
     name: str = MISSING
     unet: dict[str, Any] = field(default_factory=dict)   # diffusers UNet2DConditionModel's arguments
     vae_scale_factor: int = 1
-    conditioning: str = "class"          # class | text_time
+    conditioning: str = "class"          # class | text (SD 1.x/2.x) | text_time (SDXL)
     prediction_type: str = "epsilon"     # epsilon | v_prediction
     attention: str = "default"           # default | sdpa
     num_classes: int = 10
@@ -165,7 +165,7 @@ class Evaluate:
 
 @dataclass(frozen=True)
 class Validation:
-    """Prompts sampled with the weights being trained (text_time models; src/zerotune/validation/)."""
+    """Prompts sampled with the weights being trained (text models; src/zerotune/validation/)."""
     prompts: list[str] = field(default_factory=list)
     prompt_file: Optional[str] = None    # .txt (one per line, kohya's --n/--d), .jsonl, or .json
     negative_prompt: str = ""            # for prompts that name none; "" samples against the null condition

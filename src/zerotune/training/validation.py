@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zerotune.data.components import SDXLEncoders, component_ids, resolve_components, whole_frozen_models
+from zerotune.data.components import FrozenEncoders, component_ids, resolve_components, whole_frozen_models
 from zerotune.data.hashing import FileHasher
 from zerotune.data.latent_cache import LatentCache
 from zerotune.data.prepare import cache_dir
@@ -150,26 +150,41 @@ class Validator:
         return images, errors
 
     def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trained) -> Any:
-        from diffusers import StableDiffusionXLPipeline
-
         schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
         scheduler = make_sampler(schedule, str(self.cfg.diffusion.prediction_type), pixel_space=False)
-        pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
-                                         tokenizer_2=None, unet=unet, scheduler=scheduler, add_watermarker=False,
-                                         force_zeros_for_empty_prompt=True)
+        if self.cfg.model.conditioning == "text":  # SD 1.x / 2.x
+            from diffusers import StableDiffusionPipeline
+
+            pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
+                                           safety_checker=None, feature_extractor=None,
+                                           requires_safety_checker=False)
+        else:
+            from diffusers import StableDiffusionXLPipeline
+
+            pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
+                                             tokenizer_2=None, unet=unet, scheduler=scheduler, add_watermarker=False,
+                                             force_zeros_for_empty_prompt=True)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def _png(self, pipe: Any, p: ValidationPrompt) -> bytes:
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            return t[None].to(self.device, self.dtype)
+
         states, pooled = self.embeddings[p.prompt]
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"prompt_embeds": on_device(states)}
+        if pooled is not None:  # SDXL's added conditioning
+            kwargs["pooled_prompt_embeds"] = on_device(pooled)
         if p.negative_prompt:
             neg_states, neg_pooled = self.embeddings[p.negative_prompt]
-            kwargs = {"negative_prompt_embeds": neg_states[None].to(self.device, self.dtype),
-                      "negative_pooled_prompt_embeds": neg_pooled[None].to(self.device, self.dtype)}
-        image = pipe(prompt_embeds=states[None].to(self.device, self.dtype),
-                     pooled_prompt_embeds=pooled[None].to(self.device, self.dtype),
-                     width=p.width, height=p.height, num_inference_steps=p.steps, guidance_scale=p.guidance_scale,
+            kwargs["negative_prompt_embeds"] = on_device(neg_states)
+            if neg_pooled is not None:
+                kwargs["negative_pooled_prompt_embeds"] = on_device(neg_pooled)
+        elif pooled is None:
+            # SD 1.x / 2.x would tokenize "" (no tokenizer here); zeros are the null condition trained on
+            # (models/conditioning.drop_condition), as SDXL's force_zeros_for_empty_prompt
+            kwargs["negative_prompt_embeds"] = torch.zeros_like(kwargs["prompt_embeds"])
+        image = pipe(width=p.width, height=p.height, num_inference_steps=p.steps, guidance_scale=p.guidance_scale,
                      guidance_rescale=float(self.v.guidance_rescale),
                      generator=torch.Generator("cpu").manual_seed(p.seed), output_type="pil", **kwargs).images[0]
         buffer = io.BytesIO()
@@ -207,8 +222,8 @@ class Validator:
 
     # ---- the frozen components
 
-    def _encode_prompts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{text: (hidden states [seq, d], pooled [p])} for this rank's prompts and negative prompts, from the
+    def _encode_prompts(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """{text: (hidden states [seq, d], pooled [p] or None)} for this rank's prompts and negative prompts, from the
         latent cache's text entries (computed there on a miss, the text encoders then released)."""
         texts = sorted({t for p in self.mine for t in (p.prompt, p.negative_prompt) if t})
         if not texts:
@@ -220,13 +235,13 @@ class Validator:
         keys = {t: LatentCache.text_key(t, text_id, seq_len) for t in texts}
         todo = [t for t in texts if not cache.has("text", keys[t])]
         if todo:
-            encoders = SDXLEncoders(self.paths, _encode_device(self.cfg, self.device), seq_len)
+            encoders = FrozenEncoders(self.paths, _encode_device(self.cfg, self.device), seq_len)
             try:
                 hidden, pooled = encoders.encode_text(todo)
             finally:
                 encoders.release()
-            for t, h, q in zip(todo, hidden, pooled, strict=True):
-                cache.put_text(keys[t], h, q, t)
+            for i, t in enumerate(todo):
+                cache.put_text(keys[t], hidden[i], None if pooled is None else pooled[i], t)
         return {t: cache.get_text(keys[t]) for t in texts}
 
     def _vae_on_device(self) -> Any:

@@ -50,15 +50,17 @@ def check_validation(cfg: Config) -> list[ValidationPrompt]:
     v = cfg.validation
     if not enabled(cfg):
         return []
-    if cfg.model.conditioning != "text_time":
+    if cfg.model.conditioning not in ("text", "text_time"):
         raise ConfigError("validation.prompts", f"model={cfg.model.name} is class-conditional: it takes no text "
                           "prompt (its grid per class is sampled by evaluate.*)",
                           "validation.prompts=[] validation.prompt_file=null, or a text model: model=sdxl_tiny "
                           "data=folder data.path=/path/to/images model.components=/path/to/sdxl_pipeline")
     if not (cfg.model.components or cfg.model.vae):
+        folders = ("vae/, text_encoder/, tokenizer/" if cfg.model.conditioning == "text" else
+                   "vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/")
         raise ConfigError("model.components", "validation prompts are encoded by the text encoders and decoded by "
-                          "the VAE, and no local folder holds them", "model.components=/path/to/a/local/sdxl/pipeline "
-                          "(with vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/)")
+                          "the VAE, and no local folder holds them",
+                          f"model.components=/path/to/a/local/{cfg.model.name}/pipeline (with {folders})")
     _check_numbers(v)
     if v.weights not in WEIGHTS:
         raise ConfigError("validation.weights", f"must be one of {', '.join(WEIGHTS)}, got {v.weights!r}",
