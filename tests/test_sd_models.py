@@ -96,8 +96,11 @@ def test_the_export_generates_in_diffusers_sd_pipeline(sd15_run, tmp_path):
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
 
 
-def test_the_default_digits_are_refused_before_any_worker_and_the_fix_works():
+def test_the_default_digits_are_refused_before_any_worker_and_the_fix_works(tmp_path):
+    """A job that would train refuses them (the workers could not load them); a plan of the model does not."""
     with pytest.raises(ConfigError) as err:
-        preflight(compose_cfg("model=sd15_tiny", "resolution=32"))
+        preflight(compose_cfg("model=sd15_tiny", "resolution=32"), run_dir=tmp_path)
     assert err.value.key == "data" and "data=synthetic" in err.value.fix
-    assert preflight(compose_cfg("model=sd15_tiny", "resolution=32", "data=synthetic")).config.model.name == "sd15_tiny"
+    fixed = preflight(compose_cfg("model=sd15_tiny", "resolution=32", "data=synthetic"), run_dir=tmp_path)
+    assert fixed.config.model.name == "sd15_tiny"
+    assert preflight(compose_cfg("model=sd15_tiny", "resolution=32")).config.data.name == "digits"  # plan only

@@ -86,17 +86,18 @@ def _check_loss_settings(cfg: Config) -> None:
                           "model.prediction_type=v_prediction, or diffusion.rescale_betas_zero_snr=false")
 
 
-def _check_inputs(cfg: Config) -> None:
+def _check_inputs(cfg: Config, training: bool) -> None:
     """The weights, data and logger a worker would open: what would fail there (after its start-up) fails here."""
     models.check_pretrained(cfg.model)
-    check_data(DataSpec.from_config(cfg))
+    check_data(DataSpec.from_config(cfg), training)
     check_validation(cfg)
     check_logger(cfg.logger)
 
 
 def check(settled: Settled, platform: Platform | None = None, run_dir: str | Path | None = None) -> ResolvedRun:
     """Check the settled config and build its DeepSpeed dict: every bad configuration stops here, before any
-    model exists. With the job's `run_dir`, the checkpoint `resume` names is found, checked and judged too."""
+    model exists. With the job's `run_dir` (a job that will train), the checkpoint `resume` names is found, checked
+    and judged too, and the data set is checked against the model."""
     cfg, user, world_size = settled.config, settled.user, settled.world_size
     platform = platform or detect()
     try:
@@ -104,7 +105,7 @@ def check(settled: Settled, platform: Platform | None = None, run_dir: str | Pat
     except ConfigError as exc:
         raise user.attribute(exc) from None
     shape = models.latent_shape(cfg.model, cfg.resolution.size)
-    _check_inputs(cfg)
+    _check_inputs(cfg, training=run_dir is not None)
     use_ds = _use_deepspeed(cfg, platform)
     stats = models.model_stats(cfg.model, cfg.adapter)
     try:

@@ -34,10 +34,11 @@ def build_dataset(spec: DataSpec) -> Dataset:
     raise ConfigError("data.name", f"unknown data set {name!r}", "data=digits, data=synthetic or data=folder")
 
 
-def check_data(spec: DataSpec) -> None:
-    """The data checks that load no model (seconds): for the parent process, before workers start."""
+def check_data(spec: DataSpec, training: bool = True) -> None:
+    """The data checks that load no model (seconds): for the parent process, before workers start. `training`:
+    False where only a plan is made (`zerotune plan model=sdxl` plans the default data's shapes, never reads it)."""
     check_invert(spec)
-    if spec.data.name == "digits":
+    if spec.data.name == "digits" and training:
         check_digits(spec)
     check_fits_memory(spec)
     if spec.data.name == "folder":
