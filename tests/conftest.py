@@ -17,10 +17,12 @@ if (_threads := xdist_groups.threads_per_worker()) is not None:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which names each item's group in its node id
 def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadgroup`, tests that share a session or module fixture run on one worker. Tests marked
+    """Under `--dist loadgroup`, tests that share a session or module fixture run on one worker, and the tests
+    that share nothing are handed out longest first (tests/durations.json). Tests marked
     `cuda` need a CUDA GPU: skipped where torch sees none (torch is imported only if some are collected)."""
     if config.pluginmanager.hasplugin("xdist") and xdist_groups.grouping(config):
         xdist_groups.mark_groups(items, Path(__file__).parent)
+        xdist_groups.longest_first(items, xdist_groups.read_durations(Path(__file__).parent))
     wanting = [item for item in items if item.get_closest_marker("cuda")]
     if not wanting:
         return

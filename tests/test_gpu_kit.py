@@ -1,6 +1,10 @@
 """The GPU kit's dry run: `bash benchmarks/gpu/run.sh all --dry-run` walks every part's steps on this CPU with
 tiny shapes, so the kit cannot rot before a card arrives. Its files are read back: every row present, the rows run
-really ran, and no GPU figure is invented (null in the JSON, "unmeasured" in the tables)."""
+really ran, and no GPU figure is invented (null in the JSON, "unmeasured" in the tables).
+
+The whole dry run takes about 50 s on 2 cores: it runs under `-m slow`. The fast suite runs the kit's first call
+(`first --dry-run`, tests/test_gpu_kit_first.py), the part a lent card runs every session, whose env and
+reference steps are the same code."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from zerotune import config_search
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import parts  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 GPU_FIGURES = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocated_mib", "gpu_peak_reserved_mib",
                "step_time_median_s")

@@ -110,6 +110,7 @@ def test_the_plan_for_a_bare_card_fits_the_budget(tmp_path):
     assert sum(seconds.values()) <= kit.BUDGET_S
 
 
+@pytest.mark.slow  # a first call started and killed mid-row, 24 s; stopping a piece's processes is a fast test below
 def test_a_call_killed_mid_row_leaves_valid_files_with_the_rows_done(tmp_path):
     proc = start_first(kit_env(tmp_path))
     path, seen = tmp_path / "out" / "first.json", []

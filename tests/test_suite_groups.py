@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.xdist_groups import mark_groups, threads_per_worker
+from tests.helpers.xdist_groups import durations_from_junit, longest_first, mark_groups, threads_per_worker
 
 pytest_plugins = ["pytester"]
 
@@ -56,6 +56,27 @@ def test_a_module_fixture_groups_its_module_and_per_test_fixtures_group_nothing(
     assert browser is not None and browser.endswith("::browser")
     assert found["test_drives_it_again"] == browser != found["test_reads_the_run"]
     assert found["test_shares_nothing"] is None  # pytest's own session fixtures are shared by every test
+
+
+def test_tests_that_share_nothing_go_longest_first_and_groups_keep_their_order(pytester):
+    items = pytester.getitems(SOURCE)
+    mark_groups(items, pytester.path)
+    grouped = [i.name for i in items if i.get_closest_marker("xdist_group")]
+    free = {i.nodeid: i for i in items if not i.get_closest_marker("xdist_group")}
+    assert len(free) == 1
+    longest_first(items, {next(iter(free)): 30.0})
+    assert items[0].name == "test_shares_nothing"  # before every group, in collection order
+    assert [i.name for i in items[1:]] == grouped
+
+
+def test_recorded_durations_leave_out_grouped_and_short_tests(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="tests.test_jobs" name="test_long" time="28.04"/>'
+                     '<testcase classname="tests.test_jobs" name="test_short[1]" time="0.2"/>'
+                     '<testcase classname="tests.test_kit.test_x@test_kit.py" name="dry_run" time="50"/>'
+                     '</testsuite></testsuites>')
+    assert durations_from_junit(junit) == {"tests/test_jobs.py::test_long": 28.0}
 
 
 @pytest.mark.parametrize(("cores", "workers", "threads"), [(2, "2", 1), (16, "4", 4), (2, "3", 1), (8, None, None)])

@@ -7,7 +7,9 @@ xdist hands out the largest groups first; tests that share nothing are handed ou
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,42 @@ def mark_groups(items: list[pytest.Item], tests_dir: Path) -> None:
     for item, keys in per_item:
         if keys:
             item.add_marker(pytest.mark.xdist_group(find(keys[0])))
+
+
+DURATIONS = "durations.json"  # {node id: seconds} of the tests that share nothing, from a cold `make test`
+
+
+def longest_first(items: list[pytest.Item], durations: dict[str, float]) -> None:
+    """Order the tests that share nothing longest first (their recorded seconds; unknown ones last), in place.
+    xdist hands out groups before them and single tests in collection order: a long test handed out last keeps
+    one worker busy while the other idles (the longest-processing-time-first rule). Grouped tests keep their
+    order, so a module's shared set-up still runs once."""
+    def key(item: pytest.Item) -> float:
+        return 0.0 if item.get_closest_marker("xdist_group") else -durations.get(item.nodeid, 0.0)
+
+    items.sort(key=key)  # stable: grouped tests (all 0) keep their relative order
+
+
+def read_durations(tests_dir: Path) -> dict[str, float]:
+    found = tests_dir / DURATIONS
+    return json.loads(found.read_text()) if found.is_file() else {}
+
+
+def durations_from_junit(junit: Path, minimum_s: float = 1.0) -> dict[str, float]:
+    """{node id: seconds} of a junit file's ungrouped tests of at least `minimum_s` (a grouped test's class name
+    carries its group after an @: xdist schedules groups by size, so their times are not needed)."""
+    out = {}
+    for case in ET.parse(junit).iter("testcase"):
+        module, name, seconds = case.get("classname", ""), case.get("name", ""), float(case.get("time", 0))
+        if "@" in module or "@" in name or seconds < minimum_s:
+            continue
+        out[module.replace(".", "/") + ".py::" + name] = round(seconds, 1)
+    return dict(sorted(out.items()))
+
+
+if __name__ == "__main__":  # python -m tests.helpers.xdist_groups <junit.xml>: rewrite tests/durations.json
+    import sys
+
+    table = durations_from_junit(Path(sys.argv[1]))
+    (Path(__file__).parents[1] / DURATIONS).write_text(json.dumps(table, indent=0) + "\n")
+    print(f"{len(table)} tests, {sum(table.values()):.0f} s")
