@@ -42,7 +42,7 @@ def _term(name: str, mib: float) -> dict:
 
 # One rank on a CPU accelerator: 2,000 + 2,000 + 1,500 + 500 device MiB (the CUDA-only terms left out) beside a
 # 1,000 MiB EMA on the host = 7,000 MiB; the fp32 build (3,000 MiB) comes first and is smaller.
-PLAN = {"gpu_peak_mib": 6100.0,
+PLAN = {"gpu_peak_mib": 6100.0, "trainable_params": 2_567_463_684, "frozen_params": 0,  # SDXL's U-Net
         "gpu_terms": [_term("cuda_context", 400), _term("params", 2000), _term("grads", 2000),
                       _term("optimizer_states", 1500), _term("activations", 500), _term("allocator_rounding", 100)],
         "host_terms": [_term("ema", 1000), _term("model_load", 3000)]}
@@ -100,6 +100,8 @@ def test_refuse_names_both_figures_and_the_fixes(cpu_host):
     assert "CPU accelerator" in err.value.problem
     for fix in ("adapter=lora", "offload=nvme offload.path=", "model=tiny", "plan.only=true", "plan.guard=warn"):
         assert fix in err.value.fix, fix
+    # a smaller model is offered where its parameters, scaled, fit the room; never a larger one
+    assert "model=sd15;" in err.value.fix and "model=sdxl;" not in err.value.fix
     assert "launch.num_processes" not in err.value.fix  # one rank: nothing to gain
 
 

@@ -81,6 +81,7 @@ def test_caching_appears_only_when_it_runs_on_the_gpu():
     assert by_name(on_gpu)["loading"]["carried_mib"] < caching["reserved_mib"]
 
 
+@pytest.mark.slow  # SDXL's VAE traced at 1024 px, 28 s cold; the caching phase itself is checked above
 def test_sdxl_caching_at_1024_is_the_run_peak():
     """SDXL's VAE encoding 8 images of 1024 px in fp32 (FrozenEncoders) holds more than the training step."""
     _, phases = plan_with_phases("experiment=sdxl_4090_1024_bs8",

@@ -154,11 +154,35 @@ def _fixes(cfg: Config, plan: dict) -> str:
             fixes.append(f"a lower resolution or train.batch_size (activations are {activations:.0%} of the peak)")
     else:
         fixes.append("zerotune plan ... --all for options that fit")
-    model = _option(cfg, "model")
-    others = [name for name in config_search.current().group_options().get("model", []) if model and name != model]
-    fixes += [f"model={name}" for name in others]
+    fixes += [f"model={name}" for name in _smaller_models(cfg, plan, fit)]
     fixes += ["plan.only=true to predict without training", "plan.guard=warn to run anyway"]
     return "; or ".join(fixes)
+
+
+def _smaller_models(cfg: Config, plan: dict, fit: dict) -> list[str]:
+    """The other model options with fewer parameters whose need, this plan's scaled by their parameter count,
+    is under the room (nearly every term grows with the parameters: an estimate, and a typed fix is checked
+    again). Not a larger model: it needs more."""
+    from omegaconf import OmegaConf
+
+    from zerotune.models import model_stats
+    from zerotune.schema import Model
+
+    model, search = _option(cfg, "model"), config_search.current()
+    current = int(plan.get("trainable_params") or 0) + int(plan.get("frozen_params") or 0)
+    if not model or not current:
+        return []
+    need, room = fit.get("needed_mib"), fit.get("room_mib")
+    found = []
+    for name in search.group_options().get("model", []):
+        path = search.option_file("model", name)
+        if name == model or path is None:
+            continue
+        option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(path)))
+        params = model_stats(option).num_params  # type: ignore[arg-type]  # to_object of the Model schema
+        if params < current and (need is None or room is None or need * params / current <= room):
+            found.append(name)
+    return found
 
 
 def _option(cfg: Config, group: str, key: str = "name") -> Any:
