@@ -164,3 +164,58 @@ def test_adafactor_at_zero2_with_cpu_offload_matches_the_plan(monkeypatch, tmp_p
 def test_every_client_optimizer_matches_the_plan_on_the_grid(name, monkeypatch, tmp_path):
     grid = [(m, s, o, w) for m in ("sdxl_tiny",) for s in range(4) for o in ("none", "cpu") for w in (1, 2)]
     _engine_check(monkeypatch, tmp_path, name, grid)
+
+
+def test_adafactors_step_copies_are_planned_where_it_steps():
+    """Two fp32 copies of the tensor it steps (the flat partition here): on the device, or on the host when
+    offloaded; and an offloaded client optimizer's step time is unmeasured, not CPU-Adam's."""
+    from zerotune.plan import predict
+    from zerotune.plan.gpus import lookup
+
+    for offload, where in (("none", "gpu_terms"), ("cpu", "host_terms")):
+        checked = preflight(compose_cfg("optimizer=adafactor", "zero_stage=2", f"offload={offload}"))
+        plan = predict.predict(checked, lookup("rtx4090"))
+        temps = [t for t in plan[where] if t["term"] == "optimizer_temporaries"]
+        partition = plan_states(checked)["master_weights_bytes"] // 4
+        assert temps and temps[0]["mib"] * 2**20 == pytest.approx(2 * partition * 4), where
+    times = {t["term"]: t for t in plan["time_terms"]}
+    assert times["cpu_optimizer"]["seconds"] is None and "unmeasured" in times["cpu_optimizer"]["note"]
+
+
+def plan_states(checked) -> dict:
+    stats = checked.model_stats
+    return model_state_bytes(list(stats.param_numels), checked.ds_config, 1, 0, True, None, checked.client_optimizer)
+
+
+def test_8bit_states_through_nvme_are_refused_and_the_fix_works(tmp_path):
+    err = _refused("optimizer=adamw8bit", "zero_stage=3", "offload=nvme", f"offload.path={tmp_path}")
+    assert err.key == "optimizer.name" and "offload=cpu" in err.fix
+    assert preflight(compose_cfg("optimizer=adamw8bit", "zero_stage=3", "offload=cpu")).client_optimizer
+
+
+def test_a_file_forcing_cpu_adam_is_refused_and_the_fix_works(tmp_path):
+    """accelerate would swap an offloaded client optimizer for CPU Adam: another optimizer than the one planned."""
+    file = tmp_path / "ds.json"
+    file.write_text(json.dumps({"zero_force_ds_cpu_optimizer": True, "zero_optimization": {"stage": 2}}))
+    typed = (f"deepspeed.config_file={file}", "optimizer=adafactor", "offload=cpu")
+    err = _refused(*typed)
+    assert err.key.endswith("zero_force_ds_cpu_optimizer") and "remove zero_force_ds_cpu_optimizer" in err.fix
+    file.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert preflight(compose_cfg(*typed), overrides=typed).ds_config["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_adafactors_step_copies_are_what_torch_allocates():
+    """The planner's two fp32 copies against one real Adafactor step on a flat 1-D tensor (ZeRO's partition),
+    measured by torch.profiler (activations.py's allocation record)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerotune.plan.activations import _peaks
+
+    n = 1_000_000
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = client_optimizer(spec("adafactor"), [param])
+    opt.step()  # the state, allocated once
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    assert _peaks(prof.profiler.kineto_results.events()).between_ops == pytest.approx(2 * n * 4, rel=1e-3)

@@ -341,3 +341,12 @@ def test_a_cpu_allocation_failure_is_recorded_as_out_of_memory():
         torch.empty(2**62, dtype=torch.uint8)  # more than any machine has: refused at once, nothing allocated
     assert is_oom(err.value)
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_no_other_model_is_offered_for_a_runs_own_weights(cpu_host):
+    cpu_host(5000)
+    cfg = _cfg("refuse")
+    cfg.model.components = "/models/sdxl"
+    with pytest.raises(ConfigError) as err:
+        _guarded(cfg)
+    assert "model=" not in err.value.fix and "adapter=lora" in err.value.fix

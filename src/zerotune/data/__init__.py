@@ -54,7 +54,8 @@ def check_digits(spec: DataSpec) -> None:
         text = model.conditioning != "class"
         raise ConfigError("data", f"digits are 1-channel pixel images with class labels; model={model.name} "
                           "does not take those", "data=synthetic (random inputs of its shapes)" + (
-                              ", or data=folder data.path=/path/to/captioned/images" if text else "")
+                              ", or data=folder data.path=/path/to/captioned/images model.components=/path/to/its/pipeline"
+                              if text else "")
                           + ", or model=tiny with data=digits")
 
 

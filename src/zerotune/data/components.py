@@ -61,7 +61,7 @@ def resolve_components(model_cfg: Model) -> ComponentPaths:
     base = Path(str(base)).expanduser() if base else None
     if base is not None and not base.is_dir():
         raise ConfigError("model.components", f"{base} is not a folder",
-                          "model.components=/path/to/a/local/sdxl/pipeline (with vae/, text_encoder/, ...)")
+                          f"model.components=/path/to/a/local/{model_cfg.name}/pipeline (with vae/, text_encoder/, ...)")
     found = {}
     for name in component_names(model_cfg):
         own = getattr(model_cfg, name)

@@ -191,14 +191,19 @@ def check_client(spec: dict[str, Any], optimizer_offload: str, device_type: str,
     """Refuse a client optimizer that cannot run here or that DeepSpeed cannot run with this ZeRO setup.
     DeepSpeed 0.19 runs a client optimizer at every stage, offloaded too once `zero_force_ds_cpu_optimizer` is
     false (the builder sets it; stage 0 with offload the validator refuses for every optimizer). Its NVMe
-    swapper moves any state tensor of 1 MiB or more through fp32 buffers (swap_tensor/optimizer_utils.py
-    is_swappable_tensor), so 8-bit states take 4 bytes per element in the swap files."""
+    swapper moves any state tensor of 1 MiB or more through fp32 buffers of the parameter's length
+    (swap_tensor/optimizer_utils.py is_swappable_tensor): fine for fp32 states, not for 8-bit ones."""
     name, cls_spec = spec["name"], CLIENT_CLASSES[spec["name"]]
     module = cls_spec.path.rpartition(".")[0]
     if importlib.util.find_spec(module.partition(".")[0]) is None:
         raise ConfigError(key, f"optimizer={name} needs the `{cls_spec.package}` package, which is not installed",
                           f"pip install {cls_spec.package}")
-    if name == "adamw8bit" and (device_type != "cuda" or optimizer_offload == "cpu") and not _bnb_runs_on_cpu():
+    if name == "adamw8bit" and optimizer_offload == "nvme":
+        raise ConfigError(key, "DeepSpeed's NVMe swapper reads every optimizer state back as fp32 tensors of the "
+                          "parameter's length (swap_tensor/partitioned_optimizer_swapper.py): bitsandbytes' uint8 "
+                          "states and block scales do not survive it",
+                          "offload=cpu (the 8-bit states in host memory), or optimizer=adafactor with offload=nvme")
+    if name == "adamw8bit" and (device_type != "cuda" or optimizer_offload != "none") and not _bnb_runs_on_cpu():
         where = "offloaded states live on the host" if device_type == "cuda" else "this machine has no CUDA"
         raise ConfigError(key, f"bitsandbytes' 8-bit AdamW runs on CUDA tensors, and the installed bitsandbytes "
                           f"has no CPU kernels ({where})",

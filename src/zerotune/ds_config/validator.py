@@ -87,6 +87,13 @@ def validate(ds: dict, platform: Platform, world_size: int = 1, client: dict | N
         check_supported(name, offloaded, key="optimizer.type", device_type=platform.device_type)
         check_params(name, opt.get("params") or {}, offloaded)
     if client is not None:
+        if ds.get("zero_force_ds_cpu_optimizer") is not False:
+            # accelerate would replace an offloaded client optimizer by DeepSpeed's CPU Adam (map_pytorch_optim_
+            # to_deepspeed): another optimizer than the one planned and recorded
+            raise ConfigError("zero_force_ds_cpu_optimizer", f"optimizer={client['name']} is handed to DeepSpeed as "
+                              "a client optimizer, which this key set true would replace by CPU Adam",
+                              "remove zero_force_ds_cpu_optimizer from deepspeed.config_file (zerotune sets it "
+                              "false), or optimizer=adamw")
         check_client(client, opt_dev, platform.device_type)
     if "scheduler" in ds:
         _check_scheduler(ds["scheduler"])

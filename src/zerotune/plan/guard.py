@@ -162,7 +162,8 @@ def _fixes(cfg: Config, plan: dict) -> str:
 def _smaller_models(cfg: Config, plan: dict, fit: dict) -> list[str]:
     """The other model options with fewer parameters whose need, this plan's scaled by their parameter count,
     is under the room (nearly every term grows with the parameters: an estimate, and a typed fix is checked
-    again). Not a larger model: it needs more."""
+    again): the host's where the host is short, else the card's. Not a larger model: it needs more. None where
+    the run names weights or components: they belong to its model."""
     from omegaconf import OmegaConf
 
     from zerotune.models import model_stats
@@ -170,9 +171,12 @@ def _smaller_models(cfg: Config, plan: dict, fit: dict) -> list[str]:
 
     model, search = _option(cfg, "model"), config_search.current()
     current = int(plan.get("trainable_params") or 0) + int(plan.get("frozen_params") or 0)
-    if not model or not current:
+    if not model or not current or _option(cfg, "model", "pretrained") or _option(cfg, "model", "components"):
         return []
-    need, room = fit.get("needed_mib"), fit.get("room_mib")
+    if fit.get("fits") is False:
+        need, room = fit.get("needed_mib"), fit.get("room_mib")
+    else:
+        need, room = plan.get("gpu_peak_mib"), (plan.get("gpu") or {}).get("memory_mib")
     found = []
     for name in search.group_options().get("model", []):
         path = search.option_file("model", name)

@@ -12,7 +12,7 @@ from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.phases import run_peak, run_phases, validation_pass_terms
 from zerotune.plan.rules import StepShape, frozen_numels, numels_of, offload_devices, term, zero_stage
-from zerotune.plan.step_peak import MOMENTS, gradient_terms, step_peak, step_transients
+from zerotune.plan.step_peak import MOMENTS, gradient_terms, host_step_temporaries, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Term
 from zerotune.schema import launch_world_size
@@ -40,6 +40,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
         ds, numels, world, precision, 0, use_ds, train).items()]
+    host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
     plan = {"workload": _workload(checked, world, stage, shape.offloaded), "device": device,
@@ -56,7 +57,8 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
         gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
         peak, moment = step_peak(gpu_terms)
         plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
-    plan.update({"step_peak_mib": peak, "step_peak_moment": moment, **_times(gpu, trace, states, ds, precision)})
+    plan.update({"step_peak_mib": peak, "step_peak_moment": moment,
+                 **_times(gpu, trace, states, ds, precision, checked.client_optimizer)})
     passes = validation_pass_terms(cfg, checked)  # what a validation pass adds, on any device (None: no prompts)
     if passes is not None:
         plan["sampling_pass_terms"] = passes[0]
@@ -112,7 +114,8 @@ def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dic
             term("allocator_rounding", allocator.reserved_bytes(sizes) - sum(sizes), how)]
 
 
-def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str) -> dict:
+def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str,
+           client: dict | None = None) -> dict:
     opt_device, param_device = offload_devices(ds)
     flops = (trace.forward_flops + trace.backward_flops) * int(ds["gradient_accumulation_steps"])
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
@@ -128,7 +131,10 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
         link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
         terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
                                  f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
-    if opt_device != "none":
+    if opt_device != "none" and client is not None:  # CPU-Adam's figure says nothing about another class
+        terms.append(Term.timing("cpu_optimizer", None, f"unmeasured: {states['optimizer']} on the host is not "
+                                 "timed here (DeepSpeed's CPU-Adam figure does not apply)").to_dict())
+    elif opt_device != "none":
         figure = cpu_optimizer.cpu_adam_figure()
         partition = states["master_weights_bytes"] // 4
         terms.append(Term.timing("cpu_optimizer", figure.s_per_param * partition if figure else None,
