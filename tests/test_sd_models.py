@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
+from tests.helpers.pipelines import draw, exported_pipeline
 from zerotune.errors import ConfigError
 from zerotune.preflight import preflight
 
@@ -76,23 +77,9 @@ def test_sd15_trains_on_a_folder_and_samples_its_prompt(sd15_run):
 
 
 def test_the_export_generates_in_diffusers_sd_pipeline(sd15_run, tmp_path):
-    import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    from zerotune.export import export
-
-    export(sd15_run["run"], tmp_path / "out")
-    parts = sd15_run["parts"]
-    pipe = StableDiffusionPipeline(
-        vae=AutoencoderKL.from_pretrained(parts / "vae"), unet=UNet2DConditionModel.from_pretrained(tmp_path / "out/unet"),
-        text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"),
-        tokenizer=CLIPTokenizer.from_pretrained(parts / "tokenizer"),
-        scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.set_progress_bar_config(disable=True)
-    image = pipe("a red dog", height=64, width=64, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
-                 output_type="np").images[0]
+    pipe = exported_pipeline(sd15_run["run"], sd15_run["parts"], tmp_path / "out")
+    assert type(pipe).__name__ == "StableDiffusionPipeline"
+    image = draw(pipe, "a red dog")
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
 
 

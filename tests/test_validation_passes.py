@@ -16,6 +16,7 @@ from PIL import Image
 
 from tests.helpers.cli import read_losses, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
+from tests.helpers.pipelines import draw, exported_pipeline
 
 PROMPTS = 'validation.prompts=["a red dog","a blue cat"]'
 NAMES = ("00-a-red-dog", "01-a-blue-cat")
@@ -190,30 +191,9 @@ def test_the_sampling_phase_is_planned_and_measured(zero2_runs, zero3_runs):
 
 def test_the_export_generates_in_diffusers_sdxl_pipeline(zero2_runs, tmp_path):
     """The run's export, with the local components, is a StableDiffusionXLPipeline that draws from a prompt."""
-    import torch
-    from diffusers import (
-        AutoencoderKL,
-        EulerDiscreteScheduler,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    from zerotune.export import export
-
-    export(zero2_runs["validated"], tmp_path / "out")
-    parts = zero2_runs["components"]
-    pipe = StableDiffusionXLPipeline(
-        vae=AutoencoderKL.from_pretrained(parts / "vae"), unet=UNet2DConditionModel.from_pretrained(tmp_path / "out/unet"),
-        text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"),
-        text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder_2"),
-        tokenizer=CLIPTokenizer.from_pretrained(parts / "tokenizer"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(parts / "tokenizer_2"),
-        scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012),
-        add_watermarker=False)
-    pipe.set_progress_bar_config(disable=True)
-    image = pipe("a red dog", negative_prompt="a blue cat", height=64, width=64, num_inference_steps=3,
-                 generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+    pipe = exported_pipeline(zero2_runs["validated"], zero2_runs["components"], tmp_path / "out")
+    assert type(pipe).__name__ == "StableDiffusionXLPipeline"
+    image = draw(pipe, "a red dog", negative_prompt="a blue cat")
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and image.std() > 0
 
 

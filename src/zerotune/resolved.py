@@ -38,13 +38,6 @@ class ResolvedRun:
     client_optimizer: dict[str, Any] | None = None
 
     @property
-    def optimizer_name(self) -> str:
-        """The optimizer as checkpoints and reports name it: DeepSpeed's type (AdamW, Lion) or the client's."""
-        if self.client_optimizer is not None:
-            return str(self.client_optimizer["name"])
-        return str(self.ds_config["optimizer"]["type"])
-
-    @property
     def zero_stage(self) -> int:
         """The ZeRO stage that runs: the DeepSpeed dict's; 0 on the plain accelerate path, whatever zero_stage says."""
         return int(self.ds_config["zero_optimization"]["stage"]) if self.use_deepspeed else 0

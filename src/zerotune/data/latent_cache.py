@@ -69,6 +69,12 @@ class LatentCache:
                                                                               "text_embeds": pooled}
         self.put("text", key, tensors, {"caption": caption})
 
+    def put_texts(self, keys: list[str], captions: list[str], hidden: torch.Tensor,
+                  pooled: torch.Tensor | None) -> None:
+        """One encode_text batch's entries: row i is captions[i]'s, under keys[i]."""
+        for i, (key, caption) in enumerate(zip(keys, captions, strict=True)):
+            self.put_text(key, hidden[i], None if pooled is None else pooled[i], caption)
+
     def get_text(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [seq, d], pooled [p] or None) as put_text stored them."""
         entry = self.get("text", key)
@@ -174,9 +180,8 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
               disable=not progress or not todo) as bar:
         for i in range(0, len(todo), batch_size):
             chunk = todo[i:i + batch_size]
-            hidden, pooled = encoders.encode_text([c for _, c in chunk])
-            for j, (key, caption) in enumerate(chunk):
-                cache.put_text(key, hidden[j], None if pooled is None else pooled[j], caption)
+            captions = [c for _, c in chunk]
+            cache.put_texts([k for k, _ in chunk], captions, *encoders.encode_text(captions))
             stats.texts_computed += len(chunk)
             bar.update(len(chunk))
     stats.text_seconds = time.perf_counter() - start

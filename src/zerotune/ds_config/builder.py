@@ -21,8 +21,7 @@ def optimizer_block(opt: Optimizer) -> dict:
 
 def client_optimizer(opt: Optimizer) -> dict | None:
     """The client optimizer the worker builds ({"name", "class", "params"}), or None: DeepSpeed builds its own."""
-    name = normalize(opt.name)
-    return client_spec(name, as_dict(opt)) if is_client(name) else None
+    return client_spec(normalize(opt.name), as_dict(opt)) if is_client(opt.name) else None
 
 
 def precision_blocks(prec: Precision) -> dict:
@@ -101,7 +100,7 @@ def build(cfg: Config, world_size: int, stats: ModelStats, given: Collection[str
         "zero_allow_untested_optimizer": True,
         "zero_optimization": zero_block(cfg, stats),
     }
-    if is_client(normalize(cfg.optimizer.name)):
+    if is_client(cfg.optimizer.name):  # not normalize: it warns about an AdamW alias, as optimizer_block does
         if "optimizer" in given:
             raise ConfigError("optimizer", f"optimizer={cfg.optimizer.name} is built by zerotune and handed to "
                               "DeepSpeed, and the DeepSpeed file's optimizer block would replace it",

@@ -240,8 +240,7 @@ class Validator:
                 hidden, pooled = encoders.encode_text(todo)
             finally:
                 encoders.release()
-            for i, t in enumerate(todo):
-                cache.put_text(keys[t], hidden[i], None if pooled is None else pooled[i], t)
+            cache.put_texts([keys[t] for t in todo], todo, hidden, pooled)
         return {t: cache.get_text(keys[t]) for t in texts}
 
     def _vae_on_device(self) -> Any:
