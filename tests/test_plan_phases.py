@@ -161,7 +161,7 @@ PROMPTS = 'validation.prompts=["a photo of a dog"]'
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
-    from zerotune.models import model_stats
+    from zerotune.models import encoder_archs, model_stats
     from zerotune.plan import allocator, encoders
 
     (tmp_path / "vae").mkdir()  # no config.json: the built-in sdxl_tiny architectures describe the components
@@ -173,7 +173,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     terms = {t["term"]: t["mib"] for t in sampling["terms"]}
     # The VAE in bf16 and, at ZeRO-3 only, the U-Net gathered whole in bf16: one allocator block per parameter.
     cfg = compose_cfg(*overrides)
-    vae = encoders._meta_models(encoders.SDXL_TINY)["vae"]
+    vae = encoders._meta_models(encoder_archs.SDXL_TINY)["vae"]
     assert terms["vae_weights"] == allocator.reserved_bytes([p.numel() * 2 for p in vae.parameters()]) / 2**20
     assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
     if stage == 3:

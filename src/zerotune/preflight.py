@@ -14,7 +14,7 @@ from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
 from zerotune.loggers import check_logger
-from zerotune.models import adapter
+from zerotune.models import adapter, text_encoders
 from zerotune.platform import Platform, detect
 from zerotune.resolved import ResolvedRun
 from zerotune.schema import Config
@@ -56,6 +56,7 @@ def _check_train(cfg: Config) -> None:
         raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
                           "diffusion.prediction_type=epsilon or v_prediction")
     _check_loss_settings(cfg)
+    text_encoders.check(cfg.model)
 
 
 def _check_loss_settings(cfg: Config) -> None:

@@ -12,27 +12,34 @@ import torch
 def exported_pipeline(run: Path, parts: Path, out: Path) -> Any:
     """`zerotune export` of `run` into `out`, its U-Net in StableDiffusionXLPipeline where `parts` has a second
     text encoder (SDXL), else in StableDiffusionPipeline (SD 1.x / 2.x)."""
+    from diffusers import UNet2DConditionModel
+
+    from zerotune.export import export
+
+    export(run, out)
+    return pipeline(parts, UNet2DConditionModel.from_pretrained(out / "unet"))
+
+
+def pipeline(parts: Path, unet: Any, **encoders: Any) -> Any:
+    """The diffusers pipeline of `parts` (a tiny components folder) around `unet`; `encoders`: text_encoder /
+    text_encoder_2 in place of the folder's."""
     from diffusers import (
         AutoencoderKL,
         EulerDiscreteScheduler,
         StableDiffusionPipeline,
         StableDiffusionXLPipeline,
-        UNet2DConditionModel,
     )
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from zerotune.export import export
-
-    export(run, out)
-    common = dict(vae=AutoencoderKL.from_pretrained(parts / "vae"),
-                  unet=UNet2DConditionModel.from_pretrained(out / "unet"),
-                  text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"),
+    common = dict(vae=AutoencoderKL.from_pretrained(parts / "vae"), unet=unet,
+                  text_encoder=encoders.get("text_encoder") or CLIPTextModel.from_pretrained(parts / "text_encoder"),
                   tokenizer=CLIPTokenizer.from_pretrained(parts / "tokenizer"),
                   scheduler=EulerDiscreteScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012))
     if (parts / "text_encoder_2").is_dir():
-        pipe = StableDiffusionXLPipeline(
-            **common, text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder_2"),
-            tokenizer_2=CLIPTokenizer.from_pretrained(parts / "tokenizer_2"), add_watermarker=False)
+        te2 = encoders.get("text_encoder_2") or CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder_2")
+        pipe = StableDiffusionXLPipeline(**common, text_encoder_2=te2,
+                                         tokenizer_2=CLIPTokenizer.from_pretrained(parts / "tokenizer_2"),
+                                         add_watermarker=False)
     else:
         pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
                                        requires_safety_checker=False)

@@ -28,6 +28,8 @@ def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: 
             "offload": cfg.offload.device, "offload_params": bool(zero.get("offload_param")),
             "model": cfg.model.name, "optimizer": optimizer, "client_optimizer": client_optimizer is not None,
             "adapter": _adapter(cfg),
+            # which text encoders train with the U-Net: the engine module's keys are then prefixed (unet., ...)
+            "train_text_encoder": str(cfg.model.train_text_encoder),
             # The adapter's keys, for export to rebuild it (models/adapter.py reads them).
             "adapter_config": None if cfg.adapter.name == "none" else as_dict(cfg.adapter),
             "zerotune_version": __version__}
@@ -65,6 +67,11 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
     if meta.get("adapter", "none") != now["adapter"]:
         raise ConfigError("adapter", f"checkpoint {path} trained adapter {meta.get('adapter', 'none')}, this run "
                           f"is adapter {now['adapter']}: the trained weights differ", _adapter_fix(path, meta))
+    trained, training = meta.get("train_text_encoder", "none"), now["train_text_encoder"]
+    if trained != training:
+        raise ConfigError("model.train_text_encoder", f"checkpoint {path} trained text encoders {trained!r}, this run "
+                          f"{training!r}: the trained modules differ", f"model.train_text_encoder={trained}, or "
+                          f"{_export_fix(path)}")
     if meta.get("model") != now["model"]:
         raise ConfigError("resume", f"checkpoint {path} holds model={meta.get('model')}, this run is "
                           f"model={now['model']}", f"model={meta.get('model')}")

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ class SaveRequest:
     meta: dict
     position_state: dict          # this rank's data position and generators
     unet: Any                     # the unwrapped U-Net (its config is saved)
+    encoder_configs: dict[str, Any] = field(default_factory=dict)  # trained text encoders' configs: <name>/config.json
     job: str = "job"              # names the temporary folder: two jobs never share one
     size_estimate: int = 0        # bytes, for the first save's space check (later ones use the previous save)
     ema_state: dict | None = None
@@ -67,6 +68,8 @@ def save(acc, request: SaveRequest) -> dict:
             if request.ema_state is not None:
                 torch.save(request.ema_state, tmp / EMA_FILE)
             request.unet.save_config(tmp)
+            for name, config in request.encoder_configs.items():  # what export rebuilds each encoder from
+                config.save_pretrained(tmp / name)
             (tmp / META).write_text(json.dumps({**request.meta, "step": request.step}, indent=2))
     except Exception as exc:
         raise _failed_save(exc, tmp, request) from exc

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from zerotune.data.footprint import check_fits_memory
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
-from zerotune.models import latent_shape
+from zerotune.models import latent_shape, text_encoders
 
 
 def build_dataset(spec: DataSpec) -> Dataset:
@@ -38,6 +38,10 @@ def check_data(spec: DataSpec, training: bool = True) -> None:
     """The data checks that load no model (seconds): for the parent process, before workers start. `training`:
     False where only a plan is made (`zerotune plan model=sdxl` plans the default data's shapes, never reads it)."""
     check_invert(spec)
+    if text_encoders.trained(spec.model) and spec.data.name != "folder" and training:
+        raise ConfigError("model.train_text_encoder", f"trains the text encoders on captions' tokens; data="
+                          f"{spec.data.name} has no captions", "data=folder data.path=/path/to/captioned/images "
+                          "model.components=/path/to/its/pipeline, or model.train_text_encoder=none")
     if spec.data.name == "digits" and training:
         check_digits(spec)
     check_fits_memory(spec)

@@ -188,6 +188,21 @@ def whole_frozen_models() -> Iterator[None]:
         set_hf_deepspeed_config(registered)
 
 
+def tokenize(paths: ComponentPaths, names: tuple[str, ...], captions: list[str], seq_len: int) -> dict[str, torch.Tensor]:
+    """{"input_ids": [n, seq], "input_ids_2": ...}: the captions' tokens for each trained encoder (`names`),
+    padded and truncated as FrozenEncoders encodes them."""
+    from transformers import CLIPTokenizer
+
+    folders = {"text_encoder": ("input_ids", paths.tokenizer), "text_encoder_2": ("input_ids_2", paths.tokenizer_2)}
+    out = {}
+    for name in names:
+        key, folder = folders[name]
+        tok = CLIPTokenizer.from_pretrained(folder, local_files_only=True)
+        out[key] = tok(captions, padding="max_length", max_length=seq_len, truncation=True,
+                       return_tensors="pt").input_ids
+    return out
+
+
 class FrozenEncoders:
     """The frozen VAE and text encoders, each loaded on first use, in fp32, on `device`."""
 

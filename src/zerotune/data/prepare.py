@@ -25,6 +25,7 @@ from zerotune.data.components import (
     check_compatible,
     component_ids,
     resolve_components,
+    tokenize,
 )
 from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
 from zerotune.data.hashing import FileHasher
@@ -33,6 +34,7 @@ from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 from zerotune.files import write_cached_json
+from zerotune.models import text_encoders
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,9 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     if not ok:
         raise ConfigError("data.path", f"none of the {len(folder.placed)} images in {folder.root} that fit a bucket "
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
-    dataset = CachedFolderDataset(cache, ok)
+    trained = text_encoders.trained(spec.model)
+    tokens = tokenize(folder.components, trained, [it.record.caption for it in ok], seq_len) if trained else None
+    dataset = CachedFolderDataset(cache, ok, tokens)
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
@@ -186,11 +190,21 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "random_flip": spec.data.random_flip, "micro_batch": micro_batch,
         "buckets": batches_per_bucket(dataset.buckets, micro_batch),
         "cache": cache_stats,
+        # a trained encoder's condition is computed from the tokens at every step: its embeddings are not used
+        "text_conditioning": _text_conditioning(spec),
         "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *folder.too_small]],
         "missing_captions": [r.rel for r in used if r.caption_source == "missing"],
         "upscaled_files": upscaled,
         "problem_list": folder.scan.problems,
     }
+
+
+def _text_conditioning(spec: DataSpec) -> dict:
+    """What the cache gives each text encoder: a trained one computes its part from the captions' tokens at every
+    step (its cached embeddings go unused); a frozen one's part is its cached embeddings."""
+    trained = text_encoders.trained(spec.model)
+    encoders = ("text_encoder",) if spec.model.conditioning == "text" else ("text_encoder", "text_encoder_2")
+    return {name: "tokens (trained)" if name in trained else "embeddings" for name in encoders}
 
 
 def _check_batches(buckets: list[Bucket], micro_batch: int) -> None:

@@ -8,7 +8,7 @@ from zerotune.ds_config import offload as offload_mod
 from zerotune.ds_config.optimizers import DEEPSPEED_TYPES, client_spec, is_client, normalize
 from zerotune.ds_config.schedulers import scheduler_block
 from zerotune.errors import ConfigError
-from zerotune.models import ModelStats
+from zerotune.models import ModelStats, text_encoders
 from zerotune.schema import Config, DeepSpeed, Optimizer, Precision, as_dict
 
 
@@ -113,7 +113,8 @@ def build(cfg: Config, world_size: int, stats: ModelStats, given: Collection[str
     if not {"fp16", "bf16"} & set(given):
         ds.update(precision_blocks(cfg.precision))
     if "scheduler" not in given:
-        sched = scheduler_block(cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps)
+        lrs = text_encoders.group_lrs(cfg.model, cfg.optimizer.lr)  # one per parameter group
+        sched = scheduler_block(cfg.scheduler, lrs, cfg.train.max_steps)
         if sched is not None:
             ds["scheduler"] = sched
     if cfg.offload.device == "nvme":

@@ -18,19 +18,24 @@ PARAMS = {
 }
 
 
-def derived_params(sched: Scheduler, lr: float, max_steps: int) -> dict:
-    """Every scheduler parameter zerotune derives from the scheduler group, the optimizer's lr and
-    train.max_steps: for its own blocks, and for "auto" in a user's."""
+def derived_params(sched: Scheduler, lrs: list[float], max_steps: int) -> dict:
+    """Every scheduler parameter zerotune derives from the scheduler group, the parameter groups' learning rates
+    (`lrs`: optimizer.lr, then each trained text encoder's) and train.max_steps: for its own blocks, and for "auto"
+    in a user's. DeepSpeed's WarmupLR and OneCycle set every group to their lr, or to the group's own entry of a
+    list (`_format_param`); WarmupCosineLR scales each group's own lr."""
     half = max(max_steps // 2, 1)
-    return {"warmup_min_lr": float(sched.min_lr), "warmup_max_lr": lr, "warmup_num_steps": int(sched.warmup_steps),
+    div = float(sched.div_factor)
+    top: float | list[float] = lrs[0] if len(lrs) == 1 else list(lrs)
+    low: float | list[float] = lrs[0] / div if len(lrs) == 1 else [lr / div for lr in lrs]
+    return {"warmup_min_lr": float(sched.min_lr), "warmup_max_lr": top, "warmup_num_steps": int(sched.warmup_steps),
             "warmup_type": sched.warmup_type, "total_num_steps": max_steps,
             "warmup_min_ratio": float(sched.warmup_min_ratio), "cos_min_ratio": float(sched.cos_min_ratio),
-            "cycle_min_lr": lr / float(sched.div_factor), "cycle_max_lr": lr, "cycle_first_step_size": half,
+            "cycle_min_lr": low, "cycle_max_lr": top, "cycle_first_step_size": half,
             "cycle_second_step_size": max(max_steps - half, 1), "cycle_momentum": False, "decay_lr_rate": 0.0}
 
 
-def scheduler_block(sched: Scheduler, lr: float, max_steps: int) -> dict | None:
-    """DeepSpeed scheduler dict for `sched` (cfg.scheduler); None means a constant lr."""
+def scheduler_block(sched: Scheduler, lrs: list[float], max_steps: int) -> dict | None:
+    """DeepSpeed scheduler dict for `sched` (cfg.scheduler), `lrs` one per parameter group; None: constant lrs."""
     name = sched.name
     if name == "constant":
         return None
@@ -48,6 +53,6 @@ def scheduler_block(sched: Scheduler, lr: float, max_steps: int) -> dict | None:
                               f"train.max_steps={max_steps}", fix)
     if name in TYPES:
         kind = TYPES[name]
-        values = derived_params(sched, lr, max_steps)
+        values = derived_params(sched, lrs, max_steps)
         return {"type": kind, "params": {k: values[k] for k in PARAMS[kind]}}
     raise ConfigError("scheduler.name", f"unknown scheduler {name!r}", f"choose one of: {', '.join(NAMES)}")

@@ -13,6 +13,11 @@ unet.load_lora_adapter(<out>/lora, prefix="unet")), and with --merge the U-Net w
     <out>/lora/pytorch_lora_weights.safetensors     (<out>/lora_ema/ for the EMA)
     <out>/unet/, <out>/unet.safetensors             --merge only (<out>/unet_ema* for the EMA)
 
+With model.train_text_encoder, each trained encoder too (transformers' save_pretrained; with adapter=lora its
+adapter in the same LoRA file, under `text_encoder.` / `text_encoder_2.`, and with --merge the merged encoder):
+
+    <out>/text_encoder/, <out>/text_encoder_2/    (<out>/text_encoder_ema/ ... for the EMA)
+
 `model.pretrained=<out>` starts a new run from <out>/unet. <checkpoint> may also be a run dir or a
 checkpoint dir: the newest complete checkpoint in it is exported (a run that completed its steps ends with
 one, unless checkpoint.final=false); a run dir whose checkpoint.dir was elsewhere: the one its summary.json
@@ -21,6 +26,7 @@ names.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -29,7 +35,7 @@ from zerotune import checkpoints
 from zerotune.checkpoints import manifest
 from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.layout import read_meta
-from zerotune.models import lora_export
+from zerotune.models import lora_export, text_encoders
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.status import Status
 
@@ -81,24 +87,53 @@ def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
     return out / name
 
 
+def _save_encoder(name: str, config: dict, weights: dict, out: Path, folder: str) -> Path:
+    from transformers import CLIPTextConfig
+
+    from zerotune.models import text_encoders
+
+    encoder = text_encoders.encoder_class(name)(CLIPTextConfig(**config))
+    encoder.load_state_dict(weights, strict=True)
+    encoder.save_pretrained(out / folder, safe_serialization=True)
+    return out / folder
+
+
+def split_modules(weights: dict, names: tuple[str, ...]) -> dict[str, dict]:
+    """A checkpoint of the U-Net with trained text encoders holds `unet.`, `text_encoder.` ... keys: by module."""
+    if not names:
+        return {"unet": weights}
+    parts: dict[str, dict] = {name: {} for name in ("unet", *names)}
+    for key, value in weights.items():
+        module, _, rest = key.partition(".")
+        parts[module][rest] = value
+    return parts
+
+
 def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict:
     """Write the checkpoint's weights into `out`: the U-Net, or with an adapter the adapter (and with `merge`
-    the U-Net with the adapter merged in); the same for the EMA when the run kept one."""
+    the U-Net with the adapter merged in); the same for the EMA when the run kept one, and for the trained text
+    encoders when it trained some."""
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config, adapter_cfg = checkpoints.unet_config(path), read_meta(path).get("adapter_config")
+    meta = read_meta(path)
+    config, adapter_cfg = checkpoints.unet_config(path), meta.get("adapter_config")
+    names = text_encoders.CHOICES[str(meta.get("train_text_encoder", "none"))]
+    encoder_configs = {n: json.loads((path / n / "config.json").read_text()) for n in names}
     weights, _, _ = full_state(path, with_optimizer=False)
-    weights = {k: v.float() for k, v in weights.items()}
-    ema = None
+    parts = split_modules({k: v.float() for k, v in weights.items()}, names)
+    ema_parts = None
     if (path / checkpoints.EMA_FILE).is_file():
         ema = torch.load(path / checkpoints.EMA_FILE, map_location="cpu", weights_only=True)["shadow"]
+        ema_parts = split_modules(ema, names)
     written = {"checkpoint": str(path)}
-    if adapter_cfg is None:
-        written["unet"] = str(_save(config, weights, out, "unet"))
-        if ema is not None:
-            written["unet_ema"] = str(_save(config, ema, out, "unet_ema"))
-        return written
-    written.update(lora_export.save(config, adapter_cfg, weights, out, "", merge))
-    if ema is not None:  # the averaged adapter weights over the same frozen base
-        written.update(lora_export.save(config, adapter_cfg, {**weights, **ema}, out, "_ema", merge))
+    runs = [("", parts)] + ([("_ema", {n: {**parts[n], **ema_parts.get(n, {})} for n in parts})]
+                            if ema_parts is not None else [])
+    for suffix, modules in runs:
+        if adapter_cfg is None:
+            written[f"unet{suffix}"] = str(_save(config, modules["unet"], out, f"unet{suffix}"))
+            for n in names:
+                written[f"{n}{suffix}"] = str(_save_encoder(n, encoder_configs[n], modules[n], out, f"{n}{suffix}"))
+        else:  # the averaged adapter weights over the same frozen base
+            written.update(lora_export.save(config, adapter_cfg, modules["unet"], out, suffix, merge,
+                                            {n: (encoder_configs[n], modules[n]) for n in names}))
     return written

@@ -100,20 +100,48 @@ def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
             return None
 
     what = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
-            "versions": [installed(name) for name in ("diffusers", "peft", "torch")], "format": 3}
+            "text_encoders": trained_encoder_archs(model_cfg),
+            "versions": [installed(name) for name in ("diffusers", "peft", "torch", "transformers")], "format": 4}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def trained_encoder_archs(model_cfg: Model) -> dict[str, dict]:
+    """{name: architecture} of the text encoders the run trains (model.train_text_encoder), none by default."""
+    from zerotune.models import encoder_archs, text_encoders
+
+    names = text_encoders.trained(model_cfg)
+    if not names:
+        return {}
+    found = encoder_archs.configs(model_cfg)
+    if found is None:
+        raise ConfigError("model.components", f"model.train_text_encoder={model_cfg.train_text_encoder} trains "
+                          f"text encoders whose architecture model={model_cfg.name} does not name",
+                          f"model.components=/path/to/a/local/{model_cfg.name}/pipeline")
+    return {name: found[0][name] for name in names}
+
+
 def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
+    """Counted in the engine module's parameters() order: the U-Net's, then each trained text encoder's."""
     from accelerate import init_empty_weights
+
+    from zerotune.models import text_encoders
 
     with init_empty_weights():
         unet = _from_config(model_cfg)
         targets = adapter.targeted_modules(unet, adapter_cfg)
-        target_numel = sum(p.numel() for m in targets for p in m.parameters(recurse=False))
         unet = adapter.add_adapter(unet, adapter_cfg)
-    numels = [p.numel() for p in unet.parameters()]
-    trained = [p for p in unet.parameters() if p.requires_grad]
+    modules = [unet]
+    for name, arch in trained_encoder_archs(model_cfg).items():
+        encoder = text_encoders.build_meta(name, arch)
+        encoder_targets = text_encoders.encoder_targets(adapter_cfg)
+        targets += adapter.targeted_modules(encoder, adapter_cfg, encoder_targets)
+        with init_empty_weights():
+            modules.append(adapter.add_adapter(encoder, adapter_cfg, encoder_targets,
+                                               "adapter.text_encoder_target_modules"))
+    target_numel = sum(p.numel() for m in targets for p in m.parameters(recurse=False))
+    params = [p for m in modules for p in m.parameters()]
+    numels = [p.numel() for p in params]
+    trained = [p for p in params if p.requires_grad]
     return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels),
                       trainable_numels=tuple(p.numel() for p in trained), adapter_target_numel=target_numel,
                       trainable_shapes=tuple(tuple(p.shape) for p in trained))

@@ -48,42 +48,55 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def _check_targets(unet: torch.nn.Module, targets: list[str]) -> None:
+def _check_targets(module: torch.nn.Module, targets: list[str], key: str) -> None:
     """Every target must name at least one module: peft's own error for an unmatched one comes only when
     none matches, and lists nothing."""
-    names = [n for n, _ in unet.named_modules() if n]
+    names = [n for n, _ in module.named_modules() if n]
     for target in targets:
         if not any(_matches(n, target) for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in unet.named_modules()
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules()
                              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))})
-            raise ConfigError("adapter.target_modules", f"{target!r} matches no module of this U-Net; its "
-                              f"linear and conv modules are named {', '.join(leaves)} (and to_out.0 etc. by "
-                              "their full suffix)", "adapter.target_modules=[to_q,to_k,to_v,to_out.0]")
+            default = "[q_proj,k_proj,v_proj,out_proj]" if key.endswith("text_encoder_target_modules") \
+                else "[to_q,to_k,to_v,to_out.0]"
+            raise ConfigError(key, f"{target!r} matches no module of {type(module).__name__}; its linear and conv "
+                              f"modules are named {', '.join(leaves)} (and to_out.0 etc. by their full suffix)",
+                              f"{key}={default}")
 
 
-def add_adapter(unet: ModuleT, adapter_cfg: Adapter | None) -> ModuleT:
-    """Freeze `unet` and add the LoRA adapter `adapter_cfg` describes (in place; returns it)."""
+def add_adapter(module: ModuleT, adapter_cfg: Adapter | None, targets: list[str] | None = None,
+                key: str = "adapter.target_modules") -> ModuleT:
+    """Freeze `module` and add the LoRA adapter `adapter_cfg` describes (in place; returns it). `targets`: the
+    modules it adapts, adapter.target_modules (the U-Net's) unless given (a text encoder's: `key` names them)."""
     if not enabled(adapter_cfg):
-        return unet
+        return module
     check(adapter_cfg)
-    _check_targets(unet, [str(m) for m in adapter_cfg.target_modules])
-    unet.requires_grad_(False)
+    targets = [str(m) for m in adapter_cfg.target_modules] if targets is None else targets
+    _check_targets(module, targets, key)
+    module.requires_grad_(False)
     from peft import LoraConfig
 
     config = LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
                         lora_dropout=float(adapter_cfg.dropout), init_lora_weights=INITS[str(adapter_cfg.init)],
-                        target_modules=[str(m) for m in adapter_cfg.target_modules])
-    with gathered_targets(targeted_modules(unet, adapter_cfg)):
-        unet.add_adapter(config, adapter_name=ADAPTER_NAME)
-    return unet
+                        target_modules=targets)
+    with gathered_targets(targeted_modules(module, adapter_cfg, targets)):
+        if hasattr(module, "disable_lora"):  # diffusers' models (PeftAdapterMixin)
+            module.add_adapter(config, adapter_name=ADAPTER_NAME)
+        else:
+            # transformers' add_adapter asks for a newer peft than PyPI holds; its two steps, by peft's function
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+            module.peft_config = {ADAPTER_NAME: config}
+    return module
 
 
-def targeted_modules(unet: torch.nn.Module, adapter_cfg: Adapter | None) -> list[torch.nn.Module]:
-    """The modules peft wraps (none for full training)."""
+def targeted_modules(module: torch.nn.Module, adapter_cfg: Adapter | None,
+                     targets: list[str] | None = None) -> list[torch.nn.Module]:
+    """The modules peft wraps (none for full training); `targets` as in add_adapter."""
     if not enabled(adapter_cfg):
         return []
-    targets = [str(t) for t in adapter_cfg.target_modules]
-    return [m for n, m in unet.named_modules() if n and any(_matches(n, t) for t in targets)]
+    targets = [str(t) for t in adapter_cfg.target_modules] if targets is None else targets
+    return [m for n, m in module.named_modules() if n and any(_matches(n, t) for t in targets)]
 
 
 def gathered_targets(targets: list[torch.nn.Module]):

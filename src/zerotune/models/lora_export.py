@@ -1,6 +1,7 @@
 """An adapter-trained U-Net's export: the adapter as diffusers' own LoRA training scripts save it
-(`unet.<module>.lora_A.weight` keys, the LoRA config in the file's metadata), and optionally the U-Net with
-the adapter merged in, by diffusers' own fuse/unload."""
+(`unet.<module>.lora_A.weight` keys, the LoRA config in the file's metadata; with trained text encoders their
+adapters under `text_encoder.` / `text_encoder_2.`, as train_dreambooth_lora_sdxl.py saves them), and optionally
+the U-Net (and encoders) with the adapter merged in, by diffusers' own fuse/unload."""
 
 from __future__ import annotations
 
@@ -21,18 +22,41 @@ def build(unet_config: dict, adapter_cfg: dict, weights: dict):
     return unet
 
 
-def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool) -> dict:
-    """Write lora{suffix}/ (and with `merge` unet{suffix}/ + unet{suffix}.safetensors); returns what was written."""
+def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
+    """A trained text encoder with its adapter, holding `weights` (base and adapter, by the module's own names)."""
+    from transformers import CLIPTextConfig
+
+    from zerotune.models import text_encoders
+
+    encoder = text_encoders.encoder_class(name)(CLIPTextConfig(**config))
+    cfg = Adapter(**adapter_cfg)
+    adapter.add_adapter(encoder, cfg, text_encoders.encoder_targets(cfg), "adapter.text_encoder_target_modules")
+    encoder.load_state_dict(weights, strict=True)
+    return encoder
+
+
+def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
+         encoders: dict[str, tuple[dict, dict]] | None = None) -> dict:
+    """Write lora{suffix}/ (and with `merge` unet{suffix}/ + unet{suffix}.safetensors, and each trained encoder's
+    folder); returns what was written. `encoders`: {name: (config, weights)} of the trained text encoders."""
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
     from safetensors.torch import save_file
 
     unet = build(unet_config, adapter_cfg, weights)
+    trained = {name: build_encoder(name, config, adapter_cfg, w) for name, (config, w) in (encoders or {}).items()}
     folder = out / f"lora{suffix}"
-    # save_lora_weights is a classmethod: it only prefixes `unet.` and writes the file, for any U-Net.
+    layers = {f"{name}_lora_layers": convert_state_dict_to_diffusers(adapter.adapter_state_dict(module))
+              for name, module in trained.items()}
+    metadata = {f"{name}_lora_adapter_metadata": module.peft_config[adapter.ADAPTER_NAME].to_dict()
+                for name, module in trained.items()}
+    # save_lora_weights is a classmethod: it only prefixes `unet.` / `text_encoder.` ... and writes the file, for
+    # any U-Net; SDXL's takes both encoders' layers (an SD 1.x/2.x pipeline reads its text_encoder's the same way).
     StableDiffusionXLPipeline.save_lora_weights(
         folder, unet_lora_layers=convert_state_dict_to_diffusers(adapter.adapter_state_dict(unet)),
-        unet_lora_adapter_metadata=unet.peft_config[adapter.ADAPTER_NAME].to_dict(), weight_name=WEIGHT_NAME)
+        unet_lora_adapter_metadata=unet.peft_config[adapter.ADAPTER_NAME].to_dict(), weight_name=WEIGHT_NAME,
+        **layers, **metadata)
     written = {f"lora{suffix}": str(folder / WEIGHT_NAME)}
     if merge:
         unet.fuse_lora(adapter_names=[adapter.ADAPTER_NAME])
@@ -40,4 +64,13 @@ def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix:
         unet.save_pretrained(out / f"unet{suffix}", safe_serialization=True)
         save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"unet{suffix}.safetensors"))
         written[f"unet{suffix}"] = str(out / f"unet{suffix}")
+        for name, module in trained.items():
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in module.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.merge(adapter_names=[adapter.ADAPTER_NAME])
+            recurse_remove_peft_layers(module)
+            module.save_pretrained(out / f"{name}{suffix}", safe_serialization=True)
+            written[f"{name}{suffix}"] = str(out / f"{name}{suffix}")
     return written

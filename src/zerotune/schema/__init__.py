@@ -23,6 +23,7 @@ from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume,
 
 
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+CLIP_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")  # a CLIP text encoder's, as diffusers' LoRA scripts target
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class Model:
     text_encoder_2: Optional[str] = None
     tokenizer: Optional[str] = None
     tokenizer_2: Optional[str] = None
+    train_text_encoder: str = "none"     # none | te1 | te2 | both (te2 and both: SDXL); full, or LoRA with adapter=lora
+    text_encoder_lr: Optional[float] = None    # text_encoder's parameter group; null: optimizer.lr
+    text_encoder_2_lr: Optional[float] = None  # text_encoder_2's
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,8 @@ class Adapter:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
     init: str = "gaussian"               # gaussian | default
+    # with model.train_text_encoder: the modules of each trained text encoder that get adapters
+    text_encoder_target_modules: list[str] = field(default_factory=lambda: list(CLIP_ATTENTION_PROJECTIONS))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -12,10 +13,11 @@ from zerotune import checkpoints
 from zerotune.checkpoints import resume, store, swap
 from zerotune.checkpoints.run_saves import RunSaves
 from zerotune.data import build_loader
+from zerotune.data.components import resolve_components
 from zerotune.data.spec import DataSpec
 from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.loggers.base import RunLogger
-from zerotune.models import adapter, build_unet, conditioning
+from zerotune.models import adapter, build_unet, conditioning, text_encoders
 from zerotune.pause_hook import pause
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
@@ -73,32 +75,56 @@ class Trainer:
                                                                self.dtype, self.rank, self.world)
 
     def _prepare(self, seed: int) -> None:
-        """The U-Net, its data, optimizer and scheduler, handed to accelerate (and DeepSpeed)."""
+        """The trained modules (the U-Net, and any text encoder model.train_text_encoder names), their data,
+        optimizer and scheduler, handed to accelerate (and DeepSpeed) as one module: one engine partitions all."""
+        cfg = self.cfg
         # ZeRO-3: built partitioned (zero.Init), from the same seeded RNG stream as the other stages' plain build.
-        unet = build_unet(self.cfg.model, zero_init=zero3_init(self.accelerator, self.run))
-        unet = adapter.add_adapter(unet, self.cfg.adapter)  # adapter=none: unchanged
-        if self.cfg.train.gradient_checkpointing:
+        unet = build_unet(cfg.model, zero_init=zero3_init(self.accelerator, self.run))
+        unet = adapter.add_adapter(unet, cfg.adapter)  # adapter=none: unchanged
+        if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
-        caching = self._phases is not None and self.cfg.data.name == "folder"
+        module = self._with_text_encoders(unet)
+        self.trains_text = module is not unet
+        caching = self._phases is not None and cfg.data.name == "folder"
         if caching:  # latents and text embeddings, the encoders on data.cache_device (data/prepare.py)
             self._phases.begin("caching")
-        loader = build_loader(DataSpec.from_config(self.cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
+        loader = build_loader(DataSpec.from_config(cfg), self.micro_batch, seed, run_dir=self.run_dir.path)
         if caching:
             self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
-        opt, sched = optimizer_and_scheduler(self.run, adapter.trainable_parameters(unet))
+        lrs = text_encoders.group_lrs(cfg.model, cfg.optimizer.lr)
+        opt, sched = optimizer_and_scheduler(self.run, text_encoders.param_groups(module, lrs))
         pause("engine_build")
         if sched is None:
-            self.unet, self.optimizer, self.loader = self.accelerator.prepare(unet, opt, loader)
+            self.unet, self.optimizer, self.loader = self.accelerator.prepare(module, opt, loader)
             self.scheduler = None
         else:
             self.unet, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
-                unet, opt, loader, sched)
+                module, opt, loader, sched)
         self.dtype = next(self.unet.parameters()).dtype
 
+    def _with_text_encoders(self, unet: torch.nn.Module) -> torch.nn.Module:
+        """The U-Net alone, or with the text encoders model.train_text_encoder trains (loaded from the components)."""
+        names = text_encoders.trained(self.cfg.model)
+        if not names:
+            return unet
+        paths = resolve_components(self.cfg.model)
+        folders = {"text_encoder": paths.text_encoder, "text_encoder_2": paths.text_encoder_2}
+        encoders = {n: text_encoders.load(n, folders[n], self.cfg.adapter, self.cfg.train.gradient_checkpointing)
+                    for n in names}
+        first_width = json.loads((paths.text_encoder / "config.json").read_text())["hidden_size"]
+        return text_encoders.UNetWithTextEncoders(unet, encoders, pooled=self.kind == "text_time",
+                                                  first_width=int(first_width))
+
     def _trained_named_parameters(self) -> list:
-        """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora."""
-        return [(n, p) for n, p in self.unet_module().named_parameters() if p.requires_grad]
+        """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora; named as
+        the engine's module names them (`unet.`, `text_encoder.` ... when text encoders train)."""
+        return [(n, p) for n, p in self.trained_module().named_parameters() if p.requires_grad]
+
+    def _encoders(self) -> dict[str, torch.nn.Module]:
+        """The trained text encoders by name (none unless model.train_text_encoder names some)."""
+        module = self.trained_module()
+        return module.encoders() if isinstance(module, text_encoders.UNetWithTextEncoders) else {}
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
@@ -106,8 +132,13 @@ class Trainer:
         inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
-    def unet_module(self) -> torch.nn.Module:
+    def trained_module(self) -> torch.nn.Module:
+        """The engine's module, unwrapped: the U-Net, or the U-Net with its trained text encoders."""
         return self.accelerator.unwrap_model(self.unet)
+
+    def unet_module(self) -> torch.nn.Module:
+        module = self.trained_module()
+        return module.unet if isinstance(module, text_encoders.UNetWithTextEncoders) else module
 
     def _infinite_batches(self):
         while True:
@@ -159,7 +190,8 @@ class Trainer:
             raw_scheduler = getattr(self.unet, "lr_scheduler", None)
         else:
             raw_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
-        position, ema = resume.load(self.accelerator, decision, self.unet_module(), raw_optimizer, raw_scheduler)
+        position, ema = resume.load(self.accelerator, decision, self.trained_module(), raw_optimizer,
+                                    raw_scheduler)
         self.load_position_state(position, decision.meta["world_size"], self.accelerator.num_processes)
         if self.ema is not None and ema is not None:
             self.ema.load_state_dict(ema)
@@ -178,6 +210,7 @@ class Trainer:
             meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world,
                                            self.run.client_optimizer),
             position_state=self.position_state(), unet=self.unet_module(), job=self.saves.job,
+            encoder_configs={n: m.config for n, m in self._encoders().items()},
             # fp32 weights, and Adam's two moments of the trained ones
             size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
@@ -192,8 +225,13 @@ class Trainer:
             self.gen, tuple(batch["x0"].shape), self.rank, self.world,
             self.noise_schedule.config.num_train_timesteps, p, noise_offset=diff.noise_offset,  # type: ignore[attr-defined]
             timestep_range=diff.timestep_range)
-        cond = conditioning.drop_condition(self.kind, batch, p, self.gen, uniform=draws["uniform"])
-        loss = diffusion_loss(self.unet, batch["x0"], conditioning.unet_kwargs(self.kind, cond), self.noise_schedule,
+        if self.trains_text:  # the condition is encoded inside the engine's module, then dropped there
+            drop = draws["uniform"] < p if draws["uniform"] is not None else None
+            cond = {"batch": batch, "drop": drop}
+        else:
+            cond = conditioning.unet_kwargs(self.kind, conditioning.drop_condition(
+                self.kind, batch, p, self.gen, uniform=draws["uniform"]))
+        loss = diffusion_loss(self.unet, batch["x0"], cond, self.noise_schedule,
                               self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"],
                               min_snr_gamma=diff.min_snr_gamma)
         self.accelerator.backward(loss)

@@ -28,13 +28,20 @@ from typing import Any, Protocol
 
 import torch
 
-from zerotune.data.components import FrozenEncoders, component_ids, resolve_components, whole_frozen_models
+from zerotune.data.components import (
+    FrozenEncoders,
+    component_ids,
+    resolve_components,
+    tokenize,
+    whole_frozen_models,
+)
 from zerotune.data.hashing import FileHasher
 from zerotune.data.latent_cache import LatentCache
 from zerotune.data.prepare import cache_dir
 from zerotune.data.spec import DataSpec
 from zerotune.errors import ConfigError
 from zerotune.loggers.base import RunLogger
+from zerotune.models import text_encoders
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.sampling import make_sampler
@@ -55,7 +62,7 @@ class Trained(Protocol):
     noise_schedule: Any          # the training DDPMScheduler
     run: ResolvedRun
 
-    def unet_module(self) -> torch.nn.Module: ...
+    def trained_module(self) -> torch.nn.Module: ...
 
 
 class ValidationFailed(RuntimeError):
@@ -72,6 +79,10 @@ class Validator:
         self.paths = resolve_components(cfg.model)
         self.mine = [p for i, p in enumerate(prompts) if i % world == rank]
         self.embeddings = self._encode_prompts()
+        # With model.train_text_encoder, the prompts are encoded again at every pass, by the encoders as trained.
+        trained = text_encoders.trained(cfg.model)
+        texts = list(self.embeddings)
+        self.tokens = tokenize(self.paths, trained, texts, int(cfg.model.text_seq_len)) if trained and texts else {}
         self._vae: Any = None
         self.passes: list[dict] = []
         self.last_step: int | None = None
@@ -131,14 +142,16 @@ class Validator:
             for which in self.weights:
                 shadow = trainer.ema.shadow if which == "ema" and trainer.ema is not None else None
                 # Entered by every rank whatever happens inside (a collective under ZeRO-3): failures are caught within.
-                with sampling_unet(trainer.unet, trainer.unet_module(), zero3, shadow) as unet:
+                with sampling_unet(trainer.unet, trainer.trained_module(), zero3, shadow) as module:
                     pipe = None
                     try:
+                        embeddings = self._embeddings(module)
+                        unet = module.unet if isinstance(module, text_encoders.UNetWithTextEncoders) else module
                         pipe = self._pipeline(unet, self._vae_on_device(), trainer)
                         if inject_oom:
                             raise torch.OutOfMemoryError(f"debug.validation_oom_at_step={step}: injected")
                         for p in self.mine:
-                            images[(p.name, which)] = self._png(pipe, p)
+                            images[(p.name, which)] = self._png(pipe, p, embeddings)
                     except Exception as exc:  # noqa: BLE001  (recorded; the run goes on unless strict)
                         errors.append(_error(exc, self.rank, which))
                     finally:
@@ -167,16 +180,31 @@ class Validator:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def _png(self, pipe: Any, p: ValidationPrompt) -> bytes:
+    def _embeddings(self, module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """{text: (hidden states, pooled or None)}: the cached ones, or with trained text encoders theirs now (the
+        frozen encoder's part still from the cache)."""
+        if not self.tokens or not isinstance(module, text_encoders.UNetWithTextEncoders):
+            return self.embeddings
+        texts = list(self.embeddings)
+        batch = {k: v.to(self.device) for k, v in self.tokens.items()}
+        batch["encoder_hidden_states"] = torch.stack([self.embeddings[t][0] for t in texts]).to(self.device, self.dtype)
+        pooled = [self.embeddings[t][1] for t in texts]
+        if all(p is not None for p in pooled):
+            batch["text_embeds"] = torch.stack(pooled).to(self.device, self.dtype)  # type: ignore[arg-type]
+        states, new_pooled = module.encode(batch)
+        return {t: (states[i], None if new_pooled is None else new_pooled[i]) for i, t in enumerate(texts)}
+
+    def _png(self, pipe: Any, p: ValidationPrompt,
+             embeddings: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> bytes:
         def on_device(t: torch.Tensor) -> torch.Tensor:
             return t[None].to(self.device, self.dtype)
 
-        states, pooled = self.embeddings[p.prompt]
+        states, pooled = embeddings[p.prompt]
         kwargs: dict[str, Any] = {"prompt_embeds": on_device(states)}
         if pooled is not None:  # SDXL's added conditioning
             kwargs["pooled_prompt_embeds"] = on_device(pooled)
         if p.negative_prompt:
-            neg_states, neg_pooled = self.embeddings[p.negative_prompt]
+            neg_states, neg_pooled = embeddings[p.negative_prompt]
             kwargs["negative_prompt_embeds"] = on_device(neg_states)
             if neg_pooled is not None:
                 kwargs["negative_pooled_prompt_embeds"] = on_device(neg_pooled)

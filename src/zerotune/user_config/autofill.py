@@ -15,7 +15,7 @@ from zerotune.ds_config.batch import Batch
 from zerotune.ds_config.builder import DEFAULT_BUCKETS, bucket_size, optimizer_block
 from zerotune.ds_config.schedulers import derived_params
 from zerotune.errors import ConfigError
-from zerotune.models import ModelStats
+from zerotune.models import ModelStats, text_encoders
 from zerotune.schema import Config
 
 AUTO = "auto"
@@ -39,7 +39,8 @@ def fill(ds: dict, cfg: Config, stats: ModelStats, batch: Batch, source: str) ->
     if isinstance(ds.get("optimizer"), dict):
         ds["optimizer"] = _params(ds["optimizer"], optimizer_block(cfg.optimizer)["params"])
     if isinstance(ds.get("scheduler"), dict):
-        values = derived_params(cfg.scheduler, cfg.optimizer.lr, cfg.train.max_steps)
+        values = derived_params(cfg.scheduler, text_encoders.group_lrs(cfg.model, cfg.optimizer.lr),
+                                cfg.train.max_steps)
         ds["scheduler"] = _params(ds["scheduler"], values)
     _refuse_leftovers(ds, "", source)
     return ds

@@ -1,0 +1,144 @@
+"""Training the text encoders with the U-Net (`model.train_text_encoder`): which encoders train, each as its own
+parameter group, built from local folders, whole or with LoRA adapters; and the one module the engine trains, the
+U-Net and the trained encoders side by side, so one ZeRO config partitions all of them (kohya's
+`prepare_deepspeed_model` does the same; accelerate's DeepSpeed path takes one model per engine).
+
+The condition is what data=folder's cache holds without training (data/components.py FrozenEncoders): SD 1.x/2.x
+the one encoder's last hidden states; SDXL both encoders' penultimate states side by side and text_encoder_2's
+projected pooled embedding. A trained encoder computes its part from the batch's tokens at every step; a frozen
+one's part is read from the cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zerotune.errors import ConfigError
+from zerotune.models import adapter
+from zerotune.schema import Adapter, Model
+
+CHOICES: dict[str, tuple[str, ...]] = {"none": (), "te1": ("text_encoder",), "te2": ("text_encoder_2",),
+                                       "both": ("text_encoder", "text_encoder_2")}
+LR_KEYS = {"text_encoder": "text_encoder_lr", "text_encoder_2": "text_encoder_2_lr"}
+TOKENS = {"text_encoder": "input_ids", "text_encoder_2": "input_ids_2"}  # the batch's key for each encoder's tokens
+
+
+def trained(model_cfg: Model) -> tuple[str, ...]:
+    """The text encoders this run trains, in the order their parameter groups follow the U-Net's."""
+    return CHOICES.get(str(model_cfg.train_text_encoder), ())
+
+
+def check(model_cfg: Model) -> None:
+    """model.train_text_encoder and its learning rates, against the model's encoders."""
+    choice = str(model_cfg.train_text_encoder)
+    if choice not in CHOICES:
+        every = "both" if model_cfg.conditioning == "text_time" else "te1"
+        raise ConfigError("model.train_text_encoder", f"unknown choice {choice!r}: none, te1, te2 (SDXL) or both "
+                          "(SDXL)", f"model.train_text_encoder={every}")
+    names = CHOICES[choice]
+    if names and model_cfg.conditioning == "class":
+        raise ConfigError("model.train_text_encoder", f"model={model_cfg.name} is conditioned on class labels: it has "
+                          "no text encoder", "model.train_text_encoder=none, or a text model (model=sdxl, sd15, sd21)")
+    if "text_encoder_2" in names and model_cfg.conditioning != "text_time":
+        raise ConfigError("model.train_text_encoder", f"model={model_cfg.name} has one text encoder (text_encoder); "
+                          f"{choice} trains text_encoder_2", "model.train_text_encoder=te1")
+    for name in names:
+        lr = getattr(model_cfg, LR_KEYS[name])
+        if lr is not None and not float(lr) > 0:
+            raise ConfigError(f"model.{LR_KEYS[name]}", f"must be positive, got {lr}",
+                              f"model.{LR_KEYS[name]}=1e-6, or null for optimizer.lr")
+
+
+def group_lrs(model_cfg: Model, lr: float) -> list[float]:
+    """The learning rate of each parameter group: the U-Net's (`lr`, optimizer.lr), then each trained encoder's."""
+    return [float(lr), *(float(getattr(model_cfg, LR_KEYS[n]) or lr) for n in trained(model_cfg))]
+
+
+def encoder_class(name: str) -> type:
+    """text_encoder_2 (SDXL's) carries the projection whose output is the pooled embedding."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    return CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
+
+
+def build_meta(name: str, arch: dict) -> torch.nn.Module:
+    """An encoder of architecture `arch` (its config.json's fields) on the meta device: for counting."""
+    from accelerate import init_empty_weights
+    from transformers import CLIPTextConfig
+
+    known = CLIPTextConfig().to_dict()
+    with init_empty_weights():
+        return encoder_class(name)(CLIPTextConfig(**{k: v for k, v in arch.items() if k in known}))
+
+
+def load(name: str, path: Path, adapter_cfg: Adapter | None, gradient_checkpointing: bool) -> torch.nn.Module:
+    """A trained encoder from its saved folder, fp32, in train mode; with adapter=lora frozen under its adapters.
+    At ZeRO-3 transformers' from_pretrained builds it partitioned (accelerate registered the DeepSpeed config)."""
+    encoder = encoder_class(name).from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    encoder = adapter.add_adapter(encoder, adapter_cfg, encoder_targets(adapter_cfg), "adapter.text_encoder_target_modules")
+    if gradient_checkpointing:
+        encoder.gradient_checkpointing_enable()
+    return encoder.train()
+
+
+def encoder_targets(adapter_cfg: Adapter | None) -> list[str]:
+    return [str(t) for t in adapter_cfg.text_encoder_target_modules] if adapter_cfg is not None else []
+
+
+class UNetWithTextEncoders(torch.nn.Module):
+    """The engine's one module when text encoders train: the U-Net and the trained encoders. Its state dict's keys
+    are prefixed `unet.`, `text_encoder.`, `text_encoder_2.`; a checkpoint's meta.json says which."""
+
+    def __init__(self, unet: torch.nn.Module, encoders: dict[str, torch.nn.Module], pooled: bool, first_width: int):
+        """`pooled`: SDXL's added conditioning; `first_width`: text_encoder's width in the cached states [te1 | te2]."""
+        super().__init__()
+        self.unet = unet
+        self.text_encoder = encoders.get("text_encoder")
+        self.text_encoder_2 = encoders.get("text_encoder_2")
+        self.pooled, self.first_width = pooled, first_width
+
+    def encoders(self) -> dict[str, torch.nn.Module]:
+        return {n: m for n in TOKENS if (m := getattr(self, n)) is not None}
+
+    def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The condition from the trained encoders (tokens) and the cache (the frozen encoder's part)."""
+        if not self.pooled:  # SD 1.x / 2.x: the one encoder's last hidden states
+            assert self.text_encoder is not None
+            return self.text_encoder(batch["input_ids"])[0], None
+        cached = batch.get("encoder_hidden_states")
+        parts, pooled = [], batch.get("text_embeds")
+        for name, cut in (("text_encoder", slice(None, self.first_width)),
+                          ("text_encoder_2", slice(self.first_width, None))):
+            encoder = getattr(self, name)
+            if encoder is None:
+                assert cached is not None
+                parts.append(cached[..., cut])
+                continue
+            out = encoder(batch[TOKENS[name]], output_hidden_states=True)
+            parts.append(out.hidden_states[-2])
+            if name == "text_encoder_2":
+                pooled = out[0]  # the projection's text_embeds
+        return torch.cat(parts, dim=-1), pooled
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, batch: dict[str, torch.Tensor],
+                drop: torch.Tensor | None = None):
+        """The U-Net's output on the encoded condition; `drop`: [n] bool, rows given the null condition (zeros)."""
+        hidden, pooled = self.encode(batch)
+        if drop is not None:
+            hidden = torch.where(drop.view(-1, 1, 1), torch.zeros_like(hidden), hidden)
+            if pooled is not None:
+                pooled = torch.where(drop.view(-1, 1), torch.zeros_like(pooled), pooled)
+        if pooled is None:
+            return self.unet(sample, timestep, encoder_hidden_states=hidden)
+        return self.unet(sample, timestep, encoder_hidden_states=hidden,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"]})
+
+
+def param_groups(module: torch.nn.Module, lrs: list[float]) -> list[dict] | list[torch.nn.Parameter]:
+    """What the optimizer gets: the trainable parameters, one group per trained module with its own lr."""
+    if not isinstance(module, UNetWithTextEncoders):
+        return adapter.trainable_parameters(module)
+    modules = [module.unet, *module.encoders().values()]
+    return [{"params": adapter.trainable_parameters(m), "lr": lr} for m, lr in zip(modules, lrs, strict=True)]
