@@ -188,10 +188,11 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
 @pytest.mark.parametrize("size", [64, 256])
 def test_the_sampling_trace_matches_the_pass_run_on_this_cpu(size):
     """trace_sampling (fake tensors) against the same pipeline call run for real here, through torch.profiler."""
+    from zerotune.models import encoder_archs
     from zerotune.plan import encoders
 
     cfg = compose_cfg("model=sdxl_tiny")
-    archs, _ = encoders.configs(cfg.model)
+    archs, _ = encoder_archs.configs(cfg.model)
     hw = (size // 4, size // 4)
     traced = encoders.trace_sampling(archs, cfg.model, None, hw, "fp32")
     predicted = max(traced["unet_peak"], traced["vae_decode_peak"])

@@ -26,6 +26,12 @@ class ModelStats:
     trainable_numels: tuple[int, ...] = ()  # those the optimizer gets, in the same order (all without an adapter)
     adapter_target_numel: int = 0  # the adapted modules' own weights: gathered whole while peft wraps them at ZeRO-3
     trainable_shapes: tuple[tuple[int, ...], ...] = ()  # the trainable ones' shapes (Adafactor factors by shape)
+    # how many trainable parameters each optimizer parameter group holds: the U-Net's, then each trained text
+    # encoder's (model.train_text_encoder); () for one group
+    trainable_groups: tuple[int, ...] = ()
+
+    def groups(self) -> list[int] | None:
+        return list(self.trainable_groups) or None
 
     def trained_shapes(self) -> list[tuple[int, ...]] | None:
         """The trainable parameters' shapes, or None where these stats predate them."""
@@ -142,9 +148,10 @@ def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
     params = [p for m in modules for p in m.parameters()]
     numels = [p.numel() for p in params]
     trained = [p for p in params if p.requires_grad]
+    groups = tuple(sum(1 for p in m.parameters() if p.requires_grad) for m in modules) if len(modules) > 1 else ()
     return ModelStats(num_params=sum(numels), largest_param_numel=max(numels), param_numels=tuple(numels),
                       trainable_numels=tuple(p.numel() for p in trained), adapter_target_numel=target_numel,
-                      trainable_shapes=tuple(tuple(p.shape) for p in trained))
+                      trainable_shapes=tuple(tuple(p.shape) for p in trained), trainable_groups=groups)
 
 
 def build_unet(model_cfg: Model, zero_init=None):

@@ -63,14 +63,31 @@ def encoder_class(name: str) -> type:
     return CLIPTextModelWithProjection if name == "text_encoder_2" else CLIPTextModel
 
 
-def build_meta(name: str, arch: dict) -> torch.nn.Module:
-    """An encoder of architecture `arch` (its config.json's fields) on the meta device: for counting."""
-    from accelerate import init_empty_weights
+def build(name: str, arch: dict) -> torch.nn.Module:
+    """An encoder of architecture `arch` (its config.json's fields), randomly initialised: for the planner's traces."""
     from transformers import CLIPTextConfig
 
     known = CLIPTextConfig().to_dict()
+    return encoder_class(name)(CLIPTextConfig(**{k: v for k, v in arch.items() if k in known}))
+
+
+def build_meta(name: str, arch: dict) -> torch.nn.Module:
+    """The same on the meta device: for counting."""
+    from accelerate import init_empty_weights
+
     with init_empty_weights():
-        return encoder_class(name)(CLIPTextConfig(**{k: v for k, v in arch.items() if k in known}))
+        return build(name, arch)
+
+
+def first_width(model_cfg: Model) -> int:
+    """text_encoder's hidden size: its width in the cached states of SDXL ([te1 | te2])."""
+    from zerotune.models import encoder_archs
+
+    found = encoder_archs.configs(model_cfg)
+    if found is None:
+        raise ConfigError("model.components", f"model={model_cfg.name}'s text encoders have no known architecture",
+                          f"model.components=/path/to/a/local/{model_cfg.name}/pipeline")
+    return int(found[0]["text_encoder"]["hidden_size"])
 
 
 def load(name: str, path: Path, adapter_cfg: Adapter | None, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -79,8 +96,14 @@ def load(name: str, path: Path, adapter_cfg: Adapter | None, gradient_checkpoint
     encoder = encoder_class(name).from_pretrained(path, local_files_only=True, dtype=torch.float32)
     encoder = adapter.add_adapter(encoder, adapter_cfg, encoder_targets(adapter_cfg), "adapter.text_encoder_target_modules")
     if gradient_checkpointing:
-        encoder.gradient_checkpointing_enable()
+        checkpointing_on(encoder)
     return encoder.train()
+
+
+def checkpointing_on(encoder: torch.nn.Module) -> None:
+    """transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable."""
+    on = getattr(encoder, "activation_checkpointing_enable", None) or encoder.gradient_checkpointing_enable
+    on()
 
 
 def encoder_targets(adapter_cfg: Adapter | None) -> list[str]:

@@ -37,7 +37,14 @@ from omegaconf import OmegaConf
 
 from zerotune import files
 from zerotune.errors import ConfigError
-from zerotune.models import adapter, build_unet, conditioning, unet_config
+from zerotune.models import (
+    adapter,
+    build_unet,
+    conditioning,
+    text_encoders,
+    trained_encoder_archs,
+    unet_config,
+)
 from zerotune.schema import Adapter, Model, as_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,9 +112,13 @@ def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, 
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.conditioning,
              "text_seq_len": model_cfg.text_seq_len, "prediction_type": model_cfg.prediction_type,
              "adapter": fields}
+    trained = trained_encoder_archs(model_cfg)
+    if trained:  # the text encoders trained in the same step (absent otherwise: earlier traces keep their keys)
+        model["text_encoders"] = trained
     digest = hashlib.sha256(json.dumps(model, sort_keys=True, default=str).encode()).hexdigest()[:12]
     shape = "x".join(str(int(n)) for n in latent_shape)
-    tuned = f"{fields['name']}-r{fields.get('rank')}" if fields else "full"
+    tuned = (f"{fields['name']}-r{fields.get('rank')}" if fields else "full") + (
+        f"-te_{model_cfg.train_text_encoder}" if trained else "")
     key = (f"{model_cfg.name}-{digest}-{shape}-b{int(batch)}-{precision}-"
            f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-{tuned}-torch{torch.__version__}-v{TRACE_FORMAT}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
@@ -126,7 +137,7 @@ def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, pre
     from zerotune.plan.step_tracker import StepTracker
 
     start = time.perf_counter()
-    unet = _meta_unet(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+    unet = _meta_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
     # Non-fake inputs allowed: the noise scheduler's small constant tables are real tensors.
     with FakeTensorMode(allow_non_fake_inputs=True):
         unet.to_empty(device="cpu")
@@ -158,6 +169,37 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
     return unet.train()
 
 
+def _as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
+                adapter_cfg: Adapter | None = None) -> torch.nn.Module:
+    """The engine's module: the U-Net as trained, with the text encoders model.train_text_encoder trains beside it
+    (models/text_encoders.py UNetWithTextEncoders), each built, adapted, cast and checkpointed as the trainer does."""
+    unet = _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+    archs = trained_encoder_archs(model_cfg)
+    if not archs:
+        return unet
+    tuned = adapter.settings(adapter_cfg)
+    adapter_block = cast(Adapter, OmegaConf.create(tuned)) if tuned else None
+    built = {}
+    for name, arch in archs.items():
+        encoder = text_encoders.build(name, arch)
+        encoder = adapter.add_adapter(encoder, adapter_block, text_encoders.encoder_targets(adapter_block),
+                                      "adapter.text_encoder_target_modules")
+        torch.nn.Module.to(encoder, DTYPES[precision])
+        if gradient_checkpointing:
+            text_encoders.checkpointing_on(encoder)
+        built[name] = encoder.train()
+    return text_encoders.UNetWithTextEncoders(unet, built, pooled=model_cfg.conditioning == "text_time",
+                                              first_width=text_encoders.first_width(model_cfg))
+
+
+def _meta_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
+                  adapter_cfg: Adapter | None = None) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return _as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+
+
 def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
                adapter_cfg: Adapter | None = None) -> torch.nn.Module:
     from accelerate import init_empty_weights
@@ -180,6 +222,10 @@ def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dt
         if model_cfg.conditioning == "text_time":  # SDXL's added conditioning
             pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
             cond.update(text_embeds=torch.randn(batch, pooled, dtype=dtype), time_ids=torch.randn(batch, 6, dtype=dtype))
+    tokens = {text_encoders.TOKENS[name]: torch.randint(int(arch["vocab_size"]), (batch, int(model_cfg.text_seq_len)))
+              for name, arch in trained_encoder_archs(model_cfg).items()}
+    if tokens:  # the trained encoders encode the tokens inside the engine's module (Trainer.forward_backward)
+        return {**drawn, "cond": {"batch": {**cond, **tokens}, "drop": None}}
     return {**drawn, "cond": conditioning.unet_kwargs(model_cfg.conditioning, cond)}
 
 
@@ -217,7 +263,7 @@ def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], ba
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    unet = _unet_as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+    unet = _as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
     for p in unet.parameters():
         if p.requires_grad:  # frozen parameters (an adapter's base) get no gradient
             p.register_post_accumulate_grad_hook(_drop_grad)

@@ -17,7 +17,7 @@ from zerotune.rundir.plan import Term
 
 def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                  rank: int | None = None, use_deepspeed: bool = True,
-                 trainable_numels: list[int] | None = None) -> list[Term]:
+                 trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> list[Term]:
     """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
     over ranks where ranks differ. Plain accelerate has none of DeepSpeed's (torch DDP's are its own).
     `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
@@ -27,36 +27,37 @@ def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, prec
     if precision is not None and precision != prec.name:
         raise ValueError(f"precision {precision!r} disagrees with the DeepSpeed dict's {prec.name!r}")
     numels, train = numels_of(param_numels, trainable_numels)
-    return rules_for(int(zero.stage)).buffers(ds_config, numels, train, world_size, rank, prec, zero)
+    return rules_for(int(zero.stage)).buffers(ds_config, numels, train, world_size, rank, prec, zero, groups)
 
 
 def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: int, precision: str | None,
-            rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None) -> tuple[dict, list[Term], int]:
+            rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None,
+            groups: list[int] | None = None) -> tuple[dict, list[Term], int]:
     """({name: bytes} of the buffers in `where` that overlap no model state, those sharing the gradients' memory,
     the gradients' bytes)."""
     terms = [t for t in buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                     trainable_numels) if t.where == where]
+                                     trainable_numels, groups) if t.where == where]
     wider = [t for t in terms if t.overlaps == "grads_bytes"]
     grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
-                              trainable_numels)["grads_bytes"] if wider else 0
+                              trainable_numels, trainable_groups=groups)["grads_bytes"] if wider else 0
     return {t.term: t.nbytes for t in terms if not t.overlaps}, wider, grads
 
 
 def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                      rank: int | None = None, use_deepspeed: bool = True,
-                     trainable_numels: list[int] | None = None) -> dict:
+                     trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> dict:
     """{name: bytes} of the GPU buffers a planner adds to the model states (overlapping terms left out;
     the stage-2 contiguous-gradients buffer counts only what it holds beyond the gradient partition)."""
     out, wider, grads = _placed("gpu", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                trainable_numels)
+                                trainable_numels, groups)
     return {**out, **{t.term: max(0, t.nbytes - grads) for t in wider}}
 
 
 def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                       rank: int | None = None, use_deepspeed: bool = True,
-                      trainable_numels: list[int] | None = None) -> dict:
+                      trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> dict:
     """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
     out, wider, grads = _placed("host", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                trainable_numels)
+                                trainable_numels, groups)
     # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype: the excess counts
     return {**out, **{t.term + "_beyond_grads": t.nbytes - grads for t in wider if t.nbytes > grads}}

@@ -9,9 +9,7 @@ What is traced is what FrozenEncoders does on its device, in fp32:
   SD 1.x / 2.x (`conditioning: text`): the one text_encoder's last hidden states.
 The VAE stays on the device while the text encoders run (both are dropped by release(), at the end).
 
-Architectures: the components' own config.json when model.components (or model.vae, ...) names local folders;
-otherwise the published configs for model=sdxl (SDXL base 1.0), sd15 and sd21, and
-tests/helpers/tiny_components.py's for model=sdxl_tiny and sd15_tiny (their conf/model/ files describe the same sets).
+Architectures: models/encoder_archs.py configs (the components' own config.json, else the published ones).
 """
 
 from __future__ import annotations
@@ -119,16 +117,19 @@ def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
 
 
 def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -> int:
-    """The most parameters one U-Net module holds itself (recurse=False): what ZeRO-3 gathers whole at once when
-    zero.Init partitions a module as it is built, and when a 16-bit state dict is consolidated module by module."""
-    from zerotune.models import adapter, unet_config
-    from zerotune.plan.activations import _meta_unet
+    """The most parameters one module of the engine's (the U-Net's, or a trained text encoder's: its token
+    embedding) holds itself (recurse=False): what ZeRO-3 gathers whole at once when zero.Init partitions a module
+    as it is built, and when a 16-bit state dict is consolidated module by module."""
+    from zerotune.models import adapter, trained_encoder_archs, unet_config
+    from zerotune.plan.activations import _meta_trained
 
     def count() -> dict:
-        unet = _meta_unet(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
-        return {"numel": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in unet.modules())}
+        module = _meta_trained(model_cfg, "fp32", False, str(model_cfg.attention), adapter_cfg)
+        return {"numel": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())}
 
     what = [unet_config(model_cfg), adapter.settings(adapter_cfg), torch.__version__, FORMAT]
+    if trained_encoder_archs(model_cfg):
+        what.append(trained_encoder_archs(model_cfg))
     return int(_cached("modules-", what, count)["numel"])
 
 

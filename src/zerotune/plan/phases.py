@@ -20,6 +20,7 @@ DeepSpeed calls empty_cache, only the blocks still alive carry over (each such c
 
 from __future__ import annotations
 
+from zerotune.models import encoder_archs
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
 from zerotune.plan.rules import state_mib, term, zero_stage
@@ -74,7 +75,7 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, bas
     device = str(cfg.data.cache_device)
     if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
-    found = encoders.configs(cfg.model)
+    found = encoder_archs.configs(cfg.model)
     if found is None:
         return None
     archs, where = found
@@ -164,7 +165,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
     None without validation prompts, or when no architecture describes the VAE."""
     if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
         return None
-    found = encoders.configs(cfg.model)
+    found = encoder_archs.configs(cfg.model)
     if found is None:
         return None
     archs, where = found

@@ -5,6 +5,7 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
+from zerotune.models import text_encoders
 from zerotune.plan import allocator, cpu_optimizer, gpus, process
 from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
@@ -28,18 +29,19 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
                        bool(cfg.train.gradient_checkpointing), str(cfg.model.attention), cfg.adapter)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
+    groups = checked.model_stats.groups()  # the U-Net's, then each trained text encoder's
     states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
-                               checked.model_stats.trained_shapes())
-    lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train)}
+                               checked.model_stats.trained_shapes(), groups)
+    lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups)}
     shape = _step_shape(states, stage, use_ds, train, device)
-    step_terms = _step_terms(states, lifetimes, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train),
-                             trace, shape)
+    step_terms = _step_terms(states, lifetimes, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train,
+                                                                 groups), trace, shape)
     host_terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
-        ds, numels, world, precision, 0, use_ds, train).items()]
+        ds, numels, world, precision, 0, use_ds, train, groups).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
@@ -158,6 +160,9 @@ def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> 
              f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
              f"{offload_devices(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
              f"{'on' if cfg.train.gradient_checkpointing else 'off'}")
+    trained = text_encoders.trained(cfg.model)
+    if trained:  # one engine: their states, gradients and activations are in every term below
+        words += f", text encoders trained with the U-Net: {' and '.join(trained)}"
     if adapter is None or adapter.name == "none":
         return words
     return (f"{words}, adapter {adapter.name} rank {adapter.rank}: {stats.num_trainable:,} parameters "

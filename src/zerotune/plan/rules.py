@@ -189,6 +189,21 @@ def numels_of(param_numels: Any, trainable_numels: Any = None) -> tuple[list[int
     return numels, numels if trainable_numels is None else [int(n) for n in trainable_numels]
 
 
+def split_groups(train: list[int], groups: list[int] | None) -> list[list[int]]:
+    """The optimizer's parameter groups: `train` cut into runs of `groups[i]` parameters (ModelStats.trainable_groups:
+    the U-Net's, then each trained text encoder's); one group when None or empty. ZeRO flattens, pads and
+    partitions each group on its own (stage_1_and_2.py and stage3.py loop over optimizer.param_groups)."""
+    if not groups:
+        return [train]
+    out, start = [], 0
+    for size in groups:
+        out.append(train[start:start + size])
+        start += size
+    if start != len(train):
+        raise ValueError(f"parameter groups of {sum(groups)} parameters for {len(train)} trained ones")
+    return out
+
+
 ON_GPU = dict.fromkeys(("params", "grads", "master_weights", "optimizer_state"), "gpu")
 
 

@@ -16,6 +16,7 @@ from zerotune.plan.rules import (
     module_blocks,
     optimizer_kind,
     optimizer_state,
+    split_groups,
     states_record,
     term,
 )
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
            zero: DeepSpeedZeroConfig | None, plain: bool = False, client: dict | None = None,
-           shapes: list[tuple[int, ...]] | None = None) -> dict:
+           shapes: list[tuple[int, ...]] | None = None, groups: list[int] | None = None) -> dict:
     """`plain`: plain accelerate, torch's optimizer on fp32 weights (model_states.py gives it fp32 `prec`).
     `shapes`: the trained parameters' shapes (Adafactor factors by shape); None: each taken as 1-D."""
     kind, trained = optimizer_kind(ds, False, prec, plain, client), sum(train)
@@ -39,14 +40,15 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     if prec.name == "fp32":  # the basic optimizer steps the parameters themselves
         master, stepped = 0, each
     else:  # FP16_Optimizer (FusedAdam: one flat fp32 copy) or FP16_UnfusedOptimizer (an fp32 copy per tensor)
-        master, stepped = trained * 4, [(trained,)] if kind.name == "FusedAdam" else each
+        flats: list[tuple[int, ...]] = [(sum(g),) for g in split_groups(train, groups)]  # one per parameter group
+        master, stepped = trained * 4, flats if kind.name == "FusedAdam" else each
     kind = dataclasses.replace(kind, state_elem=4 if kind.layout == "dense" else kind.state_elem)  # fp32 tensors
     return states_record(sum(numels) * prec.param, trained * prec.param, master, optimizer_state(kind, stepped),
                          (prec.param, prec.param, 4), kind, trained * prec.param)
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: DeepSpeedZeroConfig) -> list[Term]:
+            zero: DeepSpeedZeroConfig, groups: list[int] | None = None) -> list[Term]:
     from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 
     # A bucket closes once it passes MEMORY_OPT_ALLREDUCE_SIZE elements; it is cast when the comm dtype differs.

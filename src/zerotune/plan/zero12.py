@@ -17,6 +17,7 @@ from zerotune.plan.rules import (
     offload_devices,
     optimizer_kind,
     optimizer_state,
+    split_groups,
     state_mib,
     states_record,
     term,
@@ -48,21 +49,23 @@ def zero12_flat(numels: list[int], world: int, parameter_alignment: bool, param_
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
-           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None) -> dict:
-    """`shapes` is not read: the optimizer steps one flat 1-D partition."""
+           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None,
+           groups: list[int] | None = None) -> dict:
+    """`shapes` is not read: the optimizer steps one flat 1-D partition per parameter group (`groups`)."""
     stage, trained = int(zero.stage), sum(train)
     opt_dev = offload_device(zero.offload_optimizer)
     kind = optimizer_kind(ds, opt_dev != "none", prec, client=client)
-    part = zero12_flat(train, world, zero.parameter_alignment, prec.param) // world
+    parts = [zero12_flat(g, world, zero.parameter_alignment, prec.param) // world for g in split_groups(train, groups)]
+    part = sum(parts)
     grads = part * prec.param if stage == 2 else trained * prec.param
     if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and opt_dev == "none":
         # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
         # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer).
-        grads = zero12_flat(train, world, False, 2) * 4
+        grads = sum(zero12_flat(g, world, False, 2) for g in split_groups(train, groups)) * 4
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
     # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
     # flattens the optimizer's param_groups)
-    return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, [(part,)]),
+    return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, [(p,) for p in parts]),
                          (prec.param, prec.param, prec.master), kind, trained * prec.param,
                          where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
                                 "optimizer_state": host}, partition_numel=part)
@@ -79,9 +82,9 @@ def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: DeepSpeedZeroConfig) -> list[Term]:
+            zero: DeepSpeedZeroConfig, groups: list[int] | None = None) -> list[Term]:
     stage, offload = int(zero.stage), offload_device(zero.offload_optimizer) != "none"
-    flat = zero12_flat(train, world, zero.parameter_alignment, prec.param)
+    flat = sum(zero12_flat(g, world, zero.parameter_alignment, prec.param) for g in split_groups(train, groups))
     part, largest, src = flat // world, max(train, default=0), "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer."
     accum_attr = stage == 1 and prec.grad_accum != prec.param  # use_grad_accum_attribute
     terms = [buffer_term("flat_group_padding", (flat - sum(train)) * prec.param, "gpu", "exact", "persistent",

@@ -16,6 +16,7 @@ from zerotune.plan.rules import (
     optimizer_kind,
     optimizer_state,
     place,
+    split_groups,
     state_mib,
     states_record,
     term,
@@ -61,8 +62,9 @@ def stage3_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
-           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None) -> dict:
-    """`shapes` is not read: the optimizer steps one flat 1-D tensor per sub-group."""
+           zero: DeepSpeedZeroConfig, client: dict | None = None, shapes: list[tuple[int, ...]] | None = None,
+           groups: list[int] | None = None) -> dict:
+    """`shapes` is not read: the optimizer steps one flat 1-D tensor per sub-group of each parameter group."""
     opt_dev, param_dev = offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     kind = optimizer_kind(ds, opt_dev != "none", prec, client=client)
     # zero.Init partitions every module parameter (parameter_offload.py:_convert_to_zero_parameters) and
@@ -70,10 +72,10 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     every = sum(stage3_partition_numel(n, world) for n in numels)
     persist = sum(n for n, keep in zip(numels, stage3_persistent(numels, zero), strict=True) if keep)
     parts = [stage3_partition_numel(n, world) for n in train]
-    part, groups = sum(parts), stage3_sub_groups(parts, zero.sub_group_size)
+    part, subs = sum(parts), _sub_groups(parts, zero.sub_group_size, groups)
     host = place(opt_dev)
     return states_record((every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
-                         optimizer_state(kind, [(g,) for g in groups]), (prec.param, prec.grad_accum, prec.master), kind,
+                         optimizer_state(kind, [(g,) for g in subs]), (prec.param, prec.grad_accum, prec.master), kind,
                          part * prec.param,
                          # the gradient partitions sit on the optimizer's device: host memory even for NVMe
                          where={"params": place(param_dev), "grads": "gpu" if opt_dev == "none" else "host",
@@ -81,7 +83,12 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
                          params_persistent_bytes=persist * prec.param,
                          # fp32 without offload: the "master" partitions are the parameter partitions themselves
                          master_weights_alias_params=opt_dev == "none" and param_dev == "none" and prec.param == prec.master,
-                         partition_numel=part, sub_groups=len(groups))
+                         partition_numel=part, sub_groups=len(subs))
+
+
+def _sub_groups(parts: list[int], sub_group_size: int, groups: list[int] | None) -> list[int]:
+    """stage3.py _create_fp16_sub_groups, per parameter group: sub-groups never span two groups."""
+    return [size for group in split_groups(parts, groups) for size in stage3_sub_groups(group, sub_group_size)]
 
 
 def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
@@ -94,10 +101,10 @@ def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
 
 
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
-            zero: DeepSpeedZeroConfig) -> list[Term]:
+            zero: DeepSpeedZeroConfig, groups: list[int] | None = None) -> list[Term]:
     src, opt_dev, param_dev = _SRC, offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     parts = [stage3_partition_numel(n, world) for n in train]  # the optimizer's partitions
-    largest = max(stage3_sub_groups(parts, zero.sub_group_size))
+    largest = max(_sub_groups(parts, zero.sub_group_size, groups))
     persist = stage3_persistent(numels, zero)
     # every module parameter (frozen ones too) is all-gathered for forward and backward, at padded size
     gathered = sum(stage3_partition_numel(n, world) * world for n, keep in zip(numels, persist, strict=True)

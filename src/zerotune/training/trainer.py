@@ -110,8 +110,11 @@ class Trainer:
             return unet
         paths = resolve_components(self.cfg.model)
         folders = {"text_encoder": paths.text_encoder, "text_encoder_2": paths.text_encoder_2}
-        encoders = {n: text_encoders.load(n, folders[n], self.cfg.adapter, self.cfg.train.gradient_checkpointing)
-                    for n in names}
+        encoders = {}
+        for name in names:
+            folder = folders[name]
+            assert folder is not None  # resolve_components finds every encoder the model's conditioning has
+            encoders[name] = text_encoders.load(name, folder, self.cfg.adapter, self.cfg.train.gradient_checkpointing)
         first_width = json.loads((paths.text_encoder / "config.json").read_text())["hidden_size"]
         return text_encoders.UNetWithTextEncoders(unet, encoders, pooled=self.kind == "text_time",
                                                   first_width=int(first_width))
