@@ -40,7 +40,10 @@ def _adapter(cfg: Config) -> str:
     if adapter.name == "none":
         return "none"
     targets = ",".join(str(m) for m in adapter.target_modules)
-    return f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
+    described = f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
+    if str(cfg.model.train_text_encoder) != "none":  # the encoders' adapters too (absent before they trained)
+        described += " text_encoder_targets=" + ",".join(str(m) for m in adapter.text_encoder_target_modules)
+    return described
 
 
 def _adapter_fix(path: Path, meta: dict) -> str:
