@@ -83,6 +83,27 @@ def test_each_encoder_gets_its_own_learning_rate_through_the_scheduler():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-5, 2e-6, 1e-5])
 
 
+def test_the_plan_counts_the_trained_encoder_in_every_term():
+    """`zerotune plan model=sd15 model.train_text_encoder=te1 ...`: CLIP-L's weights, gradients and 8-bit states
+    beside the U-Net's, its forward and backward in the step's trace; the workload line says so."""
+    from zerotune.plan import predict
+    from zerotune.plan.gpus import lookup
+
+    def plan(choice: str) -> dict:
+        checked = preflight(compose_cfg("model=sd15", "resolution=512", "precision=bf16", "train.batch_size=1",
+                                        "zero_stage=2", "optimizer=adamw8bit", "train.gradient_checkpointing=true",
+                                        f"model.train_text_encoder={choice}"))
+        return predict.predict(checked, lookup("rtx4090"))
+
+    alone, both = plan("none"), plan("te1")
+    terms = {name: {t["term"]: t for t in p["gpu_terms"]} for name, p in (("alone", alone), ("both", both))}
+    assert "text encoders trained with the U-Net: text_encoder" in both["workload"]
+    assert terms["both"]["params"]["mib"] - terms["alone"]["params"]["mib"] == pytest.approx(TE1 * 2 / 2**20, abs=0.1)
+    assert terms["both"]["activations"]["mib"] > terms["alone"]["activations"]["mib"]
+    assert "Optimizer2State.init_state" in terms["both"]["optimizer_states"]["note"]
+    assert terms["both"]["optimizer_states"]["mib"] > terms["alone"]["optimizer_states"]["mib"]
+
+
 def test_resuming_another_choice_is_refused(tmp_path):
     from zerotune.checkpoints import current_meta, decide_resume
 

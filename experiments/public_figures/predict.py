@@ -26,7 +26,7 @@ class Row:
     figure_mib: float    # the published figure, in MiB
     kind: str            # measured | fits (the run fits that much) | needs (the run needs at least that much)
     overrides: tuple[str, ...]
-    card_mib: int        # the card the figure is for (plan --gpu-mib), its usable memory
+    card: str            # the card planned for (its CUDA context): the source's, else one of its size class
     gap: str = ""        # what the source's run holds that the planner does not
     why: str = ""        # a miss over 15%: why
 
@@ -35,7 +35,8 @@ class Row:
 # (deepspeed.enabled=false, precision=fp16) trains the same way. Where the source casts frozen weights to fp16
 # (LoRA scripts), DeepSpeed's stage 0 with fp16 casts the engine's module the same way.
 PLAIN_FP16 = ("deepspeed.enabled=false", "zero_stage=0", "precision=fp16", "model.attention=sdpa")
-T4, RTX4090 = 15 * GIB, 24_564
+# No Turing or Volta card is in the planner's catalog: their rows plan for an RTX 3090 (256 MiB of context).
+T4, V100, RTX4090 = "rtx3090", "rtx3090", "rtx4090"
 SHIVAM = ("ShivamShrirao/diffusers examples/dreambooth/README.md: table \"Tested on Tesla T4 GPU\" (fp16, bs 1, "
           "GA 1, xformers; VAE and text encoder outputs cached and freed)")
 
@@ -43,11 +44,18 @@ ROWS = [
     Row("1a", SHIVAM + ": \"To reduce VRAM usage to 9.92 GB, pass --gradient_checkpointing and --use_8bit_adam\"",
         "SD 1.4 U-Net full, 512, bs 1, checkpointing, 8-bit AdamW, fp16 autocast", 9.92 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=true",
-         "optimizer=adamw8bit", *PLAIN_FP16), T4),
+         "optimizer=adamw8bit", *PLAIN_FP16), T4,
+        why="the planner's peak is the optimizer step (weights, gradients and states; the activations are freed by "
+            "then), so it gives checkpointing no cost here, where the source measured 1.25 GB more without it: in "
+            "the source's run the activations coexisted with something the planner frees before the step. Not "
+            "explained: that fork's script zeroes gradients with set_to_none=True, and its latent cache is one small "
+            "latent distribution per image. The T4's own CUDA context and cuDNN workspaces (the planner counts an "
+            "Ampere card's 256 MiB of context) and the allocator's fragmentation are candidates; so is our error"),
     Row("1b", SHIVAM + ": row fp16, bs 1, checkpointing FALSE, 8-bit TRUE: 11.17",
         "as 1a, checkpointing off", 11.17 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=false",
-         "optimizer=adamw8bit", *PLAIN_FP16), T4),
+         "optimizer=adamw8bit", *PLAIN_FP16), T4,
+        why="as 1a: not explained; the predicted peak is the optimizer step, which checkpointing does not change"),
     Row("1c", SHIVAM + ": \"just xformers ... uses 15.79 GB VRAM with --gradient_checkpointing\"",
         "as 1a, torch AdamW (fp32 states)", 15.79 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=true",
@@ -60,14 +68,18 @@ ROWS = [
         "SD 1.4 U-Net + CLIP-L text encoder full, 512, bs 1 + 1 class image (prior preservation: the U-Net sees 2), "
         "checkpointing, 8-bit Adam; VAE and encoders resident, no caching", 16 * GIB, "needs",
         ("model=sd15", "resolution=512", "train.batch_size=2", "train.gradient_checkpointing=true",
-         "optimizer=adamw8bit", "model.train_text_encoder=te1", *PLAIN_FP16), 24 * GIB,
-        gap="the VAE (fp16, about 160 MiB) resident and encoding every step"),
+         "optimizer=adamw8bit", "model.train_text_encoder=te1", *PLAIN_FP16), RTX4090,
+        gap="the VAE (fp16, about 160 MiB) resident and encoding every step",
+        why="not explained: even with what the planner leaves out (the VAE, and all gradients kept through the "
+            "next step's backward, 3.7 GiB, were the script to keep them) the prediction stays under 16 GB. The README's "
+            "\"won't fit on 16GB\" gives no measurement, and its mixed precision is accelerate config's (its "
+            "default is none: fp32 activations, which would roughly double the activation term)"),
     Row("6", "huggingface/diffusers examples/text_to_image/README.md \"Hardware\": \"it should be possible to fine "
         "tune the model on a single 24GB GPU\"",
         "SD 1.4 U-Net full, 512, bs 1, GA 4, checkpointing, fp16 autocast, torch AdamW, EMA on the GPU",
         24 * GIB, "fits",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.grad_accum=4",
-         "train.gradient_checkpointing=true", "optimizer=torch_adamw", *PLAIN_FP16), 24 * GIB,
+         "train.gradient_checkpointing=true", "optimizer=torch_adamw", *PLAIN_FP16), RTX4090,
         gap="the EMA copy on the GPU (fp32, 3,279 MiB; zerotune keeps it on the host), the VAE and text encoder "
             "resident in fp16 (about 400 MiB)"),
     Row("7", "huggingface.co/blog/lora: \"a LoRA fine-tuning script that can run in as low as 11 GB of GPU RAM "
@@ -76,14 +88,14 @@ ROWS = [
         11 * GIB, "fits",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.grad_accum=4",
          "train.gradient_checkpointing=false", "optimizer=adamw", "adapter=lora", "adapter.rank=4",
-         "zero_stage=0", "precision=fp16", "model.attention=sdpa"), 11 * GIB,
+         "zero_stage=0", "precision=fp16", "model.attention=sdpa"), RTX4090,
         gap="the VAE and text encoder resident in fp16 (about 400 MiB); the script's default attention (not SDPA "
             "in 2023's diffusers)"),
     Row("8", "kohya-ss/sd-scripts docs/train_db_README-en.md: \"It seems to work with about 12GB of VRAM\"",
         "SD 1.x U-Net + text encoder full (train_db.py trains it by default), 512, bs 1, checkpointing, "
-        "AdamW8bit, fp16 autocast, xformers, latents cached", 12 * GIB, "measured",
+        "AdamW8bit, fp16 autocast, xformers, latents cached", 12 * GIB, "fits",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=true",
-         "optimizer=adamw8bit", "model.train_text_encoder=te1", *PLAIN_FP16), 12 * GIB),
+         "optimizer=adamw8bit", "model.train_text_encoder=te1", *PLAIN_FP16), RTX4090),
     Row("9", "kohya-ss/sd-scripts README.md \"Tips for SDXL training\": \"The fine-tuning can be done with 24GB "
         "GPU memory with the batch size of 1 ... Train U-Net only ... gradient checkpointing ... "
         "--cache_text_encoder_outputs ... caching latents. Use Adafactor optimizer\"",
@@ -97,26 +109,38 @@ ROWS = [
         "outputs cached", 8 * GIB, "fits",
         ("model=sdxl", "resolution=1024", "train.batch_size=1", "train.gradient_checkpointing=true",
          "optimizer=adamw8bit", "adapter=lora", "adapter.rank=8", "zero_stage=0", "precision=fp16",
-         "model.attention=sdpa"), 8 * GIB),
+         "model.attention=sdpa"), RTX4090),
     Row("12a", "bghira/SimpleTuner documentation/DEEPSPEED.md @ 09b0426a: \"13102MiB of VRAM for batch size 8\" "
         "(nvidia-smi); settings: experiments/results/planner_reference.md",
         "SDXL U-Net full, 1024, bs 8, bf16, DeepSpeed ZeRO-2, optimizer offloaded to the CPU", 13_102, "measured",
-        ("experiment=sdxl_4090_1024_bs8",), RTX4090),
+        ("experiment=sdxl_4090_1024_bs8",), RTX4090,
+        why="as 12b: the planner's peak is DeepSpeed 0.19.8's loading phase, which the GPU kit measured for this "
+            "row on an H100 (16,602 MiB, predicted / measured 0.92); the reference's figure is a training step's, "
+            "and the planner's step is the `step` column"),
     Row("12b", "the same guide: \"At 128x128 image size on a batch size of 8, training consumes as little as "
-        "9237MiB of VRAM\"", "as 12a at 128 px", 9_237, "measured", ("experiment=sdxl_4090_128_bs8",), RTX4090),
+        "9237MiB of VRAM\"", "as 12a at 128 px", 9_237, "measured", ("experiment=sdxl_4090_128_bs8",), RTX4090,
+        why="the planner's peak is DeepSpeed 0.19.8's loading phase (the U-Net's blocks, the flat buffer and a "
+            "clone of the partition on the GPU at once, never emptied after), the same at every resolution; the GPU "
+            "kit measured it on an H100 at 16,278 MiB for this row (README, Reproducing the reference "
+            "measurements). The reference ran 2023's DeepSpeed; its figure is a training step's, and the planner's "
+            "step alone is the `step` column"),
     Row("13", "huggingface/diffusers issue #6230, on README_sdxl.md's full fine-tune command: \"Does running this "
         "script require 40GB of video memory?\" - maintainer: \"Yes.\"",
         "SDXL U-Net full, 512, bs 1, GA 4, checkpointing, 8-bit Adam, fp16 autocast, xformers; embeddings and "
         "latents precomputed", 32 * GIB, "needs",
         ("model=sdxl", "resolution=512", "train.batch_size=1", "train.grad_accum=4",
-         "train.gradient_checkpointing=true", "optimizer=adamw8bit", *PLAIN_FP16), 32 * GIB,
-        gap="the user's out-of-memory was on a 32 GB V100: the figure compared is that card"),
+         "train.gradient_checkpointing=true", "optimizer=adamw8bit", *PLAIN_FP16), V100,
+        gap="the user's out-of-memory was on a 32 GB V100: the figure compared is that card",
+        why="not consistent, and not explained: the planner fits this run in a 32 GB card (fp32 weights and "
+            "gradients, 8-bit states, checkpointed activations at 512 px). The maintainer's \"Yes\" to \"40GB?\" is "
+            "no measurement; the script's validation pass loads both text encoders and the VAE beside training "
+            "(about 1.8 GiB in fp16), which still leaves it under 32 GB"),
     Row("14", "huggingface/diffusers examples/dreambooth/README_sdxl.md \"Dog toy example with < 16GB VRAM\"",
         "SDXL LoRA (rank 4, the script's default) on the U-Net, 1024, bs 1, GA 4, checkpointing, 8-bit Adam, "
         "fp16, xformers; embeddings precomputed", 16 * GIB, "fits",
         ("model=sdxl", "resolution=1024", "train.batch_size=1", "train.grad_accum=4",
          "train.gradient_checkpointing=true", "optimizer=adamw8bit", "adapter=lora", "adapter.rank=4",
-         "zero_stage=0", "precision=fp16", "model.attention=sdpa"), 16 * GIB,
+         "zero_stage=0", "precision=fp16", "model.attention=sdpa"), RTX4090,
         gap="the VAE resident in fp32 (latents are not cached by this script: about 320 MiB and its encode)"),
 ]
 
@@ -133,12 +157,13 @@ NOT_EXPRESSIBLE = [
 ]
 
 
-def predict(row: Row) -> float:
+def predict(row: Row) -> tuple[float, float, str]:
+    """(the run's peak, the step's peak, the run's peak phase) in MiB, as `zerotune plan --gpu <card>` gives them."""
     from zerotune.plan import gpus
     from zerotune.plan.command_line import plan_one
 
-    answer = plan_one([*row.overrides, "data=synthetic"], gpus.lookup(None, row.card_mib, key="--gpu"))
-    return float(answer["plan"]["run_peak_mib"] if "plan" in answer else answer["run_peak_mib"])
+    answer = plan_one([*row.overrides, "data=synthetic"], gpus.lookup(row.card, key="--gpu"))
+    return float(answer["run_peak_mib"]), float(answer["step_peak_mib"]), str(answer["run_peak_phase"])
 
 
 def verdict(row: Row, mib: float) -> str:
@@ -149,7 +174,7 @@ def verdict(row: Row, mib: float) -> str:
     return f"{mib / row.figure_mib:.2f} ({'consistent' if mib > row.figure_mib else 'not consistent'}: needs more)"
 
 
-def table(predicted: dict[str, float]) -> str:
+def table(predicted: dict[str, tuple[float, float, str]]) -> str:
     lines = [
         "# The planner against published figures (SD 1.x and SDXL fine-tunes)",
         "",
@@ -158,13 +183,15 @@ def table(predicted: dict[str, float]) -> str:
         "predicted / published. For a \"fits\" claim (the run fits that card) the prediction should be below it; "
         "for a \"needs\" claim (it does not fit that card) above it.",
         "",
-        "| # | published | kind | settings (the source's) | zerotune settings | predicted MiB | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| # | published | kind | settings (the source's) | zerotune settings | card | predicted MiB (the run's "
+        "peak, its phase) | the step's | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in ROWS:
-        mib = predicted[row.key]
+        mib, step, phase = predicted[row.key]
         lines.append(f"| {row.key} | {row.figure_mib:,.0f} MiB | {row.kind} | {row.setting} | "
-                     f"`{' '.join(row.overrides)}` | {mib:,.0f} | {verdict(row, mib)} |")
+                     f"`{' '.join(row.overrides)}` | {row.card} | {mib:,.0f} ({phase}) | {step:,.0f} | "
+                     f"{verdict(row, mib)} |")
     lines += ["", "## Sources, and what the planner leaves out", ""]
     for row in ROWS:
         lines.append(f"- **{row.key}**: {row.source}." + (f" Not modelled: {row.gap}." if row.gap else "")
@@ -179,8 +206,9 @@ def main(argv: list[str]) -> int:
     predicted = {}
     for row in ROWS:
         predicted[row.key] = predict(row)
-        print(f"{row.key}: published {row.figure_mib:,.0f} MiB ({row.kind}), predicted {predicted[row.key]:,.0f} MiB,"
-              f" ratio {verdict(row, predicted[row.key])}", flush=True)
+        mib = predicted[row.key][0]
+        print(f"{row.key}: published {row.figure_mib:,.0f} MiB ({row.kind}), predicted {mib:,.0f} MiB,"
+              f" ratio {verdict(row, mib)}", flush=True)
     out.write_text(table(predicted))
     print(f"wrote {out}")
     return 0
