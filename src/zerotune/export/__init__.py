@@ -88,11 +88,7 @@ def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
 
 
 def _save_encoder(name: str, config: dict, weights: dict, out: Path, folder: str) -> Path:
-    from transformers import CLIPTextConfig
-
-    from zerotune.models import text_encoders
-
-    encoder = text_encoders.encoder_class(name)(CLIPTextConfig(**config))
+    encoder = text_encoders.build(name, config)
     encoder.load_state_dict(weights, strict=True)
     encoder.save_pretrained(out / folder, safe_serialization=True)
     return out / folder

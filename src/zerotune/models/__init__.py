@@ -139,11 +139,9 @@ def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
     modules = [unet]
     for name, arch in trained_encoder_archs(model_cfg).items():
         encoder = text_encoders.build_meta(name, arch)
-        encoder_targets = text_encoders.encoder_targets(adapter_cfg)
-        targets += adapter.targeted_modules(encoder, adapter_cfg, encoder_targets)
+        targets += adapter.targeted_modules(encoder, adapter_cfg, text_encoders.encoder_targets(adapter_cfg))
         with init_empty_weights():
-            modules.append(adapter.add_adapter(encoder, adapter_cfg, encoder_targets,
-                                               "adapter.text_encoder_target_modules"))
+            modules.append(text_encoders.add_adapter(encoder, adapter_cfg))
     target_numel = sum(p.numel() for m in targets for p in m.parameters(recurse=False))
     params = [p for m in modules for p in m.parameters()]
     numels = [p.numel() for p in params]

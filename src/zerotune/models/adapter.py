@@ -56,11 +56,10 @@ def _check_targets(module: torch.nn.Module, targets: list[str], key: str) -> Non
         if not any(_matches(n, target) for n in names):
             leaves = sorted({n.rsplit(".", 1)[-1] for n, m in module.named_modules()
                              if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))})
-            default = "[q_proj,k_proj,v_proj,out_proj]" if key.endswith("text_encoder_target_modules") \
-                else "[to_q,to_k,to_v,to_out.0]"
+            default = ",".join(getattr(Adapter(), key.rsplit(".", 1)[-1]))  # the schema's own default
             raise ConfigError(key, f"{target!r} matches no module of {type(module).__name__}; its linear and conv "
                               f"modules are named {', '.join(leaves)} (and to_out.0 etc. by their full suffix)",
-                              f"{key}={default}")
+                              f"{key}=[{default}]")
 
 
 def add_adapter(module: ModuleT, adapter_cfg: Adapter | None, targets: list[str] | None = None,

@@ -24,13 +24,9 @@ def build(unet_config: dict, adapter_cfg: dict, weights: dict):
 
 def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
     """A trained text encoder with its adapter, holding `weights` (base and adapter, by the module's own names)."""
-    from transformers import CLIPTextConfig
-
     from zerotune.models import text_encoders
 
-    encoder = text_encoders.encoder_class(name)(CLIPTextConfig(**config))
-    cfg = Adapter(**adapter_cfg)
-    adapter.add_adapter(encoder, cfg, text_encoders.encoder_targets(cfg), "adapter.text_encoder_target_modules")
+    encoder = text_encoders.add_adapter(text_encoders.build(name, config), Adapter(**adapter_cfg))
     encoder.load_state_dict(weights, strict=True)
     return encoder
 

@@ -22,7 +22,8 @@ from zerotune.schema import Adapter, Model
 CHOICES: dict[str, tuple[str, ...]] = {"none": (), "te1": ("text_encoder",), "te2": ("text_encoder_2",),
                                        "both": ("text_encoder", "text_encoder_2")}
 LR_KEYS = {"text_encoder": "text_encoder_lr", "text_encoder_2": "text_encoder_2_lr"}
-TOKENS = {"text_encoder": "input_ids", "text_encoder_2": "input_ids_2"}  # the batch's key for each encoder's tokens
+TOKENS = {"text_encoder": "input_ids", "text_encoder_2": "input_ids_2"}
+ENCODER_TARGETS_KEY = "adapter.text_encoder_target_modules"  # the batch's key for each encoder's tokens
 
 
 def trained(model_cfg: Model) -> tuple[str, ...]:
@@ -64,7 +65,8 @@ def encoder_class(name: str) -> type:
 
 
 def build(name: str, arch: dict) -> torch.nn.Module:
-    """An encoder of architecture `arch` (its config.json's fields), randomly initialised: for the planner's traces."""
+    """An encoder of architecture `arch` (its config.json's fields), randomly initialised: for the planner's traces,
+    and for export to load a checkpoint's weights into."""
     from transformers import CLIPTextConfig
 
     known = CLIPTextConfig().to_dict()
@@ -94,7 +96,7 @@ def load(name: str, path: Path, adapter_cfg: Adapter | None, gradient_checkpoint
     """A trained encoder from its saved folder, fp32, in train mode; with adapter=lora frozen under its adapters.
     At ZeRO-3 transformers' from_pretrained builds it partitioned (accelerate registered the DeepSpeed config)."""
     encoder = encoder_class(name).from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    encoder = adapter.add_adapter(encoder, adapter_cfg, encoder_targets(adapter_cfg), "adapter.text_encoder_target_modules")
+    encoder = add_adapter(encoder, adapter_cfg)
     if gradient_checkpointing:
         checkpointing_on(encoder)
     return encoder.train()
@@ -104,6 +106,11 @@ def checkpointing_on(encoder: torch.nn.Module) -> None:
     """transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable."""
     on = getattr(encoder, "activation_checkpointing_enable", None) or encoder.gradient_checkpointing_enable
     on()
+
+
+def add_adapter(encoder: torch.nn.Module, adapter_cfg: Adapter | None) -> torch.nn.Module:
+    """The adapter on a text encoder: adapter=lora's settings on adapter.text_encoder_target_modules."""
+    return adapter.add_adapter(encoder, adapter_cfg, encoder_targets(adapter_cfg), ENCODER_TARGETS_KEY)
 
 
 def encoder_targets(adapter_cfg: Adapter | None) -> list[str]:

@@ -181,9 +181,7 @@ def _as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, 
     adapter_block = cast(Adapter, OmegaConf.create(tuned)) if tuned else None
     built = {}
     for name, arch in archs.items():
-        encoder = text_encoders.build(name, arch)
-        encoder = adapter.add_adapter(encoder, adapter_block, text_encoders.encoder_targets(adapter_block),
-                                      "adapter.text_encoder_target_modules")
+        encoder = text_encoders.add_adapter(text_encoders.build(name, arch), adapter_block)
         torch.nn.Module.to(encoder, DTYPES[precision])
         if gradient_checkpointing:
             text_encoders.checkpointing_on(encoder)

@@ -128,8 +128,9 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
         return {"numel": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules())}
 
     what = [unet_config(model_cfg), adapter.settings(adapter_cfg), torch.__version__, FORMAT]
-    if trained_encoder_archs(model_cfg):
-        what.append(trained_encoder_archs(model_cfg))
+    trained = trained_encoder_archs(model_cfg)
+    if trained:  # absent otherwise: earlier cache entries keep their keys
+        what.append(trained)
     return int(_cached("modules-", what, count)["numel"])
 
 

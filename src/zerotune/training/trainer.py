@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 
@@ -115,9 +114,8 @@ class Trainer:
             folder = folders[name]
             assert folder is not None  # resolve_components finds every encoder the model's conditioning has
             encoders[name] = text_encoders.load(name, folder, self.cfg.adapter, self.cfg.train.gradient_checkpointing)
-        first_width = json.loads((paths.text_encoder / "config.json").read_text())["hidden_size"]
         return text_encoders.UNetWithTextEncoders(unet, encoders, pooled=self.kind == "text_time",
-                                                  first_width=int(first_width))
+                                                  first_width=text_encoders.first_width(self.cfg.model))
 
     def _trained_named_parameters(self) -> list:
         """What the optimizer updates (and the EMA averages): the adapter's weights under adapter=lora; named as
