@@ -30,6 +30,10 @@ $(STAMP): pyproject.toml
 	@# torch first and pinned, so nothing below drags in a CUDA build.
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[wandb,gpu,slurm,dev]'
+	@# The original Stable Diffusion code (its `ldm` package), whose UNetModel names the original checkpoint
+	@# layout in the single-file tests. --no-deps: its pins (transformers 4.33, lightning 1.4) would downgrade
+	@# the stack, and its U-Net needs only torch and einops.
+	$(PIP) install -q --no-deps stable-diffusion-sdkit==2.1.5
 	@# DeepSpeed's CPU ops (CPU Adam, the shared-memory collectives), compiled once now rather than by the first job.
 	$(PY) -m zerotune.ops || echo "DeepSpeed's CPU ops were not built now: the first job that needs them builds them"
 	touch $(STAMP)

@@ -96,7 +96,8 @@ def test_zero3_builds_partitioned_with_the_plain_init_losses_and_ema(tmp_path):
     assert not _equal(zero_w["ema"], zero_w["ema_initial"])
 
 
-# The U-Net built under zero.Init (world 1) from each `model.pretrained` in argv[2:], its gathered weights saved.
+# The U-Net built under zero.Init (world 1) from each override set in argv[2:] (space-separated, naming
+# `model.pretrained`), its gathered weights saved.
 LOAD = textwrap.dedent("""
     import sys, torch
     from tests.helpers.cli import compose_cfg
@@ -108,9 +109,9 @@ LOAD = textwrap.dedent("""
     deepspeed.init_distributed(dist_backend="gloo")
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     loaded, draws = [], []
-    for path in sys.argv[2:]:
+    for overrides in sys.argv[2:]:
         torch.manual_seed(0)
-        unet = build_unet(compose_cfg(f"model.pretrained={path}").model, zero_init=deepspeed.zero.Init(config_dict_or_path=ds))
+        unet = build_unet(compose_cfg(*overrides.split()).model, zero_init=deepspeed.zero.Init(config_dict_or_path=ds))
         draws.append(torch.randn(4))  # what draws next (peft's LoRA init) gets
         params = list(unet.named_parameters())
         assert all(p.data.numel() == 0 for _, p in params)
@@ -121,33 +122,38 @@ LOAD = textwrap.dedent("""
 
 
 def test_zero3_loads_pretrained_into_the_partitions(tmp_path):
-    """A .safetensors state dict and a diffusers folder, each loaded module by module into the partitions; each
-    build leaves the global RNG where the plain build leaves it (so LoRA's init matches the other stages')."""
+    """A .safetensors state dict, a diffusers folder and an original-layout single file (SDXL-shaped), each
+    loaded module by module into the partitions; each build leaves the global RNG where the plain build leaves
+    it (so LoRA's init matches the other stages')."""
     import torch
     from safetensors.torch import save_file
 
     from tests.helpers.cli import compose_cfg
+    from tests.helpers.original_layout import write_checkpoint
     from zerotune.models import build_unet
 
-    torch.manual_seed(123)
-    source = build_unet(compose_cfg().model)
-    with torch.no_grad():
-        for p in source.parameters():
-            p.add_(torch.randn_like(p))  # not the seeded init a run would make anyway
-    weights = {n: p.detach().clone() for n, p in source.named_parameters()}
-    save_file(source.state_dict(), str(tmp_path / "unet.safetensors"))
-    source.save_pretrained(tmp_path / "folder")
-    proc = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "loaded.pt"), str(tmp_path / "unet.safetensors"),
-                           str(tmp_path / "folder")], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    sources = {}
+    for model in ("tiny", "sdxl_tiny"):
+        torch.manual_seed(123)
+        sources[model] = build_unet(compose_cfg(f"model={model}", "data=synthetic").model)
+        with torch.no_grad():
+            for p in sources[model].parameters():
+                p.add_(torch.randn_like(p))  # not the seeded init a run would make anyway
+    save_file(sources["tiny"].state_dict(), str(tmp_path / "unet.safetensors"))
+    sources["tiny"].save_pretrained(tmp_path / "folder")
+    write_checkpoint(sources["sdxl_tiny"], tmp_path / "sdxl.safetensors")
+    runs = [f"model.pretrained={tmp_path / 'unet.safetensors'}", f"model.pretrained={tmp_path / 'folder'}",
+            f"model=sdxl_tiny data=synthetic model.pretrained={tmp_path / 'sdxl.safetensors'}"]
+    proc = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "loaded.pt"), *runs],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (from_file, from_folder), draws = torch.load(tmp_path / "loaded.pt", weights_only=False)
-    assert _equal(from_file, weights) and _equal(from_folder, weights)
-    plain_draws = []
-    for path in (tmp_path / "unet.safetensors", tmp_path / "folder"):
+    loaded, draws = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    for run, weights, source in zip(runs, loaded, ("tiny", "tiny", "sdxl_tiny"), strict=True):
+        assert _equal(weights, {n: p.detach() for n, p in sources[source].named_parameters()}), run
+    for run, draw in zip(runs, draws, strict=True):
         torch.manual_seed(0)
-        build_unet(compose_cfg(f"model.pretrained={path}").model)
-        plain_draws.append(torch.randn(4))
-    assert torch.equal(draws[0], plain_draws[0]) and torch.equal(draws[1], plain_draws[1])
+        build_unet(compose_cfg(*run.split()).model)
+        assert torch.equal(draw, torch.randn(4)), run
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from zerotune import files
 from zerotune.errors import ConfigError
-from zerotune.models import adapter
+from zerotune.models import adapter, single_file
 from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
 from zerotune.schema import Adapter, Model
 
@@ -153,7 +153,8 @@ def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
 
 
 def build_unet(model_cfg: Model, zero_init=None):
-    """A U-Net from `model.pretrained` (a diffusers folder or a .safetensors state dict) or from its config.
+    """A U-Net from `model.pretrained` (a diffusers folder, a .safetensors state dict in diffusers' names, or an
+    original-layout single-file checkpoint) or from its config.
 
     `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
     as it is built and the weights are loaded into the partitions (models/partitioned.py)."""
@@ -182,20 +183,28 @@ def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
     if path is None:
         return partitioned.build(lambda: _from_config(model_cfg), zero_init, None, "")
     config, weight_files = _pretrained_files(model_cfg, path)
-    if not path.is_dir():  # a .safetensors state dict: built as load_pretrained builds it
-        return partitioned.build(lambda: _from_config(model_cfg), zero_init, weight_files, str(path))
-    if not weight_files:  # .bin weights: read_folder only looks for them
-        weight_files = _bin_files(unet_folder(path))
+    if is_single_file(path):
+        weights: partitioned.Weights = partitioned.ConvertedWeights(path, config)
+    elif not path.is_dir():  # a .safetensors state dict: built as load_pretrained builds it
+        return partitioned.build(lambda: _from_config(model_cfg), zero_init,
+                                 partitioned.FileWeights(weight_files), str(path))
+    else:  # .bin weights: read_folder only looks for them
+        weights = partitioned.FileWeights(weight_files or _bin_files(unet_folder(path)))
 
     def make_unet():
-        # As from_pretrained builds it: torch.nn.init's functions skipped, since the files replace every weight.
-        # So the build draws nothing from the global RNG, and what draws next (peft's LoRA init, the data)
-        # draws what it does after from_pretrained at the other stages.
+        # As from_pretrained and from_single_file build it: torch.nn.init's functions skipped, since the files
+        # replace every weight. So the build draws nothing from the global RNG, and what draws next (peft's LoRA
+        # init, the data) draws what it does after them at the other stages.
         with no_init_weights():
             return UNet2DConditionModel.from_config(config)
 
-    unet = partitioned.build(make_unet, zero_init, weight_files, str(path))
+    unet = partitioned.build(make_unet, zero_init, weights, str(path))
     return unet.eval()  # as from_pretrained leaves it
+
+
+def is_single_file(path: Path) -> bool:
+    """Whether `path` is an original-layout single-file checkpoint (read from its header alone)."""
+    return path.suffix == ".safetensors" and path.is_file() and single_file.is_original_layout(read_shapes(path))
 
 
 def _bin_files(folder: Path) -> list[Path]:
@@ -211,9 +220,12 @@ def load_pretrained(model_cfg: Model, path: Path):
     from diffusers import UNet2DConditionModel
     from safetensors.torch import load_file
 
-    _pretrained_files(model_cfg, path)
+    config, _ = _pretrained_files(model_cfg, path)
     if path.is_dir():
         return UNet2DConditionModel.from_pretrained(unet_folder(path), local_files_only=True)
+    if is_single_file(path):
+        check_pretrained(model_cfg)  # a wrong architecture named by tensor, before diffusers loads
+        return single_file.load(path, config)
     unet = _from_config(model_cfg)
     missing, unexpected = unet.load_state_dict(load_file(str(path)), strict=False)
     if missing or unexpected:
@@ -225,35 +237,69 @@ def load_pretrained(model_cfg: Model, path: Path):
 
 def _pretrained_files(model_cfg: Model, path: Path) -> tuple[dict, list[Path]]:
     """The U-Net config and safetensors files `model.pretrained` names: a diffusers folder's own (one without a
-    U-Net config or weights is refused, saying which), or the model option's config for a single .safetensors."""
+    U-Net config or weights is refused, saying which), or the model option's config for a single .safetensors
+    (a state dict in diffusers' names, or an original-layout checkpoint)."""
     if path.is_dir():
         return read_folder(path)
     if path.suffix == ".safetensors" and path.is_file():
         return unet_config(model_cfg), [path]
     problem = "does not exist" if not path.exists() else "is neither a diffusers folder nor a .safetensors file"
     raise ConfigError("model.pretrained", f"{path} {problem}",
-                      "model.pretrained=/path/to/unet_folder or /path/to/unet.safetensors")
+                      "model.pretrained=/path/to/unet_folder, /path/to/unet.safetensors or /path/to/checkpoint.safetensors")
 
 
 def check_pretrained(model_cfg: Model) -> None:
     """What `load_pretrained` needs, checked in seconds without reading a tensor: the path exists, a folder
     has a U-Net config and weights, and every safetensors header is whole and names the tensors (and shapes)
-    of the U-Net it loads into: a folder's own config.json, or the model option's for a single file."""
+    of the U-Net it loads into: a folder's own config.json, or the model option's for a single file. An
+    original-layout checkpoint's names and shapes are those diffusers' conversion makes of its header."""
     if not model_cfg.pretrained:
         return
     path = Path(str(model_cfg.pretrained)).expanduser()
     config, weight_files = _pretrained_files(model_cfg, path)
     model = "the U-Net its config.json describes" if path.is_dir() else f"model={model_cfg.name}"
     found = {name: shape for file in weight_files for name, shape in read_shapes(file).items()}
-    if weight_files:
-        from accelerate import init_empty_weights
-        from diffusers import UNet2DConditionModel
-
+    if single_file.is_original_layout(found):
         try:
-            with init_empty_weights():  # the U-Net the config describes, on the meta device
-                unet = UNet2DConditionModel.from_config(config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
-                              f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
-        expected = {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
-        compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, expected, model)
+            compare_shapes(path, single_file.converted_shapes(found, config, path), _meta_shapes(config, path), model)
+        except ConfigError as err:
+            matching = _options_holding(found, path)
+            raise ConfigError(err.key, err.problem, f"model={matching[0]} (its U-Net is that option's)" if matching
+                              else single_file.WRONG_MODEL_FIX) from None
+    elif weight_files:
+        compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, _meta_shapes(config, path), model)
+
+
+def _meta_shapes(config: dict, path: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the U-Net `config` describes, built on the meta device."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    try:
+        with init_empty_weights():
+            unet = UNet2DConditionModel.from_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
+                          f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
+    return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
+
+
+def _options_holding(header: dict[str, tuple[int, ...]], path: Path) -> list[str]:
+    """The model options whose U-Net an original-layout checkpoint holds: converted, its names and shapes are
+    the option's. Only asked once a checkpoint has been refused, to name the fix."""
+    from zerotune import config_search
+
+    search = config_search.current()
+    holding = []
+    for name in search.group_options().get("model", []):
+        file = search.option_file("model", name)
+        if file is None:
+            continue
+        option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(file)))
+        config = unet_config(option)
+        try:
+            if single_file.converted_shapes(header, config, path) == _meta_shapes(config, path):
+                holding.append(name)
+        except ConfigError:
+            continue
+    return holding

@@ -2,7 +2,8 @@
 ranks as soon as that module is built, so no rank ever holds the whole model.
 
 `model.pretrained` is loaded module by module into the partitioned model: each module's parameters are
-gathered, rank 0 copies its tensors in (read one by one from the files, never the whole state dict), and
+gathered, rank 0 copies its tensors in (read one by one from the files, never the whole state dict; an
+original-layout single file is converted whole on rank 0 alone, as diffusers' conversion needs), and
 DeepSpeed broadcasts them and re-partitions (`GatheredParameters(modifier_rank=0)`, as transformers loads
 into a ZeRO-3 model). diffusers' `from_pretrained` cannot be used: it ignores zero.Init and reads every
 weight whole on every rank.
@@ -12,23 +13,36 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from zerotune.models.weights import compare_shapes
+from zerotune.models import single_file
+from zerotune.models.weights import compare_shapes, read_shapes
 
 
-def build(make_unet, init: contextlib.AbstractContextManager, weight_files: list[Path] | None, what: str):
-    """`make_unet()` under `init`, then the weights of `weight_files` (None: keep the seeded random init)."""
+class Weights(Protocol):
+    """Tensors by name, with their shapes known before any tensor is read."""
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def build(make_unet, init: contextlib.AbstractContextManager, weights: Weights | None, what: str):
+    """`make_unet()` under `init`, then `weights` loaded in (None: keep the seeded random init)."""
     with init:
         unet = make_unet()
-    if weight_files is not None:
-        load_into_partitioned(unet, weight_files, what)
+    if weights is not None:
+        load_into_partitioned(unet, weights, what)
     return unet
 
 
-class _Weights:
+class FileWeights:
     """Tensors by name from safetensors files (read one at a time) or torch .bin files (memory-mapped)."""
 
     def __init__(self, files: list[Path]):
@@ -59,13 +73,37 @@ class _Weights:
         self._stack.close()
 
 
+class ConvertedWeights:
+    """An original-layout single file's U-Net in diffusers' names. Names and shapes come from the header (every
+    rank); the tensors are converted on the first `get`, which only rank 0 makes (the U-Net has no persistent
+    buffers, which every rank would read)."""
+
+    def __init__(self, path: Path, config: dict):
+        self._path, self._config = path, config
+        self._shapes = single_file.converted_shapes(read_shapes(path), config, path)
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def names(self) -> set[str]:
+        return set(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._tensors is None:
+            self._tensors = single_file.converted_unet_tensors(self._path, self._config)
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._tensors = None
+
+
 @torch.no_grad()
-def load_into_partitioned(unet: torch.nn.Module, files: list[Path], what: str) -> None:
+def load_into_partitioned(unet: torch.nn.Module, weights: Weights, what: str) -> None:
     """Every rank calls this (each gather is a collective); only rank 0 reads parameter tensors."""
     import deepspeed
     import torch.distributed as dist
 
-    weights = _Weights(files)
     try:
         # On every rank, from the files' headers: no rank stops alone mid-gather. A partitioned parameter's
         # whole shape is its ds_shape.
