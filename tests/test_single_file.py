@@ -99,3 +99,35 @@ def test_train_from_a_single_file(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 2, summary.get("error")
+
+
+ORIGINAL_SD = {  # the published configs' UNetModel arguments (v1-inference.yaml, v2-inference-v.yaml)
+    "sd15": dict(num_heads=8, context_dim=768),
+    "sd21": dict(num_heads=-1, num_head_channels=64, context_dim=1024, use_linear_in_transformer=True),
+}
+
+
+@pytest.mark.parametrize(("model", "other"), [("sd15", "sd21"), ("sd21", "sd15")])
+def test_the_published_sd_layouts_pass_their_option_and_are_named_under_the_other(model, other, tmp_path,
+                                                                               monkeypatch):
+    """The full-size SD 1.5 and 2.1 layouts (the original model's names and shapes, built on the meta device,
+    as the header of a real checkpoint lists them): checked against the right option, and named as the fix
+    under the wrong one."""
+    from diffusers.loaders.single_file_utils import LDM_UNET_KEY
+    from ldm.modules.diffusionmodules.openaimodel import UNetModel
+
+    import zerotune.models as models
+
+    with torch.device("meta"):
+        original = UNetModel(image_size=64, in_channels=4, out_channels=4, model_channels=320,
+                             attention_resolutions=[4, 2, 1], num_res_blocks=2, channel_mult=[1, 2, 4, 4],
+                             use_spatial_transformer=True, transformer_depth=1, legacy=False, **ORIGINAL_SD[model])
+    header = {LDM_UNET_KEY + name: tuple(t.shape) for name, t in original.state_dict().items()}
+    header["first_stage_model.decoder.conv_in.weight"] = (512, 4, 3, 3)
+    path = tmp_path / "checkpoint.safetensors"
+    path.write_bytes(b"")  # its header is the one above
+    monkeypatch.setattr(models, "read_shapes", lambda file: header)
+    check_pretrained(_cfg(model, path).model)
+    with pytest.raises(ConfigError) as err:
+        check_pretrained(_cfg(other, path).model)
+    assert err.value.fix.startswith(f"model={model} "), err.value
