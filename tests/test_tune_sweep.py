@@ -25,8 +25,10 @@ def test_a_tune_sweep_measures_records_an_oom_and_saves_a_winner_that_trains(tmp
                    "hydra.sweeper.warmup_steps=1", "hydra.sweeper.min_steps=1", "hydra.sweeper.max_steps=2",
                    "hydra.sweeper.name=e2e", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    statuses = [read_summary(d)["status"] for d in sweep.iterdir() if (d / "summary.json").is_file()]
-    assert sorted(statuses) == ["ok", "oom"]                     # the OOM was recorded, the other trial ran
+    summaries = [read_summary(d) for d in sweep.iterdir() if (d / "summary.json").is_file()]
+    assert sorted(s["status"] for s in summaries) == ["ok", "oom"]  # the OOM was recorded, the other trial ran
+    # each trial's worker forked from the template that imported while the candidates were screened
+    assert [(s.get("startup") or {}).get("worker_start") for s in summaries] == ["warm template"] * 2
     for d in (d for d in sweep.iterdir() if (d / ".hydra").is_dir()):
         overrides = yaml.safe_load((d / ".hydra" / "overrides.yaml").read_text())
         assert "zero_stage='2'" in overrides and "train.batch_size=8" in overrides  # fixed: in every trial

@@ -75,8 +75,9 @@ class GateWatch:
     """A worker's side: a thread that watches for the decision from the worker's first line on. A refusal ends
     the process where it stands (it has written nothing yet); `wait_for_go` returns when training may start."""
 
-    def __init__(self, run_dir: str | Path, token: str) -> None:
+    def __init__(self, run_dir: str | Path, token: str, forked: bool = False) -> None:
         self.path = gate_file(run_dir, token)
+        self.forked = forked  # forked from the sweep's warm template (launch/warm.py), not a fresh interpreter
         self.opened_at: float | None = None
         self._go = threading.Event()
         threading.Thread(target=self._watch, name="zerotune-gate", daemon=True).start()
@@ -100,4 +101,5 @@ class GateWatch:
         reached = time.time()
         self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (ops/build.py)
         self._go.wait()
-        return {"gate_reached": reached, "gate_open": max(self.opened_at or reached, reached)}
+        return {"gate_reached": reached, "gate_open": max(self.opened_at or reached, reached),
+                "forked_from_template": self.forked}

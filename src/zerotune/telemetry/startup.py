@@ -61,6 +61,8 @@ def startup_view(parent: ParentMarks | None, worker: dict | None, checks: Marks 
         view["checks"] = checks.phases()
     if worker:
         view["worker"] = _worker_phases(parent.end() if parent is not None else worker["process_start"], worker)
+        # forked from a tune sweep's warm template (launch/warm.py), whose imports were paid once, before
+        view["worker_start"] = "warm template" if worker.get("forked_from_template") else "fresh interpreter"
         start = parent.start if parent is not None else worker["process_start"]
         view["to_first_step_s"] = _seconds(start, worker.get("first_step_end"))
     if checks is not None:

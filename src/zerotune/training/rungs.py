@@ -1,10 +1,13 @@
 """Successive halving's rungs, shared by the sweeper (which creates the study) and each trial's job (which
-reports to it). A trial's job reports samples/s over its timed steps (after `warmup_steps`) at each rung;
-Optuna's pruner, reading every trial's value at that rung from the study's journal, may stop it there."""
+reports to it). A trial's job reports samples/s over its timed steps (after `warmup_steps`) at each rung, with
+that figure's spread; the pruner, reading every trial's figure and spread at that rung from the study's
+journal, stops it there only when it is behind by more than both spreads (SpreadHalvingPruner)."""
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from typing import Any
 
 from zerotune.rundir.status import Status
@@ -25,8 +28,27 @@ def rung_steps(min_steps: int, reduction_factor: int, max_steps: int) -> list[in
     return [*steps, max_steps]
 
 
+SPREAD_ATTR = "spread_at_{}"   # a trial's user attr: the relative half-width of its figure at that rung
+CONFIDENCE = 0.9               # of the interval a rung's spread is the half-width of
+ONE_STEP_SPREAD = 1.0          # a figure from one step has no spread to measure: taken as ±100%
+
+
+def rate_spread(durations: list[float], samples: list[int]) -> float:
+    """The relative half-width of the 90% confidence interval of the mean samples/s of these steps (Student's
+    t over the per-step rates): how far a rung's figure could be from the run's own rate by step-to-step jitter
+    alone. What moves a whole run (another process, a node's clock) it cannot see: min_spread floors it."""
+    from scipy.stats import t as student_t
+
+    rates = [n / d for n, d in zip(samples, durations, strict=True) if d > 0]
+    if len(rates) < 2:
+        return ONE_STEP_SPREAD
+    mean = statistics.fmean(rates)
+    half = float(student_t.ppf(0.5 + CONFIDENCE / 2, len(rates) - 1)) * statistics.stdev(rates) / math.sqrt(len(rates))
+    return half / mean if mean > 0 else ONE_STEP_SPREAD
+
+
 def make_pruner(trial: Trial):
-    """Optuna's pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
+    """The pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
     import optuna
 
     if trial.pruner == "none":
@@ -34,8 +56,11 @@ def make_pruner(trial: Trial):
     if trial.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=trial.min_steps, max_resource=trial.max_steps,
                                               reduction_factor=trial.reduction_factor)
-    return optuna.pruners.SuccessiveHalvingPruner(min_resource=trial.min_steps,
-                                                  reduction_factor=trial.reduction_factor)
+    from zerotune.training.halving import SpreadHalvingPruner  # imports optuna: only where a study is used
+
+    return SpreadHalvingPruner(int(trial.reduction_factor), float(trial.min_spread))
+
+
 
 
 def journal(path: str):
@@ -64,6 +89,7 @@ class TrialRungs:
         if self._trial is not None:
             durations, samples = timer.durations[self.warmup:], timer.samples[self.warmup:]
             value = sum(samples) / sum(durations)
+            self._trial.set_user_attr(SPREAD_ATTR.format(timed), rate_spread(durations, samples))
             self._trial.report(value, timed)
             # The last rung is the trial's whole measurement: it completes, whatever the pruner would say.
             stop = timed < self.last and self._trial.should_prune()

@@ -1,5 +1,6 @@
-"""What a tune sweep leaves in its folder: tune.md (the answer, then one row per candidate: trials with their
-rungs, samples/s and memory, and the candidates dropped before any trial, each with its reason) and tune.csv."""
+"""What a tune sweep leaves in its folder: tune.md (the answer; the finalists' rounds, with medians, ratios and
+spreads; then one row per candidate: trials with their rungs, samples/s and memory, and the candidates dropped
+before any trial, each with its reason) and tune.csv."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotune.rundir.status import Status
-from zerotune.tune.screen import KEPT, Screened
+from zerotune.tune.finalists import Verdict
+from zerotune.tune.screen import KEPT, Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
 # A candidate ranked by its predicted time floor, run or not: a row of the tune report, not a run's status.
@@ -26,9 +28,13 @@ class Outcome:
     predicted: bool = False          # ranked by the planner's time floor: no trial ran
     wall_s: float = 0.0
     winner_file: Path | None = None
+    verdict: Verdict | None = None   # the finalists' rounds; None: no two finalists (the search's best stands)
 
     def winner(self) -> dict | None:
+        """The row of what is written: the verdict's choice, else the search's best."""
         rows = self.rows()
+        if self.verdict is not None:
+            return next(r for r in rows if r["candidate"] == self.verdict.chosen.screened.number)
         return rows[0] if rows and rows[0]["samples_per_s"] and rows[0]["status"] in (Status.OK, PREDICTED) else None
 
     def rows(self) -> list[dict]:
@@ -42,7 +48,7 @@ def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -
     row = {"candidate": s.number, "config": s.candidate.label(), "grad_accum": s.candidate.grad_accum,
            "status": s.verdict, "timed_steps": None, "samples_per_s": None, "rungs": "", "reason": s.reason,
            "gpu_peak_process_mib": None, "host_peak_rss_mib": None, "run_dir": None,
-           "plan_peak_mib": s.plan.get("run_peak_mib") or s.plan.get("gpu_peak_mib") or s.plan.get("step_peak_mib"),
+           "plan_peak_mib": planned_peak_mib(s.plan),
            "plan_time_floor_s": s.plan.get("time_floor_s"), "plan_bound": s.plan.get("bound")}
     if predicted and s.verdict == KEPT:
         # A floor without its compute term would rank an offloaded run (whose optimizer term is known) above
@@ -88,7 +94,7 @@ def markdown(outcome: Outcome, rows: list[dict]) -> str:
     lines = [f"# tune: {outcome.workload}, global batch {outcome.global_batch}", "",
              f"- machine: {outcome.machine}",
              f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
-             f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "",
+             f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "", *paired_table(outcome.verdict),
              "| # | config | accum | status | timed steps | samples/s | rungs (steps:samples/s) | GPU peak MiB | "
              "host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -104,11 +110,53 @@ def answer(outcome: Outcome) -> str:
     best = outcome.winner()
     if best is None:
         return "**No candidate completed its trial**: see the rows below for why."
-    how = "predicted by the planner's time floor (no trial ran)" if outcome.predicted else \
-        f"measured over {best['timed_steps']} timed steps"
     saved = f"; saved as `{outcome.winner_file}`" if outcome.winner_file else ""
+    verdict = outcome.verdict
+    if verdict is not None:
+        return f"**{certainty(verdict)}**{saved}."
+    how = "predicted by the planner's time floor (no trial ran)" if outcome.predicted else \
+        f"measured over {best['timed_steps']} timed steps; no other complete trial within the spread of it"
     return f"**Fastest: {best['config']} (grad_accum {best['grad_accum']}), {best['samples_per_s']:.4g} samples/s, " \
            f"{how}**{saved}."
+
+
+def certainty(verdict: Verdict) -> str:
+    """One line: "winner: ..., ratio to the runner-up" or "tie among ...; chosen: ... (the cheapest)"."""
+    chosen = verdict.chosen
+    runs = len(chosen.rounds)
+    if verdict.is_tie:
+        names = "; ".join(f"{f.screened.candidate.label()} ({f.median:.4g})" for f in verdict.tied)
+        return (f"tie among {len(verdict.tied)} (medians of {runs} rounds, samples/s): {names}. Chosen, as the "
+                f"cheapest of them (smallest predicted peak, then no offload, then the lowest stage): "
+                f"{chosen.screened.candidate.label()}")
+    runner = verdict.runner_up()
+    versus = (f"; {runner.median:.3g}x the runner-up {runner.other.screened.candidate.label()} (rounds "
+              f"{runner.low:.3g}-{runner.high:.3g}x)") if runner else ""
+    return f"winner: {chosen.screened.candidate.label()}, {chosen.median:.4g} samples/s (median of {runs} rounds){versus}"
+
+
+def paired_table(verdict: Verdict | None) -> list[str]:
+    if verdict is None:
+        return []
+    by_number = {c.other.screened.number: c for c in verdict.comparisons}
+    tied = {f.screened.number for f in verdict.tied}
+    lines = ["## finalists, paired", "",
+             "Each finalist ran once per round, the order reversed every other round; ratio: the fastest's "
+             "samples/s over this one's in the same round (median, and min-max over the rounds).", "",
+             "| # | config | rounds (samples/s) | median | ratio (median) | ratio spread | verdict |",
+             "|---|---|---|---|---|---|---|"]
+    for f in verdict.finalists:
+        number = f.screened.number
+        comparison = by_number.get(number)
+        ratio = f"{comparison.median:.3f}" if comparison and comparison.ratios else "-"
+        spread = f"{comparison.low:.3f}-{comparison.high:.3f}" if comparison and comparison.ratios else "-"
+        word = ("chosen" if f is verdict.chosen else "tied" if number in tied else "slower")
+        if f is verdict.finalists[0]:
+            word = "fastest" + (", chosen" if f is verdict.chosen else "")
+        rounds = " ".join(_cell(v, "{:.4g}") for v in f.rounds)
+        lines.append(f"| {number} | {f.screened.candidate.label()} | {rounds} | {f.median:.4g} | {ratio} | "
+                     f"{spread} | {word} |")
+    return [*lines, ""]
 
 
 def _cell(value, fmt: str = "{}", missing: str = "-") -> str:

@@ -88,6 +88,11 @@ def _run_key(cfg: Config) -> str:
     return json.dumps(as_dict(cfg), sort_keys=True, default=str)
 
 
+def planned_peak_mib(plan: dict) -> float | None:
+    """A screened candidate's predicted peak: the run's, else the GPU's, else the step's."""
+    return plan.get("run_peak_mib") or plan.get("gpu_peak_mib") or plan.get("step_peak_mib")
+
+
 def _plan_view(plan: Plan) -> dict:
     view = {k: getattr(plan, k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
                                           "time_floor_s", "bound")}

@@ -22,14 +22,24 @@ class TuneSettings:
     reduction_factor: int = 3
     max_steps: int = 36
     pruner: str = "successive_halving"
+    min_spread: float = 0.05             # the least relative spread of a figure (rungs, finalists' rounds)
+    finalists: int = 4                   # at most this many, within the spread of the best, are re-measured
+    pair_rounds: int = 3                 # rounds of the finalists' re-measurement (0: none)
+    pair_steps: int = 12                 # timed steps of each of those runs
     drop_by_plan: bool = True            # false: what the planner predicts won't fit (or needlessly checkpoints) runs too
+    warm_workers: bool = True            # trials' workers forked from one process that imported once (launch/warm.py)
     space: dict[str, Any] = field(default_factory=dict)
 
     def trial_overrides(self) -> list[str]:
         """What every trial's job is told of the rungs (schema `trial`)."""
         return [f"trial.warmup_steps={self.warmup_steps}", f"trial.min_steps={self.min_steps}",
                 f"trial.reduction_factor={self.reduction_factor}", f"trial.max_steps={self.max_steps}",
-                f"trial.pruner={self.pruner}"]
+                f"trial.pruner={self.pruner}", f"trial.min_spread={self.min_spread}"]
+
+    def round_overrides(self) -> list[str]:
+        """What a finalist's re-measurement job is told: one rung of pair_steps, never stopped."""
+        return [f"trial.warmup_steps={self.warmup_steps}", f"trial.min_steps={self.pair_steps}",
+                f"trial.max_steps={self.pair_steps}", "trial.pruner=none", f"trial.min_spread={self.min_spread}"]
 
 
 def read_settings(params: dict[str, Any]) -> TuneSettings:
@@ -40,12 +50,18 @@ def read_settings(params: dict[str, Any]) -> TuneSettings:
         raise ConfigError(f"hydra.sweeper.{unknown[0]}", "not a setting of hydra/sweeper=tune",
                           f"one of: {', '.join(known)}")
     settings = TuneSettings(**{k: v for k, v in params.items() if k in known})
-    _check_positive(settings, ("warmup_steps",), minimum=0)
-    _check_positive(settings, ("min_steps", "max_steps", "global_batch", "n_trials"), minimum=1)
+    _check_positive(settings, ("warmup_steps", "pair_rounds"), minimum=0)
+    _check_positive(settings, ("min_steps", "max_steps", "global_batch", "n_trials", "finalists", "pair_steps"),
+                    minimum=1)
+    if isinstance(settings.min_spread, bool) or not isinstance(settings.min_spread, int | float) \
+            or not 0 <= settings.min_spread < 1:
+        raise ConfigError("hydra.sweeper.min_spread", f"must be a fraction in [0, 1), got {settings.min_spread!r}",
+                          "hydra.sweeper.min_spread=0.05")
     _check_positive(settings, ("reduction_factor",), minimum=2)
-    if not isinstance(settings.drop_by_plan, bool):
-        raise ConfigError("hydra.sweeper.drop_by_plan", f"must be true or false, got {settings.drop_by_plan!r}",
-                          "hydra.sweeper.drop_by_plan=true")
+    for key in ("drop_by_plan", "warm_workers"):
+        if not isinstance(getattr(settings, key), bool):
+            raise ConfigError(f"hydra.sweeper.{key}", f"must be true or false, got {getattr(settings, key)!r}",
+                              f"hydra.sweeper.{key}=true")
     if settings.pruner not in PRUNERS:
         raise ConfigError("hydra.sweeper.pruner", f"unknown {settings.pruner!r}",
                           f"hydra.sweeper.pruner={' | '.join(PRUNERS)}")

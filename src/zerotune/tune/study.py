@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.rundir.status import Status
-from zerotune.training.rungs import PRUNED, journal, make_pruner
+from zerotune.training.rungs import ONE_STEP_SPREAD, PRUNED, SPREAD_ATTR, journal, make_pruner
 from zerotune.tune.screen import KEPT, NO_FIT, SLOWER, Screened
 from zerotune.tune.settings import TuneSettings
 
 log = logging.getLogger("zerotune")
 
 STUDY = "tune"
+ROUNDS = "rounds"    # the finalists' re-measurement: its own study in the same journal, never pruned
 JOURNAL = "tune.journal"
 # Trials are measurements: no checkpoint, no sampling, no logger; what the command line set for these is replaced.
 TRIAL_SETTINGS = ("checkpoint.final=false", "checkpoint.every_n_steps=0", "evaluate.enabled=false",
@@ -35,6 +36,7 @@ class Trial:
     rungs: dict[int, float]          # timed steps -> samples/s reported there
     row: dict                        # the job's report row (report/collect.py)
     wall_s: float
+    spread: float = ONE_STEP_SPREAD  # the relative spread of its figure at its last rung (training/rungs.py)
 
     @property
     def score(self) -> float:
@@ -78,6 +80,40 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     return trials
 
 
+def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[str], sweep_dir: Path,
+               launch: Callable[[list[str], int], Path], first_job: int) -> list[list[float | None]]:
+    """Each finalist re-measured once per round, for settings.pair_rounds rounds, in the order
+    finalists.round_order gives: samples/s of each run (None where it failed), by finalist, by round."""
+    import optuna
+
+    from zerotune.tune.finalists import round_order
+
+    storage = journal(str(sweep_dir / JOURNAL))
+    study = optuna.create_study(storage=storage, study_name=ROUNDS, direction="maximize", load_if_exists=False,
+                                pruner=optuna.pruners.NopPruner())
+    figures: list[list[float | None]] = [[None] * settings.pair_rounds for _ in finalists]
+    job = first_job
+    for round_number in range(settings.pair_rounds):
+        for index in round_order(len(finalists), round_number):
+            chosen = finalists[index].screened
+            asked = study.ask()
+            overrides = [*without_trial_settings(workload), *chosen.candidate.overrides(), *TRIAL_SETTINGS,
+                         *([] if settings.drop_by_plan else ["plan.guard=warn"]), *settings.round_overrides(),
+                         f"train.max_steps={settings.warmup_steps + settings.pair_steps}",
+                         f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={ROUNDS}",
+                         f"trial.number={asked.number}"]
+            started = time.perf_counter()
+            run_dir = launch(overrides, job)
+            job += 1
+            trial = _outcome(chosen, asked, sweep_dir, run_dir, time.perf_counter() - started)
+            figures[index][round_number] = trial.samples_per_s if trial.status == Status.OK else None
+            study.tell(asked, figures[index][round_number] or 0.0)
+            log.info("tune: round %d/%d, candidate %d %s: %s samples/s", round_number + 1, settings.pair_rounds,
+                     chosen.number, chosen.candidate.label(),
+                     f"{trial.samples_per_s:.4g}" if trial.samples_per_s else f"none ({trial.status})")
+    return figures
+
+
 def _worst_at_every_rung(storage, number: int) -> None:
     """A job that failed after a rung (an OOM at a later step) must not stop others with what it reported there:
     its rungs take its score too, 0 (the pruner compares the rungs' values, kept as the trial's system attrs)."""
@@ -113,7 +149,8 @@ def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wal
     timed = max(rungs) if rungs else 0
     # Every trial's figure over the same warm-up (the sweeper's): the value its job reported at its last rung.
     value = rungs[timed] if rungs and row["status"] in (Status.OK, PRUNED) else None
-    return Trial(chosen, optuna_trial.number, row["status"], value, timed, rungs, row, wall_s)
+    spread = float(frozen.user_attrs.get(SPREAD_ATTR.format(timed), ONE_STEP_SPREAD))
+    return Trial(chosen, optuna_trial.number, row["status"], value, timed, rungs, row, wall_s, spread)
 
 
 def progress_line(trial: Trial, done: int, total: int, trials: list[Trial]) -> str:

@@ -11,20 +11,32 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.compose.overrides import as_typed
-from zerotune.tune import report
+from zerotune.launch import warm
+from zerotune.tune import finalists, report
+from zerotune.tune.finalists import Finalist, Verdict
 from zerotune.tune.report import Outcome
 from zerotune.tune.screen import INVALID, KEPT, Screened, screen
 from zerotune.tune.settings import TuneSettings
 from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
-from zerotune.tune.study import run_trials
+from zerotune.tune.study import Trial, run_rounds, run_trials
 from zerotune.tune.winner import default_name, save_winner
 
 log = logging.getLogger("zerotune")
+WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
 
 
 def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
                launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
     started = time.perf_counter()
+    # The workers' template imports while the candidates are screened (launch/warm.py). Not on a CUDA host yet:
+    # a process forked after CUDA's driver is initialised cannot use it, and this is unverified on a card.
+    with warm.template(enabled=settings.warm_workers and not settings.gpu and _gpu_count() == 0) as template:
+        return _tune(settings, arguments, compose, launch, sweep_dir, started, template)
+
+
+def _tune(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
+          launch: Callable[[list[str], int], Path], sweep_dir: Path, started: float,
+          template: warm.Template) -> Outcome:
     line = read_command_line(arguments)
     fixed = [f"{k}={line.values[k][0]}" for k in sorted(line.fixed)]
     base = compose([*line.workload, *line.accumulation, *fixed])
@@ -43,13 +55,28 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     outcome = Outcome(workload=" ".join(as_typed(line.workload)) or "the default job", global_batch=global_batch,
                       machine=_machine(settings.gpu, gpus), screened=screened, predicted=bool(settings.gpu))
     if not settings.gpu:
+        template.wait_ready(WARM_WAIT_S)  # every trial's start the same: forked, none paying the imports
         outcome.trials = run_trials(settings, screened, line.workload, sweep_dir, launch)
+        outcome.verdict = remeasure(settings, outcome.trials, line.workload, sweep_dir, launch)
     outcome.wall_s = time.perf_counter() - started
     name = settings.name or default_name(base.model.name, base.resolution.size, global_batch, device)
     outcome.winner_file = save_winner(outcome, line.workload, name, sweep_dir)
     written = report.write(outcome, sweep_dir)
     log.info("tune: %s\n  every candidate: %s", report.answer(outcome), written)
     return outcome
+
+
+def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], sweep_dir: Path,
+              launch: Callable[[list[str], int], Path]) -> Verdict | None:
+    """The finalists' rounds and the verdict; None where fewer than two finalists, or no rounds, leave nothing
+    to compare (the search's best stands)."""
+    chosen = finalists.pick(trials, settings.min_spread, settings.finalists)
+    if len(chosen) < 2 or settings.pair_rounds == 0:
+        return None
+    log.info("tune: %d finalists within the spread of the best, re-measured in %d rounds of %d timed steps",
+             len(chosen), settings.pair_rounds, settings.pair_steps)
+    figures = run_rounds(settings, chosen, workload, sweep_dir, launch, first_job=len(trials))
+    return finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
 
 
 def _gpu_count() -> int:

@@ -1,0 +1,44 @@
+"""The process torch's launcher starts for a worker forked from the warm template (launch/warm.py): it asks the
+template for the worker, passes stop signals on to it, and exits with the worker's status. Where the template
+does not answer, it becomes a cold worker itself (the usual bootstrap, by exec).
+
+Standard library only: it runs in place of a worker's imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+
+from zerotune.held_signals import STOP_SIGNALS
+
+
+def run(path: str, args: list[str]) -> None:
+    """`args`: the worker's own (the job process's pid, the run folder, the gate's token)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        request = {"argv": ["zerotune-worker", *args], "env": dict(os.environ), "cwd": os.getcwd()}
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        reader = conn.makefile("rb")
+        pid = int(reader.readline())
+    except (OSError, ValueError):  # no template, or it went away: a cold worker
+        from zerotune.launch.bootstrap import BOOTSTRAP
+
+        conn.close()
+        os.execv(sys.executable, [sys.executable, "-u", "-c", BOOTSTRAP, *args])
+
+    def forward(signum, frame) -> None:
+        os.kill(pid, signum)
+
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), forward)
+    answer = reader.read()  # the template writes the worker's status, then closes
+    status = json.loads(answer)["status"] if answer else 1
+    if status < 0:  # killed by a signal: die of the same one, as the worker did (the launcher reads it so)
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    sys.exit(status)

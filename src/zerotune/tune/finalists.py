@@ -1,0 +1,116 @@
+"""After the search, the verdict: the finalists, re-measured in rounds, the fastest against each of the others
+round by round, and what is written: the fastest, or, when others tie with it, the cheapest of the tied.
+
+A search's figures come from different moments (one trial each): on a shared or throttling machine, the gap
+between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
+every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
+what the noise does to it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from zerotune.rundir.status import Status
+from zerotune.tune.screen import Screened, planned_peak_mib
+from zerotune.tune.study import Trial
+
+
+@dataclass
+class Finalist:
+    trial: Trial                  # its trial in the search
+    rounds: list[float | None]    # samples/s of its run in each round (None: that run failed)
+
+    @property
+    def screened(self) -> Screened:
+        return self.trial.screened
+
+    @property
+    def median(self) -> float:
+        measured = [v for v in self.rounds if v]
+        return statistics.median(measured) if measured else 0.0
+
+
+@dataclass
+class Comparison:
+    """The fastest finalist against another: fastest / other, round by round."""
+    other: Finalist
+    ratios: list[float]
+    ahead: bool                   # the fastest was ahead in every round, each time by more than min_spread
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else math.nan
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios) if self.ratios else math.nan
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios) if self.ratios else math.nan
+
+
+@dataclass
+class Verdict:
+    finalists: list[Finalist]     # fastest (by median) first
+    comparisons: list[Comparison]  # the fastest against each of the others, in that order
+    tied: list[Finalist]          # the fastest and those it is not ahead of
+    chosen: Finalist              # the cheapest of the tied (the fastest, where it tied with none)
+
+    @property
+    def is_tie(self) -> bool:
+        return len(self.tied) > 1
+
+    def runner_up(self) -> Comparison | None:
+        return self.comparisons[0] if self.comparisons else None
+
+
+def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
+    """The best complete trial, the runner-up (so that the winner's lead is measured in pairs too), and the
+    other complete trials whose figure could reach the best's: figure x (1 + spread) >= best x (1 - its
+    spread), each spread its last rung's, floored by min_spread. The best first; at most `limit`."""
+    complete = sorted((t for t in trials if t.status == Status.OK and t.samples_per_s),
+                      key=lambda t: -(t.samples_per_s or 0.0))
+    if not complete:
+        return []
+
+    def spread(trial: Trial) -> float:
+        return max(trial.spread, min_spread)
+
+    best = complete[0]
+    floor = (best.samples_per_s or 0.0) * (1 - spread(best))
+    within = [t for t in complete[2:] if (t.samples_per_s or 0.0) * (1 + spread(t)) >= floor]
+    return [*complete[:2], *within][:limit]
+
+
+def round_order(count: int, round_number: int) -> list[int]:
+    """Finalists' indexes in a round's running order: forward, then backward (A B C, C B A, ...), so that a
+    drift over the rounds favours none."""
+    order = list(range(count))
+    return order if round_number % 2 == 0 else order[::-1]
+
+
+def decide(finalists: list[Finalist], min_spread: float) -> Verdict:
+    """The fastest by median; the others it is not ahead of (in every round, by more than min_spread) tie with
+    it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
+    stage."""
+    ranked = sorted(finalists, key=lambda f: (-f.median, f.screened.number))
+    fastest, comparisons = ranked[0], []
+    for other in ranked[1:]:
+        ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=True) if a and b]
+        ahead = not other.median or (bool(ratios) and min(ratios) > 1 + min_spread)
+        comparisons.append(Comparison(other, ratios, ahead))
+    tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
+    return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)))
+
+
+def cost(screened: Screened) -> tuple:
+    """What a configuration costs, least first: its predicted peak memory, offload, ZeRO stage."""
+    knobs = screened.candidate.knobs
+    peak = planned_peak_mib(screened.plan)
+    stage = str(knobs.get("zero_stage", "0")).strip("'\"")
+    return (peak if peak is not None else math.inf, str(knobs.get("offload", "none")) != "none",
+            int(stage) if stage.isdigit() else 0, screened.number)

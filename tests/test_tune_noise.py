@@ -1,0 +1,189 @@
+"""tune telling a win from noise, in-process: jobs that report through the study's journal as real ones do, timed
+by a fake clock that injects noise (a whole run slower or faster, and each step's jitter). A tie is named as one
+and the cheapest of the tied is written; a real win is a win, with its ratio; a noisy rung does not prune."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+
+from zerotune.training.halving import SpreadHalvingPruner
+from zerotune.training.rungs import SPREAD_ATTR, TrialRungs, rate_spread
+from zerotune.tune import finalists
+from zerotune.tune.finalists import Finalist, decide
+from zerotune.tune.report import Outcome, markdown
+from zerotune.tune.screen import KEPT, Screened
+from zerotune.tune.settings import TuneSettings, read_settings
+from zerotune.tune.space import Candidate
+from zerotune.tune.study import Trial, run_trials
+from zerotune.tune.sweep import remeasure
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def noisy_jobs(rates: dict[str, float], run_noise: float, step_noise: float, seed: int, log: list[str]):
+    """A job per trial or round, in this process. Candidate `zero_stage=<k>` runs at rates[k] samples/s, times
+    one factor for the whole run (uniform within ±run_noise) and one per step (±step_noise)."""
+    rng = random.Random(seed)
+
+    def launch(overrides: list[str], job: int) -> Path:
+        given = dict(o.split("=", 1) for o in overrides)
+        fields = {k.split(".", 1)[1]: given[k] for k in given if k.startswith("trial.")}
+        trial = SimpleNamespace(**{**fields, **{k: int(fields[k]) for k in
+                                                ("warmup_steps", "min_steps", "max_steps", "number")},
+                                   "reduction_factor": int(fields.get("reduction_factor", 3)),
+                                   "min_spread": float(fields["min_spread"])})
+        log.append(f"{fields['study']}:{given['zero_stage']}")
+        run_dir = Path(trial.storage).parent / str(job)
+        run_dir.mkdir()
+        rate = rates[given["zero_stage"]] * (1 + rng.uniform(-run_noise, run_noise))
+        rungs, timer = TrialRungs(trial, is_main=True), SimpleNamespace(durations=[], samples=[])
+        status, steps = "ok", int(given["train.max_steps"])
+        for step in range(1, steps + 1):
+            timer.durations.append(8 / (rate * (1 + rng.uniform(-step_noise, step_noise))))
+            timer.samples.append(8)
+            if rungs.stop_here(step, timer):
+                status, steps = "pruned", step
+                break
+        (run_dir / "summary.json").write_text(json.dumps({"status": status, "steps": steps}))
+        return run_dir
+
+    return launch
+
+
+def kept(*stages: str, peaks: dict[str, float] | None = None, offload: dict[str, str] | None = None) -> list[Screened]:
+    return [Screened(i, Candidate({"zero_stage": s, "offload": (offload or {}).get(s, "none")}, 1), KEPT,
+                     plan={"run_peak_mib": (peaks or {}).get(s, 1000.0)}) for i, s in enumerate(stages)]
+
+
+SETTINGS = TuneSettings(warmup_steps=1, min_steps=4, reduction_factor=3, max_steps=12, min_spread=0.05,
+                        finalists=4, pair_rounds=3, pair_steps=8)
+
+
+def tune(tmp_path: Path, screened: list[Screened], launch, settings: TuneSettings = SETTINGS) -> Outcome:
+    """What tune_sweep does after the screen: the search, then the finalists' rounds."""
+    outcome = Outcome("model=tiny", 8, "here", screened)
+    outcome.trials = run_trials(settings, screened, ["model=tiny"], tmp_path, launch)
+    outcome.verdict = remeasure(settings, outcome.trials, ["model=tiny"], tmp_path, launch)
+    return outcome
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_tie_is_named_and_the_cheapest_of_the_tied_is_written(tmp_path, seed):
+    """Stages 0 and 2 run at one rate under ±15% run noise (stage 2 offloads, and needs more memory); stage 3
+    is half as fast. With min_spread at the host's run-to-run noise, whichever measures faster, the two tie,
+    and stage 0 (cheapest) is written."""
+    log: list[str] = []
+    screened = kept("2", "0", "3", peaks={"0": 900.0, "2": 1200.0, "3": 800.0}, offload={"2": "cpu"})
+    outcome = tune(tmp_path, screened, noisy_jobs({"0": 100.0, "2": 100.0, "3": 50.0}, 0.15, 0.03, seed, log),
+                   replace(SETTINGS, min_spread=0.15))
+    verdict = outcome.verdict
+    assert verdict is not None and verdict.is_tie
+    assert {f.screened.candidate.knobs["zero_stage"] for f in verdict.tied} == {"0", "2"}
+    assert verdict.chosen.screened.candidate.knobs["zero_stage"] == "0"
+    assert outcome.winner()["config"] == "zero_stage=0 offload=none"
+    rounds = [entry for entry in log if entry.startswith("rounds:")]
+    assert len(rounds) == 6 and set(rounds) == {"rounds:0", "rounds:2"}
+    assert rounds[2:4] == rounds[1::-1] and rounds[4:6] == rounds[:2]  # A B, B A, A B
+    text = markdown(outcome, outcome.rows())
+    assert "## finalists, paired" in text and "tie among 2" in text and "Chosen, as the cheapest" in text
+    assert "| 1 | zero_stage=0 offload=none |" in text
+
+
+def test_a_real_win_is_a_win_with_its_ratio(tmp_path):
+    log: list[str] = []
+    screened = kept("0", "2", peaks={"0": 1200.0, "2": 900.0})
+    outcome = tune(tmp_path, screened, noisy_jobs({"0": 150.0, "2": 100.0}, 0.05, 0.03, 4, log))
+    verdict = outcome.verdict
+    assert verdict is not None and not verdict.is_tie
+    assert verdict.chosen.screened.candidate.knobs["zero_stage"] == "0"  # the faster, though not the cheaper
+    runner = verdict.runner_up()
+    assert runner is not None and runner.ahead and 1.3 < runner.low <= runner.median <= runner.high < 1.75
+    assert "winner: zero_stage=0 offload=none" in markdown(outcome, outcome.rows())
+
+
+def test_the_tuned_file_says_how_sure(tmp_path, monkeypatch):
+    from zerotune.tune.winner import save_winner
+
+    monkeypatch.chdir(tmp_path)
+    screened = kept("0", "2", peaks={"0": 1200.0, "2": 900.0})
+    outcome = tune(tmp_path, screened, noisy_jobs({"0": 150.0, "2": 100.0}, 0.05, 0.03, 4, []))
+    text = save_winner(outcome, ["model=tiny"], "noise", tmp_path).read_text()
+    runner = outcome.verdict.runner_up()
+    assert "How sure: winner: zero_stage=0 offload=none, " in text
+    assert f"{runner.median:.3g}x the runner-up zero_stage=2 offload=none (rounds {runner.low:.3g}-{runner.high:.3g}x)" \
+        in text
+    tie = decide([Finalist(outcome.verdict.finalists[0].trial, [100.0, 90.0, 100.0]),
+                  Finalist(outcome.verdict.finalists[1].trial, [95.0, 100.0, 96.0])], 0.05)
+    outcome.verdict = tie
+    text = save_winner(outcome, ["model=tiny"], "noise", tmp_path).read_text()
+    assert "How sure: tie among 2" in text and "zero_stage=2" in text.split("How sure:")[1].split("\n")[0]
+
+
+def test_a_noisy_rung_does_not_prune_where_halving_alone_would():
+    """Two trials at a rung: the second behind by 10%, but its figure spreads ±15%. Optuna's successive halving
+    stops it; the spread-aware one does not, and does stop one behind by more than both spreads."""
+    def study_with(second: float, spread: float, pruner) -> bool:
+        study = optuna.create_study(direction="maximize", pruner=pruner)
+        first = study.ask()
+        first.set_user_attr(SPREAD_ATTR.format(4), 0.02)
+        first.report(100.0, 4)
+        assert not first.should_prune()  # where Optuna's pruner records the rung it completed
+        trial = study.ask()
+        trial.set_user_attr(SPREAD_ATTR.format(4), spread)
+        trial.report(second, 4)
+        return trial.should_prune()
+
+    assert study_with(90.0, 0.15, optuna.pruners.SuccessiveHalvingPruner(min_resource=4, reduction_factor=3))
+    assert not study_with(90.0, 0.15, SpreadHalvingPruner(3, 0.05))
+    assert study_with(70.0, 0.15, SpreadHalvingPruner(3, 0.05))          # 70 x 1.15 < 100 x 0.95
+    assert not study_with(92.0, 0.0, SpreadHalvingPruner(3, 0.05))       # min_spread floors a spread of 0
+
+
+def test_a_noisy_search_keeps_the_best_through_its_rungs(tmp_path):
+    """With ±20% step jitter, a 4-step first rung cannot tell 100 from 90 samples/s: both reach the last rung."""
+    log: list[str] = []
+    screened = kept("0", "2", "3")
+    trials = run_trials(SETTINGS, screened, ["model=tiny"], tmp_path,
+                        noisy_jobs({"0": 90.0, "2": 100.0, "3": 95.0}, 0.0, 0.2, 7, log))
+    assert {t.status for t in trials} == {"ok"}
+
+
+def test_rate_spread_is_the_t_interval_of_the_step_rates():
+    assert rate_spread([0.1, 0.1, 0.1], [8, 8, 8]) == 0.0
+    assert rate_spread([0.1], [8]) == 1.0  # one step: no spread to measure
+    # rates 10 and 12: mean 11, sd sqrt(2); t(0.95, 1 dof) = 6.3138; half-width 6.3138 x sqrt(2) / sqrt(2)
+    assert rate_spread([1.0, 1.0], [10, 12]) == pytest.approx(6.3138 / 11, rel=1e-4)
+
+
+def test_finalists_are_those_within_the_spread_of_the_best():
+    def trial(number: int, figure: float, spread: float, status: str = "ok") -> Trial:
+        return Trial(kept("0")[0], number, status, figure, 12, {12: figure}, {}, 1.0, spread)
+
+    trials = [trial(0, 100.0, 0.02), trial(1, 92.0, 0.02), trial(2, 86.0, 0.02), trial(3, 99.0, 0.3, "pruned"),
+              trial(4, 91.0, 0.02), trial(5, 70.0, 0.4)]
+    # the runner-up always; 91 x 1.05 >= 100 x 0.95; 86 x 1.05 < 95; 70 x 1.4 >= 95; a pruned trial is no finalist
+    assert [t.number for t in finalists.pick(trials, 0.05, 4)] == [0, 1, 4, 5]
+    assert [t.number for t in finalists.pick(trials, 0.05, 2)] == [0, 1]
+    assert [t.number for t in finalists.pick(trials[:1], 0.05, 4)] == [0]
+
+
+@pytest.mark.parametrize(("params", "key"), [({"min_spread": 1.5}, "hydra.sweeper.min_spread"),
+                                             ({"pair_rounds": -1}, "hydra.sweeper.pair_rounds"),
+                                             ({"finalists": 0}, "hydra.sweeper.finalists")])
+def test_bad_noise_settings_name_their_key_and_the_fix_works(params, key):
+    from zerotune.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        read_settings(params)
+    assert err.value.key == key
+    setting, value = err.value.fix.split("=", 1)
+    assert isinstance(read_settings({setting.split(".")[-1]: float(value) if "." in value else int(value)}),
+                      TuneSettings)
+
