@@ -14,7 +14,8 @@ import optuna
 import pytest
 
 from zerotune.training.halving import SpreadHalvingPruner
-from zerotune.training.rungs import SPREAD_ATTR, TrialRungs, rate_spread
+from zerotune.training.rungs import TrialRungs
+from zerotune.training.spread import SPREAD_ATTR, rate_spread
 from zerotune.tune import finalists
 from zerotune.tune.finalists import Finalist, decide
 from zerotune.tune.report import Outcome, markdown

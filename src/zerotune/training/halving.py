@@ -1,11 +1,11 @@
 """The pruner of `hydra.sweeper.pruner=successive_halving`: successive halving that stops a trial only when it
-is behind by more than the spread of the figures compared (zerotune/training/rungs.py measures them)."""
+is behind by more than the spread of the figures compared (training/spread.py measures them)."""
 
 from __future__ import annotations
 
 import optuna
 
-from zerotune.training.rungs import ONE_STEP_SPREAD, SPREAD_ATTR
+from zerotune.training.spread import ONE_STEP_SPREAD, SPREAD_ATTR
 
 
 class SpreadHalvingPruner(optuna.pruners.BasePruner):

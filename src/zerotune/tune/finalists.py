@@ -86,13 +86,6 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     return [*complete[:2], *within][:limit]
 
 
-def round_order(count: int, round_number: int) -> list[int]:
-    """Finalists' indexes in a round's running order: forward, then backward (A B C, C B A, ...), so that a
-    drift over the rounds favours none."""
-    order = list(range(count))
-    return order if round_number % 2 == 0 else order[::-1]
-
-
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict:
     """The fastest by median; the others it is not ahead of (in every round, by more than min_spread) tie with
     it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.rundir.status import Status
-from zerotune.training.rungs import ONE_STEP_SPREAD, PRUNED, SPREAD_ATTR, journal, make_pruner
+from zerotune.training.rungs import PRUNED, journal, make_pruner
+from zerotune.training.spread import ONE_STEP_SPREAD, SPREAD_ATTR
 from zerotune.tune.screen import KEPT, NO_FIT, SLOWER, Screened
 from zerotune.tune.settings import TuneSettings
 
@@ -86,8 +87,6 @@ def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[st
     finalists.round_order gives: samples/s of each run (None where it failed), by finalist, by round."""
     import optuna
 
-    from zerotune.tune.finalists import round_order
-
     storage = journal(str(sweep_dir / JOURNAL))
     study = optuna.create_study(storage=storage, study_name=ROUNDS, direction="maximize", load_if_exists=False,
                                 pruner=optuna.pruners.NopPruner())
@@ -112,6 +111,13 @@ def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[st
                      chosen.number, chosen.candidate.label(),
                      f"{trial.samples_per_s:.4g}" if trial.samples_per_s else f"none ({trial.status})")
     return figures
+
+
+def round_order(count: int, round_number: int) -> list[int]:
+    """Finalists' indexes in a round's running order: forward, then backward (A B C, C B A, ...), so that a
+    drift over the rounds favours none."""
+    order = list(range(count))
+    return order if round_number % 2 == 0 else order[::-1]
 
 
 def _worst_at_every_rung(storage, number: int) -> None:
