@@ -95,6 +95,10 @@ def test_a_tie_is_named_and_the_cheapest_of_the_tied_is_written(tmp_path, seed):
     text = markdown(outcome, outcome.rows())
     assert "## finalists, paired" in text and "tie among 2" in text and "Chosen, as the cheapest" in text
     assert "| 1 | zero_stage=0 offload=none |" in text
+    measured = verdict.run_to_run_spread()
+    assert measured is not None and 0 < measured < 0.3  # uniform ±15% per run, ±3% per step
+    assert f"rounds varied by ±{measured:.1%}" in text
+    assert ("min_spread=0." in text) == (measured > 0.15)  # the setting that would allow for it, where needed
 
 
 def test_a_real_win_is_a_win_with_its_ratio(tmp_path):

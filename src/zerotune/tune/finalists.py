@@ -59,10 +59,18 @@ class Verdict:
     comparisons: list[Comparison]  # the fastest against each of the others, in that order
     tied: list[Finalist]          # the fastest and those it is not ahead of
     chosen: Finalist              # the cheapest of the tied (the fastest, where it tied with none)
+    min_spread: float = 0.0       # what the verdict allowed for
 
     @property
     def is_tie(self) -> bool:
         return len(self.tied) > 1
+
+    def run_to_run_spread(self) -> float | None:
+        """How much one configuration's runs varied, here: the median over the finalists of half their rounds'
+        range, relative to their median (None with fewer than two measured rounds each)."""
+        spreads = [(max(v) - min(v)) / 2 / statistics.median(v) for v in
+                   ([x for x in f.rounds if x] for f in self.finalists) if len(v) > 1]
+        return statistics.median(spreads) if spreads else None
 
     def runner_up(self) -> Comparison | None:
         return self.comparisons[0] if self.comparisons else None
@@ -97,7 +105,7 @@ def decide(finalists: list[Finalist], min_spread: float) -> Verdict:
         ahead = not other.median or (bool(ratios) and min(ratios) > 1 + min_spread)
         comparisons.append(Comparison(other, ratios, ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
-    return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)))
+    return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread)
 
 
 def cost(screened: Screened) -> tuple:

@@ -5,6 +5,7 @@ before any trial, each with its reason) and tune.csv."""
 from __future__ import annotations
 
 import csv
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,13 @@ def paired_table(verdict: Verdict | None) -> list[str]:
         rounds = " ".join(_cell(v, "{:.4g}") for v in f.rounds)
         lines.append(f"| {number} | {f.screened.candidate.label()} | {rounds} | {f.median:.4g} | {ratio} | "
                      f"{spread} | {word} |")
+    measured = verdict.run_to_run_spread()
+    if measured is not None:
+        lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "
+                  f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}."]
+        if measured > verdict.min_spread:
+            lines.append(f"This host's runs vary more than that: `hydra.sweeper.min_spread={math.ceil(measured * 100) / 100:.2f}` "
+                         "lets the search's pruning and the finalists' choice allow for it.")
     return [*lines, ""]
 
 
