@@ -36,6 +36,8 @@ def answer(tune_md: str) -> tuple[str, tuple[str, ...]]:
     """(the configuration written, the tie set or ()) from tune.md's answer line; older reports name only the
     fastest."""
     line = next(line for line in tune_md.splitlines() if line.startswith("**"))
+    if line.startswith("**No candidate"):
+        return "(none: no candidate completed)", ()
     if line.startswith("**tie among"):
         tied = re.search(r"samples/s\): (.*)\. Chosen", line)
         chosen = re.search(r"lowest stage\): (.*?)\*\*", line)
@@ -55,6 +57,7 @@ def run_once(checkout: Path, workload: list[str], folder: Path) -> tuple[str, tu
     started = time.perf_counter()
     done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
+    (folder / "tune.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
     chosen, tied = answer((folder / "sweep" / "tune.md").read_text())
@@ -67,13 +70,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--checkout", type=Path, default=ROOT)
     parser.add_argument("--out", type=Path, default=None, help="also append the report here")
+    parser.add_argument("--keep", type=Path, default=None, help="run in this folder and keep every sweep")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-repro-") as name:
         for run in range(args.runs):
-            folder = Path(name) / str(run)
-            folder.mkdir()
+            folder = (args.keep or Path(name)) / f"{args.workload}-{run}"
+            folder.mkdir(parents=True)
             results.append(run_once(args.checkout.resolve(), workload, folder))
             chosen, tied, wall = results[-1]
             print(f"run {run + 1}: {wall:.0f} s, wrote {chosen}" + (f"; tie among {' | '.join(tied)}" if tied else ""),

@@ -192,3 +192,13 @@ def test_bad_noise_settings_name_their_key_and_the_fix_works(params, key):
     assert isinstance(read_settings({setting.split(".")[-1]: float(value) if "." in value else int(value)}),
                       TuneSettings)
 
+
+
+def test_a_finalist_that_failed_a_round_is_not_chosen():
+    """A configuration that ran out of memory in one of its rounds is behind the others, however fast its other
+    rounds; where none ran all its rounds, there is no verdict (the search's best stands)."""
+    trials = [Trial(s, s.number, "ok", 100.0, 12, {12: 100.0}, {}, 1.0, 0.02) for s in kept("0", "2")]
+    verdict = decide([Finalist(trials[0], [200.0, None, 210.0]), Finalist(trials[1], [100.0, 101.0, 99.0])], 0.05)
+    assert verdict is not None and verdict.chosen.trial is trials[1] and not verdict.is_tie
+    assert verdict.comparisons[0].ahead
+    assert decide([Finalist(trials[0], [None, None, None]), Finalist(trials[1], [100.0, None, 99.0])], 0.05) is None

@@ -1,9 +1,18 @@
-"""The warm template's choice of worker command (launch/warm.py). The template serving real trials: the one
-end-to-end tune run (tests/test_tune_sweep.py)."""
+"""The warm template's choice of worker command, and its stub (launch/warm.py, warm_stub.py). The template
+serving real trials: the one end-to-end tune run (tests/test_tune_sweep.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.cli import ROOT
 
 
 def test_workers_fork_from_the_template_only_for_this_process_and_only_while_it_is_up(tmp_path, monkeypatch):
@@ -14,11 +23,48 @@ def test_workers_fork_from_the_template_only_for_this_process_and_only_while_it_
     args = ("123", "/run", "token")
     socket_file = tmp_path / "template.sock"
     socket_file.touch()
-    monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid()}")
+    monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid()}:999")
     assert warm.worker_args("BOOT", args) == ("-u", "-c", warm.STUB, str(socket_file), *args)
-    monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid() + 1}")
+    assert warm.template_pids() == {999}  # not one of a job's processes: its memory is not the trial's
+    monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid() + 1}:999")
     assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
-    monkeypatch.setenv(warm.WARM_ENV, f"{tmp_path / 'gone.sock'}:{os.getpid()}")
+    monkeypatch.setenv(warm.WARM_ENV, f"{tmp_path / 'gone.sock'}:{os.getpid()}:999")
     assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
     monkeypatch.delenv(warm.WARM_ENV)
     assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
+
+
+def _stub(path, parent: str = "1") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import sys; from zerotune.launch.warm_stub import run; "
+                             "run(sys.argv[1], sys.argv[2:])", str(path), parent, "/run", "token"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(("status", "returncode"), [(0, 0), (3, 3), (-signal.SIGKILL, -signal.SIGKILL),
+                                                    (-signal.SIGTERM, -signal.SIGTERM)])
+def test_the_stub_exits_as_its_worker_did(tmp_path, status, returncode):
+    """The launcher reads the stub's status as the worker's: an exit code, or death by a signal (a worker the
+    kernel killed for memory must read as SIGKILL, which is how a host OOM is told)."""
+    path = tmp_path / "t.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(str(path))
+    server.listen(1)
+    stub = _stub(path)
+    conn, _ = server.accept()
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    request = json.loads(message)
+    assert len(fds) == 3 and request["argv"][1:] == ["1", "/run", "token"] and request["cwd"] == os.getcwd()
+    for fd in fds:
+        os.close(fd)
+    conn.send(b"4242")
+    conn.send(json.dumps({"status": status}).encode())
+    assert stub.wait(timeout=30) == returncode, stub.stderr.read()
+    conn.close()
+    server.close()
+
+
+def test_without_a_template_the_stub_becomes_a_cold_worker(tmp_path):
+    """No socket: the stub execs the usual bootstrap, whose first check then runs (its parent is not pid 1)."""
+    stub = _stub(tmp_path / "none.sock", parent="1")
+    _, err = stub.communicate(timeout=60)
+    assert stub.returncode != 0 and "the job process that started this worker is gone" in err

@@ -114,7 +114,7 @@ class Launcher:
         # Forked from the sweep's warm template where one is up (launch/warm.py), else a fresh interpreter.
         self._args = warm.worker_args(BOOTSTRAP, (str(os.getpid()), str(run_dir), gate.token))
         self._finished, self._timed_out = threading.Event(), threading.Event()
-        self._host = HostWatch()
+        self._host = HostWatch(skip_pids=warm.template_pids())
 
     def run(self) -> LaunchResult:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -156,9 +156,11 @@ class Launcher:
         if self.gate.decision == "go" and not self._finished.wait(self.timeout_s):
             self._timed_out.set()
             log.error("job exceeded train.timeout_s=%s: stopping its workers", self.timeout_s)
+            template = warm.template_pids()  # the sweep's, kept for its next trials: its forked workers go
             for child in psutil.Process().children(recursive=True):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
+                if child.pid not in template:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
 
 
 def _signal_exception(name: str) -> Exception:

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from zerotune import checkpoints
 from zerotune.errors import ConfigError
+from zerotune.launch import warm
 from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
@@ -62,7 +63,7 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
         held.callback(gate.remove)
         nvme = config.offload.path if config.offload.device == "nvme" else None
         # The job's own view of memory: every worker on this node, whatever becomes of them (started by the checks).
-        sampler = MemorySampler(nvme_dir=nvme, include_root=False)
+        sampler = MemorySampler(nvme_dir=nvme, include_root=False, skip_pids=warm.template_pids())
         held.callback(sampler.stop)
         launcher = Launcher(config.launch, run_dir.path, config.train.timeout_s, gate)
         marks.mark("launcher_imports")

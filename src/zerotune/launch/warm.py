@@ -33,8 +33,8 @@ from pathlib import Path
 
 log = logging.getLogger("zerotune")
 
-# "<socket>:<pid>": the template's socket, for the jobs the process <pid> launches itself (a job submitted
-# elsewhere, which may inherit the variable, starts its workers cold)
+# "<socket>:<pid>:<template pid>": the template's socket, for the jobs the process <pid> launches itself (a job
+# submitted elsewhere, which may inherit the variable, starts its workers cold)
 WARM_ENV = "ZEROTUNE_WARM_WORKERS"
 STUB = (
     "import ctypes, os, signal, sys\n"
@@ -48,12 +48,25 @@ STUB = (
 POLL_S = 0.2
 
 
+def _served() -> tuple[str, int] | None:
+    """(socket, template pid) of the template serving this process's jobs, if one is up."""
+    parts = os.environ.get(WARM_ENV, "").rsplit(":", 2)
+    if len(parts) != 3 or parts[1] != str(os.getpid()) or not Path(parts[0]).exists():
+        return None
+    return parts[0], int(parts[2])
+
+
 def worker_args(bootstrap: str, args: tuple[str, ...]) -> tuple[str, ...]:
     """The interpreter arguments of a worker: the stub where a template is up, else the usual bootstrap."""
-    path, _, owner = os.environ.get(WARM_ENV, "").rpartition(":")
-    if path and owner == str(os.getpid()) and Path(path).exists():
-        return ("-u", "-c", STUB, path, *args)
-    return ("-u", "-c", bootstrap, *args)
+    served = _served()
+    return ("-u", "-c", STUB, served[0], *args) if served else ("-u", "-c", bootstrap, *args)
+
+
+def template_pids() -> frozenset[int]:
+    """The template process of this process's jobs (none where there is none): not one of a job's processes,
+    in its memory figures or when its workers are stopped."""
+    parts = os.environ.get(WARM_ENV, "").rsplit(":", 2)
+    return frozenset({int(parts[2])}) if len(parts) == 3 and parts[1] == str(os.getpid()) else frozenset()
 
 
 class Template:
@@ -82,9 +95,11 @@ def template(enabled: bool = True) -> Iterator[Template]:
         return
     folder = tempfile.mkdtemp(prefix="zerotune-warm-")  # a Unix socket's path must stay under ~100 bytes
     path = str(Path(folder) / "template.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "zerotune.launch.warm", path, str(os.getpid())])
+    # A session of its own, as torch gives each worker: a terminal's Ctrl-C reaches the sweep, not the template.
+    proc = subprocess.Popen([sys.executable, "-m", "zerotune.launch.warm", path, str(os.getpid())],
+                            start_new_session=True)
     before = os.environ.get(WARM_ENV)
-    os.environ[WARM_ENV] = f"{path}:{os.getpid()}"
+    os.environ[WARM_ENV] = f"{path}:{os.getpid()}:{proc.pid}"
     try:
         yield Template(path, proc)
     finally:
@@ -121,26 +136,35 @@ def serve(path: str, owner: int) -> None:
         log.warning("warm workers: the template runs %d Python threads after its imports; trials start cold",
                     threading.active_count())
         return
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)  # the socket's file appearing is what tells the launcher the template is ready
+    # Messages keep their boundaries (SEQPACKET): a request arrives whole, with its descriptors.
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path + ".binding")
     server.listen(16)
-    running: dict[int, socket.socket] = {}  # worker pid -> its stub's connection
+    os.rename(path + ".binding", path)  # the socket's file appearing is what tells the launcher it is ready
+    running: dict[int, socket.socket | _Closed] = {}  # worker pid -> its stub's connection
     stopping = False
 
     def stop(signum, frame) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)  # from the sweep (template's end); the stop signals reach workers via stubs
+    for name in ("SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     while not stopping and os.getppid() == owner:
-        ready, _, _ = select.select([server, *running.values()], [], [], POLL_S)
+        ready, _, _ = select.select([server, *(c for c in running.values() if not isinstance(c, _Closed))], [], [],
+                                    POLL_S)
         for conn in ready:
             if conn is server:
                 _fork_worker(server, running)
-            else:  # a stub's end closed while its worker runs: the stub was killed
-                pid = next(p for p, c in running.items() if c is conn)
+                continue
+            # a stub's end closed while its worker runs: the stub was killed, and the worker goes too
+            pid = next((p for p, c in running.items() if c is conn), None)
+            if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+                running[pid] = _Closed()  # out of the select set until reaped
+                conn.close()
         _reap(running)
     for pid in running:
         with contextlib.suppress(ProcessLookupError):
@@ -148,20 +172,48 @@ def serve(path: str, owner: int) -> None:
     server.close()
 
 
-def _fork_worker(server: socket.socket, running: dict[int, socket.socket]) -> None:
-    conn, _ = server.accept()
-    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-    request = json.loads(message)
+class _Closed:
+    """A reaped-to-be worker's connection once its stub is gone: nothing to select on or to answer."""
+
+    def fileno(self) -> int:
+        return -1
+
+    def sendall(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _fork_worker(server: socket.socket, running: dict) -> None:
+    """One stub's request: a worker forked for it. A stub that went away mid-request is let go."""
+    fds: list[int] = []
+    try:
+        conn, _ = server.accept()
+    except OSError:
+        return
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} descriptors, not 3")
+    except (OSError, ValueError) as exc:
+        log.warning("warm workers: a stub's request was dropped (%s); it starts its worker cold", exc)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
     pid = os.fork()
     if pid == 0:
         _become_worker(server, conn, running, request, fds)  # never returns
     for fd in fds:
         os.close(fd)
-    conn.sendall(f"{pid}\n".encode())
+    with contextlib.suppress(OSError):
+        conn.sendall(f"{pid}".encode())
     running[pid] = conn
 
 
-def _reap(running: dict[int, socket.socket]) -> None:
+def _reap(running: dict) -> None:
     while running:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -176,7 +228,7 @@ def _reap(running: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _become_worker(server: socket.socket, conn: socket.socket, running: dict[int, socket.socket], request: dict,
+def _become_worker(server: socket.socket, conn: socket.socket, running: dict, request: dict,
                    fds: list[int]) -> None:
     """In the forked child: the stub's streams, environment, directory and arguments, then the worker's own
     first lines after the imports (launch/bootstrap.py)."""
@@ -190,7 +242,9 @@ def _become_worker(server: socket.socket, conn: socket.socket, running: dict[int
         conn.close()
         for other in running.values():
             other.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"):  # a worker's own, as a fresh one's
+            signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+        logging.root.handlers.clear()  # the worker configures its own log format (the template's is plain)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
             os.close(fd)

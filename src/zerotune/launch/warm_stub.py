@@ -18,13 +18,12 @@ from zerotune.held_signals import STOP_SIGNALS
 
 def run(path: str, args: list[str]) -> None:
     """`args`: the worker's own (the job process's pid, the run folder, the gate's token)."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(path)
         request = {"argv": ["zerotune-worker", *args], "env": dict(os.environ), "cwd": os.getcwd()}
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-        reader = conn.makefile("rb")
-        pid = int(reader.readline())
+        pid = int(conn.recv(64))
     except (OSError, ValueError):  # no template, or it went away: a cold worker
         from zerotune.launch.bootstrap import BOOTSTRAP
 
@@ -32,13 +31,22 @@ def run(path: str, args: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-u", "-c", BOOTSTRAP, *args])
 
     def forward(signum, frame) -> None:
-        os.kill(pid, signum)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # it has ended: its status is on its way
+            pass
 
     for name in STOP_SIGNALS:
         signal.signal(getattr(signal, name), forward)
-    answer = reader.read()  # the template writes the worker's status, then closes
-    status = json.loads(answer)["status"] if answer else 1
+    while True:
+        try:
+            answer = conn.recv(256)  # the worker's status, sent by the template when it ends
+            break
+        except InterruptedError:
+            continue
+    status = json.loads(answer)["status"] if answer else -signal.SIGKILL  # no answer: the template is gone
     if status < 0:  # killed by a signal: die of the same one, as the worker did (the launcher reads it so)
-        signal.signal(-status, signal.SIG_DFL)
+        if -status not in (signal.SIGKILL, signal.SIGSTOP):  # those two take no handler, nor need one reset
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     sys.exit(status)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import files
 from zerotune.errors import ConfigError
@@ -295,11 +296,11 @@ def _options_holding(header: dict[str, tuple[int, ...]], path: Path) -> list[str
         file = search.option_file("model", name)
         if file is None:
             continue
-        option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(file)))
-        config = unet_config(option)
         try:
+            option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(file)))
+            config = unet_config(option)
             if single_file.converted_shapes(header, config, path) == _meta_shapes(config, path):
                 holding.append(name)
-        except ConfigError:
-            continue
+        except (ConfigError, OmegaConfBaseException, ValueError, TypeError, KeyError):
+            continue  # an option of the user's that composes only with its defaults: not a candidate here
     return holding

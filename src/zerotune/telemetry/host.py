@@ -213,9 +213,10 @@ class HostWatch(Periodic):
 
     thread_name = "zerotune-host-watch"
 
-    def __init__(self, root: int | None = None, interval_s: float = 0.1, window_s: float = 3.0) -> None:
+    def __init__(self, root: int | None = None, interval_s: float = 0.1, window_s: float = 3.0,
+                 skip_pids: frozenset[int] = frozenset()) -> None:
         super().__init__(interval_s)
-        self._tree = ProcessTree(os.getpid() if root is None else root, include_root=False)
+        self._tree = ProcessTree(os.getpid() if root is None else root, include_root=False, skip_pids=skip_pids)
         self._recent: deque[HostSample] = deque(maxlen=max(2, int(window_s / interval_s) + 1))
         self._exits: dict[int, list[HostSample]] = {}
         self._alive: set[int] = set()

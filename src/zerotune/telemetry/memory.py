@@ -48,8 +48,12 @@ class ProcessTree:
     """A process and its descendants (minus subtrees of excluded names), walked cheaply many times a second:
     psutil handles are cached so name() and pid reuse checks stay cheap."""
 
-    def __init__(self, root: int, include_root: bool = True, exclude_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, root: int, include_root: bool = True, exclude_names: tuple[str, ...] = (),
+                 skip_pids: frozenset[int] = frozenset()) -> None:
         self.root, self.include_root, self.exclude_names = root, include_root, tuple(exclude_names)
+        # not counted, though their children are: a warm template (launch/warm.py), whose forked workers are
+        # the job's and count whole, as a fresh worker would
+        self.skip_pids = skip_pids
         self._procs: dict[int, psutil.Process] = {}
 
     def _proc(self, pid: int) -> psutil.Process | None:
@@ -85,7 +89,7 @@ class ProcessTree:
                         continue
                 except psutil.Error:
                     continue
-            if pid != self.root or self.include_root:
+            if (pid != self.root or self.include_root) and pid not in self.skip_pids:
                 pids.append(pid)
             stack.extend(self._children(pid))
         for gone in set(self._procs) - set(pids):
@@ -172,6 +176,7 @@ class MemorySampler(Periodic):
         cuda_index: int | None = None,
         exclude_names: tuple[str, ...] = DEFAULT_EXCLUDE_NAMES,
         include_root: bool = True,
+        skip_pids: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__(interval_s)
         self.pid = os.getpid() if pid is None else pid
@@ -181,7 +186,7 @@ class MemorySampler(Periodic):
         self._warned_pid_ns = False
 
         # include_root False: only the descendants count (a launcher measuring its workers, not itself).
-        self._tree = ProcessTree(self.pid, include_root, exclude_names)
+        self._tree = ProcessTree(self.pid, include_root, exclude_names, skip_pids)
         self._sample_lock = threading.Lock()  # serialises sampling (thread vs. sample_now)
         self._state_lock = threading.Lock()  # guards _peaks/_window/_stats
         self._peaks: dict[str, float | None] = dict.fromkeys(KEYS)

@@ -32,6 +32,11 @@ class Finalist:
         measured = [v for v in self.rounds if v]
         return statistics.median(measured) if measured else 0.0
 
+    @property
+    def failed_a_round(self) -> bool:
+        """A run of it failed (out of memory, say): it cannot be the choice, however fast its other runs."""
+        return not self.rounds or any(not v for v in self.rounds)
+
 
 @dataclass
 class Comparison:
@@ -94,15 +99,18 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     return [*complete[:2], *within][:limit]
 
 
-def decide(finalists: list[Finalist], min_spread: float) -> Verdict:
-    """The fastest by median; the others it is not ahead of (in every round, by more than min_spread) tie with
-    it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
-    stage."""
-    ranked = sorted(finalists, key=lambda f: (-f.median, f.screened.number))
+def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
+    """The fastest by median among those whose every round ran; the others it is not ahead of (in every round,
+    by more than min_spread) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then
+    no offload, then the lowest stage. A finalist with a failed round is behind them all. None where none ran
+    all its rounds (the search's best stands)."""
+    ranked = sorted(finalists, key=lambda f: (f.failed_a_round, -f.median, f.screened.number))
     fastest, comparisons = ranked[0], []
+    if fastest.failed_a_round:
+        return None
     for other in ranked[1:]:
         ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=True) if a and b]
-        ahead = not other.median or (bool(ratios) and min(ratios) > 1 + min_spread)
+        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 + min_spread)
         comparisons.append(Comparison(other, ratios, ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
     return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread)

@@ -30,6 +30,7 @@ class Outcome:
     wall_s: float = 0.0
     winner_file: Path | None = None
     verdict: Verdict | None = None   # the finalists' rounds; None: no two finalists (the search's best stands)
+    why_no_rounds: str = "no other trial completed"
 
     def winner(self) -> dict | None:
         """The row of what is written: the verdict's choice, else the search's best."""
@@ -116,7 +117,7 @@ def answer(outcome: Outcome) -> str:
     if verdict is not None:
         return f"**{certainty(verdict)}**{saved}."
     how = "predicted by the planner's time floor (no trial ran)" if outcome.predicted else \
-        f"measured over {best['timed_steps']} timed steps; no other complete trial within the spread of it"
+        f"measured over {best['timed_steps']} timed steps, not re-measured against another ({outcome.why_no_rounds})"
     return f"**Fastest: {best['config']} (grad_accum {best['grad_accum']}), {best['samples_per_s']:.4g} samples/s, " \
            f"{how}**{saved}."
 
@@ -131,8 +132,13 @@ def certainty(verdict: Verdict) -> str:
                 f"cheapest of them (smallest predicted peak, then no offload, then the lowest stage): "
                 f"{chosen.screened.candidate.label()}")
     runner = verdict.runner_up()
-    versus = (f"; {runner.median:.3g}x the runner-up {runner.other.screened.candidate.label()} (rounds "
-              f"{runner.low:.3g}-{runner.high:.3g}x)") if runner else ""
+    if runner is None:
+        versus = ""
+    elif not runner.ratios:
+        versus = f"; the runner-up {runner.other.screened.candidate.label()} failed its rounds"
+    else:
+        versus = (f"; {runner.median:.3g}x the runner-up {runner.other.screened.candidate.label()} (rounds "
+                  f"{runner.low:.3g}-{runner.high:.3g}x)")
     return f"winner: {chosen.screened.candidate.label()}, {chosen.median:.4g} samples/s (median of {runs} rounds){versus}"
 
 
@@ -162,7 +168,9 @@ def paired_table(verdict: Verdict | None) -> list[str]:
         lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "
                   f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}."]
         if measured > verdict.min_spread:
-            lines.append(f"This host's runs vary more than that: `hydra.sweeper.min_spread={math.ceil(measured * 100) / 100:.2f}` "
+            # a ratio of two such runs varies about twice as much; this is the least that allows for one run's
+            suggested = min(math.ceil(measured * 100) / 100, 0.5)
+            lines.append(f"This host's runs vary more than that: `hydra.sweeper.min_spread={suggested:.2f}` or more "
                          "lets the search's pruning and the finalists' choice allow for it.")
     return [*lines, ""]
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from zerotune.compose.overrides import as_typed
 from zerotune.launch import warm
+from zerotune.rundir.status import Status
 from zerotune.tune import finalists, report
 from zerotune.tune.finalists import Finalist, Verdict
 from zerotune.tune.report import Outcome
@@ -58,6 +59,7 @@ def _tune(settings: TuneSettings, arguments: list[str], compose: Callable[[list[
         template.wait_ready(WARM_WAIT_S)  # every trial's start the same: forked, none paying the imports
         outcome.trials = run_trials(settings, screened, line.workload, sweep_dir, launch)
         outcome.verdict = remeasure(settings, outcome.trials, line.workload, sweep_dir, launch)
+        outcome.why_no_rounds = _why_no_rounds(settings, outcome)
     outcome.wall_s = time.perf_counter() - started
     name = settings.name or default_name(base.model.name, base.resolution.size, global_batch, device)
     outcome.winner_file = save_winner(outcome, line.workload, name, sweep_dir)
@@ -73,10 +75,19 @@ def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], 
     chosen = finalists.pick(trials, settings.min_spread, settings.finalists)
     if len(chosen) < 2 or settings.pair_rounds == 0:
         return None
-    log.info("tune: %d finalists within the spread of the best, re-measured in %d rounds of %d timed steps",
-             len(chosen), settings.pair_rounds, settings.pair_steps)
+    log.info("tune: %d finalists (the best, the runner-up, and those within the spread of the best), re-measured "
+             "in %d rounds of %d timed steps", len(chosen), settings.pair_rounds, settings.pair_steps)
     figures = run_rounds(settings, chosen, workload, sweep_dir, launch, first_job=len(trials))
     return finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
+
+
+def _why_no_rounds(settings: TuneSettings, outcome: Outcome) -> str:
+    if outcome.verdict is not None:
+        return ""
+    if settings.pair_rounds == 0 or settings.finalists < 2:
+        return "hydra.sweeper.pair_rounds=0 or finalists=1"
+    complete = sum(1 for t in outcome.trials if t.status == Status.OK and t.samples_per_s)
+    return "no other trial completed" if complete < 2 else "the finalists' rounds failed"
 
 
 def _gpu_count() -> int:

@@ -36,7 +36,7 @@ def save_winner(outcome: Outcome, workload: list[str], name: str, sweep_dir: Pat
         how = ("predicted by the planner's time floor, not measured" if outcome.predicted else
                f"measured over {best['timed_steps']} timed steps after the warm-up")
         sure = ("unmeasured: the planner's ranking" if outcome.predicted else
-                "no other complete trial came within the spread of it, so none was re-measured against it")
+                f"not re-measured against another ({outcome.why_no_rounds})")
     comments = [f"Found by `zerotune tune` on {outcome.machine}, {datetime.now():%Y-%m-%d %H:%M}: "
                 f"{figure:.4g} samples/s at a global batch of {outcome.global_batch} ({how}).",
                 f"How sure: {sure}.",
