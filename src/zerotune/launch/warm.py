@@ -48,25 +48,25 @@ STUB = (
 POLL_S = 0.2
 
 
-def _served() -> tuple[str, int] | None:
-    """(socket, template pid) of the template serving this process's jobs, if one is up."""
+def _template() -> tuple[str, int] | None:
+    """(socket, template pid) of the template started for this process's jobs, if any."""
     parts = os.environ.get(WARM_ENV, "").rsplit(":", 2)
-    if len(parts) != 3 or parts[1] != str(os.getpid()) or not Path(parts[0]).exists():
-        return None
-    return parts[0], int(parts[2])
+    return (parts[0], int(parts[2])) if len(parts) == 3 and parts[1] == str(os.getpid()) else None
 
 
 def worker_args(bootstrap: str, args: tuple[str, ...]) -> tuple[str, ...]:
     """The interpreter arguments of a worker: the stub where a template is up, else the usual bootstrap."""
-    served = _served()
-    return ("-u", "-c", STUB, served[0], *args) if served else ("-u", "-c", bootstrap, *args)
+    template = _template()
+    if template is not None and Path(template[0]).exists():
+        return ("-u", "-c", STUB, template[0], *args)
+    return ("-u", "-c", bootstrap, *args)
 
 
 def template_pids() -> frozenset[int]:
     """The template process of this process's jobs (none where there is none): not one of a job's processes,
     in its memory figures or when its workers are stopped."""
-    parts = os.environ.get(WARM_ENV, "").rsplit(":", 2)
-    return frozenset({int(parts[2])}) if len(parts) == 3 and parts[1] == str(os.getpid()) else frozenset()
+    template = _template()
+    return frozenset({template[1]}) if template is not None else frozenset()
 
 
 class Template:

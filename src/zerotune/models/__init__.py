@@ -224,8 +224,7 @@ def load_pretrained(model_cfg: Model, path: Path):
     config, _ = _pretrained_files(model_cfg, path)
     if path.is_dir():
         return UNet2DConditionModel.from_pretrained(unet_folder(path), local_files_only=True)
-    if is_single_file(path):
-        check_pretrained(model_cfg)  # a wrong architecture named by tensor, before diffusers loads
+    if is_single_file(path):  # its architecture checked by preflight's check_pretrained, from the header
         return single_file.load(path, config)
     unet = _from_config(model_cfg)
     missing, unexpected = unet.load_state_dict(load_file(str(path)), strict=False)

@@ -13,7 +13,6 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from zerotune.rundir.status import Status
 from zerotune.tune.screen import Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
@@ -85,7 +84,7 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     """The best complete trial, the runner-up (so that the winner's lead is measured in pairs too), and the
     other complete trials whose figure could reach the best's: figure x (1 + spread) >= best x (1 - its
     spread), each spread its last rung's, floored by min_spread. The best first; at most `limit`."""
-    complete = sorted((t for t in trials if t.status == Status.OK and t.samples_per_s),
+    complete = sorted((t for t in trials if t.complete),
                       key=lambda t: -(t.samples_per_s or 0.0))
     if not complete:
         return []

@@ -40,6 +40,11 @@ class Trial:
     spread: float = ONE_STEP_SPREAD  # the relative spread of its figure at its last rung (training/rungs.py)
 
     @property
+    def complete(self) -> bool:
+        """It ran every rung and measured samples/s."""
+        return self.status == Status.OK and bool(self.samples_per_s)
+
+    @property
     def score(self) -> float:
         """What the study was told: samples/s, or 0 for a job that failed."""
         return self.samples_per_s if self.status in (Status.OK, PRUNED) and self.samples_per_s else 0.0
@@ -65,7 +70,9 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     def objective(optuna_trial) -> float:
         chosen = by_number[optuna_trial.suggest_categorical("candidate", list(by_number))]
         started = time.perf_counter()
-        run_dir = launch(_trial_overrides(settings, chosen, workload, sweep_dir, optuna_trial.number), len(trials))
+        overrides = _trial_overrides(settings, chosen, workload, sweep_dir, STUDY, optuna_trial.number,
+                                     settings.trial_overrides(), settings.max_steps)
+        run_dir = launch(overrides, len(trials))
         trial = _outcome(chosen, optuna_trial, sweep_dir, run_dir, time.perf_counter() - started)
         trials.append(trial)
         log.info(progress_line(trial, len(trials), len(kept), trials))
@@ -96,11 +103,8 @@ def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[st
         for index in round_order(len(finalists), round_number):
             chosen = finalists[index].screened
             asked = study.ask()
-            overrides = [*without_trial_settings(workload), *chosen.candidate.overrides(), *TRIAL_SETTINGS,
-                         *([] if settings.drop_by_plan else ["plan.guard=warn"]), *settings.round_overrides(),
-                         f"train.max_steps={settings.warmup_steps + settings.pair_steps}",
-                         f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={ROUNDS}",
-                         f"trial.number={asked.number}"]
+            overrides = _trial_overrides(settings, chosen, workload, sweep_dir, ROUNDS, asked.number,
+                                         settings.round_overrides(), settings.pair_steps)
             started = time.perf_counter()
             run_dir = launch(overrides, job)
             job += 1
@@ -135,14 +139,16 @@ def without_trial_settings(workload: list[str]) -> list[str]:
     return [line for line in workload if line.split("=", 1)[0].lstrip("+~") not in replaced]
 
 
-def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[str], sweep_dir: Path,
-                     number: int) -> list[str]:
+def _trial_overrides(settings: TuneSettings, chosen: Screened, workload: list[str], sweep_dir: Path, study: str,
+                     number: int, rungs: list[str], timed_steps: int) -> list[str]:
+    """A job of `study` (the search's trials, or the finalists' rounds): the workload, the candidate, what every
+    trial sets, its rungs, and warmup_steps + `timed_steps` steps."""
     kept = without_trial_settings(workload)
     # drop_by_plan=false runs what the planner predicts won't fit: its job's guard must let it try.
     guard = [] if settings.drop_by_plan else ["plan.guard=warn"]
-    return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *guard, *settings.trial_overrides(),
-            f"train.max_steps={settings.warmup_steps + settings.max_steps}",
-            f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={STUDY}", f"trial.number={number}"]
+    return [*kept, *chosen.candidate.overrides(), *TRIAL_SETTINGS, *guard, *rungs,
+            f"train.max_steps={settings.warmup_steps + timed_steps}",
+            f"trial.storage={sweep_dir.resolve() / JOURNAL}", f"trial.study={study}", f"trial.number={number}"]
 
 
 def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wall_s: float) -> Trial:
@@ -160,9 +166,9 @@ def _outcome(chosen: Screened, optuna_trial, sweep_dir: Path, run_dir: Path, wal
 
 
 def progress_line(trial: Trial, done: int, total: int, trials: list[Trial]) -> str:
-    best = max((t for t in trials if t.status == Status.OK and t.samples_per_s), key=lambda t: t.samples_per_s,
+    best = max((t for t in trials if t.complete), key=lambda t: t.samples_per_s or 0.0,
                default=None)
-    if trial.status == Status.OK and trial.samples_per_s:
+    if trial.complete:
         what = f"{trial.samples_per_s:.4g} samples/s over {trial.timed_steps} timed steps"
     elif trial.status == PRUNED and trial.rungs:
         what = f"stopped at rung {trial.timed_steps} steps, {trial.rungs[trial.timed_steps]:.4g} samples/s"

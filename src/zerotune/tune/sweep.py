@@ -12,7 +12,6 @@ from typing import Any
 
 from zerotune.compose.overrides import as_typed
 from zerotune.launch import warm
-from zerotune.rundir.status import Status
 from zerotune.tune import finalists, report
 from zerotune.tune.finalists import Finalist, Verdict
 from zerotune.tune.report import Outcome
@@ -86,7 +85,7 @@ def _why_no_rounds(settings: TuneSettings, outcome: Outcome) -> str:
         return ""
     if settings.pair_rounds == 0 or settings.finalists < 2:
         return "hydra.sweeper.pair_rounds=0 or finalists=1"
-    complete = sum(1 for t in outcome.trials if t.status == Status.OK and t.samples_per_s)
+    complete = sum(1 for t in outcome.trials if t.complete)
     return "no other trial completed" if complete < 2 else "the finalists' rounds failed"
 
 
