@@ -202,3 +202,35 @@ def test_a_finalist_that_failed_a_round_is_not_chosen():
     assert verdict is not None and verdict.chosen.trial is trials[1] and not verdict.is_tie
     assert verdict.comparisons[0].ahead
     assert decide([Finalist(trials[0], [None, None, None]), Finalist(trials[1], [100.0, None, 99.0])], 0.05) is None
+
+
+def test_a_lead_inside_the_rounds_own_spread_is_a_tie():
+    """min_spread 3%, but the rounds themselves varied by about ±4.5% run to run: a lead of 4.2% in the worst
+    round is inside that, so the two tie (with min_spread alone it would have been a win)."""
+    trials = [Trial(s, s.number, "ok", 100.0, 12, {12: 100.0}, {}, 1.0, 0.02)
+              for s in kept("0", "2", peaks={"0": 1200.0, "2": 900.0})]
+    fastest, other = Finalist(trials[0], [100.0, 112.0, 104.0]), Finalist(trials[1], [96.0, 100.0, 94.0])
+    verdict = decide([fastest, other], 0.03)
+    assert verdict is not None and verdict.is_tie and verdict.chosen is other  # the cheaper of the two
+    assert verdict.allowed == pytest.approx(((112 - 100) / 2 / 104 + (100 - 94) / 2 / 96) / 2)
+    assert verdict.comparisons[0].low == pytest.approx(100 / 96)
+    steady = decide([Finalist(trials[0], [100.0, 101.0, 100.0]), Finalist(trials[1], [96.0, 96.5, 96.0])], 0.03)
+    assert steady is not None and not steady.is_tie and steady.allowed == 0.03  # steady rounds: min_spread rules
+    assert f"A win needed a lead of more than {verdict.allowed:.1%} in every round" in paired_table_text(verdict)
+
+
+def paired_table_text(verdict) -> str:
+    from zerotune.tune.report import paired_table
+
+    return "\n".join(paired_table(verdict))
+
+
+def test_the_cheapest_within_the_spread_are_the_finalists_when_there_are_too_many():
+    """Five complete trials within the spread of the best, room for three finalists: the best, the runner-up,
+    and then the cheapest of the rest (by predicted peak), not the next fastest: the verdict writes the cheapest
+    of the tied, so a cheap one left out would change the answer."""
+    screened = kept("0", "1", "2", "3", "4", peaks={"0": 500.0, "1": 500.0, "2": 900.0, "3": 800.0, "4": 300.0})
+    trials = [Trial(s, s.number, "ok", figure, 12, {12: figure}, {}, 1.0, 0.02)
+              for s, figure in zip(screened, [100.0, 99.0, 98.0, 97.0, 96.0], strict=True)]
+    assert [t.number for t in finalists.pick(trials, 0.05, 3)] == [0, 1, 4]
+    assert [t.number for t in finalists.pick(trials, 0.05, 4)] == [0, 1, 4, 3]

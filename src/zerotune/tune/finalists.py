@@ -42,7 +42,7 @@ class Comparison:
     """The fastest finalist against another: fastest / other, round by round."""
     other: Finalist
     ratios: list[float]
-    ahead: bool                   # the fastest was ahead in every round, each time by more than min_spread
+    ahead: bool                   # the fastest was ahead in every round, each time by more than Verdict.allowed
 
     @property
     def median(self) -> float:
@@ -63,27 +63,34 @@ class Verdict:
     comparisons: list[Comparison]  # the fastest against each of the others, in that order
     tied: list[Finalist]          # the fastest and those it is not ahead of
     chosen: Finalist              # the cheapest of the tied (the fastest, where it tied with none)
-    min_spread: float = 0.0       # what the verdict allowed for
+    min_spread: float = 0.0       # hydra.sweeper.min_spread
+    allowed: float = 0.0          # the lead a win needed in every round: min_spread, or the rounds' own spread
 
     @property
     def is_tie(self) -> bool:
         return len(self.tied) > 1
 
     def run_to_run_spread(self) -> float | None:
-        """How much one configuration's runs varied, here: the median over the finalists of half their rounds'
-        range, relative to their median (None with fewer than two measured rounds each)."""
-        spreads = [(max(v) - min(v)) / 2 / statistics.median(v) for v in
-                   ([x for x in f.rounds if x] for f in self.finalists) if len(v) > 1]
-        return statistics.median(spreads) if spreads else None
+        return run_to_run_spread(self.finalists)
 
     def runner_up(self) -> Comparison | None:
         return self.comparisons[0] if self.comparisons else None
 
 
+def run_to_run_spread(finalists: list[Finalist]) -> float | None:
+    """How much one configuration's runs varied, here: the median over the finalists of half their rounds'
+    range, relative to their median (None with fewer than two measured rounds each)."""
+    spreads = [(max(v) - min(v)) / 2 / statistics.median(v) for v in
+               ([x for x in f.rounds if x] for f in finalists) if len(v) > 1]
+    return statistics.median(spreads) if spreads else None
+
+
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     """The best complete trial, the runner-up (so that the winner's lead is measured in pairs too), and the
     other complete trials whose figure could reach the best's: figure x (1 + spread) >= best x (1 - its
-    spread), each spread its last rung's, floored by min_spread. The best first; at most `limit`."""
+    spread), each spread its last rung's, floored by min_spread. The best first; at most `limit`, the cheapest
+    of those within the spread first: the verdict writes the cheapest of those tied with the fastest, so a
+    cheap one left out by the search's noise would change the answer from run to run."""
     complete = sorted((t for t in trials if t.complete),
                       key=lambda t: -(t.samples_per_s or 0.0))
     if not complete:
@@ -95,24 +102,26 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     best = complete[0]
     floor = (best.samples_per_s or 0.0) * (1 - spread(best))
     within = [t for t in complete[2:] if (t.samples_per_s or 0.0) * (1 + spread(t)) >= floor]
-    return [*complete[:2], *within][:limit]
+    return [*complete[:2], *sorted(within, key=lambda t: cost(t.screened))][:limit]
 
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
     """The fastest by median among those whose every round ran; the others it is not ahead of (in every round,
-    by more than min_spread) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then
-    no offload, then the lowest stage. A finalist with a failed round is behind them all. None where none ran
-    all its rounds (the search's best stands)."""
+    by more than the spread allowed: min_spread, or the rounds' own run-to-run spread where larger) tie with
+    it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
+    stage. A finalist with a failed round is behind them all. None where none ran all its rounds (the search's
+    best stands)."""
     ranked = sorted(finalists, key=lambda f: (f.failed_a_round, -f.median, f.screened.number))
     fastest, comparisons = ranked[0], []
     if fastest.failed_a_round:
         return None
+    allowed = max(min_spread, run_to_run_spread([f for f in ranked if not f.failed_a_round]) or 0.0)
     for other in ranked[1:]:
         ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=True) if a and b]
-        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 + min_spread)
+        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 + allowed)
         comparisons.append(Comparison(other, ratios, ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
-    return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread)
+    return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread, allowed)
 
 
 def cost(screened: Screened) -> tuple:

@@ -166,12 +166,13 @@ def paired_table(verdict: Verdict | None) -> list[str]:
     measured = verdict.run_to_run_spread()
     if measured is not None:
         lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "
-                  f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}."]
+                  f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}. "
+                  f"A win needed a lead of more than {verdict.allowed:.1%} in every round (the larger of the two)."]
         if measured > verdict.min_spread:
             # a ratio of two such runs varies about twice as much; this is the least that allows for one run's
             suggested = min(math.ceil(measured * 100) / 100, 0.5)
-            lines.append(f"This host's runs vary more than that: `hydra.sweeper.min_spread={suggested:.2f}` or more "
-                         "lets the search's pruning and the finalists' choice allow for it.")
+            lines.append(f"This host's runs vary more than min_spread: `hydra.sweeper.min_spread={suggested:.2f}` "
+                         "or more lets the search's pruning allow for it too.")
     return [*lines, ""]
 
 
