@@ -128,6 +128,7 @@ def serve(path: str, owner: int) -> None:
     import threading
 
     import zerotune.launch.worker  # noqa: F401  the imports every worker pays: torch, DeepSpeed, diffusers
+    import zerotune.telemetry.plot  # noqa: F401  matplotlib: every run's close plots telemetry.png (0.45 s)
 
     # A Python thread running at the fork could hold a lock the worker then waits on forever. Native thread
     # pools started by the imports (OpenBLAS's, torch's) are not counted: they re-create themselves in a

@@ -42,7 +42,7 @@ class Comparison:
     """The fastest finalist against another: fastest / other, round by round."""
     other: Finalist
     ratios: list[float]
-    ahead: bool                   # the fastest was ahead in every round, each time by more than Verdict.allowed
+    ahead: bool                   # the fastest was ahead in every round, and by more than Verdict.allowed in the median
 
     @property
     def median(self) -> float:
@@ -107,8 +107,8 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
     """The fastest by median among those whose every round ran; the others it is not ahead of (in every round,
-    by more than the spread allowed: min_spread, or the rounds' own run-to-run spread where larger) tie with
-    it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
+    and in the median by more than the spread allowed: min_spread, or the rounds' own run-to-run spread where
+    larger) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
     stage. A finalist with a failed round is behind them all. None where none ran all its rounds (the search's
     best stands)."""
     ranked = sorted(finalists, key=lambda f: (f.failed_a_round, -f.median, f.screened.number))
@@ -118,7 +118,9 @@ def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
     allowed = max(min_spread, run_to_run_spread([f for f in ranked if not f.failed_a_round]) or 0.0)
     for other in ranked[1:]:
         ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=True) if a and b]
-        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 + allowed)
+        # The median's lead, not the worst round's: a real lead near the allowance, measured by one slow round
+        # below it, would turn into a tie in some runs and not in others.
+        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 and statistics.median(ratios) > 1 + allowed)
         comparisons.append(Comparison(other, ratios, ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
     return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread, allowed)

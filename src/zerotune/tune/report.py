@@ -167,7 +167,8 @@ def paired_table(verdict: Verdict | None) -> list[str]:
     if measured is not None:
         lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "
                   f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}. "
-                  f"A win needed a lead of more than {verdict.allowed:.1%} in every round (the larger of the two)."]
+                  f"A win needed a lead of more than {verdict.allowed:.1%} in the median (the larger of the two), and "
+                  "to be ahead in every round."]
         if measured > verdict.min_spread:
             # a ratio of two such runs varies about twice as much; this is the least that allows for one run's
             suggested = min(math.ceil(measured * 100) / 100, 0.5)

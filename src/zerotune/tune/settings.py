@@ -22,7 +22,7 @@ class TuneSettings:
     reduction_factor: int = 3
     max_steps: int = 36
     pruner: str = "successive_halving"
-    min_spread: float = 0.05             # the least relative spread of a figure (rungs, finalists' rounds)
+    min_spread: float = 0.10             # the least relative spread of a figure (rungs, finalists' rounds)
     finalists: int = 4                   # at most this many, within the spread of the best, are re-measured
     pair_rounds: int = 3                 # rounds of the finalists' re-measurement (0: none)
     pair_steps: int = 12                 # timed steps of each of those runs
@@ -56,7 +56,7 @@ def read_settings(params: dict[str, Any]) -> TuneSettings:
     if isinstance(settings.min_spread, bool) or not isinstance(settings.min_spread, int | float) \
             or not 0 <= settings.min_spread < 1:
         raise ConfigError("hydra.sweeper.min_spread", f"must be a fraction in [0, 1), got {settings.min_spread!r}",
-                          "hydra.sweeper.min_spread=0.05")
+                          "hydra.sweeper.min_spread=0.1")
     _check_positive(settings, ("reduction_factor",), minimum=2)
     for key in ("drop_by_plan", "warm_workers"):
         if not isinstance(getattr(settings, key), bool):
