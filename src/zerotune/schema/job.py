@@ -76,7 +76,7 @@ class Trial:
     max_steps: int = 36                  # timed steps of a trial that is never stopped
     # the least relative spread a rung's figure is given (what moves a whole run, which the steps' own spread
     # cannot show): successive_halving stops a trial only when it is behind by more than the spreads
-    min_spread: float = 0.05
+    min_spread: float = 0.10
 
 
 @dataclass(frozen=True)
