@@ -64,7 +64,7 @@ class Verdict:
     tied: list[Finalist]          # the fastest and those it is not ahead of
     chosen: Finalist              # the cheapest of the tied (the fastest, where it tied with none)
     min_spread: float = 0.0       # hydra.sweeper.min_spread
-    allowed: float = 0.0          # the lead a win needed in every round: min_spread, or the rounds' own spread
+    allowed: float = 0.0          # the median lead a win needed: min_spread, or the rounds' own spread
 
     @property
     def is_tie(self) -> bool:
@@ -108,9 +108,9 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
     """The fastest by median among those whose every round ran; the others it is not ahead of (in every round,
     and in the median by more than the spread allowed: min_spread, or the rounds' own run-to-run spread where
-    larger) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then no offload, then the lowest
-    stage. A finalist with a failed round is behind them all. None where none ran all its rounds (the search's
-    best stands)."""
+    larger) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then no offload,
+    then the lowest stage. A finalist with a failed round is behind them all. None where none ran all its
+    rounds (the search's best stands)."""
     ranked = sorted(finalists, key=lambda f: (f.failed_a_round, -f.median, f.screened.number))
     fastest, comparisons = ranked[0], []
     if fastest.failed_a_round:
