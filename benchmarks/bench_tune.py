@@ -16,7 +16,6 @@ Run it on a quiet machine: torch's threads spin, and a second busy process slows
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench_tune_repro import WORKLOADS, run_once
+from bench_tune_repro import WORKLOADS, publish, run_once, short_commit, tune_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ["hydra.sweeper.pruner=none", "hydra.sweeper.pair_rounds=0", "hydra.sweeper.warm_workers=false"]
@@ -44,8 +43,7 @@ def grid(workload: list[str], folder: Path) -> tuple[dict[str, float], float]:
     (folder / "grid.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-4000:]}")
-    with open(folder / "sweep" / "tune.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = tune_rows(folder / "sweep")
     return {r["config"]: float(r["samples_per_s"]) for r in rows if r["status"] == "ok" and r["samples_per_s"]}, wall
 
 
@@ -69,9 +67,7 @@ def main() -> None:
         figures, grid_wall = grid(workload, base / f"{args.workload}-grid")
         print(f"grid: {grid_wall:.0f} s, {len(figures)} configurations measured", flush=True)
     best_config, best = max(figures.items(), key=lambda item: item[1])
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    lines = [f"## {args.workload}: tune against the grid, {datetime.now():%Y-%m-%d %H:%M}, {commit}, "
+    lines = [f"## {args.workload}: tune against the grid, {datetime.now():%Y-%m-%d %H:%M}, {short_commit(ROOT)}, "
              f"{len(os.sched_getaffinity(0))} cores, load average before {load_before:.2f}", "",
              f"command: `zerotune tune {' '.join(workload)}`; grid: the same with `{' '.join(GRID)}`", "",
              f"grid: **{grid_wall:.0f} s**, {len(figures)} configurations to the last rung; its best "
@@ -86,11 +82,7 @@ def main() -> None:
     walls = [wall for _, _, wall in runs]
     lines += ["", f"- tune's wall time over the grid's: median **{statistics.median(walls) / grid_wall:.3f}** "
               f"(range {min(walls) / grid_wall:.3f}-{max(walls) / grid_wall:.3f})", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    publish("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

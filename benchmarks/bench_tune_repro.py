@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import os
 import re
 import subprocess
@@ -47,6 +48,25 @@ def answer(tune_md: str) -> tuple[str, tuple[str, ...]]:
     won = re.match(r"\*\*(?:winner|Fastest): (.*?)(?:, [0-9.]+ samples/s| \(grad_accum)", line)
     assert won, line
     return won.group(1), ()
+
+
+def short_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def publish(text: str, out: Path | None) -> None:
+    """Print a report, and append it to `out` where given."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n")
+
+
+def tune_rows(sweep: Path) -> list[dict]:
+    """A tune sweep's tune.csv: a row per candidate."""
+    with open(sweep / "tune.csv") as f:
+        return list(csv.DictReader(f))
 
 
 def run_once(checkout: Path, workload: list[str], folder: Path) -> tuple[str, tuple[str, ...], float]:
@@ -86,7 +106,7 @@ def main() -> None:
     sets = collections.Counter(tied or (chosen,) for chosen, tied, _ in results)
     common, agree = written.most_common(1)[0]
     lines = [f"## {args.workload}: {args.runs} runs, {datetime.now():%Y-%m-%d %H:%M}, checkout {args.checkout.resolve()}"
-             f" ({subprocess.run(['git', '-C', str(args.checkout), 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}),"
+             f" ({short_commit(args.checkout)}),"
              f" load average before {LOAD_BEFORE:.2f}", "",
              f"command: `zerotune tune {' '.join(workload)}`", "",
              "| run | wall time | written | tie set |", "|---|---|---|---|"]
@@ -95,11 +115,7 @@ def main() -> None:
     lines += ["", f"- the same configuration written in **{agree} of {args.runs}** runs ({common})",
               f"- the same answer (tie set, or the one configuration) in **{sets.most_common(1)[0][1]} of "
               f"{args.runs}** runs", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    publish("\n".join(lines), args.out)
 
 
 LOAD_BEFORE = os.getloadavg()[0]

@@ -14,24 +14,17 @@ Run it on a quiet machine: torch's threads spin, and a second busy process slows
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import os
 import statistics
-import subprocess
 import tempfile
 from datetime import datetime
 from pathlib import Path
 
-from bench_tune_repro import WORKLOADS, run_once
+from bench_tune_repro import WORKLOADS, publish, run_once, short_commit, tune_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 NEAR = 0.10  # "within the noise of the grid's best": the run-to-run spread measured on this host (tune_noise.md)
-
-
-def rows(sweep: Path) -> list[dict]:
-    with open(sweep / "tune.csv") as f:
-        return list(csv.DictReader(f))
 
 
 def jaccard(a: set[str], b: set[str]) -> float:
@@ -47,12 +40,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also append the report here")
     parser.add_argument("--keep", type=Path, default=None, help="run in this folder and keep every sweep")
     args = parser.parse_args()
-    grid = {r["config"]: float(r["samples_per_s"]) for r in rows(args.grid / "sweep")
+    grid = {r["config"]: float(r["samples_per_s"]) for r in tune_rows(args.grid / "sweep")
             if r["status"] == "ok" and r["samples_per_s"]} if args.grid else {}
     near = {c for c, v in grid.items() if v >= max(grid.values()) * (1 - NEAR)} if grid else set()
     load_before = os.getloadavg()[0]
     lines = [f"## {args.workload}: the first rung's length, {datetime.now():%Y-%m-%d %H:%M}, "
-             f"{subprocess.run(['git', '-C', str(ROOT), 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()}"
+             f"{short_commit(ROOT)}"
              f", load average before {load_before:.2f}", "",
              f"command: `zerotune tune {' '.join(WORKLOADS[args.workload])} hydra.sweeper.pair_rounds=0 "
              "hydra.sweeper.min_steps=K`, run " f"{args.runs} times per K", ""]
@@ -69,7 +62,7 @@ def main() -> None:
                 folder.mkdir(parents=True)
                 workload = [*WORKLOADS[args.workload], "hydra.sweeper.pair_rounds=0", f"hydra.sweeper.min_steps={k}"]
                 _, _, wall = run_once(ROOT, workload, folder)
-                found = rows(folder / "sweep")
+                found = tune_rows(folder / "sweep")
                 survivors.append({r["config"] for r in found if r["status"] == "ok"})
                 dropped_near.append(sum(1 for r in found if r["status"] == "pruned" and r["config"] in near))
                 walls.append(wall)
@@ -80,11 +73,7 @@ def main() -> None:
             lines.append(f"| {k} | {', '.join(str(len(s)) for s in survivors)} | **{alike:.2f}** | "
                          f"{', '.join(map(str, dropped_near)) if grid else 'no grid given'} | "
                          f"{', '.join(f'{w:.0f} s' for w in walls)} |")
-    text = "\n".join([*lines, ""])
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    publish("\n".join([*lines, ""]), args.out)
 
 
 if __name__ == "__main__":
