@@ -3,7 +3,7 @@ the kit runs imports from them. Slow: it builds the kit twice (downloads from th
 
 Python versions: the kit is for the card's CPython 3.12; this machine's is 3.11, and no CPU torch wheel for 3.12
 is here to make a 3.12 stand-in. So the test checks the 3.12 kit's names and tags, builds its 3.11 twin with the
-same pins (build_kit.sh DEST 3.11: the one binary wheel, pydantic-core, becomes its cp311 build; the pure ones
+same pins (build_kit.sh DEST 3.11: the binary wheels, pydantic-core and sqlalchemy, become their cp311 builds; the pure ones
 are the same files), and installs that twin into a fresh 3.11 venv whose image packages (torch and the rest of
 benchmarks/gpu/image_packages.txt) are linked from this venv through a .pth file, as --system-site-packages would
 give them, while everything the image lacks is left out: it must come from the kit."""
@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 KIT = ROOT / "benchmarks" / "gpu"
 LIMIT = 64 * 2**20
 IMPORTS = ["deepspeed", "diffusers", "hydra", "omegaconf", "antlr4", "pydantic", "pydantic_core", "hjson",
-           "importlib_metadata", "annotated_types", "typing_inspection", "zerotune"]
+           "importlib_metadata", "annotated_types", "typing_inspection", "optuna", "sqlalchemy", "alembic", "mako",
+           "colorlog", "zerotune"]
 # what the kit's parts import on the card: the trainer, planner, folder data, export, and the benchmark scripts
 ALSO = ["zerotune.cli.main", "zerotune.training.run", "zerotune.cli.plan", "zerotune.data.components",
         "zerotune.export", "deepspeed.ops.adam", "diffusers.models.autoencoders", "hydra_plugins.zerotune_user_configs"]
@@ -102,7 +103,8 @@ def test_the_kit_installs_offline_and_imports(tmp_path):
     assert {n: v for n, (_, v, _) in names.items() if n != "zerotune"} == pins()
     assert names["zerotune"][1] == "0.1.0"
     binary = {n for n, (_, _, tag) in names.items() if tag != "py3-none-any"}
-    assert binary == {"pydantic-core"} and "cp312-cp312-manylinux" in names["pydantic-core"][2]
+    assert binary == {"pydantic-core", "sqlalchemy"}
+    assert all("cp312-cp312-manylinux" in names[n][2] for n in binary)
 
     kit311 = build(tmp_path / "kit311", "3.11")
     assert {p.name for p in kit311 if "none-any" in p.name} == {p.name for p in kit312 if "none-any" in p.name}

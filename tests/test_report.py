@@ -215,6 +215,20 @@ def test_csv_markdown_and_plots_with_gpu_figures(gpu_sweep: Path, tmp_path: Path
         assert_png(out / name)
 
 
+def test_plots_take_a_list_valued_override(tmp_path: Path):
+    """A tune trial overrides validation.prompts=[]: in a one-job sweep it identifies the line, and the plots
+    once failed on it (unhashable list), leaving the sweep without a report."""
+    sweep = tmp_path / "sweep"
+    job = write_job(sweep, 0, stage=2, resolution=128, gpu=6000.0, step=0.4)
+    overrides = job / ".hydra" / "overrides.yaml"
+    overrides.write_text(overrides.read_text() + "- validation.prompts=[]\n- validation.prompt_file=null\n")
+    report = build_report([sweep])
+    assert [p.note for p in report.plots] == [None, None, None]
+    for plot in report.plots:
+        assert_png(plot.path)
+    assert "validation.prompts" in report.keys
+
+
 def test_all_null_gpu_is_unmeasured_not_zero(cpu_sweep: Path):
     report = build_report([cpu_sweep])  # default --out: the sweep directory itself
     rows = read_csv(cpu_sweep / "summary.csv")

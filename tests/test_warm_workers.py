@@ -68,3 +68,43 @@ def test_without_a_template_the_stub_becomes_a_cold_worker(tmp_path):
     stub = _stub(tmp_path / "none.sock", parent="1")
     _, err = stub.communicate(timeout=60)
     assert stub.returncode != 0 and "the job process that started this worker is gone" in err
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_the_template_asks_a_forked_child_whether_cuda_is_still_usable(monkeypatch, poisoned):
+    """On a card, torch marks a child forked after CUDA's driver started as unable to use it; the template asks
+    a throwaway child and serves only where it is not marked (no card here: torch's answers are stood in)."""
+    import torch
+
+    from zerotune.launch import warm
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: poisoned)
+    assert warm._cuda_poisons_fork() is poisoned
+
+
+def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypatch):
+    """Without it, the imports' torch.cuda.is_available() starts CUDA's driver and no forked worker can use the
+    card (measured on an H200: experiments/results/gpu/h200-2026-11-27)."""
+    from zerotune.launch import warm
+
+    started: dict = {}
+
+    class Proc:
+        pid = 4242
+
+        def terminate(self) -> None: ...
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 0
+
+    def popen(args, **kwargs):
+        started.update(kwargs)
+        return Proc()
+
+    monkeypatch.setattr(warm.subprocess, "Popen", popen)
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    with warm.template():
+        pass
+    assert started["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the sweep's own and its workers' stay as they were

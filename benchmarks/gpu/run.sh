@@ -27,7 +27,7 @@ else
   PY=${PYTHON:-python3}
   ls .whl/*.whl >/dev/null 2>&1 || { echo "run.sh: no .whl/: run 'make gpu-kit' where pip works, and carry .whl" >&2; exit 2; }
   # once per kit on a warm machine: the marker holds the wheels' checksum. A bare machine's install is the whole
-  # kit, 14 wheels, 12 MiB: 2.3 to 2.8 s on the 2-core dev machine (unmeasured on the card)
+  # kit, 19 wheels, 17 MiB (its 14 wheels of before took 1.7 s on an H200: experiments/results/gpu/h200-2026-11-27)
   sum=$(cat .whl/*.whl | md5sum | cut -d' ' -f1)
   if [ "$(cat /tmp/site/.gpu-kit-installed 2>/dev/null)" != "$sum" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

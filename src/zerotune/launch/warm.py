@@ -96,8 +96,11 @@ def template(enabled: bool = True) -> Iterator[Template]:
     folder = tempfile.mkdtemp(prefix="zerotune-warm-")  # a Unix socket's path must stay under ~100 bytes
     path = str(Path(folder) / "template.sock")
     # A session of its own, as torch gives each worker: a terminal's Ctrl-C reaches the sweep, not the template.
+    # NVML answers the imports' "is CUDA available?" without initialising CUDA's driver, which a forked child
+    # could then not use ("Cannot re-initialize CUDA in forked subprocess"): without it, the imports alone poison
+    # every fork on a card (benchmarks/gpu/fork_probe.py, measured on an H200). The workers keep the stub's env.
     proc = subprocess.Popen([sys.executable, "-m", "zerotune.launch.warm", path, str(os.getpid())],
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     before = os.environ.get(WARM_ENV)
     os.environ[WARM_ENV] = f"{path}:{os.getpid()}:{proc.pid}"
     try:
@@ -137,6 +140,9 @@ def serve(path: str, owner: int) -> None:
         log.warning("warm workers: the template runs %d Python threads after its imports; trials start cold",
                     threading.active_count())
         return
+    if _cuda_poisons_fork():
+        log.warning("warm workers: the imports initialised CUDA, which a forked worker cannot use; trials start cold")
+        return
     # Messages keep their boundaries (SEQPACKET): a request arrives whole, with its descriptors.
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.bind(path + ".binding")
@@ -171,6 +177,20 @@ def serve(path: str, owner: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     server.close()
+
+
+def _cuda_poisons_fork() -> bool:
+    """Whether a child forked now would be refused CUDA: torch marks it at the fork once the driver is up. Asked
+    of a throwaway child (a few ms): the mark exists only in a child."""
+    import torch
+
+    if not torch.cuda._is_compiled():
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
 
 
 class _Closed:

@@ -194,7 +194,12 @@ def _save(fig: Figure, path: Path) -> None:
 
 
 def _value_tuple(row: dict, keys: list[str]) -> tuple:
-    return tuple(row["params"].get(k) for k in keys)
+    return tuple(_hashable(row["params"].get(k)) for k in keys)
+
+
+def _hashable(value: Any) -> Any:
+    """A list or dict value (a tune trial's `validation.prompts=[]`) by its text: a series is a set member."""
+    return str(value) if isinstance(value, (list, dict)) else value
 
 
 def _ordered(values: set) -> list:

@@ -28,9 +28,9 @@ WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
 def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
                launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
     started = time.perf_counter()
-    # The workers' template imports while the candidates are screened (launch/warm.py). Not on a CUDA host yet:
-    # a process forked after CUDA's driver is initialised cannot use it, and this is unverified on a card.
-    with warm.template(enabled=settings.warm_workers and not settings.gpu and _gpu_count() == 0) as template:
+    # The workers' template imports while the candidates are screened (launch/warm.py); on a card too, where
+    # its imports leave CUDA's driver alone. None for a card not present: no trial runs.
+    with warm.template(enabled=settings.warm_workers and not settings.gpu) as template:
         return _tune(settings, arguments, compose, launch, sweep_dir, started, template)
 
 
