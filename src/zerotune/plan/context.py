@@ -10,8 +10,11 @@ from zerotune.units import MIB
 CONTEXT: dict[str, dict] = {
     "ampere": {"bytes": 256 * MIB, "source": "RTX 3090, torch 2.7 (invoke-ai/InvokeAI#9413: a bare context, 256 MiB)"},
     "ada": {"bytes": 426 * MIB, "source": "RTX 6000 Ada, the 4090's chip (unslothai/unsloth-zoo PR #1053: 426 MiB)"},
-    "hopper": {"bytes": 400 * MIB, "source": "no Hopper figure found; pytorch/pytorch#109888 (ptrblck: 'around 400MB "
-                                             "if CUDA >= 11.7 ... lazy module loading')"},
+    # Measured, and more than a bare context: what a DeepSpeed training process holds outside torch's allocator
+    # (the context, NCCL's buffers, the kernels it loaded), which is what nvidia-smi adds to torch's figures.
+    "hopper": {"bytes": 1324 * MIB, "source": "measured: nvidia-smi's process peak less torch's reserved peak, "
+                                              "1,320-1,328 MiB in 12 DeepSpeed runs on an H100 and an H200 (torch "
+                                              "2.11+cu130, NCCL 2.28; experiments/results/gpu/)"},
 }
 
 # cuBLAS workspace per handle (one per device and stream in use), allocated through torch's allocator:
