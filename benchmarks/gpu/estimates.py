@@ -74,7 +74,6 @@ GRID = {
 GRID_UNRECORDED = Cost.allowance(150, "never run on a card; above the slowest recorded grid row (z3_cpu_512_bs4, "
                                       "143.3 s)")
 
-# The env and paths parts have not run on a card yet.
-ENV_PROBE = Cost.allowance(60, "the probe has never run on a card (imports, five first uses, nvidia-smi; "
-                               "3.8 s on the 2-core CPU)")
+# The env probe's one run on a card (an H200, `first`, a bare machine); the paths part has not run on one yet.
+ENV_PROBE = Cost(19.2, 0.0, "measured: 19.2 s on an H200 (experiments/results/gpu/h200-2026-11-27/first.json)")
 PATHS = Cost.allowance(240, "pytest -m cuda (six sdxl_tiny runs) has never run on a card")
