@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -385,6 +386,37 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert sum("failed (the sweep itself is unaffected)" in m for m in messages) == 2
     # Unreadable summaries are reported as missing jobs, not a crash.
     assert {r["status"] for r in read_csv(broken / "summary.csv")} == {"missing"}
+
+
+def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: Path, monkeypatch):
+    """Short jobs do not each pay a rebuild: after one that took 0.3 s, the next job end within 6 s skips it;
+    one after that rebuilds, and the sweep's end always does."""
+    from zerotune.report import callback as module
+
+    clock = [100.0]
+    built: list[float] = []
+
+    def timed_build(*args, **kwargs):
+        built.append(clock[0])
+        clock[0] += 0.3  # what a rebuild costs
+        return build_report(*args, **kwargs)
+
+    monkeypatch.setattr("zerotune.report.build.build_report", timed_build)
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    from hydra.core.utils import JobStatus
+    from hydra.types import RunMode
+
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(gpu_sweep)}, "mode": RunMode.MULTIRUN}})
+    callback = SweepReportCallback()
+    for advance in (0.0, 2.0, 2.0, 2.0, 2.0):  # five job ends, 2 s apart
+        clock[0] += advance
+        callback.on_job_end(cfg)
+    assert built == [100.0, 106.3]  # the first; then the first end 6 s (0.3 / 5%) after the first rebuild
+    clock[0] += 1.0
+    callback.on_job_end(cfg, SimpleNamespace(status=JobStatus.FAILED))  # Hydra ends the sweep after this one
+    assert len(built) == 3
+    callback.on_multirun_end(cfg)
+    assert len(built) == 4 and (gpu_sweep / "summary.md").is_file()
 
 
 def test_callback_reports_with_budget_from_config(gpu_sweep: Path):
