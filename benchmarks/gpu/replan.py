@@ -40,10 +40,9 @@ def main() -> int:
         today = plan_one(overrides, gpus.lookup(card))["run_peak_mib"]
         measured = row["measured"]["gpu_peak_process_mib"]
         before = (row.get("predicted") or {}).get("run_peak_mib")
-        print(f"| {folder} | {row['name']} | {card} | {before:,.0f} | {today:,.0f} | {measured:,.0f} | "
-              f"{before / measured:.3f} | {today / measured:.3f} |" if before else
-              f"| {folder} | {row['name']} | {card} | unrecorded | {today:,.0f} | {measured:,.0f} | - | "
-              f"{today / measured:.3f} |")
+        recorded, recorded_ratio = (f"{before:,.0f}", f"{before / measured:.3f}") if before else ("unrecorded", "-")
+        print(f"| {folder} | {row['name']} | {card} | {recorded} | {today:,.0f} | {measured:,.0f} | "
+              f"{recorded_ratio} | {today / measured:.3f} |")
     return 0
 
 

@@ -7,7 +7,8 @@ A sweep of short jobs (a tune's trials, 2 to 4 s each) would spend a tenth of it
 (0.3 s a time here), so a job's end rebuilds it only where the last rebuild took at most REFRESH_SHARE of
 the time since: after a 0.3 s rebuild, none for the next 6 s. Longer jobs still refresh it each; a job
 that raised, and the sweep's end, always do. A sweep stopped by Ctrl-C can leave its last seconds' jobs
-out of summary.md (their summary.json are written): `zerotune report <sweep dir>` rebuilds it. A report problem is logged, never raised: it must not fail or stop the sweep.
+out of summary.md (their summary.json are written): `zerotune report <sweep dir>` rebuilds it.
+A report problem is logged, never raised: it must not fail or stop the sweep.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ class SweepReportCallback(Callback):
             return
         # A job that raised ends the sweep before on_multirun_end: its row must be in the report now.
         raised = getattr(job_return, "status", None) == JobStatus.FAILED
-        if time.monotonic() < self._next_refresh and not raised:
-            return
         started = time.monotonic()
+        if started < self._next_refresh and not raised:
+            return
         self.report(config, running_window_s=RUNNING_WINDOW_S, final=False)
         ended = time.monotonic()
         self._next_refresh = ended + (ended - started) / REFRESH_SHARE
