@@ -28,7 +28,10 @@ from pathlib import Path
 from bench_tune_repro import WORKLOADS, publish, run_once, short_commit, tune_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = ["hydra.sweeper.pruner=none", "hydra.sweeper.pair_rounds=0", "hydra.sweeper.warm_workers=false"]
+# Each configuration measured once over 36 timed steps: as long as a tune finalist's three rounds together (tune's
+# own search stops at 12, since the rounds are its measurement).
+GRID = ["hydra.sweeper.pruner=none", "hydra.sweeper.pair_rounds=0", "hydra.sweeper.warm_workers=false",
+        "hydra.sweeper.max_steps=36"]
 
 
 def grid(workload: list[str], folder: Path) -> tuple[dict[str, float], float]:

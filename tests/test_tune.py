@@ -178,3 +178,37 @@ def test_zerotune_tune_is_a_tune_sweep():
     assert tune_arguments(["model=sdxl", "--gpu", "h100", "-m"]) == \
         ["-m", "hydra/sweeper=tune", "model=sdxl", "hydra.sweeper.gpu=h100"]
     assert tune_arguments(["--gpu=rtx4090"]) == ["-m", "hydra/sweeper=tune", "hydra.sweeper.gpu=rtx4090"]
+
+
+def test_the_screen_composes_each_candidate_as_hydra_does_whole():
+    """The sweeper composes once per set of group choices and applies the rest as Hydra's last step does: every
+    candidate's config must equal Hydra's own whole composition of the same command line."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict
+
+    from hydra_plugins.zerotune_tune import TuneSweeper
+    from zerotune import config_search
+    from zerotune.compose.overrides import normalize_overrides
+
+    workload = ["model=sdxl_tiny", "data=synthetic", "resolution=64", "optimizer.lr=3e-5", "train.seed=7"]
+    line = read_command_line([*workload, "zero_stage=0,2,3", "offload=none,cpu", "launch.num_processes=1,2"])
+    found, _ = candidates(knob_values(line, SPACE, gpus=0), global_batch=32, nnodes=1, batch_space="auto")
+    chosen = found[::7]  # every group choice and value knob varies across these
+    assert len({(c.knobs["zero_stage"], c.knobs["offload"]) for c in chosen}) >= 4
+    with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        sweeper = TuneSweeper()
+        sweeper.hydra_context = SimpleNamespace(config_loader=loader)
+        sweeper.config = SimpleNamespace(hydra=SimpleNamespace(job=SimpleNamespace(config_name="config")))
+        for candidate in chosen:
+            overrides = [*line.workload, *candidate.overrides()]
+            whole = loader.load_configuration(config_name="config", run_mode=RunMode.MULTIRUN,
+                                              overrides=normalize_overrides(overrides, config_search.current()))
+            with open_dict(whole):
+                del whole["hydra"]
+            cached = sweeper._compose(overrides)
+            assert OmegaConf.to_container(cached) == OmegaConf.to_container(whole), candidate.label()
+            assert OmegaConf.to_container(cached, resolve=True) == OmegaConf.to_container(whole, resolve=True)
+        assert len(sweeper._by_groups) < len(chosen)  # composed once per set of group choices

@@ -44,3 +44,7 @@ def test_a_tune_sweep_measures_records_an_oom_and_saves_a_winner_that_trains(tmp
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = read_summary(tmp_path / "again")
     assert summary["status"] == "ok" and summary["choices"]["model"] == "tiny" and summary["steps"] == 2
+    # a trial is a measurement: its figures in metrics.jsonl, no plot; a job of its own plots them
+    trials = [d for d in sweep.iterdir() if (d / "summary.json").is_file()]
+    assert all((d / "metrics.jsonl").is_file() and not (d / "telemetry.png").exists() for d in trials)
+    assert (tmp_path / "again" / "telemetry.png").is_file()

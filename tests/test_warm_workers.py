@@ -108,3 +108,18 @@ def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypat
         pass
     assert started["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the sweep's own and its workers' stay as they were
+
+
+def test_the_template_imports_what_a_trials_setup_would_and_runs_no_thread_after():
+    """On this CPU-only torch the template also imports DeepSpeed (with its op loader) and Optuna, which every
+    trial's setup would otherwise import again (0.3 s a trial); none of it may leave a Python thread running,
+    or the template would not fork (trials would start cold)."""
+    code = ("import sys, threading\n"
+            "from zerotune.launch.warm import import_worker_modules\n"
+            "import_worker_modules()\n"
+            "print(sorted(m for m in ('deepspeed', 'optuna', 'torch.utils.cpp_extension') if m in sys.modules),"
+            " threading.active_count())\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "['deepspeed', 'optuna', 'torch.utils.cpp_extension'] 1"

@@ -1,4 +1,4 @@
-"""Can `zerotune tune`'s warm workers run on a card? (launch/warm.py; tune/sweep.py keeps them off on CUDA hosts.)
+"""Can `zerotune tune`'s warm workers run on a card? (launch/warm.py)
 
 The template imports what every worker imports, then forks one worker per trial. A forked child can use CUDA only
 if its parent never initialised the CUDA driver. This imports exactly what the template imports, in a fresh
@@ -18,9 +18,11 @@ import sys
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
-import zerotune.launch.worker  # the template's imports (launch/warm.py serve)
-import zerotune.telemetry.plot
+from zerotune.launch.warm import import_worker_modules
 import torch
+import_worker_modules()  # the template's imports (launch/warm.py serve)
+if sys.argv[1] == "deepspeed_too":  # what the template imports on a CPU-only torch as well
+    import deepspeed, optuna, torch.utils.cpp_extension
 imports_s = time.perf_counter() - t0
 maps = open("/proc/self/maps").read()
 state = {"imports_s": round(imports_s, 2), "torch_cuda_initialized": torch.cuda.is_initialized(),
@@ -49,7 +51,8 @@ print(json.dumps(state))
 
 def main() -> int:
     failed = 0
-    for case, nvml in (("imports_only", "0"), ("device_count_first", "1"), ("device_count_first", "0")):
+    for case, nvml in (("imports_only", "0"), ("device_count_first", "1"), ("device_count_first", "0"),
+                       ("deepspeed_too", "1")):
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": nvml}
         proc = subprocess.run([sys.executable, "-c", CASE, case], env=env, capture_output=True, text=True,
                               timeout=120)

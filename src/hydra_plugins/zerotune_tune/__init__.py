@@ -22,6 +22,7 @@ class TuneSweeper(Sweeper):
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
         self.launcher = None
+        self._by_groups: dict[tuple[str, ...], DictConfig] = {}  # _compose's cache: group overrides -> composed
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         from hydra.core.plugins import Plugins
@@ -46,13 +47,32 @@ class TuneSweeper(Sweeper):
         return outcome
 
     def _compose(self, overrides: list[str]) -> DictConfig:
+        """The config `overrides` compose to, as a job of this sweep would get it. Composed by Hydra once per set
+        of group choices (zero_stage, offload ...), the rest applied by Hydra's own step for value overrides:
+        the screen composes every candidate, and Hydra's defaults tree is 0.17 s each (10 s of 12 for 60
+        candidates), though the candidates differ in two or three groups."""
+        import copy
+
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
         from zerotune import config_search
         from zerotune.compose import check_resolves
         from zerotune.compose.overrides import normalize_overrides
 
         args = normalize_overrides(list(overrides), config_search.current())
-        cfg = self.hydra_context.config_loader.load_configuration(
-            config_name=self.config.hydra.job.config_name, overrides=args, run_mode=RunMode.MULTIRUN)
+        loader = self.hydra_context.config_loader
+        parsed = OverridesParser.create().parse_overrides(args)
+        # Hydra's own split (defaults_list.Overrides): a group's key, unless its value is a dict, picks a config
+        # of the defaults list; any other override is applied to the composed config, in order, after it.
+        picks = [o for o in parsed if loader.repository.group_exists(o.key_or_group) and not isinstance(o.value(), dict)]
+        values = [o for o in parsed if o not in picks]
+        key = tuple(o.input_line for o in picks)
+        if key not in self._by_groups:
+            self._by_groups[key] = loader.load_configuration(
+                config_name=self.config.hydra.job.config_name, overrides=list(key), run_mode=RunMode.MULTIRUN)
+        cfg = copy.deepcopy(self._by_groups[key])
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)  # noqa: SLF001  what load_configuration applies
         with open_dict(cfg):
             del cfg["hydra"]
         check_resolves(cfg, args)

@@ -130,8 +130,7 @@ def serve(path: str, owner: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: ends with the sweep
     import threading
 
-    import zerotune.launch.worker  # noqa: F401  the imports every worker pays: torch, DeepSpeed, diffusers
-    import zerotune.telemetry.plot  # noqa: F401  matplotlib: every run's close plots telemetry.png (0.45 s)
+    import_worker_modules()
 
     # A Python thread running at the fork could hold a lock the worker then waits on forever. Native thread
     # pools started by the imports (OpenBLAS's, torch's) are not counted: they re-create themselves in a
@@ -177,6 +176,22 @@ def serve(path: str, owner: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     server.close()
+
+
+def import_worker_modules() -> None:
+    """What a worker imports (benchmarks/gpu/fork_probe.py imports the same): torch, accelerate, diffusers and
+    the trainer; on a CPU-only torch also what each worker's setup would import (0.3 s a trial): DeepSpeed and
+    its op loader (accelerate's DeepSpeed state), and Optuna (the first rung's report). Not on a CUDA build: that
+    DeepSpeed's import leaves the driver alone there, as a forked worker needs, is unmeasured (fork_probe.py's
+    `deepspeed_too` case measures it)."""
+    import torch
+
+    import zerotune.launch.worker  # noqa: F401
+
+    if not torch.cuda._is_compiled():
+        import deepspeed  # noqa: F401
+        import optuna  # noqa: F401
+        import torch.utils.cpp_extension  # noqa: F401
 
 
 def _cuda_poisons_fork() -> bool:

@@ -73,7 +73,7 @@ class Trial:
     min_steps: int = 4                   # rung 0: timed steps after the warm-up
     reduction_factor: int = 3            # each rung is this many times longer; 1/this of the trials go on
     pruner: str = "successive_halving"   # successive_halving | hyperband (Optuna's) | none
-    max_steps: int = 36                  # timed steps of a trial that is never stopped
+    max_steps: int = 12                  # timed steps of a trial that is never stopped
     # the least relative spread a rung's figure is given (what moves a whole run, which the steps' own spread
     # cannot show): successive_halving stops a trial only when it is behind by more than the spreads
     min_spread: float = 0.10

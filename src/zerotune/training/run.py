@@ -69,7 +69,9 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
             raise
         finally:
             summary.wall_time_s = time.time() - start
-            _close(summary, run_dir, logger, marks)
+            # A tune trial is one measurement of many: its figures are in metrics.jsonl, and its plot would be
+            # 0.16 s of each trial's few seconds.
+            _close(summary, run_dir, logger, marks, plot=cfg.trial.storage is None)
 
 
 def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> RunSummary:
@@ -128,12 +130,12 @@ def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> RunSummary:
     return summary
 
 
-def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict) -> None:
+def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict, plot: bool) -> None:
     summary.startup_marks, summary.startup = marks, startup_view(None, marks)  # the parent adds its own
     summary.env = environment_info()
     run_dir.write_summary(summary)
     run_dir.close()
-    if run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
+    if plot and run_dir.is_writer and run_dir.file("metrics.jsonl").is_file():
         # Imported here: matplotlib is half a second that no worker's start should wait on.
         from zerotune.telemetry.plot import plot_run
 

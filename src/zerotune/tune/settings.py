@@ -20,7 +20,7 @@ class TuneSettings:
     warmup_steps: int = 3
     min_steps: int = 4
     reduction_factor: int = 3
-    max_steps: int = 36
+    max_steps: int = 12                  # the search only finds the finalists: their rounds are the measurement
     pruner: str = "successive_halving"
     min_spread: float = 0.10             # the least relative spread of a figure (rungs, finalists' rounds)
     finalists: int = 4                   # at most this many, within the spread of the best, are re-measured
@@ -67,7 +67,7 @@ def read_settings(params: dict[str, Any]) -> TuneSettings:
                           f"hydra.sweeper.pruner={' | '.join(PRUNERS)}")
     if settings.max_steps < settings.min_steps:
         raise ConfigError("hydra.sweeper.max_steps", f"{settings.max_steps} is below min_steps {settings.min_steps}",
-                          f"hydra.sweeper.max_steps={settings.min_steps * settings.reduction_factor ** 2}")
+                          f"hydra.sweeper.max_steps={settings.min_steps * settings.reduction_factor}")
     return settings
 
 
