@@ -176,6 +176,10 @@ def test_finalists_are_those_within_the_spread_of_the_best():
     # the runner-up always; 91 x 1.05 >= 100 x 0.95; 86 x 1.05 < 95; 70 x 1.4 >= 95; a pruned trial is no finalist
     assert [t.number for t in finalists.pick(trials, 0.05, 4)] == [0, 1, 4, 5]
     assert [t.number for t in finalists.pick(trials, 0.05, 2)] == [0, 1]
+    # room left: the next fastest within twice the spreads (86 x 1.1 >= 100 x 0.9), not the pruned one
+    assert [t.number for t in finalists.pick(trials, 0.05, 6)] == [0, 1, 4, 5, 2]
+    far = [trial(0, 100.0, 0.02), trial(1, 99.0, 0.02), trial(2, 81.0, 0.02), trial(3, 60.0, 0.02)]
+    assert [t.number for t in finalists.pick(far, 0.1, 4)] == [0, 1, 2]  # 81 x 1.2 >= 80; 60 x 1.2 < 80
     assert [t.number for t in finalists.pick(trials[:1], 0.05, 4)] == [0]
 
 
