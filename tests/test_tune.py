@@ -195,7 +195,7 @@ def test_the_screen_composes_each_candidate_as_hydra_does_whole():
     workload = ["model=sdxl_tiny", "data=synthetic", "resolution=64", "optimizer.lr=3e-5", "train.seed=7"]
     line = read_command_line([*workload, "zero_stage=0,2,3", "offload=none,cpu", "launch.num_processes=1,2"])
     found, _ = candidates(knob_values(line, SPACE, gpus=0), global_batch=32, nnodes=1, batch_space="auto")
-    chosen = found[::7]  # every group choice and value knob varies across these
+    chosen = found[::13]  # group choices and value knobs vary across these
     assert len({(c.knobs["zero_stage"], c.knobs["offload"]) for c in chosen}) >= 4
     with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()

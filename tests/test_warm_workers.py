@@ -110,6 +110,7 @@ def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypat
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the sweep's own and its workers' stay as they were
 
 
+@pytest.mark.slow  # 8 s; the default suite's tune run forks every trial from the template (test_tune_sweep.py)
 def test_the_template_imports_what_a_trials_setup_would_and_runs_no_thread_after():
     """On this CPU-only torch the template also imports DeepSpeed (with its op loader) and Optuna, which every
     trial's setup would otherwise import again (0.3 s a trial); none of it may leave a Python thread running,
