@@ -7,7 +7,7 @@
 2. grid: the same space once, through the same sweeper with nothing stopped (`pruner=none`), no rounds
    (`pair_rounds=0`) and every job's workers started cold (`warm_workers=false`), as `train.py -m` starts
    them. Its jobs are the candidates tune runs trials of (the same screen: invalid and needlessly
-   checkpointed ones dropped), each to the warm-up plus max_steps.
+   checkpointed ones dropped), each to the warm-up plus 36 timed steps.
 Printed (and appended to --out): each tune run's wall time over the grid's, what it wrote, and that
 configuration's samples/s in the grid over the grid's best (how much a user gives up by trusting tune).
 Run it on a quiet machine: torch's threads spin, and a second busy process slows a step several times.
