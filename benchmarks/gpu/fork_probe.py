@@ -20,9 +20,8 @@ import json, os, sys, time
 t0 = time.perf_counter()
 from zerotune.launch.warm import import_worker_modules
 import torch
-import_worker_modules()  # the template's imports (launch/warm.py serve)
-if sys.argv[1] == "deepspeed_too":  # what the template imports on a CPU-only torch as well
-    import deepspeed, optuna, torch.utils.cpp_extension
+# the template's imports (launch/warm.py serve); deepspeed_too: what it imports on a CPU-only torch as well
+import_worker_modules(setup_too=sys.argv[1] == "deepspeed_too")
 imports_s = time.perf_counter() - t0
 maps = open("/proc/self/maps").read()
 state = {"imports_s": round(imports_s, 2), "torch_cuda_initialized": torch.cuda.is_initialized(),

@@ -62,11 +62,12 @@ class TuneSweeper(Sweeper):
 
         args = normalize_overrides(list(overrides), config_search.current())
         loader = self.hydra_context.config_loader
-        parsed = OverridesParser.create().parse_overrides(args)
         # Hydra's own split (defaults_list.Overrides): a group's key, unless its value is a dict, picks a config
         # of the defaults list; any other override is applied to the composed config, in order, after it.
-        picks = [o for o in parsed if loader.repository.group_exists(o.key_or_group) and not isinstance(o.value(), dict)]
-        values = [o for o in parsed if o not in picks]
+        picks, values = [], []
+        for o in OverridesParser.create().parse_overrides(args):
+            is_pick = loader.repository.group_exists(o.key_or_group) and not isinstance(o.value(), dict)
+            (picks if is_pick else values).append(o)
         key = tuple(o.input_line for o in picks)
         if key not in self._by_groups:
             self._by_groups[key] = loader.load_configuration(

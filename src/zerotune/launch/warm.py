@@ -178,20 +178,25 @@ def serve(path: str, owner: int) -> None:
     server.close()
 
 
-def import_worker_modules() -> None:
+# What each worker's setup would import again (0.3 s a trial): DeepSpeed and its op loader (accelerate's DeepSpeed
+# state), and Optuna (the first rung's report).
+SETUP_MODULES = ("deepspeed", "optuna", "torch.utils.cpp_extension")
+
+
+def import_worker_modules(setup_too: bool | None = None) -> None:
     """What a worker imports (benchmarks/gpu/fork_probe.py imports the same): torch, accelerate, diffusers and
-    the trainer; on a CPU-only torch also what each worker's setup would import (0.3 s a trial): DeepSpeed and
-    its op loader (accelerate's DeepSpeed state), and Optuna (the first rung's report). Not on a CUDA build: that
+    the trainer; and SETUP_MODULES where `setup_too`, by default on a CPU-only torch. Not on a CUDA build: that
     DeepSpeed's import leaves the driver alone there, as a forked worker needs, is unmeasured (fork_probe.py's
     `deepspeed_too` case measures it)."""
+    import importlib
+
     import torch
 
     import zerotune.launch.worker  # noqa: F401
 
-    if not torch.cuda._is_compiled():
-        import deepspeed  # noqa: F401
-        import optuna  # noqa: F401
-        import torch.utils.cpp_extension  # noqa: F401
+    if not torch.cuda._is_compiled() if setup_too is None else setup_too:
+        for name in SETUP_MODULES:
+            importlib.import_module(name)
 
 
 def _cuda_poisons_fork() -> bool:
