@@ -4,7 +4,8 @@ round by round, and what is written: the fastest, or, when others tie with it, t
 A search's figures come from different moments (one trial each): on a shared or throttling machine, the gap
 between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
 every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
-what the noise does to it.
+what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
+level in) gets more rounds, for the fastest and that one only, before it is judged.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class Finalist:
 class Comparison:
     """The fastest finalist against another: fastest / other, round by round."""
     other: Finalist
-    ratios: list[float]
-    ahead: bool                   # the fastest was ahead in every round, and by more than Verdict.allowed in the median
+    ratios: list[float]           # over the rounds both ran
+    ahead: bool                   # more than Verdict.allowed in the median, and level in no round (one in 5 or more)
+    close: bool = False           # ahead in the median, but level in a round too many: more rounds can tell
 
     @property
     def median(self) -> float:
@@ -75,6 +77,9 @@ class Verdict:
 
     def runner_up(self) -> Comparison | None:
         return self.comparisons[0] if self.comparisons else None
+
+    def close_calls(self) -> list[Comparison]:
+        return [c for c in self.comparisons if c.close]
 
 
 def run_to_run_spread(finalists: list[Finalist]) -> float | None:
@@ -113,22 +118,26 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
 
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
-    """The fastest by median among those whose every round ran; the others it is not ahead of (in every round,
-    and in the median by more than the spread allowed: min_spread, or the rounds' own run-to-run spread where
-    larger) tie with it, and the cheapest of those is chosen: the smallest predicted peak, then no offload,
-    then the lowest stage. A finalist with a failed round is behind them all. None where none ran all its
-    rounds (the search's best stands)."""
+    """The fastest by median among those whose every round ran; the others it is not ahead of (in the median by
+    more than the spread allowed: min_spread, or the rounds' own run-to-run spread where larger; and in every
+    round, or all but one of five or more) tie with it, and the cheapest of those is chosen: the smallest
+    predicted peak, then no offload, then the lowest stage. A finalist with a failed round is behind them all.
+    None where none ran all its rounds (the search's best stands)."""
     ranked = sorted(finalists, key=lambda f: (f.failed_a_round, -f.median, f.screened.number))
     fastest, comparisons = ranked[0], []
     if fastest.failed_a_round:
         return None
     allowed = max(min_spread, run_to_run_spread([f for f in ranked if not f.failed_a_round]) or 0.0)
     for other in ranked[1:]:
-        ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=True) if a and b]
+        # Paired by round; a close call's extra rounds pair only where both ran them.
+        ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=False) if a and b]
         # The median's lead, not the worst round's: a real lead near the allowance, measured by one slow round
-        # below it, would turn into a tie in some runs and not in others.
-        ahead = other.failed_a_round or (bool(ratios) and min(ratios) > 1 and statistics.median(ratios) > 1 + allowed)
-        comparisons.append(Comparison(other, ratios, ahead))
+        # below it, would turn into a tie in some runs and not in others. A round the other was level in
+        # makes it a close call instead: three rounds cannot tell a lead from a lucky streak.
+        leads = bool(ratios) and statistics.median(ratios) > 1 + allowed
+        level = sum(r <= 1 for r in ratios)
+        ahead = other.failed_a_round or (leads and level <= (len(ratios) - 1) // 4)
+        comparisons.append(Comparison(other, ratios, ahead, close=leads and not ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
     return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread, allowed)
 

@@ -147,9 +147,12 @@ def paired_table(verdict: Verdict | None) -> list[str]:
         return []
     by_number = {c.other.screened.number: c for c in verdict.comparisons}
     tied = {f.screened.number for f in verdict.tied}
+    extended = max(len(f.rounds) for f in verdict.finalists) - min(len(f.rounds) for f in verdict.finalists)
+    more = (f" A close call (a lead past the allowance in the median, but level in a round) ran {extended} more "
+            "rounds, the fastest and it only." if extended else "")
     lines = ["## finalists, paired", "",
              "Each finalist ran once per round, the order reversed every other round; ratio: the fastest's "
-             "samples/s over this one's in the same round (median, and min-max over the rounds).", "",
+             f"samples/s over this one's in the same round (median, and min-max over the rounds).{more}", "",
              "| # | config | rounds (samples/s) | median | ratio (median) | ratio spread | verdict |",
              "|---|---|---|---|---|---|---|"]
     for f in verdict.finalists:
@@ -168,7 +171,7 @@ def paired_table(verdict: Verdict | None) -> list[str]:
         lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "
                   f"finalists of half their range); `hydra.sweeper.min_spread` was {verdict.min_spread:.0%}. "
                   f"A win needed a lead of more than {verdict.allowed:.1%} in the median (the larger of the two), and "
-                  "to be ahead in every round."]
+                  "to be ahead in every round (in all but one, of five or more)."]
         if measured > verdict.min_spread:
             # a ratio of two such runs varies about twice as much; this is the least that allows for one run's
             suggested = min(math.ceil(measured * 100) / 100, 0.5)

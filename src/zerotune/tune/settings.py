@@ -26,6 +26,7 @@ class TuneSettings:
     finalists: int = 4                   # at most this many, within the spread of the best, are re-measured
     pair_rounds: int = 3                 # rounds of the finalists' re-measurement (0: none)
     pair_steps: int = 12                 # timed steps of each of those runs
+    extra_rounds: int = 2                # more rounds for a close call (finalists.Comparison.close): 0 for none
     drop_by_plan: bool = True            # false: what the planner predicts won't fit (or needlessly checkpoints) runs too
     warm_workers: bool = True            # trials' workers forked from one process that imported once (launch/warm.py)
     space: dict[str, Any] = field(default_factory=dict)
@@ -50,7 +51,7 @@ def read_settings(params: dict[str, Any]) -> TuneSettings:
         raise ConfigError(f"hydra.sweeper.{unknown[0]}", "not a setting of hydra/sweeper=tune",
                           f"one of: {', '.join(known)}")
     settings = TuneSettings(**{k: v for k, v in params.items() if k in known})
-    _check_positive(settings, ("warmup_steps", "pair_rounds"), minimum=0)
+    _check_positive(settings, ("warmup_steps", "pair_rounds", "extra_rounds"), minimum=0)
     _check_positive(settings, ("min_steps", "max_steps", "global_batch", "n_trials", "finalists", "pair_steps"),
                     minimum=1)
     if isinstance(settings.min_spread, bool) or not isinstance(settings.min_spread, int | float) \

@@ -88,18 +88,19 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     return trials
 
 
-def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[str], sweep_dir: Path,
-               launch: Callable[[list[str], int], Path], first_job: int) -> list[list[float | None]]:
-    """Each finalist re-measured once per round, for settings.pair_rounds rounds, in the order
-    finalists.round_order gives: samples/s of each run (None where it failed), by finalist, by round."""
+def run_rounds(settings: TuneSettings, finalists: list[Trial], rounds: range, workload: list[str],
+               sweep_dir: Path, launch: Callable[[list[str], int], Path], first_job: int) -> list[list[float | None]]:
+    """Each finalist re-measured once per round, for the round numbers given (the first settings.pair_rounds,
+    or a close call's more), in the order round_order gives: samples/s of each run (None where it failed), by
+    finalist, by round."""
     import optuna
 
     storage = journal(str(sweep_dir / JOURNAL))
-    study = optuna.create_study(storage=storage, study_name=ROUNDS, direction="maximize", load_if_exists=False,
+    study = optuna.create_study(storage=storage, study_name=ROUNDS, direction="maximize", load_if_exists=True,
                                 pruner=optuna.pruners.NopPruner())
-    figures: list[list[float | None]] = [[None] * settings.pair_rounds for _ in finalists]
+    figures: list[list[float | None]] = [[None] * len(rounds) for _ in finalists]
     job = first_job
-    for round_number in range(settings.pair_rounds):
+    for slot, round_number in enumerate(rounds):
         for index in round_order(len(finalists), round_number):
             chosen = finalists[index].screened
             asked = study.ask()
@@ -109,9 +110,9 @@ def run_rounds(settings: TuneSettings, finalists: list[Trial], workload: list[st
             run_dir = launch(overrides, job)
             job += 1
             trial = _outcome(chosen, asked, sweep_dir, run_dir, time.perf_counter() - started)
-            figures[index][round_number] = trial.samples_per_s if trial.status == Status.OK else None
-            study.tell(asked, figures[index][round_number] or 0.0)
-            log.info("tune: round %d/%d, candidate %d %s: %s samples/s", round_number + 1, settings.pair_rounds,
+            figures[index][slot] = trial.samples_per_s if trial.status == Status.OK else None
+            study.tell(asked, figures[index][slot] or 0.0)
+            log.info("tune: round %d/%d, candidate %d %s: %s samples/s", round_number + 1, rounds.stop,
                      chosen.number, chosen.candidate.label(),
                      f"{trial.samples_per_s:.4g}" if trial.samples_per_s else f"none ({trial.status})")
     return figures

@@ -70,14 +70,27 @@ def _tune(settings: TuneSettings, arguments: list[str], compose: Callable[[list[
 def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], sweep_dir: Path,
               launch: Callable[[list[str], int], Path]) -> Verdict | None:
     """The finalists' rounds and the verdict; None where fewer than two finalists, or no rounds, leave nothing
-    to compare (the search's best stands)."""
+    to compare (the search's best stands). Close calls (Comparison.close) get settings.extra_rounds more
+    rounds, the fastest and those only, and the verdict is taken again over every round."""
     chosen = finalists.pick(trials, settings.min_spread, settings.finalists)
     if len(chosen) < 2 or settings.pair_rounds == 0:
         return None
     log.info("tune: %d finalists (the best, the runner-up, and those near the best: finalists.pick), re-measured "
              "in %d rounds of %d timed steps", len(chosen), settings.pair_rounds, settings.pair_steps)
-    figures = run_rounds(settings, chosen, workload, sweep_dir, launch, first_job=len(trials))
-    return finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
+    first = range(settings.pair_rounds)
+    figures = run_rounds(settings, chosen, first, workload, sweep_dir, launch, first_job=len(trials))
+    verdict = finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
+    close = verdict.close_calls() if verdict is not None else []
+    if verdict is None or not close or settings.extra_rounds == 0:
+        return verdict
+    again = [verdict.finalists[0], *(c.other for c in close)]
+    log.info("tune: %d close call(s): %d more rounds of the fastest (%s) and %s", len(close), settings.extra_rounds,
+             again[0].screened.candidate.label(), ", ".join(f.screened.candidate.label() for f in again[1:]))
+    more = run_rounds(settings, [f.trial for f in again], range(first.stop, first.stop + settings.extra_rounds),
+                      workload, sweep_dir, launch, first_job=len(trials) + len(chosen) * len(first))
+    for finalist, extra in zip(again, more, strict=True):
+        finalist.rounds += extra
+    return finalists.decide(verdict.finalists, settings.min_spread)
 
 
 def _why_no_rounds(settings: TuneSettings, outcome: Outcome) -> str:
