@@ -303,3 +303,22 @@ def test_without_extra_rounds_a_close_call_stays_a_tie(tmp_path):
     verdict = tune(tmp_path, screened, launch, replace(SETTINGS, min_spread=0.10, extra_rounds=0)).verdict
     assert verdict is not None and verdict.is_tie and verdict.comparisons[0].close
     assert sum(entry.startswith("rounds:") for entry in log) == 6
+
+
+def test_a_search_crowded_past_the_finalists_says_so_and_how_to_measure_them_all(tmp_path):
+    """Five configurations the search cannot tell apart, room for three finalists: the verdict says that another
+    run may write another, and the setting it names re-measures all five."""
+    screened = kept("0", "1", "2", "3", "4")
+    search = {"0": 100.0, "1": 99.0, "2": 98.0, "3": 97.0, "4": 96.0}
+    launch = scripted_jobs(search, {stage: [100.0] * 5 for stage in search}, [])
+    outcome = tune(tmp_path, screened, launch, replace(SETTINGS, finalists=3))
+    verdict = outcome.verdict
+    assert verdict is not None and len(verdict.finalists) == 3 and verdict.within_noise == 5
+    assert ("the search could not tell 5 trials from its best and 3 were re-measured, so another run may write "
+            "another (hydra.sweeper.finalists=5 re-measures them all)") in markdown(outcome, outcome.rows())
+    fixed = read_settings({"finalists": 5, "min_spread": SETTINGS.min_spread})
+    assert len(finalists.pick(outcome.trials, fixed.min_spread, fixed.finalists)) == 5
+    (tmp_path / "roomy").mkdir()
+    roomy = tune(tmp_path / "roomy", screened, scripted_jobs(search, {s: [100.0] * 5 for s in search}, []),
+                 replace(SETTINGS, finalists=5))
+    assert roomy.verdict is not None and "could not tell" not in markdown(roomy, roomy.rows())

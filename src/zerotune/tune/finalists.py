@@ -67,6 +67,7 @@ class Verdict:
     chosen: Finalist              # the cheapest of the tied (the fastest, where it tied with none)
     min_spread: float = 0.0       # hydra.sweeper.min_spread
     allowed: float = 0.0          # the median lead a win needed: min_spread, or the rounds' own spread
+    within_noise: int = 0         # finalists the search's noise called for (within_noise()), limit aside
 
     @property
     def is_tie(self) -> bool:
@@ -98,23 +99,30 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     the search's noise would change the answer from run to run. Where room is left, the next fastest within
     twice the spreads: two trials run minutes apart, and each may drift by its spread (measured: the grid's
     best measured 0.807 of the search's best, just outside the spreads, and was left out of the rounds)."""
-    complete = sorted((t for t in trials if t.complete),
-                      key=lambda t: -(t.samples_per_s or 0.0))
+    complete = _by_figure(trials)
     if not complete:
         return []
-
-    def reaches(trial: Trial, widths: int) -> bool:
-        floor = (best.samples_per_s or 0.0) * (1 - widths * spread(best))
-        return (trial.samples_per_s or 0.0) * (1 + widths * spread(trial)) >= floor
-
-    def spread(trial: Trial) -> float:
-        return max(trial.spread, min_spread)
-
-    best = complete[0]
-    within = [t for t in complete[2:] if reaches(t, 1)]
+    within = [t for t in complete[2:] if _reaches(t, complete[0], min_spread, 1)]
     chosen = [*complete[:2], *sorted(within, key=lambda t: cost(t.screened))][:limit]
-    near = [t for t in complete[2:] if t not in chosen and reaches(t, 2)]
+    near = [t for t in complete[2:] if t not in chosen and _reaches(t, complete[0], min_spread, 2)]
     return [*chosen, *near][:limit]
+
+
+def within_noise(trials: list[Trial], min_spread: float) -> int:
+    """How many complete trials pick() would re-measure with no limit: the best, the runner-up, and those whose
+    figure could reach the best's. More than the finalists: another run may re-measure, and write, others."""
+    complete = _by_figure(trials)
+    return min(len(complete), 2) + sum(_reaches(t, complete[0], min_spread, 1) for t in complete[2:])
+
+
+def _by_figure(trials: list[Trial]) -> list[Trial]:
+    return sorted((t for t in trials if t.complete), key=lambda t: -(t.samples_per_s or 0.0))
+
+
+def _reaches(trial: Trial, best: Trial, min_spread: float, widths: int) -> bool:
+    """figure x (1 + widths x spread) >= best x (1 - widths x its spread), each spread floored by min_spread."""
+    floor = (best.samples_per_s or 0.0) * (1 - widths * max(best.spread, min_spread))
+    return (trial.samples_per_s or 0.0) * (1 + widths * max(trial.spread, min_spread)) >= floor
 
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:

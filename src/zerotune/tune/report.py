@@ -130,7 +130,7 @@ def certainty(verdict: Verdict) -> str:
         names = "; ".join(f"{f.screened.candidate.label()} ({f.median:.4g})" for f in verdict.tied)
         return (f"tie among {len(verdict.tied)} (medians of {runs} rounds, samples/s): {names}. Chosen, as the "
                 f"cheapest of them (smallest predicted peak, then no offload, then the lowest stage): "
-                f"{chosen.screened.candidate.label()}")
+                f"{chosen.screened.candidate.label()}{crowded(verdict)}")
     runner = verdict.runner_up()
     if runner is None:
         versus = ""
@@ -139,7 +139,18 @@ def certainty(verdict: Verdict) -> str:
     else:
         versus = (f"; {runner.median:.3g}x the runner-up {runner.other.screened.candidate.label()} (rounds "
                   f"{runner.low:.3g}-{runner.high:.3g}x)")
-    return f"winner: {chosen.screened.candidate.label()}, {chosen.median:.4g} samples/s (median of {runs} rounds){versus}"
+    return (f"winner: {chosen.screened.candidate.label()}, {chosen.median:.4g} samples/s (median of {runs} rounds)"
+            f"{versus}{crowded(verdict)}")
+
+
+def crowded(verdict: Verdict) -> str:
+    """Where the search left more near its best than were re-measured, say so, and how to re-measure them all."""
+    measured = len(verdict.finalists)
+    if verdict.within_noise <= measured:
+        return ""
+    return (f"; the search could not tell {verdict.within_noise} trials from its best and {measured} were "
+            f"re-measured, so another run may write another (hydra.sweeper.finalists={verdict.within_noise} "
+            "re-measures them all)")
 
 
 def paired_table(verdict: Verdict | None) -> list[str]:

@@ -7,6 +7,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +82,19 @@ def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], 
     figures = run_rounds(settings, chosen, first, workload, sweep_dir, launch, first_job=len(trials))
     verdict = finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
     close = verdict.close_calls() if verdict is not None else []
-    if verdict is None or not close or settings.extra_rounds == 0:
-        return verdict
-    again = [verdict.finalists[0], *(c.other for c in close)]
-    log.info("tune: %d close call(s): %d more rounds of the fastest (%s) and %s", len(close), settings.extra_rounds,
-             again[0].screened.candidate.label(), ", ".join(f.screened.candidate.label() for f in again[1:]))
-    more = run_rounds(settings, [f.trial for f in again], range(first.stop, first.stop + settings.extra_rounds),
-                      workload, sweep_dir, launch, first_job=len(trials) + len(chosen) * len(first))
-    for finalist, extra in zip(again, more, strict=True):
-        finalist.rounds += extra
-    return finalists.decide(verdict.finalists, settings.min_spread)
+    if verdict is not None and close and settings.extra_rounds:
+        again = [verdict.finalists[0], *(c.other for c in close)]
+        log.info("tune: %d close call(s): %d more rounds of the fastest (%s) and %s", len(close),
+                 settings.extra_rounds, again[0].screened.candidate.label(),
+                 ", ".join(f.screened.candidate.label() for f in again[1:]))
+        more = run_rounds(settings, [f.trial for f in again], range(first.stop, first.stop + settings.extra_rounds),
+                          workload, sweep_dir, launch, first_job=len(trials) + len(chosen) * len(first))
+        for finalist, extra in zip(again, more, strict=True):
+            finalist.rounds += extra
+        verdict = finalists.decide(verdict.finalists, settings.min_spread)
+    if verdict is None:
+        return None
+    return replace(verdict, within_noise=finalists.within_noise(trials, settings.min_spread))
 
 
 def _why_no_rounds(settings: TuneSettings, outcome: Outcome) -> str:
