@@ -41,7 +41,7 @@ def answer(tune_md: str) -> tuple[str, tuple[str, ...]]:
         return "(none: no candidate completed)", ()
     if line.startswith("**tie among"):
         tied = re.search(r"samples/s\): (.*)\. Chosen", line)
-        chosen = re.search(r"lowest stage\): (.*?)\*\*", line)
+        chosen = re.search(r"lowest stage\): (.*?)(?:; the search could not tell|\*\*)", line)
         assert tied and chosen, line
         members = tuple(sorted(re.sub(r" \([0-9.e+]+\)$", "", m) for m in tied.group(1).split("; ")))
         return chosen.group(1), members
