@@ -18,6 +18,7 @@ from zerotune.training.rungs import TrialRungs
 from zerotune.training.spread import SPREAD_ATTR, rate_spread
 from zerotune.tune import finalists
 from zerotune.tune.finalists import Finalist, decide
+from zerotune.tune.pooled import pooled_figures
 from zerotune.tune.report import Outcome, markdown
 from zerotune.tune.screen import KEPT, Screened
 from zerotune.tune.settings import TuneSettings, read_settings
@@ -171,7 +172,8 @@ def test_rate_spread_is_the_t_interval_of_the_step_rates():
 
 def test_finalists_are_those_within_the_spread_of_the_best():
     def trial(number: int, figure: float, spread: float, status: str = "ok") -> Trial:
-        return Trial(kept("0")[0], number, status, figure, 12, {12: figure}, {}, 1.0, spread)
+        # each its own configuration, and too few trials for the knobs model: the figures stand alone
+        return Trial(kept(str(number))[0], number, status, figure, 12, {12: figure}, {}, 1.0, spread)
 
     trials = [trial(0, 100.0, 0.02), trial(1, 92.0, 0.02), trial(2, 86.0, 0.02), trial(3, 99.0, 0.3, "pruned"),
               trial(4, 91.0, 0.02), trial(5, 70.0, 0.4)]
@@ -322,3 +324,31 @@ def test_a_search_crowded_past_the_finalists_says_so_and_how_to_measure_them_all
     roomy = tune(tmp_path / "roomy", screened, scripted_jobs(search, {s: [100.0] * 5 for s in search}, []),
                  replace(SETTINGS, finalists=5))
     assert roomy.verdict is not None and "could not tell" not in markdown(roomy, roomy.rows())
+
+
+def test_a_low_search_figure_is_pooled_with_its_neighbours_into_the_finalists():
+    """Eighteen configurations: three stages x two offloads x three (processes, micro batch) pairs. The speed is
+    the pair's (2 x 16: 100, 1 x 32: 95, 2 x 8: 70 samples/s), less 10% with CPU offload. The search measured
+    stage 0 at 2 x 16 without offload, the cheapest of the fast ones, at 76: outside the spreads of the best
+    (76 x 1.1 < 100 x 0.9). The knobs model predicts it from the others, and pooled it is within them: it is
+    re-measured, and no slow one is."""
+    pairs = {"2x16": ("2", "16", 100.0), "1x32": ("1", "32", 95.0), "2x8": ("2", "8", 70.0)}
+    trials, luck = [], [1.0, 0.98, 1.02, 0.99]
+    combos = [(stage, offload, pair) for stage in "012" for offload in ("none", "cpu") for pair in pairs]
+    for number, (stage, offload, pair) in enumerate(combos):
+        processes, micro, rate = pairs[pair]
+        rate *= 0.9 if offload == "cpu" else 1.0
+        figure = 76.0 if (stage, offload, pair) == ("0", "none", "2x16") else rate * luck[number % 4]
+        knobs = {"zero_stage": stage, "offload": offload, "launch.num_processes": processes,
+                 "train.batch_size": micro}
+        peak = {"2x16": 90.0, "1x32": 160.0, "2x8": 60.0}[pair] + 5 * int(stage)
+        screened = Screened(number, Candidate(knobs, 1), KEPT, plan={"run_peak_mib": peak})
+        trials.append(Trial(screened, number, "ok", figure, 12, {12: figure}, {}, 1.0, 0.02))
+    pooled = pooled_figures(trials)
+    # its own 76, and the model's prediction from the others (its own figure pulls that down too)
+    assert 80 < pooled[0] < 90 and pooled[0] * 1.1 >= max(pooled.values()) * 0.9
+    assert all(pooled[t.number] < 80 for t in trials if t.screened.candidate.knobs["train.batch_size"] == "8")
+    alone = max(t.samples_per_s or 0.0 for t in trials)
+    assert 76.0 * 1.1 < alone * 0.9  # by its own figure, it was not within the spreads
+    chosen = [t.number for t in finalists.pick(trials, 0.1, 4)]
+    assert 0 in chosen and not any(trials[n].screened.candidate.knobs["train.batch_size"] == "8" for n in chosen)

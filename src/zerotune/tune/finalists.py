@@ -14,6 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from zerotune.tune.pooled import pooled_figures
 from zerotune.tune.screen import Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
@@ -94,35 +95,39 @@ def run_to_run_spread(finalists: list[Finalist]) -> float | None:
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     """The best complete trial, the runner-up (so that the winner's lead is measured in pairs too), and the
     other complete trials whose figure could reach the best's: figure x (1 + spread) >= best x (1 - its
-    spread), each spread its last rung's, floored by min_spread. The best first; at most `limit`, the cheapest
-    of those within the spread first: the verdict writes the cheapest of the tied, so a cheap one left out by
-    the search's noise would change the answer from run to run. Where room is left, the next fastest within
-    twice the spreads: two trials run minutes apart, and each may drift by its spread (measured: the grid's
-    best measured 0.807 of the search's best, just outside the spreads, and was left out of the rounds)."""
-    complete = _by_figure(trials)
+    spread), each spread its last rung's, floored by min_spread. Each figure is the trial's pooled with its
+    neighbours' (tune/pooled.py): one run's luck no longer decides which of a group of equals is re-measured.
+    The best first; at most `limit`, the cheapest of those within the spread first: the verdict writes the
+    cheapest of the tied, so a cheap one left out by the search's noise would change the answer from run to
+    run. Where room is left, the next fastest within twice the spreads: two trials run minutes apart, and each
+    may drift by its spread (measured: the grid's best measured 0.807 of the search's best, just outside the
+    spreads, and was left out of the rounds)."""
+    figures = pooled_figures(trials)
+    complete = _by_figure(trials, figures)
     if not complete:
         return []
-    within = [t for t in complete[2:] if _reaches(t, complete[0], min_spread, 1)]
+    within = [t for t in complete[2:] if _reaches(t, complete[0], figures, min_spread, 1)]
     chosen = [*complete[:2], *sorted(within, key=lambda t: cost(t.screened))][:limit]
-    near = [t for t in complete[2:] if t not in chosen and _reaches(t, complete[0], min_spread, 2)]
+    near = [t for t in complete[2:] if t not in chosen and _reaches(t, complete[0], figures, min_spread, 2)]
     return [*chosen, *near][:limit]
 
 
 def within_noise(trials: list[Trial], min_spread: float) -> int:
     """How many complete trials pick() would re-measure with no limit: the best, the runner-up, and those whose
     figure could reach the best's. More than the finalists: another run may re-measure, and write, others."""
-    complete = _by_figure(trials)
-    return min(len(complete), 2) + sum(_reaches(t, complete[0], min_spread, 1) for t in complete[2:])
+    figures = pooled_figures(trials)
+    complete = _by_figure(trials, figures)
+    return min(len(complete), 2) + sum(_reaches(t, complete[0], figures, min_spread, 1) for t in complete[2:])
 
 
-def _by_figure(trials: list[Trial]) -> list[Trial]:
-    return sorted((t for t in trials if t.complete), key=lambda t: -(t.samples_per_s or 0.0))
+def _by_figure(trials: list[Trial], figures: dict[int, float]) -> list[Trial]:
+    return sorted((t for t in trials if t.number in figures), key=lambda t: -figures[t.number])
 
 
-def _reaches(trial: Trial, best: Trial, min_spread: float, widths: int) -> bool:
+def _reaches(trial: Trial, best: Trial, figures: dict[int, float], min_spread: float, widths: int) -> bool:
     """figure x (1 + widths x spread) >= best x (1 - widths x its spread), each spread floored by min_spread."""
-    floor = (best.samples_per_s or 0.0) * (1 - widths * max(best.spread, min_spread))
-    return (trial.samples_per_s or 0.0) * (1 + widths * max(trial.spread, min_spread)) >= floor
+    floor = figures[best.number] * (1 - widths * max(best.spread, min_spread))
+    return figures[trial.number] * (1 + widths * max(trial.spread, min_spread)) >= floor
 
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from zerotune.rundir.status import Status
 from zerotune.tune.finalists import Verdict
+from zerotune.tune.pooled import pooled_figures
 from zerotune.tune.screen import KEPT, Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
@@ -42,13 +43,15 @@ class Outcome:
     def rows(self) -> list[dict]:
         """Every candidate, best first: complete trials by samples/s, then stopped ones, failed ones, dropped."""
         ran = {t.screened.number: t for t in self.trials}
-        rows = [_row(s, ran.get(s.number), self.global_batch, self.predicted) for s in self.screened]
+        pooled = pooled_figures(self.trials)
+        rows = [_row(s, ran.get(s.number), self.global_batch, self.predicted, pooled) for s in self.screened]
         return sorted(rows, key=_rank_key)
 
 
-def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -> dict:
+def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool, pooled: dict[int, float]) -> dict:
     row = {"candidate": s.number, "config": s.candidate.label(), "grad_accum": s.candidate.grad_accum,
-           "status": s.verdict, "timed_steps": None, "samples_per_s": None, "rungs": "", "reason": s.reason,
+           "status": s.verdict, "timed_steps": None, "samples_per_s": None, "pooled_samples_per_s": None,
+           "rungs": "", "reason": s.reason,
            "gpu_peak_process_mib": None, "host_peak_rss_mib": None, "run_dir": None,
            "plan_peak_mib": planned_peak_mib(s.plan),
            "plan_time_floor_s": s.plan.get("time_floor_s"), "plan_bound": s.plan.get("bound")}
@@ -61,6 +64,7 @@ def _row(s: Screened, trial: Trial | None, global_batch: int, predicted: bool) -
                    ", ".join(s.plan.get("terms_unknown") or ["terms"]))
     elif trial is not None:
         row.update(status=trial.status, timed_steps=trial.timed_steps, samples_per_s=trial.samples_per_s,
+                   pooled_samples_per_s=pooled.get(trial.number),
                    rungs=" ".join(f"{k}:{v:.4g}" for k, v in trial.rungs.items()),
                    reason="" if trial.status in (Status.OK, Status.PRUNED) else (trial.row.get("error") or trial.status),
                    gpu_peak_process_mib=trial.row.get("gpu_peak_process_mib"),
@@ -97,11 +101,13 @@ def markdown(outcome: Outcome, rows: list[dict]) -> str:
              f"- machine: {outcome.machine}",
              f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
              f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "", *paired_table(outcome.verdict),
-             "| # | config | accum | status | timed steps | samples/s | rungs (steps:samples/s) | GPU peak MiB | "
-             "host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Pooled: a complete trial's samples/s with its neighbours' (tune/pooled.py), which picks the finalists.",
+             "", "| # | config | accum | status | timed steps | samples/s | pooled | rungs (steps:samples/s) | "
+             "GPU peak MiB | host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['candidate']} | {r['config']} | {r['grad_accum']} | {r['status']} | "
-                     f"{_cell(r['timed_steps'])} | {_cell(r['samples_per_s'], '{:.4g}')} | {r['rungs']} | "
+                     f"{_cell(r['timed_steps'])} | {_cell(r['samples_per_s'], '{:.4g}')} | "
+                     f"{_cell(r['pooled_samples_per_s'], '{:.4g}')} | {r['rungs']} | "
                      f"{_cell(r['gpu_peak_process_mib'], '{:,.0f}', 'unmeasured' if r['run_dir'] else '-')} | "
                      f"{_cell(r['host_peak_rss_mib'], '{:,.0f}')} | {_cell(r['plan_peak_mib'], '{:,.0f}')} | "
                      f"{r['reason']} |")
