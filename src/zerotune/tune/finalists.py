@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from zerotune.tune.pooled import pooled_figures
@@ -102,32 +103,32 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     run. Where room is left, the next fastest within twice the spreads: two trials run minutes apart, and each
     may drift by its spread (measured: the grid's best measured 0.807 of the search's best, just outside the
     spreads, and was left out of the rounds)."""
-    figures = pooled_figures(trials)
-    complete = _by_figure(trials, figures)
-    if not complete:
-        return []
-    within = [t for t in complete[2:] if _reaches(t, complete[0], figures, min_spread, 1)]
+    complete, within, reaches = _near_best(trials, min_spread)
     chosen = [*complete[:2], *sorted(within, key=lambda t: cost(t.screened))][:limit]
-    near = [t for t in complete[2:] if t not in chosen and _reaches(t, complete[0], figures, min_spread, 2)]
+    near = [t for t in complete[2:] if t not in chosen and reaches(t, 2)]
     return [*chosen, *near][:limit]
 
 
 def within_noise(trials: list[Trial], min_spread: float) -> int:
     """How many complete trials pick() would re-measure with no limit: the best, the runner-up, and those whose
     figure could reach the best's. More than the finalists: another run may re-measure, and write, others."""
+    complete, within, _ = _near_best(trials, min_spread)
+    return min(len(complete), 2) + len(within)
+
+
+def _near_best(trials: list[Trial], min_spread: float) -> tuple[list[Trial], list[Trial], Callable[[Trial, int], bool]]:
+    """The complete trials by pooled figure, best first; those after the first two whose figure could reach the
+    best's; and that test, for a number of spreads: figure x (1 + widths x spread) >= best x (1 - widths x its
+    spread), each spread floored by min_spread."""
     figures = pooled_figures(trials)
-    complete = _by_figure(trials, figures)
-    return min(len(complete), 2) + sum(_reaches(t, complete[0], figures, min_spread, 1) for t in complete[2:])
+    complete = sorted((t for t in trials if t.number in figures), key=lambda t: -figures[t.number])
 
+    def reaches(trial: Trial, widths: int) -> bool:
+        best = complete[0]
+        floor = figures[best.number] * (1 - widths * max(best.spread, min_spread))
+        return figures[trial.number] * (1 + widths * max(trial.spread, min_spread)) >= floor
 
-def _by_figure(trials: list[Trial], figures: dict[int, float]) -> list[Trial]:
-    return sorted((t for t in trials if t.number in figures), key=lambda t: -figures[t.number])
-
-
-def _reaches(trial: Trial, best: Trial, figures: dict[int, float], min_spread: float, widths: int) -> bool:
-    """figure x (1 + widths x spread) >= best x (1 - widths x its spread), each spread floored by min_spread."""
-    floor = figures[best.number] * (1 - widths * max(best.spread, min_spread))
-    return figures[trial.number] * (1 + widths * max(trial.spread, min_spread)) >= floor
+    return complete, [t for t in complete[2:] if reaches(t, 1)], reaches
 
 
 def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
