@@ -27,7 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from bench_tune_repro import WORKLOADS, publish, run_once, short_commit, tune_rows
+from bench_tune_repro import WORKLOADS, held, publish, run_once, short_commit, tune_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WALL = "wall_s"  # the grid's wall time, in its folder
@@ -74,11 +74,12 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-tune-") as name:
         base = args.keep or Path(name)
-        runs = []
+        runs, held_shares = [], []
         for run in range(args.runs):
             folder = base / f"{args.workload}-tune-{run}"
             folder.mkdir(parents=True)
             runs.append(run_once(ROOT, workload, folder))
+            held_shares.append(held((folder / "sweep" / "tune.md").read_text()))
             print(f"tune run {run + 1}: {runs[-1][2]:.0f} s, wrote {runs[-1][0]}", flush=True)
         if args.grid:
             figures, grid_wall = kept_grid(args.grid)
@@ -94,13 +95,13 @@ def main() -> None:
              f"command: `zerotune tune {' '.join(workload)}`; grid: the same with `{' '.join(GRID)}`", "",
              f"grid{grid_from}: **{grid_wall:.0f} s**, {len(figures)} configurations to the last rung; its best "
              f"{best:.4g} samples/s, {best_config}", "",
-             "| tune run | wall time | / grid's | written | in the grid: its samples/s / the grid's best | tie set |",
-             "|---|---|---|---|---|---|"]
+             "| tune run | wall time | / grid's | written | in the grid: its samples/s / the grid's best | tie set | "
+             "its rounds drawn again: written |", "|---|---|---|---|---|---|---|"]
     for i, (chosen, tied, wall) in enumerate(runs):
         measured = figures.get(chosen)
         share = f"{measured / best:.3f}" if measured else "not measured in the grid"
         lines.append(f"| {i + 1} | {wall:.0f} s | **{wall / grid_wall:.3f}** | {chosen} | {share} | "
-                     f"{len(tied) or '-'}{' (the grid best among them)' if best_config in tied else ''} |")
+                     f"{len(tied) or '-'}{' (the grid best among them)' if best_config in tied else ''} | {held_shares[i]} |")
     walls = [wall for _, _, wall in runs]
     lines += ["", f"- tune's wall time over the grid's: median **{statistics.median(walls) / grid_wall:.3f}** "
               f"(range {min(walls) / grid_wall:.3f}-{max(walls) / grid_wall:.3f})", ""]

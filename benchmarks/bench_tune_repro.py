@@ -41,13 +41,21 @@ def answer(tune_md: str) -> tuple[str, tuple[str, ...]]:
         return "(none: no candidate completed)", ()
     if line.startswith("**tie among"):
         tied = re.search(r"samples/s\): (.*)\. Chosen", line)
-        chosen = re.search(r"lowest stage\): (.*?)(?:; the search could not tell|\*\*)", line)
+        chosen = re.search(r"lowest stage\): (.*?)(?:; its rounds, drawn again|; the search could not tell|\*\*)",
+                           line)
         assert tied and chosen, line
         members = tuple(sorted(re.sub(r" \([0-9.e+]+\)$", "", m) for m in tied.group(1).split("; ")))
         return chosen.group(1), members
     won = re.match(r"\*\*(?:winner|Fastest): (.*?)(?:, [0-9.]+ samples/s| \(grad_accum)", line)
     assert won, line
     return won.group(1), ()
+
+
+def held(tune_md: str) -> str:
+    """How often the chosen one's rounds, drawn again, write it (finalists.resampled_choices), from the answer
+    line; '-' where tune.md does not say (no rounds, or an older report)."""
+    share = re.search(r"drawn again [0-9,]+ times, write it in ([0-9]+%)", tune_md)
+    return share.group(1) if share else "-"
 
 
 def short_commit(checkout: Path) -> str:

@@ -125,6 +125,7 @@ def test_the_tuned_file_says_how_sure(tmp_path, monkeypatch):
     text = save_winner(outcome, ["model=tiny"], "noise", tmp_path).read_text()
     runner = outcome.verdict.runner_up()
     assert "How sure: winner: zero_stage=0 offload=none, " in text
+    assert f"its rounds, drawn again 1,000 times, write it in {outcome.verdict.resampled[0]:.0%}" in text
     assert f"{runner.median:.3g}x the runner-up zero_stage=2 offload=none (rounds {runner.low:.3g}-{runner.high:.3g}x)" \
         in text
     tie = decide([Finalist(outcome.verdict.finalists[0].trial, [100.0, 90.0, 100.0]),
@@ -228,6 +229,28 @@ def test_a_lead_inside_the_rounds_own_spread_is_a_tie():
     assert f"A win needed a lead of more than {verdict.allowed:.1%}" in paired_table_text(verdict)
 
 
+def test_the_rounds_drawn_again_say_how_often_they_write_the_same():
+    """The cheaper is 5.3%, 13.6% and 8.7% behind in three rounds (min_spread 10%, rounds steadier than that): a
+    tie, the cheaper written. Drawn again, the median passes 10% where the 13.6% round is drawn twice or more:
+    7 of the 27 equally likely draws. So the rounds write the cheaper in 20/27 of resamples, the fastest in 7/27;
+    a lead in every round writes the fastest in all of them."""
+    trials = [Trial(s, s.number, "ok", 100.0, 12, {12: 100.0}, {}, 1.0, 0.02)
+              for s in kept("0", "2", peaks={"0": 1200.0, "2": 900.0})]
+    verdict = decide([Finalist(trials[0], [100.0, 100.0, 100.0]), Finalist(trials[1], [95.0, 88.0, 92.0])], 0.10)
+    assert verdict is not None and verdict.is_tie and verdict.chosen.trial is trials[1]
+    shares = finalists.resampled_choices(verdict)
+    assert list(shares) == [1, 0]  # most often first
+    assert shares[1] == pytest.approx(20 / 27, abs=0.05) and shares[0] == pytest.approx(7 / 27, abs=0.05)
+    assert finalists.resampled_choices(verdict) == shares  # seeded: one tune.md reads the same each time
+    text = markdown(Outcome("model=tiny", 8, "here", [t.screened for t in trials], trials,
+                            verdict=replace(verdict, resampled=shares)), [])
+    assert f"drawn again 1,000 times, write it in {shares[1]:.0%} (otherwise zero_stage=0 offload=none " \
+           f"{shares[0]:.0%})" in text
+    assert f"| fastest | {shares[0]:.0%} |" in text and f"| chosen | {shares[1]:.0%} |" in text
+    clear = decide([Finalist(trials[0], [150.0, 140.0, 145.0]), Finalist(trials[1], [95.0, 88.0, 92.0])], 0.10)
+    assert clear is not None and finalists.resampled_choices(clear) == {0: 1.0}
+
+
 def test_a_clear_lead_is_a_win_though_one_round_came_close():
     """A lead of 20% in the median, 7% in one slow round, min_spread 10%: a win. Judged by its worst round it
     would tie in some runs and win in others; a round the other won is a tie, whatever the median."""
@@ -296,6 +319,9 @@ def test_a_close_call_gets_more_rounds_before_it_is_judged(tmp_path, fastest_mor
     else:
         assert not comparison.ahead and verdict.is_tie and verdict.chosen is other  # the cheaper
     assert "ran 2 more rounds, the fastest and it only" in markdown(outcome, outcome.rows())
+    # Drawn again, the extra rounds among themselves: only the two ever write; the slow one (cheapest) never.
+    assert set(verdict.resampled) <= {0, 1} and sum(verdict.resampled.values()) == pytest.approx(1.0)
+    assert verdict.resampled[verdict.chosen.screened.number] >= 0.5
 
 
 def test_without_extra_rounds_a_close_call_stays_a_tie(tmp_path):

@@ -5,15 +5,18 @@ A search's figures come from different moments (one trial each): on a shared or 
 between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
 every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
 what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
-level in) gets more rounds, for the fastest and that one only, before it is judged.
+level in) gets more rounds, for the fastest and that one only, before it is judged. Then the rounds are drawn
+again (resampled_choices): how often the same verdict writes the same configuration says how sure it is.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from zerotune.tune.pooled import pooled_figures
 from zerotune.tune.screen import Screened, planned_peak_mib
@@ -70,6 +73,8 @@ class Verdict:
     min_spread: float = 0.0       # hydra.sweeper.min_spread
     allowed: float = 0.0          # the median lead a win needed: min_spread, or the rounds' own spread
     within_noise: int = 0         # finalists the search's noise called for (within_noise()), limit aside
+    # candidate number -> how often the rounds, drawn again, write it (resampled_choices); None: none written
+    resampled: dict[int | None, float] = field(default_factory=dict)
 
     @property
     def is_tie(self) -> bool:
@@ -154,6 +159,28 @@ def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
         comparisons.append(Comparison(other, ratios, ahead, close=leads and not ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
     return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread, allowed)
+
+
+RESAMPLES = 1000  # a share near 50% to about ±1.6% (one standard error)
+
+
+def resampled_choices(verdict: Verdict, resamples: int = RESAMPLES, seed: int = 0) -> dict[int | None, float]:
+    """How often each finalist is written when the rounds are drawn again, with replacement, from those measured
+    and the verdict is taken again (a bootstrap; seeded, so one tune.md reads the same each time): the share of
+    resamples by candidate number, most often first. A round, not a run, is the unit drawn: a round's runs share
+    its moment on the host. A close call's extra rounds are drawn among themselves. This is what the rounds
+    alone leave open; which trials became finalists is the search's part (Verdict.within_noise)."""
+    common = min(len(f.rounds) for f in verdict.finalists)
+    longest = max(len(f.rounds) for f in verdict.finalists)
+    rng = random.Random(seed)
+    written: Counter[int | None] = Counter()
+    for _ in range(resamples):
+        drawn = [rng.randrange(common) for _ in range(common)]
+        drawn += [rng.randrange(common, longest) for _ in range(longest - common)]
+        again = decide([Finalist(f.trial, [f.rounds[i] for i in drawn if i < len(f.rounds)])
+                        for f in verdict.finalists], verdict.min_spread)
+        written[again.chosen.screened.number if again is not None else None] += 1
+    return {number: n / resamples for number, n in written.most_common()}
 
 
 def cost(screened: Screened) -> tuple:

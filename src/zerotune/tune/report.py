@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotune.rundir.status import Status
-from zerotune.tune.finalists import Verdict
+from zerotune.tune.finalists import RESAMPLES, Verdict
 from zerotune.tune.pooled import pooled_figures
 from zerotune.tune.screen import KEPT, Screened, planned_peak_mib
 from zerotune.tune.study import Trial
@@ -136,7 +136,7 @@ def certainty(verdict: Verdict) -> str:
         names = "; ".join(f"{f.screened.candidate.label()} ({f.median:.4g})" for f in verdict.tied)
         return (f"tie among {len(verdict.tied)} (medians of {runs} rounds, samples/s): {names}. Chosen, as the "
                 f"cheapest of them (smallest predicted peak, then no offload, then the lowest stage): "
-                f"{chosen.screened.candidate.label()}{crowded(verdict)}")
+                f"{chosen.screened.candidate.label()}{resampled(verdict)}{crowded(verdict)}")
     runner = verdict.runner_up()
     if runner is None:
         versus = ""
@@ -146,7 +146,19 @@ def certainty(verdict: Verdict) -> str:
         versus = (f"; {runner.median:.3g}x the runner-up {runner.other.screened.candidate.label()} (rounds "
                   f"{runner.low:.3g}-{runner.high:.3g}x)")
     return (f"winner: {chosen.screened.candidate.label()}, {chosen.median:.4g} samples/s (median of {runs} rounds)"
-            f"{versus}{crowded(verdict)}")
+            f"{versus}{resampled(verdict)}{crowded(verdict)}")
+
+
+def resampled(verdict: Verdict) -> str:
+    """How often the rounds, drawn again, write the chosen one, and what they write otherwise (the two most often)."""
+    if not verdict.resampled:
+        return ""
+    labels = {f.screened.number: f.screened.candidate.label() for f in verdict.finalists}
+    share = verdict.resampled.get(verdict.chosen.screened.number, 0.0)
+    others = [f"{labels.get(n, 'none') if n is not None else 'none'} {s:.0%}"
+              for n, s in verdict.resampled.items() if n != verdict.chosen.screened.number][:2]
+    return (f"; its rounds, drawn again {RESAMPLES:,} times, write it in {share:.0%}"
+            + (f" (otherwise {'; '.join(others)})" if others else ""))
 
 
 def crowded(verdict: Verdict) -> str:
@@ -169,9 +181,11 @@ def paired_table(verdict: Verdict | None) -> list[str]:
             "rounds, the fastest and it only." if extended else "")
     lines = ["## finalists, paired", "",
              "Each finalist ran once per round, the order reversed every other round; ratio: the fastest's "
-             f"samples/s over this one's in the same round (median, and min-max over the rounds).{more}", "",
-             "| # | config | rounds (samples/s) | median | ratio (median) | ratio spread | verdict |",
-             "|---|---|---|---|---|---|---|"]
+             f"samples/s over this one's in the same round (median, and min-max over the rounds).{more} Written, "
+             f"rounds drawn again: the rounds resampled with replacement {RESAMPLES:,} times, the verdict taken "
+             "each time; how often it writes this one.", "",
+             "| # | config | rounds (samples/s) | median | ratio (median) | ratio spread | verdict | "
+             "written, rounds drawn again |", "|---|---|---|---|---|---|---|---|"]
     for f in verdict.finalists:
         number = f.screened.number
         comparison = by_number.get(number)
@@ -181,8 +195,9 @@ def paired_table(verdict: Verdict | None) -> list[str]:
         if f is verdict.finalists[0]:
             word = "fastest" + (", chosen" if f is verdict.chosen else "")
         rounds = " ".join(_cell(v, "{:.4g}") for v in f.rounds)
+        share = f"{verdict.resampled.get(number, 0.0):.0%}" if verdict.resampled else "-"
         lines.append(f"| {number} | {f.screened.candidate.label()} | {rounds} | {f.median:.4g} | {ratio} | "
-                     f"{spread} | {word} |")
+                     f"{spread} | {word} | {share} |")
     measured = verdict.run_to_run_spread()
     if measured is not None:
         lines += ["", f"Run to run, one configuration's rounds varied by ±{measured:.1%} (the median over the "

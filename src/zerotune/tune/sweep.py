@@ -94,7 +94,8 @@ def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], 
         verdict = finalists.decide(verdict.finalists, settings.min_spread)
     if verdict is None:
         return None
-    return replace(verdict, within_noise=finalists.within_noise(trials, settings.min_spread))
+    return replace(verdict, within_noise=finalists.within_noise(trials, settings.min_spread),
+                   resampled=finalists.resampled_choices(verdict))
 
 
 def _why_no_rounds(settings: TuneSettings, outcome: Outcome) -> str:
