@@ -99,19 +99,18 @@ def run_to_run_spread(finalists: list[Finalist]) -> float | None:
 
 
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
-    """The best complete trial, the runner-up (so that the winner's lead is measured in pairs too), and the
-    other complete trials whose figure could reach the best's: figure x (1 + spread) >= best x (1 - its
-    spread), each spread its last rung's, floored by min_spread. Each figure is the trial's pooled with its
-    neighbours' (tune/pooled.py): one run's luck no longer decides which of a group of equals is re-measured.
-    The best first; at most `limit`, the cheapest of those within the spread first: the verdict writes the
-    cheapest of the tied, so a cheap one left out by the search's noise would change the answer from run to
-    run. Where room is left, the next fastest within twice the spreads: two trials run minutes apart, and each
-    may drift by its spread (measured: the grid's best measured 0.807 of the search's best, just outside the
-    spreads, and was left out of the rounds)."""
+    """The fastest complete trials by pooled figure (tune/pooled.py), at most `limit`: the best, the runner-up
+    (so that the winner's lead is measured in pairs too), then the next fastest whose figure could reach the
+    best's (figure x (1 + spread) >= best x (1 - its spread), each spread its last rung's, floored by
+    min_spread), then, where room is left, those within twice the spreads: two trials run minutes apart, and
+    each may drift by its spread.
+    By speed, not cost: the rounds are there to tell the fastest from its nearest rivals, and the verdict then
+    writes the cheapest of those that tie. Cheap trials at the edge of the noise, re-measured first, mostly
+    proved slower, and now and then tied by luck and were written (README workload: micro batch 8, at 0.72-0.74
+    of the grid's best); pooled figures rank the search's trials steadily enough to go by."""
     complete, within, reaches = _near_best(trials, min_spread)
-    chosen = [*complete[:2], *sorted(within, key=lambda t: cost(t.screened))][:limit]
-    near = [t for t in complete[2:] if t not in chosen and reaches(t, 2)]
-    return [*chosen, *near][:limit]
+    near = [t for t in complete[2:] if t not in within and reaches(t, 2)]
+    return [*complete[:2], *within, *near][:limit]
 
 
 def within_noise(trials: list[Trial], min_spread: float) -> int:
