@@ -5,7 +5,8 @@ A search's figures come from different moments (one trial each): on a shared or 
 between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
 every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
 what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
-level in) gets more rounds, for the fastest and that one only, before it is judged. Then the rounds are drawn
+level in) gets more rounds, for the fastest and that one only, before it is judged, where its outcome can change
+what is written. Then the rounds are drawn
 again (resampled_choices): how often the same verdict writes the same configuration says how sure it is.
 """
 
@@ -88,6 +89,13 @@ class Verdict:
 
     def close_calls(self) -> list[Comparison]:
         return [c for c in self.comparisons if c.close]
+
+    def deciding_close_calls(self) -> list[Comparison]:
+        """The close calls whose outcome can change what is written: those cheaper than the fastest. A costlier
+        one is never written, tie or not (the fastest is in every tie, and cheaper), so more rounds of it would
+        only cost time."""
+        fastest = cost(self.finalists[0].screened)
+        return [c for c in self.close_calls() if cost(c.other.screened) < fastest]
 
 
 def run_to_run_spread(finalists: list[Finalist]) -> float | None:

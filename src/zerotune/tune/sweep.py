@@ -71,8 +71,9 @@ def _tune(settings: TuneSettings, arguments: list[str], compose: Callable[[list[
 def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], sweep_dir: Path,
               launch: Callable[[list[str], int], Path]) -> Verdict | None:
     """The finalists' rounds and the verdict; None where fewer than two finalists, or no rounds, leave nothing
-    to compare (the search's best stands). Close calls (Comparison.close) get settings.extra_rounds more
-    rounds, the fastest and those only, and the verdict is taken again over every round."""
+    to compare (the search's best stands). Close calls (Comparison.close) cheaper than the fastest get
+    settings.extra_rounds more rounds, the fastest and those only, and the verdict is taken again over every
+    round."""
     chosen = finalists.pick(trials, settings.min_spread, settings.finalists)
     if len(chosen) < 2 or settings.pair_rounds == 0:
         return None
@@ -81,7 +82,7 @@ def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], 
     first = range(settings.pair_rounds)
     figures = run_rounds(settings, chosen, first, workload, sweep_dir, launch, first_job=len(trials))
     verdict = finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
-    close = verdict.close_calls() if verdict is not None else []
+    close = verdict.deciding_close_calls() if verdict is not None else []
     if verdict is not None and close and settings.extra_rounds:
         again = [verdict.finalists[0], *(c.other for c in close)]
         log.info("tune: %d close call(s): %d more rounds of the fastest (%s) and %s", len(close),
