@@ -6,8 +6,8 @@ between two of them can be noise. Re-measured in rounds (every finalist once per
 every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
 what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
 level in) gets more rounds, for the fastest and that one only, before it is judged, where its outcome can change
-what is written. Then the rounds are drawn
-again (resampled_choices): how often the same verdict writes the same configuration says how sure it is.
+what is written. Then the rounds are drawn again (resampled_choices): how often the same verdict writes the same
+configuration says how sure it is.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
 RESAMPLES = 1000  # a share near 50% to about ±1.6% (one standard error)
 
 
-def resampled_choices(verdict: Verdict, resamples: int = RESAMPLES, seed: int = 0) -> dict[int | None, float]:
+def resampled_choices(verdict: Verdict, seed: int = 0) -> dict[int | None, float]:
     """How often each finalist is written when the rounds are drawn again, with replacement, from those measured
     and the verdict is taken again (a bootstrap; seeded, so one tune.md reads the same each time): the share of
     resamples by candidate number, most often first. A round, not a run, is the unit drawn: a round's runs share
@@ -181,13 +181,13 @@ def resampled_choices(verdict: Verdict, resamples: int = RESAMPLES, seed: int = 
     longest = max(len(f.rounds) for f in verdict.finalists)
     rng = random.Random(seed)
     written: Counter[int | None] = Counter()
-    for _ in range(resamples):
+    for _ in range(RESAMPLES):
         drawn = [rng.randrange(common) for _ in range(common)]
         drawn += [rng.randrange(common, longest) for _ in range(longest - common)]
         again = decide([Finalist(f.trial, [f.rounds[i] for i in drawn if i < len(f.rounds)])
                         for f in verdict.finalists], verdict.min_spread)
         written[again.chosen.screened.number if again is not None else None] += 1
-    return {number: n / resamples for number, n in written.most_common()}
+    return {number: n / RESAMPLES for number, n in written.most_common()}
 
 
 def cost(screened: Screened) -> tuple:

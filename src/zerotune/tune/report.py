@@ -155,7 +155,7 @@ def resampled(verdict: Verdict) -> str:
         return ""
     labels = {f.screened.number: f.screened.candidate.label() for f in verdict.finalists}
     share = verdict.resampled.get(verdict.chosen.screened.number, 0.0)
-    others = [f"{labels.get(n, 'none') if n is not None else 'none'} {s:.0%}"
+    others = [f"{labels[n] if n is not None else 'none'} {s:.0%}"
               for n, s in verdict.resampled.items() if n != verdict.chosen.screened.number][:2]
     return (f"; its rounds, drawn again {RESAMPLES:,} times, write it in {share:.0%}"
             + (f" (otherwise {'; '.join(others)})" if others else ""))
