@@ -270,16 +270,45 @@ def paired_table_text(verdict) -> str:
 
 
 def test_the_fastest_within_the_spread_are_the_finalists_when_there_are_too_many():
-    """Five complete trials within the spread of the best, room for three finalists: the three fastest, not the
-    cheapest (the 300 MiB one, slowest of the five, at the edge): the rounds tell the fastest from its nearest
-    rivals, and the verdict writes the cheapest of those that tie."""
-    screened = kept("0", "1", "2", "3", "4", peaks={"0": 500.0, "1": 500.0, "2": 900.0, "3": 800.0, "4": 300.0})
+    """Five complete trials within the spread of the best, each its own micro batch, room for three finalists:
+    the three fastest, not the cheapest (the 300 MiB one at micro batch 4, slowest of the five, at the edge):
+    the rounds tell the fastest from its nearest rivals, and the verdict writes the cheapest of those that tie."""
+    micro = dict(zip("01234", ["32", "16", "64", "48", "4"], strict=True))
+    screened = [replace(s, candidate=Candidate({**s.candidate.knobs, "train.batch_size": micro[str(s.number)]}, 1))
+                for s in kept("0", "1", "2", "3", "4",
+                              peaks={"0": 500.0, "1": 500.0, "2": 900.0, "3": 800.0, "4": 300.0})]
     trials = [Trial(s, s.number, "ok", figure, 12, {12: figure}, {}, 1.0, 0.02)
               for s, figure in zip(screened, [100.0, 99.0, 98.0, 97.0, 96.0], strict=True)]
     assert [t.number for t in finalists.pick(trials, 0.05, 3)] == [0, 1, 2]
     assert [t.number for t in finalists.pick(trials, 0.05, 4)] == [0, 1, 2, 3]
     assert finalists.within_noise(trials, 0.05) == 5  # the crowd line's count, and the limit that takes them all
     assert [t.number for t in finalists.pick(trials, 0.05, 5)] == [0, 1, 2, 3, 4]
+
+
+def test_each_finalists_cheapest_variant_of_its_shape_is_re_measured_too():
+    """Nine trials, three shapes (processes x micro batch), too few for the knobs model. The search measured
+    stage 0 at 2 x 16, the cheapest of the fastest shape, low (85, sixth): it joins the four fastest as the
+    cheapest variant of their shape, beyond the limit, for the verdict to write where that shape ties. The 2 x 8
+    trials, cheaper still but another shape, do not; nor does a variant outside the spread, nor a cheaper one
+    already among the fastest."""
+    shapes = {"a": ("2", "16"), "b": ("1", "32"), "c": ("2", "8")}
+    specs = [("1", "a", 100.0, 95.0), ("2", "a", 99.0, 100.0), ("0", "b", 98.0, 160.0), ("1", "b", 97.0, 165.0),
+             ("2", "b", 96.0, 170.0), ("0", "a", 85.0, 90.0), ("0", "c", 88.0, 60.0), ("1", "c", 87.0, 65.0),
+             ("2", "c", 60.0, 70.0)]
+    trials = []
+    for number, (stage, name, figure, peak) in enumerate(specs):
+        processes, micro = shapes[name]
+        knobs = {"zero_stage": stage, "offload": "none", "launch.num_processes": processes,
+                 "train.batch_size": micro}
+        screened = Screened(number, Candidate(knobs, 1), KEPT, plan={"run_peak_mib": peak})
+        trials.append(Trial(screened, number, "ok", figure, 12, {12: figure}, {}, 1.0, 0.02))
+    assert pooled_figures(trials)[5] == 85.0  # the figures stand alone
+    assert [t.number for t in finalists.pick(trials, 0.1, 4)] == [0, 1, 2, 3, 5]
+    # 2 x 16 at stage 0 outside the spread (60 x 1.1 < 100 x 0.9): no variant to add
+    slow = [replace(t, samples_per_s=60.0, rungs={12: 60.0}) if t.number == 5 else t for t in trials]
+    assert [t.number for t in finalists.pick(slow, 0.1, 4)] == [0, 1, 2, 3]
+    # the cheapest variant already among the fastest: nothing added
+    assert [t.number for t in finalists.pick(trials, 0.1, 8)] == [0, 1, 2, 3, 4, 6, 7, 5]
 
 
 def scripted_jobs(search: dict[str, float], rounds: dict[str, list[float]], log: list[str]):

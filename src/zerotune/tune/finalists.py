@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zerotune.tune.pooled import pooled_figures
+from zerotune.tune.pooled import pooled_figures, shape
 from zerotune.tune.screen import Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
@@ -111,14 +111,31 @@ def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
     (so that the winner's lead is measured in pairs too), then the next fastest whose figure could reach the
     best's (figure x (1 + spread) >= best x (1 - its spread), each spread its last rung's, floored by
     min_spread), then, where room is left, those within twice the spreads: two trials run minutes apart, and
-    each may drift by its spread.
+    each may drift by its spread. Then each one's cheapest variant (cheaper_variants), beyond the limit.
     By speed, not cost: the rounds are there to tell the fastest from its nearest rivals, and the verdict then
     writes the cheapest of those that tie. Cheap trials at the edge of the noise, re-measured first, mostly
     proved slower, and now and then tied by luck and were written (README workload: micro batch 8, at 0.72-0.74
     of the grid's best); pooled figures rank the search's trials steadily enough to go by."""
     complete, within, reaches = _near_best(trials, min_spread)
     near = [t for t in complete[2:] if t not in within and reaches(t, 2)]
-    return [*complete[:2], *within, *near][:limit]
+    fastest = [*complete[:2], *within, *near][:limit]
+    return [*fastest, *cheaper_variants(fastest, [t for t in complete if reaches(t, 1)])]
+
+
+def cheaper_variants(fastest: list[Trial], candidates: list[Trial]) -> list[Trial]:
+    """For each of `fastest`, the cheapest of `candidates` (by cost) of the same shape (pooled.shape: processes x
+    micro batch), where it is cheaper and not already there. A shape's variants differ in how ZeRO holds the
+    model, so mostly in memory: where the fastest shape ties, the verdict writes its cheapest variant, and that
+    one must have been re-measured to be written. Which variants came out fastest in the search was chance
+    (README workload: stage 0 at 2 x 16, the cheapest of its shape and tied with the fastest whenever
+    re-measured, fell to 11th or 14th of 43 by pooled figure in 2 of 9 runs, and a costlier stage was written)."""
+    added: list[Trial] = []
+    for trial in fastest:
+        same = [t for t in candidates if shape(t) == shape(trial)]
+        cheapest = min(same, key=lambda t: cost(t.screened), default=trial)
+        if cost(cheapest.screened) < cost(trial.screened) and cheapest not in fastest and cheapest not in added:
+            added.append(cheapest)
+    return added
 
 
 def within_noise(trials: list[Trial], min_spread: float) -> int:

@@ -50,6 +50,14 @@ def pooled_figures(trials: list[Trial]) -> dict[int, float]:
     return {number: math.sqrt(figure * predicted[number]) for number, figure in complete.items()}
 
 
+def shape(trial: Trial) -> tuple[str, ...]:
+    """What a trial computes per step, apart from how ZeRO holds the model: its JOINT knobs' values (its
+    processes x micro batch). Trials of one shape differ in memory (stage, offload, overlap) far more than in
+    speed."""
+    knobs = trial.screened.candidate.knobs
+    return tuple(str(knobs.get(k, "")) for k in JOINT)
+
+
 def _terms(trial: Trial) -> list[str]:
     knobs = trial.screened.candidate.knobs
     joint = " ".join(f"{k}={knobs[k]}" for k in JOINT if k in knobs)

@@ -77,8 +77,9 @@ def remeasure(settings: TuneSettings, trials: list[Trial], workload: list[str], 
     chosen = finalists.pick(trials, settings.min_spread, settings.finalists)
     if len(chosen) < 2 or settings.pair_rounds == 0:
         return None
-    log.info("tune: %d finalists (the best, the runner-up, and those near the best: finalists.pick), re-measured "
-             "in %d rounds of %d timed steps", len(chosen), settings.pair_rounds, settings.pair_steps)
+    log.info("tune: %d finalists (the best, the runner-up, those near the best, and the cheapest variant of each's "
+             "processes x micro batch: finalists.pick), re-measured in %d rounds of %d timed steps", len(chosen),
+             settings.pair_rounds, settings.pair_steps)
     first = range(settings.pair_rounds)
     figures = run_rounds(settings, chosen, first, workload, sweep_dir, launch, first_job=len(trials))
     verdict = finalists.decide([Finalist(t, f) for t, f in zip(chosen, figures, strict=True)], settings.min_spread)
