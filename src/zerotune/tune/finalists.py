@@ -4,9 +4,9 @@ round by round, and what is written: the fastest, or, when others tie with it, t
 A search's figures come from different moments (one trial each): on a shared or throttling machine, the gap
 between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
 every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
-what the noise does to it. A close call (a lead beyond the allowance in the median, but not in every round)
-gets more rounds, for the fastest and that one only, before it is judged, where its outcome can change what is
-written. Then the rounds are drawn again (resampled_choices): how often the same verdict writes the same
+what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
+level in) gets more rounds, for the fastest and that one only, before it is judged, where its outcome can change
+what is written. Then the rounds are drawn again (resampled_choices): how often the same verdict writes the same
 configuration says how sure it is.
 """
 
@@ -50,7 +50,7 @@ class Comparison:
     other: Finalist
     ratios: list[float]           # over the rounds both ran
     ahead: bool                   # more than Verdict.allowed in the median, and level in no round (one in 5 or more)
-    close: bool = False           # ahead in the median, but not by the allowance in every round: more rounds can tell
+    close: bool = False           # ahead in the median, but level in a round too many: more rounds can tell
 
     @property
     def median(self) -> float:
@@ -175,15 +175,14 @@ def decide(finalists: list[Finalist], min_spread: float) -> Verdict | None:
         # Paired by round; a close call's extra rounds pair only where both ran them.
         ratios = [a / b for a, b in zip(fastest.rounds, other.rounds, strict=False) if a and b]
         # The median's lead, not the worst round's: a real lead near the allowance, measured by one slow round
-        # below it, would turn into a tie in some runs and not in others. A round the other was level in makes
-        # it a tie. A round within the allowance makes it a close call, ahead or not: three rounds cannot tell a
-        # lead from a lucky streak (README workload: stage 0 and stage 1 at 2 x 16, level in most runs, measured
-        # 1.05, 1.31 and 1.22 apart in one: "slower", and the costlier was written).
+        # below it, would turn into a tie in some runs and not in others. A round the other was level in
+        # makes it a close call instead: three rounds cannot tell a lead from a lucky streak. (A round merely
+        # within the allowance is not one: on a noisy host its extra rounds tied a configuration at 0.86 of the
+        # best by luck, and it was written.)
         leads = bool(ratios) and statistics.median(ratios) > 1 + allowed
         level = sum(r <= 1 for r in ratios)
         ahead = other.failed_a_round or (leads and level <= (len(ratios) - 1) // 4)
-        close = not other.failed_a_round and leads and min(ratios) <= 1 + allowed
-        comparisons.append(Comparison(other, ratios, ahead, close))
+        comparisons.append(Comparison(other, ratios, ahead, close=leads and not ahead))
     tied = [fastest, *(c.other for c in comparisons if not c.ahead)]
     return Verdict(ranked, comparisons, tied, min(tied, key=lambda f: cost(f.screened)), min_spread, allowed)
 

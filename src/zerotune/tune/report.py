@@ -177,7 +177,7 @@ def paired_table(verdict: Verdict | None) -> list[str]:
     by_number = {c.other.screened.number: c for c in verdict.comparisons}
     tied = {f.screened.number for f in verdict.tied}
     extended = max(len(f.rounds) for f in verdict.finalists) - min(len(f.rounds) for f in verdict.finalists)
-    more = (f" A close call (a lead past the allowance in the median, but not in every round) ran {extended} more "
+    more = (f" A close call (a lead past the allowance in the median, but level in a round) ran {extended} more "
             "rounds, the fastest and it only." if extended else "")
     lines = ["## finalists, paired", "",
              "Each finalist ran once per round, the order reversed every other round; ratio: the fastest's "
