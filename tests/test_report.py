@@ -389,8 +389,8 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
 
 
 def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: Path, monkeypatch):
-    """Short jobs do not each pay a rebuild: after one that took 0.3 s, the next job end within 6 s skips it;
-    one after that rebuilds, and the sweep's end always does."""
+    """Short jobs do not each pay a rebuild: after one that took 0.3 s, the job ends within 15 s skip it (0.3 s
+    is 2% of that); one after that rebuilds, and the sweep's end always does."""
     from zerotune.report import callback as module
 
     clock = [100.0]
@@ -408,10 +408,11 @@ def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: 
 
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(gpu_sweep)}, "mode": RunMode.MULTIRUN}})
     callback = SweepReportCallback()
-    for advance in (0.0, 2.0, 2.0, 2.0, 2.0):  # five job ends, 2 s apart
+    for advance in (0.0, 4.0, 4.0, 4.0, 4.0):  # five job ends, 4 s apart
         clock[0] += advance
         callback.on_job_end(cfg)
-    assert built == [100.0, 106.3]  # the first; then the first end 6 s (0.3 / 5%) after the first rebuild
+    assert module.REFRESH_SHARE == 0.02
+    assert built == [100.0, 116.3]  # the first; then the first end 15 s (0.3 / 2%) after the first rebuild
     clock[0] += 1.0
     callback.on_job_end(cfg, SimpleNamespace(status=JobStatus.FAILED))  # Hydra ends the sweep after this one
     assert len(built) == 3
