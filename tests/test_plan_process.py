@@ -38,6 +38,10 @@ def test_the_import_baseline_is_measured_cached_and_keyed(tmp_path: Path, monkey
     with monkeypatch.context() as patched:  # another import list is another figure
         patched.setattr(process, "WORKER_IMPORTS", ("torch",))
         assert process.baseline_key() != key
+    for build in ("2.13.0+cu130", "2.13.0+cpu"):  # another build of the same release is another figure
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "__version__", build)
+            assert f"torch{build}|" in process.baseline_key()
     # Read back, not measured again: a planted figure under the key is what comes out.
     stored[key]["rss_mib"] = 123.0
     (tmp_path / "plan" / process.CACHE_FILE).write_text(json.dumps(stored))

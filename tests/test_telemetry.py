@@ -141,8 +141,22 @@ def test_environment_info_fields():
     assert info["device_name"] and info["python"].count(".") == 2 and info["cpu_count"] >= 1
     torch = pytest.importorskip("torch")
     assert info["torch"] == torch.__version__
+    assert info["cuda_version"] == torch.version.cuda  # the build's CUDA (13.0 on PyPI's default), None on a CPU build
     if not torch.cuda.is_available():
-        assert info["gpu_total_mib"] is None and info["cuda_version"] is None
+        assert info["gpu_total_mib"] is None and info["gpu_count"] == 0
+
+
+@pytest.mark.parametrize(("metadata_version", "build"), [("2.13.0", "2.13.0+cu130"), ("2.13.0+cpu", "2.13.0+cpu")])
+def test_the_environment_names_torchs_build_whatever_its_metadata_says(monkeypatch, metadata_version, build):
+    """PyPI's CUDA build says 2.13.0 in its metadata and 2.13.0+cu130 itself; the CPU wheel says 2.13.0+cpu in
+    both. The record names the build."""
+    torch = pytest.importorskip("torch")
+    from zerotune.telemetry import env
+
+    real = env.metadata.version
+    monkeypatch.setattr(env.metadata, "version", lambda dist: metadata_version if dist == "torch" else real(dist))
+    monkeypatch.setattr(torch, "__version__", build)
+    assert env.environment_info()["torch"] == build
 
 
 def test_torch_stats_none_without_cuda():

@@ -79,8 +79,40 @@ def test_the_template_asks_a_forked_child_whether_cuda_is_still_usable(monkeypat
     from zerotune.launch import warm
 
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: poisoned)
     assert warm._cuda_poisons_fork() is poisoned
+
+
+@pytest.mark.parametrize(("compiled", "nvml_count", "driver_library", "present"), [
+    (False, 0, None, False),              # a CPU-only torch
+    (True, -1, None, False),              # PyPI's CUDA build on a host with no GPU and no driver
+    (True, 0, "libcuda.so.1", False),     # a driver, and NVML counts no device (none visible)
+    (True, 2, "libcuda.so.1", True),      # a card
+    (True, -1, "libcuda.so.1", True),     # a driver NVML cannot speak for: assumed a card
+])
+def test_a_cuda_build_without_a_gpu_is_a_cpu_host(monkeypatch, compiled, nvml_count, driver_library, present):
+    """Where no device is present a forked worker has no card to lose: the template serves even though torch
+    marks its children (a CUDA build does after any device count), and imports DeepSpeed and Optuna too."""
+    import ctypes.util
+    import importlib
+
+    import torch
+
+    from zerotune import platform
+    from zerotune.launch import warm
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: compiled)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: nvml_count)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: driver_library if name == "cuda" else None)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    assert platform.cuda_device_present() is present
+    assert warm._cuda_poisons_fork() is present
+    importlib.import_module("zerotune.launch.worker")  # the worker's own imports, before they are watched
+    imported: list[str] = []
+    monkeypatch.setattr(importlib, "import_module", imported.append)
+    warm.import_worker_modules()
+    assert imported == ([] if present else list(warm.SETUP_MODULES))
 
 
 def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypatch):

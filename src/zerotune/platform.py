@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import platform as _platform
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,19 @@ ANY_CUDA_GPU = Platform("cuda", True, "", bf16=True, fp16=True)
 
 def _is_rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
+
+
+def cuda_device_present() -> bool:
+    """Whether this torch sees a CUDA device, asked of NVML without starting CUDA's driver (a process that started
+    it cannot fork a child that uses the card). A CUDA build on a host with no GPU (PyPI's default torch) is a
+    CPU host. Where NVML cannot answer but the driver's library is installed, a device is assumed: a worker that
+    cannot use its card costs more than one that starts slowly."""
+    if not torch.cuda._is_compiled():
+        return False
+    count = torch.cuda._device_count_nvml()  # CUDA_VISIBLE_DEVICES applied; negative where NVML cannot answer
+    if count >= 0:
+        return count > 0
+    return ctypes.util.find_library("cuda") is not None
 
 
 def detect() -> Platform:

@@ -191,26 +191,28 @@ SETUP_MODULES = ("deepspeed", "optuna", "torch.utils.cpp_extension")
 
 def import_worker_modules(setup_too: bool | None = None) -> None:
     """What a worker imports (benchmarks/gpu/fork_probe.py imports the same): torch, accelerate, diffusers and
-    the trainer; and SETUP_MODULES where `setup_too`, by default on a CPU-only torch. Not on a CUDA build: that
-    DeepSpeed's import leaves the driver alone there, as a forked worker needs, is unmeasured (fork_probe.py's
-    `deepspeed_too` case measures it)."""
+    the trainer; and SETUP_MODULES where `setup_too`, by default where no CUDA device is present (a CPU-only
+    torch, or a CUDA build on a host without a GPU). Not beside a card: that DeepSpeed's import leaves the driver
+    alone there, as a forked worker needs, is unmeasured (fork_probe.py's `deepspeed_too` case measures it)."""
     import importlib
 
-    import torch
-
     import zerotune.launch.worker  # noqa: F401
+    from zerotune.platform import cuda_device_present
 
-    if not torch.cuda._is_compiled() if setup_too is None else setup_too:
+    if not cuda_device_present() if setup_too is None else setup_too:
         for name in SETUP_MODULES:
             importlib.import_module(name)
 
 
 def _cuda_poisons_fork() -> bool:
-    """Whether a child forked now would be refused CUDA: torch marks it at the fork once the driver is up. Asked
-    of a throwaway child (a few ms): the mark exists only in a child."""
+    """Whether a child forked now would be refused a CUDA device it could use: torch marks it at the fork once the
+    driver is up. Asked of a throwaway child (a few ms): the mark exists only in a child. Without a device there
+    is nothing to refuse (a CUDA build marks its children after any device count, even where there is no card)."""
     import torch
 
-    if not torch.cuda._is_compiled():
+    from zerotune.platform import cuda_device_present
+
+    if not cuda_device_present():
         return False
     pid = os.fork()
     if pid == 0:

@@ -38,7 +38,7 @@ CACHE_FILE = "process_baseline_v2.json"
 # first step; of the ~2,000 modules loaded then, the only one that adds tens of MiB: 43 MiB on this host).
 WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.launch.worker",
                   "zerotune.training.trainer", "torch._inductor.compile_fx")
-_VERSIONED = ("torch", "deepspeed", "accelerate", "diffusers")
+_VERSIONED = ("deepspeed", "accelerate", "diffusers")
 MEASURE_TIMEOUT_S = 300
 # The job process's share of the measured tree: 0, because the job's sampler leaves it out
 # (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process).
@@ -49,7 +49,11 @@ _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
 def baseline_key() -> str:
     """Host, Python, the imported packages' versions and the import list: a baseline is reused only where all
     of them match."""
-    versions = []
+    import torch
+
+    # torch's build as it names itself (2.13.0+cpu, 2.13.0+cu130): PyPI's metadata says 2.13.0 for its CUDA
+    # build, whose imports load other libraries (another figure)
+    versions = [f"torch{torch.__version__}"]
     for name in _VERSIONED:
         try:
             versions.append(f"{name}{importlib.metadata.version(name)}")

@@ -58,9 +58,12 @@ def node_identity() -> dict[str, Any]:
 def environment_info() -> dict[str, Any]:
     """Device, GPU memory, driver, library versions, host. Missing things are None."""
     device_name, gpu_total_mib, cuda_version, gpu_count = _cpu_model(), None, None, 0
+    versions = {dist: _version(dist) for dist in ("torch", "deepspeed", "accelerate", "diffusers")}
     try:
         import torch
 
+        # the build as torch names itself (2.13.0+cu130, 2.13.0+cpu): the metadata of PyPI's CUDA build says 2.13.0
+        versions["torch"] = torch.__version__
         cuda_version = torch.version.cuda
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -74,7 +77,7 @@ def environment_info() -> dict[str, Any]:
         "gpu_total_mib": gpu_total_mib,
         "driver_version": _nvml_driver_version(),
         "cuda_version": cuda_version,
-        **{dist: _version(dist) for dist in ("torch", "deepspeed", "accelerate", "diffusers")},
+        **versions,
         "python": platform.python_version(),
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count(),
