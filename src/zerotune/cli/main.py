@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zerotune import config_search, held_signals
+from zerotune import config_search, console, held_signals
 from zerotune.compose import as_config_error, check_command_line, check_resolves, is_multirun
 from zerotune.compose.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
@@ -54,6 +54,7 @@ def job_spec() -> JobSpec:
 @hydra.main(config_path=f"pkg://{config_search.PACKAGED_CONF}", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     _task_started()
+    console.route_library_logs()  # before the job's imports: libraries' chatter to main.log, not the console
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
     if distributed.rank() == 0 and job_node_rank(cfg) == 0:

@@ -23,6 +23,7 @@ BOOTSTRAP = (
     "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('zerotune worker: the job process that started this worker is gone')\n"
+    "from zerotune.console import worker_logging; worker_logging()\n"
     "from zerotune.launch.gate import GateWatch\n"
     "gate = GateWatch(sys.argv[2], sys.argv[3])\n"
     "from zerotune.pause_hook import pause; pause('worker_imports')\n"

@@ -91,7 +91,9 @@ def launch_config(launch: Launch, run_dir: Path):
         rdzv_configs={"rank": int(launch.node_rank), "timeout": int(launch.rdzv_timeout_s)},
         # The agent polls its workers this often: a job's end (or a worker's death) is noticed within it.
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        # Each rank's stdout (its full log: every record, and what libraries print) to its file only; its stderr
+        # (zerotune's lines, errors, tracebacks: console.py) to the file and the console.
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.OUT, tee=Std.ERR),
         # The launcher passes these on to the workers (training/stop.py), which finish their step, save when
         # checkpoint.on_signal is set, and record INTERRUPTED; after stop_grace_s it kills them.
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=int(launch.stop_grace_s),

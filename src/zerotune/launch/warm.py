@@ -88,9 +88,10 @@ class Template:
 
 
 @contextlib.contextmanager
-def template(enabled: bool = True) -> Iterator[Template]:
+def template(enabled: bool = True, log_path: Path | None = None) -> Iterator[Template]:
     """A template process for the workers launched from this process until the block ends (stopped by its pid
-    then). It imports while the caller goes on."""
+    then). It imports while the caller goes on. Its log (what its imports say) goes to `log_path` where given;
+    zerotune's lines and errors reach the console too."""
     if not enabled:
         yield Template(None, None)
         return
@@ -100,8 +101,10 @@ def template(enabled: bool = True) -> Iterator[Template]:
     # NVML answers the imports' "is CUDA available?" without initialising CUDA's driver, which a forked child
     # could then not use ("Cannot re-initialize CUDA in forked subprocess"): without it, the imports alone poison
     # every fork on a card (benchmarks/gpu/fork_probe.py, measured on an H200). The workers keep the stub's env.
+    log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (the template's, closed below)
     proc = subprocess.Popen([sys.executable, "-m", "zerotune.launch.warm", path, str(os.getpid())],
-                            start_new_session=True, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
+                            start_new_session=True, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+                            stdout=log)
     before = os.environ.get(WARM_ENV)
     os.environ[WARM_ENV] = f"{path}:{os.getpid()}:{proc.pid}"
     try:
@@ -117,6 +120,8 @@ def template(enabled: bool = True) -> Iterator[Template]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log is not None:
+            log.close()
         with contextlib.suppress(OSError):
             os.unlink(path)
         with contextlib.suppress(OSError):
@@ -299,13 +304,16 @@ def _become_worker(server: socket.socket, conn: socket.socket, running: dict, re
             other.close()
         for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"):  # a worker's own, as a fresh one's
             signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
-        logging.root.handlers.clear()  # the worker configures its own log format (the template's is plain)
+        logging.root.handlers.clear()  # the worker's own: its console and its rank's log (the stub's streams)
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
             os.close(fd)
         for stream in (sys.stdout, sys.stderr):  # written through, as `python -u` would
             if isinstance(stream, io.TextIOWrapper):
                 stream.reconfigure(line_buffering=True)
+        from zerotune.console import worker_logging
+
+        worker_logging()
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -338,5 +346,7 @@ def _become_worker(server: socket.socket, conn: socket.socket, running: dict, re
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
+    from zerotune.console import split_console_and_log
+
+    split_console_and_log(sys.stderr, sys.stdout)  # stdout: the sweep's warm_template.log where it names one
     serve(sys.argv[1], int(sys.argv[2]))

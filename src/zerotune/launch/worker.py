@@ -7,7 +7,6 @@ and trains with the rank torch.distributed's environment gives it.
 
 from __future__ import annotations
 
-import logging
 import os
 
 # The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
@@ -27,7 +26,6 @@ def main(run_dir: str, gate: GateWatch) -> int:
 
 
 def _main(run_dir: str, gate: GateWatch) -> int:
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     waited = gate.wait_for_go()  # a refused job ends this process in there
     spec = JobSpec.load(run_dir)
     run = ResolvedRun.load(run_dir, int(os.environ.get("GROUP_RANK", 0)))  # torch's elastic agent: this node
