@@ -2,10 +2,16 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
-TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+# torch's build, installed first so that nothing below picks another. PyPI's torch==2.13.0 for Linux is a CUDA
+# build (its nvidia-* wheels make the venv about 5.8 GB; it runs on a machine without a GPU too). PyTorch's own
+# CPU index has a CPU-only one, for a smaller venv on such a machine:
+#   make setup TORCH=torch==2.13.0+cpu TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_CHOICE := $(VENV)/.torch
 
-.PHONY: setup debs train test test-all lint clean gpu-kit
+.PHONY: setup debs train test test-all lint clean gpu-kit FORCE
 
 # libaio-dev: what DeepSpeed's async_io op (NVMe offload) links against. chromium: the browser the builder
 # page's tests drive through Playwright (Playwright's own browser download is not used). slurmctld, slurmd,
@@ -24,11 +30,15 @@ debs:
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): pyproject.toml
+# Rewritten only when the choice of torch changes, so that a venv set up with another build installs this one.
+$(TORCH_CHOICE): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH) $(TORCH_INDEX)' | cmp -s - $@ || echo '$(TORCH) $(TORCH_INDEX)' > $@
+
+$(STAMP): pyproject.toml $(TORCH_CHOICE)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	@# torch first and pinned, so nothing below drags in a CUDA build.
-	$(PIP) install -q $(TORCH)
+	$(PIP) install -q '$(TORCH)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[wandb,gpu,slurm,dev]'
 	@# The original Stable Diffusion code (its `ldm` package), whose UNetModel names the original checkpoint
 	@# layout in the single-file tests. --no-deps: its pins (transformers 4.33, lightning 1.4) would downgrade
@@ -36,6 +46,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps stable-diffusion-sdkit==2.1.5
 	@# DeepSpeed's CPU ops (CPU Adam, the shared-memory collectives), compiled once now rather than by the first job.
 	$(PY) -m zerotune.ops || echo "DeepSpeed's CPU ops were not built now: the first job that needs them builds them"
+	@$(PY) -c "import torch; b = f'CUDA {torch.version.cuda} build' if torch.version.cuda else 'CPU-only build'; \
+		print(f'torch {torch.__version__} ({b}); the venv: $$(du -sh $(VENV) | cut -f1)')"
 	touch $(STAMP)
 
 train: setup
