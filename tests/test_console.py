@@ -79,3 +79,13 @@ def test_the_default_jobs_console_holds_zerotunes_lines_only(tmp_path):
         assert "[DeepSpeed][WARNING] - Setting accelerator to CPU" in job_log
     assert "learning rate from scheduler before it has started" in rank_log
     assert "step 20/20" in rank_log and "step 20/20" in proc.stdout + proc.stderr
+
+
+def test_a_command_without_a_run_folder_keeps_libraries_out_of_its_output(tmp_path):
+    """`zerotune plan` prints its plan; what DeepSpeed says on its import goes to the command's log in the cache."""
+    proc = run_cli("plan", "model=tiny", module="zerotune", env={"ZEROTUNE_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("workload: model=tiny")
+    assert "DeepSpeed" not in proc.stderr and "[WARNING]" not in proc.stderr, proc.stderr
+    if not torch.cuda.is_available():
+        assert "Setting accelerator to CPU" in (tmp_path / "logs" / "plan.log").read_text()

@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from zerotune.held_signals import hold
 
         hold()  # before the imports: a stop signal during them (`srun zerotune train` under SLURM) is the job's
+    else:  # train's and tune's are Hydra's (conf/hydra/default.yaml), with a run folder for their log
+        from zerotune import console, files
+
+        console.command_logging(files.cache_dir("logs") / f"{name}.log")
     module = importlib.import_module(COMMANDS[name].module)
     if name in ("train", "tune"):
         # Hydra reads sys.argv itself, and shows argv[0] as the command in its --help.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import TextIO
 
 OWN_LOGGERS = ("zerotune", "hydra_plugins")
@@ -61,6 +62,13 @@ def split_console_and_log(console: TextIO, log: TextIO, level: int = logging.INF
         root.addHandler(handler)
     root.setLevel(level)
     route_library_logs()
+
+
+def command_logging(log_path: Path) -> None:
+    """A command without a run folder (plan, doctor, ds-config, ...): its own warnings on stderr, as before;
+    libraries' records to `log_path` (appended)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    split_console_and_log(sys.stderr, open(log_path, "a"), level=logging.WARNING)  # noqa: SIM115 (the process's)
 
 
 def worker_logging() -> None:
