@@ -141,6 +141,83 @@ def test_a_rank_killed_on_one_node_fails_its_job_naming_node_and_rank_and_the_sw
     print(f"killed rank on node 2, then a healthy job: {time.monotonic() - started:.1f} s")
 
 
+def job_processes(cluster, job_id: str) -> dict[int, dict[str, str]]:
+    """The processes of SLURM job `job_id` on this cluster (its batch script, srun, each node's task and workers),
+    with their environment."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in v)
+        except OSError:
+            continue
+        if env.get("SLURM_CONF") == str(cluster.conf) and env.get("SLURM_JOB_ID") == job_id:
+            found[int(proc.name)] = env
+    return found
+
+
+def node_task(cluster, job_id: str, node_rank: int) -> int | None:
+    """The pid of the job process of node `node_rank`: the task srun started there (slurm/task.py), not a rank."""
+    for pid, env in job_processes(cluster, job_id).items():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"zerotune.slurm.task" in command and env.get("SLURM_NODEID") == str(node_rank):
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_a_nodes_job_process_killed_fails_its_job_naming_that_node(slurm_cluster, tmp_path):
+    """SIGKILL of node 1's job process (the task srun started on zt-node2, not a rank) in the middle of training:
+    it writes nothing, srun ends the step and node 0's process with it. The job is recorded failed, naming
+    zt-node2 (node 1) as srun saw it, in summary.json and on the sweep's console; nothing is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers.cli import ROOT, cli_env, wait_for
+
+    started = time.monotonic()
+    sweep = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "-m", *ON_CLUSTER, "hydra.launcher.nodes=2",
+                              "zero_stage=2", *SHORT, "train.max_steps=100000"], cwd=tmp_path,
+                             env={**cli_env(), **slurm_cluster.env()}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    job_id = None
+    try:
+        def training() -> str | None:
+            metrics = glob.glob(str(tmp_path / "multirun" / "*" / "*" / "0" / "metrics.jsonl"))
+            running = slurm_cluster.run("squeue", "-h", "-t", "RUNNING", "-o", "%A").stdout.split()
+            return running[0] if metrics and len(Path(metrics[0]).read_text().splitlines()) >= 3 and running \
+                else None
+
+        job_id = wait_for(training, 240, "three steps on two nodes")
+        os.kill(wait_for(lambda: node_task(slurm_cluster, job_id, 1), 10, "node 1's task"), signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = sweep.communicate(timeout=300)
+    finally:
+        sweep.kill()
+        if job_id and slurm_cluster.run("squeue", "-h", "-j", job_id).stdout.strip():
+            slurm_cluster.run("scancel", job_id)
+    assert sweep.returncode == 0, out[-3000:]
+    (job,) = sweep_jobs(tmp_path)
+    summary = read_summary(job)
+    error = summary["error"]
+    assert summary["status"] == "failed" and summary["slurm"]["state"] == "FAILED", (summary, out[-3000:])
+    assert error["failed_node"] == "zt-node2" and error["failed_node_rank"] == 1 and error["signal"] == "SIGKILL"
+    assert error["srun"] == "srun: error: zt-node2: task 1: Killed", error
+    said = (f"SLURM job {job_id} ended without a result (state FAILED): the job process on zt-node2 (node 1) ended "
+            f"first, killed by SIGKILL")
+    assert error["message"].startswith(said), error["message"]
+    assert f"{job.relative_to(tmp_path)}: {error['message']}" in out  # the sweep's console
+    assert "the job process on zt-node2 (node 1)" in (job.parent / "summary.md").read_text()
+    assert nothing_queued(slurm_cluster) and not job_processes(slurm_cluster, job_id)
+    print(f"node 1's job process killed: recorded naming it {time.monotonic() - killed:.1f} s after the kill "
+          f"(whole test {time.monotonic() - started:.1f} s)\n{error['message']}")
+
+
 @pytest.mark.slow
 def test_a_job_the_cluster_cancels_is_recorded_as_cancelled(slurm_cluster, tmp_path):
     """scancel while the job trains (it hangs at step 1): the sweep ends, and the job's summary says cancelled,

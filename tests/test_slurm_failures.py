@@ -1,6 +1,6 @@
 """How a SLURM job's end is read and recorded, without a cluster: a job that ended without a result
-(slurm/job_end.py), and the node that failed first in a job of several (launch/node_failures.py). The real
-cluster runs them in tests/test_slurm.py (slow)."""
+(slurm/job_end.py), srun's word on the task that ended first, and the node that failed first in a job of several
+(launch/node_failures.py). The real cluster runs them in tests/test_slurm.py (slow)."""
 
 from __future__ import annotations
 
@@ -122,6 +122,105 @@ def test_a_job_whose_last_attempt_left_no_record_keeps_the_earlier_attempts_and_
     assert summary["slurm"]["restart_count"] == 2 and summary["previous_attempts"] == ["attempts/1", "attempts/2"]
     again = slurm_end.record_lost_job(run_dir, "7_0", "FAILED", ["zero_stage=2"], "", restarts=2)  # its own: kept
     assert again.previous_attempts == ["attempts/1", "attempts/2"] and again.slurm["restart_count"] == 2
+
+
+# ---- srun's account: the task that ended first -------------------------------------------------------------
+
+# The job's stderr as the batch script and srun write it, over two attempts (lines as observed on the local cluster).
+SRUN_STDERR = """zerotune: SLURM job 7, restart 0: the step starts
+[default_role0]:[rank0]: RuntimeError: Connection reset by peer
+srun: error: zt-node1: task 0: Exited with exit code 255
+zerotune: SLURM job 7, restart 1: the step starts
+submitit WARNING (2026-11-28 18:45:31,788) - Bypassing signal SIGCONT
+srun: error: zt-node2: task 1: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=7.0
+slurmstepd-zt-node1: error: *** STEP 7.0 ON zt-node1 CANCELLED AT 2026-11-28T18:45:31 ***
+srun: error: zt-node1: task 0: Exited with exit code 143
+srun: Force Terminated StepId=7.0
+"""
+
+
+def test_srun_names_the_task_that_ended_first_in_each_attempt():
+    last = slurm_end.first_task_end(SRUN_STDERR, restarts=1)
+    assert (last.node, last.tasks, last.how) == ("zt-node2", "1", "Killed")  # not node 0's 143 that followed
+    assert slurm_end.first_task_end(SRUN_STDERR) == last  # the last attempt's
+    first = slurm_end.first_task_end(SRUN_STDERR, restarts=0)
+    assert (first.node, first.how) == ("zt-node1", "Exited with exit code 255")
+    assert slurm_end.first_task_end(SRUN_STDERR, restarts=2) is None  # that attempt's srun never started
+    unmarked = "\n".join(line for line in SRUN_STDERR.splitlines() if not line.startswith("zerotune:"))
+    assert slurm_end.first_task_end(unmarked, restarts=0) == first
+    assert slurm_end.first_task_end(unmarked, restarts=1) is None  # the attempts cannot be told apart
+    lost = slurm_end.first_task_end("srun: error: Node failure on zt-node2\nsrun: error: zt-node1: task 0: Killed")
+    assert (lost.node, lost.tasks) == ("zt-node2", None)
+    assert slurm_end.first_task_end("srun: Force Terminated StepId=7.0\n") is None
+
+
+@pytest.mark.parametrize(("line", "ranks", "message", "extra"), [
+    ("srun: error: zt-node2: task 1: Killed", [1],
+     'the job process on zt-node2 (node 1) ended first, killed by SIGKILL (srun: "zt-node2: task 1: Killed")',
+     {"failed_node_rank": 1, "signal": "SIGKILL"}),
+    ("srun: error: zt-node1: task 0: Segmentation fault (core dumped)", [0],
+     "the job process on zt-node1 (node 0) ended first, killed by SIGSEGV", {"signal": "SIGSEGV"}),
+    ("srun: error: zt-node2: task 1: Exited with exit code 3", [1],
+     "the job process on zt-node2 (node 1) ended first, with exit code 3", {"exit_code": 3}),
+    ("srun: error: zt-node[1-2]: tasks 0-1: Out Of Memory", [0, 1],
+     "the job process on zt-node[1-2] (nodes 0, 1) ended first: Out Of Memory", {"failed_node_ranks": [0, 1]}),
+    ("srun: error: Node failure on zt-node2", [], "zt-node2 failed first", {}),
+])
+def test_the_task_that_ended_first_is_named_by_its_node(line, ranks, message, extra):
+    record = slurm_end.first_task_end(line).record(ranks)
+    assert record["message"].startswith(message) and record["failed_node"] in line
+    assert record["srun"] == line and extra.items() <= record.items()
+
+
+@pytest.fixture
+def named_nodes(monkeypatch):
+    """Node indices as `scontrol show hostnames zt-node[1-2]` gives them."""
+    monkeypatch.setattr(slurm_end, "node_ranks", lambda node, nodelist, job_id: [int(node[-1]) - 1])
+
+
+def lost_job(tmp_path: Path, own: dict | None, state: str = "FAILED") -> dict:
+    run_dir = tmp_path / "0"
+    if own is not None:
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text(json.dumps(own))
+    ended_first = slurm_end.first_task_end(SRUN_STDERR, restarts=1)
+    return slurm_end.record_lost_job(run_dir, "7", state, [], "srun: Force Terminated StepId=7.0", restarts=1,
+                                     ended_first=ended_first).to_json()
+
+
+def test_a_job_whose_node_1_process_was_killed_is_recorded_failed_naming_node_1(tmp_path, named_nodes):
+    """Node 1's job process killed: it wrote nothing; srun's SIGTERM stopped node 0's, which recorded itself
+    interrupted, with its rank's error at the peer's loss."""
+    own = {"status": "interrupted", "slurm": {"job_id": "7", "restart_count": 1, "nodelist": "zt-node[1-2]"},
+           "error": {"type": "RuntimeError", "message": "Connection reset by peer"}}
+    summary = lost_job(tmp_path, own)
+    error = summary["error"]
+    assert summary["status"] == "failed"
+    assert error["message"] == ('SLURM job 7 ended without a result (state FAILED): the job process on zt-node2 '
+                                '(node 1) ended first, killed by SIGKILL (srun: "zt-node2: task 1: Killed")')
+    assert (error["failed_node"], error["failed_node_rank"], error["signal"]) == ("zt-node2", 1, "SIGKILL")
+    assert error["job_status"] == "interrupted" and error["job_error"]["message"] == "Connection reset by peer"
+    assert lost_job(tmp_path / "none", None)["error"]["failed_node_rank"] == 1  # no record of the job at all
+
+
+def test_the_jobs_own_account_of_a_failed_node_stays_unless_that_node_recorded_nothing(tmp_path, named_nodes):
+    killed_rank = {"status": "failed", "slurm": {"job_id": "7", "restart_count": 1},
+                   "error": {"type": "failed", "message": "rank 1 on zt-node2 (node 1) was killed by SIGKILL",
+                             "failed_node": "zt-node2", "failed_node_rank": 1}}
+    assert lost_job(tmp_path, killed_rank)["error"] == killed_rank["error"]
+    silent = {**killed_rank, "error": {"type": "failed", "failed_node": "zt-node1", "failed_node_rank": 0,
+                                       "message": "rank 0 on zt-node1 (node 0) failed: Connection reset by peer; "
+                                                  "node(s) 1 recorded nothing (lost, or killed whole)",
+                                       "silent_nodes": [1]}}
+    error = lost_job(tmp_path / "silent", silent)["error"]
+    assert error["failed_node_rank"] == 1 and error["job_error"] == silent["error"]
+
+
+def test_a_job_slurm_itself_ended_names_no_node(tmp_path, named_nodes):
+    summary = lost_job(tmp_path, None, state="CANCELLED")
+    assert summary["status"] == "cancelled" and "failed_node" not in summary["error"]
+    assert summary["error"]["message"].endswith("srun: Force Terminated StepId=7.0")
 
 
 def peer(folder: Path, k: int, status: str, **error) -> None:

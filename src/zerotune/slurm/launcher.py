@@ -14,7 +14,7 @@ from unittest.mock import patch
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, open_dict
 
-from zerotune.slurm.job_end import job_restarts, record_lost_job, stderr_tail, wait_for_end
+from zerotune.slurm import job_end
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,12 @@ def task_command(executor: Any) -> str:
 
 def batch_script(executor: Any, command: str, uid: str) -> str:  # noqa: ARG001 (submitit's signature)
     """submitit's sbatch script, whose shell ignores the pre-emption signal: SLURM signals the shell too when
-    asked to (`scancel --full`), and the shell, which only waits on srun, would end the job FAILED of it."""
+    asked to (`scancel --full`), and the shell, which only waits on srun, would end the job FAILED of it. Its
+    last line before srun marks the attempt in the job's stderr, where srun says which task ended first."""
     from submitit.slurm.slurm import SlurmJobEnvironment, _make_sbatch_string
 
-    setup = [f"trap '' {SlurmJobEnvironment.USR_SIG}", *(executor.parameters.get("setup") or [])]
+    setup = [f"trap '' {SlurmJobEnvironment.USR_SIG}", *(executor.parameters.get("setup") or []),
+             f'echo "{job_end.ATTEMPT_LINE}" >&2']
     return _make_sbatch_string(command=command, folder=executor.folder, **{**executor.parameters, "setup": setup})
 
 
@@ -56,8 +58,9 @@ def submitted(launch: Callable[[], object]) -> list:
 def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
             load_sweep_config: Callable[[DictConfig, Sequence[str]], DictConfig]) -> JobReturn:
     """The job's result once it wrote one; else (cancelled, killed, its node lost) a summary.json in its run
-    folder with SLURM's state, returned as COMPLETED so that the sweep goes on to the next job."""
-    state = wait_for_end(job)
+    folder with SLURM's state and the node whose task ended first as srun saw it, returned as COMPLETED so that
+    the sweep goes on to the next job."""
+    state = job_end.wait_for_end(job)
     failure = ""
     if state == "COMPLETED":
         try:
@@ -65,9 +68,12 @@ def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
         except Exception as exc:  # submitit's FailedJobError: the task raised past Hydra (its traceback)
             failure = str(exc).strip().splitlines()[-1][:500]
     run_dir = job_run_dir(config, load_sweep_config, overrides, idx)
-    detail = failure or stderr_tail(job, lines=1)
-    summary = record_lost_job(run_dir, str(job.job_id), None if state == "COMPLETED" else state, overrides,
-                              detail, restarts=job_restarts(str(job.job_id)))
+    stderr, restarts = job_end.srun_output(job), job_end.job_restarts(str(job.job_id))
+    # Every task's own error, where they raised; else srun's word on the task that ended first.
+    ended_first = None if failure else job_end.first_task_end(stderr, restarts)
+    summary = job_end.record_lost_job(run_dir, str(job.job_id), None if state == "COMPLETED" else state, overrides,
+                                      failure or (stderr.splitlines() or [""])[-1], restarts=restarts,
+                                      ended_first=ended_first)
     # COMPLETED, as zerotune's own task returns for a job that failed in a sweep: recorded, and the sweep goes on.
     return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
                      _return_value=summary)
