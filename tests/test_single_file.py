@@ -72,9 +72,9 @@ def test_the_loaded_u_net_computes_what_the_original_model_computes(tmp_path):
         theirs = original(sample, timesteps, context=context)
     scale = ours.abs().max().item()
     assert scale > 0.1
-    # float rounding only (attention and norms are computed in another order): a misplaced tensor is off by
-    # the output's own scale
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6 * scale)
+    # float rounding only (attention and norms are computed in another order; PyPI's CUDA build of torch rounds
+    # its CPU kernels otherwise, up to 1.3e-6 of the scale measured): a misplaced tensor is off by the scale itself
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize(("made", "named", "says"), [
