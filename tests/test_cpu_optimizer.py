@@ -47,7 +47,22 @@ def figure() -> float | None:
 
 
 def _timer(monkeypatch, timed: list[int], figure: float = 7e-10) -> None:
+    monkeypatch.setattr(cpu_optimizer, "op_built", lambda: True)
     monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: timed.append(n) or figure)
+
+
+def test_a_plan_does_not_build_cpu_adam_and_says_how_to(tmp_path: Path, monkeypatch):
+    """Building the op takes minutes; a plan is a first answer. Unbuilt, the floor is unmeasured and the note
+    says how to build it; a figure timed earlier on this host is still read."""
+    monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # an empty cache: nothing built
+    monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: pytest.fail("timed (and built) the op"))
+    assert not cpu_optimizer.op_built() and cpu_optimizer.cpu_adam_figure() is None
+    assert "python -m zerotune.ops" in cpu_optimizer.why_unmeasured()
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / cpu_optimizer.CACHE_FILE).write_text(
+        json.dumps({cpu_optimizer.host_key(): {"s_per_param": 7e-10, "params": 10**12}}))
+    assert cpu_optimizer.cpu_adam_figure() == cpu_optimizer.CpuAdamFigure(7e-10, 10**12, timed_now=False)
 
 
 def test_the_figure_is_measured_once_per_host_whatever_memory_is_free(tmp_path: Path, monkeypatch):

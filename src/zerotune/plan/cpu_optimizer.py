@@ -10,7 +10,10 @@ probe is capped to a share of the available memory. The figure is the median of 
 cached per host and thread count in the planner's cache folder, so it is measured once per host: the size of
 the probe depends on the memory free at that moment, which changes from run to run, and a key holding it timed
 the op again in most jobs. A figure from a probe that memory capped below its size is timed again once the
-whole probe fits. A host where the op cannot be built gets None (unmeasured), never a guess.
+whole probe fits. A host where the op cannot be built gets None (unmeasured), never a guess; so does a host
+where it is not built yet: building it takes minutes (about 75 s of both cores here, more on a busy machine),
+which a plan, a first answer before anything launches, does not spend. `make setup` builds it, and so does the
+first job that offloads; the next plan times it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import psutil
 import torch
 
 from zerotune import files
+from zerotune.ops.build import is_cached
 from zerotune.ops.cpu_info import remember_cpu_info
 from zerotune.ops.torch_lib import link_torch_lib
 
@@ -33,6 +37,7 @@ PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-
 PROBE_BYTES_PER_PARAM = 16      # the probe holds fp32 param + grad + two Adam moments
 MEMORY_SHARE = 8                # the probe takes at most 1/8 of the available memory
 REPEATS = 5                     # timed steps after the warm-up step; their median is the figure
+OP = "cpu_adam"                 # DeepSpeed's CPUAdamBuilder's op, in the torch extensions cache
 CACHE_FILE = "cpu_adam_v3.json"  # v2 keyed each figure by the probe size; v1 timed 4M parameters: not reused
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -92,11 +97,25 @@ def cpu_adam_figure() -> CpuAdamFigure | None:
     # run to run, and re-timing whenever a slightly bigger capped probe fits would time it in most jobs.
     if isinstance(cached, dict) and (cached.get("params", 0) >= params or params < full):
         return CpuAdamFigure(float(cached["s_per_param"]), int(cached["params"]), timed_now=False)
+    if not op_built():
+        return None
     measured = time_step(params)
     if measured is None:
         return None
     files.write_cached_json(file, {**known, host_key(): {"s_per_param": measured, "params": params}})
     return CpuAdamFigure(measured, params, timed_now=True)
+
+
+def op_built() -> bool:
+    return is_cached(OP)
+
+
+def why_unmeasured() -> str:
+    """Why cpu_adam_figure() is None."""
+    if not op_built():
+        return ("DeepSpeed's CPU-Adam is not built on this host yet (minutes to build; `python -m zerotune.ops` "
+                "builds it, and so does the first job that offloads): the next plan times it")
+    return "DeepSpeed's CPU-Adam could not be built or run here"
 
 
 def time_step(params: int, repeats: int = REPEATS) -> float | None:

@@ -149,7 +149,7 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
 
 def _cpu_adam_note(figure: cpu_optimizer.CpuAdamFigure | None) -> str:
     if figure is None:
-        return "unmeasured here"
+        return f"unmeasured: {cpu_optimizer.why_unmeasured()}"
     when = "just now" if figure.timed_now else "earlier (this host's cache; no probe ran)"
     return f"DeepSpeed CPU-Adam, timed on this host {when} over {figure.params / 1e6:,.0f}M parameters"
 
