@@ -115,7 +115,7 @@ def test_a_cuda_build_without_a_gpu_is_a_cpu_host(monkeypatch, compiled, nvml_co
     assert imported == ([] if present else list(warm.SETUP_MODULES))
 
 
-def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypatch):
+def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypatch, tmp_path):
     """Without it, the imports' torch.cuda.is_available() starts CUDA's driver and no forked worker can use the
     card (measured on an H200: experiments/results/gpu/h200-2026-11-27)."""
     from zerotune.launch import warm
@@ -136,7 +136,7 @@ def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypat
 
     monkeypatch.setattr(warm.subprocess, "Popen", popen)
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
-    with warm.template():
+    with warm.template(tmp_path / "warm_template.log"):
         pass
     assert started["env"]["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
     assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # the sweep's own and its workers' stay as they were

@@ -88,10 +88,10 @@ class Template:
 
 
 @contextlib.contextmanager
-def template(enabled: bool = True, log_path: Path | None = None) -> Iterator[Template]:
+def template(log_path: Path, enabled: bool = True) -> Iterator[Template]:
     """A template process for the workers launched from this process until the block ends (stopped by its pid
-    then). It imports while the caller goes on. Its log (what its imports say) goes to `log_path` where given;
-    zerotune's lines and errors reach the console too."""
+    then). It imports while the caller goes on. Its log (what its imports say) goes to `log_path`; zerotune's
+    lines and errors reach the console too."""
     if not enabled:
         yield Template(None, None)
         return
@@ -101,7 +101,7 @@ def template(enabled: bool = True, log_path: Path | None = None) -> Iterator[Tem
     # NVML answers the imports' "is CUDA available?" without initialising CUDA's driver, which a forked child
     # could then not use ("Cannot re-initialize CUDA in forked subprocess"): without it, the imports alone poison
     # every fork on a card (benchmarks/gpu/fork_probe.py, measured on an H200). The workers keep the stub's env.
-    log = open(log_path, "a") if log_path is not None else None  # noqa: SIM115 (the template's, closed below)
+    log = open(log_path, "a")  # noqa: SIM115 (the template's stdout, closed below)
     proc = subprocess.Popen([sys.executable, "-m", "zerotune.launch.warm", path, str(os.getpid())],
                             start_new_session=True, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
                             stdout=log)
@@ -120,8 +120,7 @@ def template(enabled: bool = True, log_path: Path | None = None) -> Iterator[Tem
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if log is not None:
-            log.close()
+        log.close()
         with contextlib.suppress(OSError):
             os.unlink(path)
         with contextlib.suppress(OSError):
@@ -348,5 +347,5 @@ def _become_worker(server: socket.socket, conn: socket.socket, running: dict, re
 if __name__ == "__main__":
     from zerotune.console import split_console_and_log
 
-    split_console_and_log(sys.stderr, sys.stdout)  # stdout: the sweep's warm_template.log where it names one
+    split_console_and_log(sys.stderr, sys.stdout)  # stdout: the sweep's warm_template.log (template())
     serve(sys.argv[1], int(sys.argv[2]))

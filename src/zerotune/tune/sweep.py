@@ -31,8 +31,8 @@ def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[
     started = time.perf_counter()
     # The workers' template imports while the candidates are screened (launch/warm.py); on a card too, where
     # its imports leave CUDA's driver alone. None for a card not present: no trial runs.
-    with warm.template(enabled=settings.warm_workers and not settings.gpu,
-                       log_path=sweep_dir / "warm_template.log") as template:
+    warm_log = sweep_dir / "warm_template.log"
+    with warm.template(warm_log, enabled=settings.warm_workers and not settings.gpu) as template:
         return _tune(settings, arguments, compose, launch, sweep_dir, started, template)
 
 
