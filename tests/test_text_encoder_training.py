@@ -174,7 +174,7 @@ def test_trained_resumed_and_exported(case, parts, tmp_path):
     run = ResolvedRun.from_json(json.loads((straight / resolved_file(0)).read_text()))
     stats = run.model_stats
     planned = model_state_bytes(list(stats.param_numels), run.ds_config, 1, 0, True, list(stats.trainable_numels),
-                                run.client_optimizer, None, stats.groups())
+                                run.client_optimizer, None, run.group_sizes())
     assert len(stats.trainable_groups) == 1 + {"te1": 1, "both": 2}[choice]
     assert {k: planned[k] for k in summary["partition"] if k.endswith("_bytes")} == \
         {k: v for k, v in summary["partition"].items() if k.endswith("_bytes")}

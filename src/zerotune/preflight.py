@@ -14,7 +14,8 @@ from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
 from zerotune.errors import ConfigError
 from zerotune.loggers import check_logger
-from zerotune.models import adapter, text_encoders
+from zerotune.models import adapter, param_groups, text_encoders
+from zerotune.models.param_groups import ParamGroups
 from zerotune.platform import Platform, detect
 from zerotune.resolved import ResolvedRun
 from zerotune.schema import Config
@@ -126,12 +127,19 @@ def check(settled: Settled, platform: Platform | None = None, run_dir: str | Pat
         ds = validator.validate(ds, platform, world_size, client)
     except ConfigError as exc:
         raise user.attribute(exc) from None  # named where the user set it: a file's key or zerotune's
+    path = None if run_dir is None else checkpoints.resolve_resume(cfg.resume, cfg.checkpoint.dir, Path(run_dir))
+    try:
+        count = param_groups.count(cfg.deepspeed.param_groups, int(ds["zero_optimization"]["stage"]) if use_ds else 0,
+                                   None if path is None else checkpoints.read_meta(path))
+    except ConfigError as exc:
+        raise user.attribute(exc) from None
+    groups = ParamGroups.cut(stats.module_numels(), count)
     resume = None
-    if run_dir is not None:
-        path = checkpoints.resolve_resume(cfg.resume, cfg.checkpoint.dir, Path(run_dir))
-        resume = checkpoints.decide_resume(path, checkpoints.current_meta(cfg, ds, use_ds, world_size, client), ds)
+    if path is not None:
+        now = checkpoints.current_meta(cfg, ds, use_ds, world_size, client, groups)
+        resume = checkpoints.decide_resume(path, now, ds)
     return ResolvedRun(config=cfg, ds_config=ds, use_deepspeed=use_ds, model_stats=stats, input_shape=shape,
-                       platform=platform, world_size=world_size, client_optimizer=client,
+                       platform=platform, world_size=world_size, client_optimizer=client, param_groups=groups,
                        config_sources={**user.summary(ds), "configs": config_search.current().describe()},
                        config_warnings=tuple(user.warnings), resume=resume)
 

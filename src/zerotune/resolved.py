@@ -15,6 +15,7 @@ from typing import Any
 from zerotune.checkpoints import ResumeDecision
 from zerotune.files import write_json_atomic
 from zerotune.models import ModelStats, stats_from_json
+from zerotune.models.param_groups import ParamGroups
 from zerotune.platform import Platform
 from zerotune.schema import Config, as_dict, to_config
 
@@ -36,11 +37,26 @@ class ResolvedRun:
     plan: dict[str, Any] | None = None    # the planner's prediction, as summary.json's "plan" holds it
     # the optimizer zerotune builds and hands the engine ({"name", "class", "params"}); None: the dict's own
     client_optimizer: dict[str, Any] | None = None
+    # the optimizer's parameter groups (deepspeed.param_groups, resolved); None: one group per trained module
+    param_groups: ParamGroups | None = None
 
     @property
     def zero_stage(self) -> int:
         """The ZeRO stage that runs: the DeepSpeed dict's; 0 on the plain accelerate path, whatever zero_stage says."""
         return int(self.ds_config["zero_optimization"]["stage"]) if self.use_deepspeed else 0
+
+    def group_sizes(self) -> list[int] | None:
+        """The optimizer's groups' parameter counts, module after module (the planner's `groups`); None: one
+        group of all the trained parameters."""
+        if self.param_groups is not None:
+            return self.param_groups.sizes()
+        return list(self.model_stats.trainable_groups) or None
+
+    def group_layout(self) -> tuple[tuple[int, ...], ...]:
+        """Per trained module, its groups' parameter counts (one group each where none were resolved)."""
+        if self.param_groups is not None:
+            return self.param_groups.layout
+        return tuple((len(m),) for m in self.model_stats.module_numels())
 
     @property
     def nvme_dir(self) -> str | None:
@@ -54,7 +70,8 @@ class ResolvedRun:
                 "model_stats": asdict(self.model_stats), "input_shape": list(self.input_shape),
                 "platform": asdict(self.platform), "world_size": self.world_size,
                 "config_sources": self.config_sources, "config_warnings": list(self.config_warnings),
-                "resume": resume, "plan": self.plan, "client_optimizer": self.client_optimizer}
+                "resume": resume, "plan": self.plan, "client_optimizer": self.client_optimizer,
+                "param_groups": None if self.param_groups is None else asdict(self.param_groups)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResolvedRun:
@@ -69,7 +86,8 @@ class ResolvedRun:
                    resume=None if resume is None else ResumeDecision(
                        path=Path(resume["path"]), mode=resume["mode"], meta=resume["meta"],
                        changed={k: tuple(v) for k, v in resume["changed"].items()}),
-                   plan=data["plan"], client_optimizer=data["client_optimizer"])
+                   plan=data["plan"], client_optimizer=data["client_optimizer"],
+                   param_groups=_groups(data.get("param_groups")))
 
     def save(self, run_dir: str | Path) -> None:
         write_json_atomic(Path(run_dir) / resolved_file(self.config.launch.node_rank), self.to_json())
@@ -82,3 +100,7 @@ class ResolvedRun:
 def resolved_file(node_rank: int) -> str:
     """resolved.json; in a job of several nodes sharing the folder, node k's own (its launch block differs)."""
     return RESOLVED_FILE if node_rank == 0 else f"resolved.node{node_rank}.json"
+
+
+def _groups(data: dict | None) -> ParamGroups | None:
+    return None if data is None else ParamGroups(int(data["count"]), tuple(tuple(m) for m in data["layout"]))

@@ -10,6 +10,7 @@ from pathlib import Path
 from zerotune import __version__
 from zerotune.checkpoints.layout import read_meta
 from zerotune.errors import ConfigError
+from zerotune.models.param_groups import ParamGroups
 from zerotune.schema import Config, as_dict
 
 log = logging.getLogger(__name__)
@@ -19,8 +20,9 @@ _TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload"
 
 
 def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: int,
-                 client_optimizer: dict | None = None) -> dict:
-    """What this run would record in meta.json. `client_optimizer`: the one zerotune hands the engine, if any."""
+                 client_optimizer: dict | None = None, groups: ParamGroups | None = None) -> dict:
+    """What this run would record in meta.json. `client_optimizer`: the one zerotune hands the engine, if any;
+    `groups`: the optimizer's parameter groups (None: one per trained module, as before they were recorded)."""
     zero = ds_config["zero_optimization"]
     optimizer = ds_config["optimizer"]["type"] if client_optimizer is None else client_optimizer["name"]
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
@@ -32,7 +34,7 @@ def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: 
             "train_text_encoder": str(cfg.model.train_text_encoder),
             # The adapter's keys, for export to rebuild it (models/adapter.py reads them).
             "adapter_config": None if cfg.adapter.name == "none" else as_dict(cfg.adapter),
-            "zerotune_version": __version__}
+            "zerotune_version": __version__, **(groups.as_meta() if groups is not None else {})}
 
 
 def _adapter(cfg: Config) -> str:
@@ -82,6 +84,7 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
         raise ConfigError("optimizer", f"checkpoint {path} holds optimizer={meta.get('optimizer')}'s state, this run "
                           f"builds optimizer={now['optimizer']}: one cannot load the other's",
                           f"optimizer={_option(meta.get('optimizer'))}, or {_export_fix(path)}")
+    _check_groups(path, meta, now)
     changed = {k: (meta.get(k), now[k]) for k in sorted(_changed(meta, now))}
     mode = "native" if not changed else conversion_mode(path, meta, now)
     if mode == "universal":
@@ -89,6 +92,24 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
     if changed:
         log.warning("resuming %s across changes %s: %s conversion", path, changed, mode)
     return ResumeDecision(path=path, mode=mode, meta=meta, changed=changed)
+
+
+def _check_groups(path: Path, meta: dict, now: dict) -> None:
+    """ZeRO-1/2 load their optimizer state group by group (DeepSpeed's native loader and its universal one zip the
+    saved groups with the engine's), so a ZeRO-1/2 checkpoint continues at ZeRO-1/2 with its own groups only.
+    Other stages gather or rebuild the state parameter by parameter, whatever the groups were."""
+    if not (meta.get("use_deepspeed") and now.get("use_deepspeed")
+            and meta.get("zero_stage") in (1, 2) and now.get("zero_stage") in (1, 2)):
+        return
+    saved, wanted = ParamGroups.from_meta(meta), ParamGroups.from_meta(now)
+    saved_count = saved.count if saved is not None else 1
+    wanted_count = wanted.count if wanted is not None else 1
+    if saved_count == wanted_count and (saved is None or wanted is None or saved.layout == wanted.layout):
+        return
+    raise ConfigError("deepspeed.param_groups", f"checkpoint {path} holds ZeRO-{meta.get('zero_stage')} optimizer "
+                      f"state in {saved_count} parameter group(s) per model; this run cuts {wanted_count}: DeepSpeed "
+                      "loads ZeRO-1/2 state group by group", f"deepspeed.param_groups=auto (takes the checkpoint's "
+                      f"{saved_count}), or deepspeed.param_groups={saved_count}")
 
 
 def _option(optimizer: object) -> str:

@@ -31,8 +31,14 @@ class ModelStats:
     # encoder's (model.train_text_encoder); () for one group
     trainable_groups: tuple[int, ...] = ()
 
-    def groups(self) -> list[int] | None:
-        return list(self.trainable_groups) or None
+    def module_numels(self) -> list[list[int]]:
+        """Each trained module's trainable parameters' sizes: the U-Net's, then each trained text encoder's."""
+        numels = list(self.trainable_numels) or list(self.param_numels)
+        out, start = [], 0
+        for count in self.trainable_groups or (len(numels),):
+            out.append(numels[start:start + count])
+            start += count
+        return out
 
     def trained_shapes(self) -> list[tuple[int, ...]] | None:
         """The trainable parameters' shapes, or None where these stats predate them."""

@@ -11,6 +11,7 @@ one's part is read from the cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -166,9 +167,18 @@ class UNetWithTextEncoders(torch.nn.Module):
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": batch["time_ids"]})
 
 
-def param_groups(module: torch.nn.Module, lrs: list[float]) -> list[dict] | list[torch.nn.Parameter]:
-    """What the optimizer gets: the trainable parameters, one group per trained module with its own lr."""
-    if not isinstance(module, UNetWithTextEncoders):
-        return adapter.trainable_parameters(module)
-    modules = [module.unet, *module.encoders().values()]
-    return [{"params": adapter.trainable_parameters(m), "lr": lr} for m, lr in zip(modules, lrs, strict=True)]
+def param_groups(module: torch.nn.Module, lrs: list[float], sizes: Sequence[Sequence[int]]) -> list[dict]:
+    """What the optimizer gets: each trained module's trainable parameters with its lr, cut into the contiguous
+    groups `sizes` gives (param_groups.layout: per module, the parameters each of its groups holds)."""
+    modules = [module.unet, *module.encoders().values()] if isinstance(module, UNetWithTextEncoders) else [module]
+    groups = []
+    for m, lr, counts in zip(modules, lrs, sizes, strict=True):
+        params = adapter.trainable_parameters(m)
+        if sum(counts) != len(params):
+            raise RuntimeError(f"{len(params)} trainable parameters, but the resolved run's groups hold "
+                               f"{sum(counts)}: the model changed after preflight")
+        start = 0
+        for n in counts:
+            groups.append({"params": params[start:start + n], "lr": lr})
+            start += n
+    return groups

@@ -29,7 +29,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
                        bool(cfg.train.gradient_checkpointing), str(cfg.model.attention), cfg.adapter)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
-    groups = checked.model_stats.groups()  # the U-Net's, then each trained text encoder's
+    groups = checked.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
     states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
                                checked.model_stats.trained_shapes(), groups)
     lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups)}

@@ -216,6 +216,7 @@ class DeepSpeed:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     torch_adam: Any = "auto"             # auto | true | false
+    param_groups: Any = "auto"           # auto | K: the trained parameters in K contiguous optimizer groups
     stage3_gather_16bit_weights_on_model_save: bool = True
 
 

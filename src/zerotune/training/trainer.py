@@ -92,7 +92,8 @@ class Trainer:
             self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         lrs = text_encoders.group_lrs(cfg.model, cfg.optimizer.lr)
-        opt, sched = optimizer_and_scheduler(self.run, text_encoders.param_groups(module, lrs))
+        groups = text_encoders.param_groups(module, lrs, self.run.group_layout())
+        opt, sched = optimizer_and_scheduler(self.run, groups)
         pause("engine_build")
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(module, opt, loader)
@@ -209,7 +210,7 @@ class Trainer:
         self.saves.save(self.accelerator, self.step, lambda: store.SaveRequest(
             root=self.saves.root, step=self.step,
             meta=checkpoints.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world,
-                                           self.run.client_optimizer),
+                                           self.run.client_optimizer, self.run.param_groups),
             position_state=self.position_state(), unet=self.unet_module(), job=self.saves.job,
             encoder_configs={n: m.config for n, m in self._encoders().items()},
             # fp32 weights, and Adam's two moments of the trained ones
