@@ -45,11 +45,11 @@ def check_accounting(phases: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
-def test_the_reference_rows_peak_while_loading(experiment):
-    """ZeRO-2, bf16, optimizer offload, on the 4090: DeepSpeed flattens the parameters on the GPU while their
-    separate blocks are still held, then clones the partition there for the fp32 master; nothing empties the
-    cache afterwards, so the step runs inside a pool of about 15 GB at both resolutions."""
-    plan, phases = plan_with_phases(f"experiment={experiment}")
+def test_the_reference_rows_peak_while_loading_with_one_group(experiment):
+    """ZeRO-2, bf16, optimizer offload, on the 4090, deepspeed.param_groups=1: DeepSpeed flattens the parameters
+    on the GPU while their separate blocks are still held, then clones the partition there for the fp32 master;
+    nothing empties the cache afterwards, so the step runs inside a pool of about 15 GB at both resolutions."""
+    plan, phases = plan_with_phases(f"experiment={experiment}", "deepspeed.param_groups=1")
     check_accounting(phases)
     assert [p["phase"] for p in phases] == ["loading", "step"]  # synthetic data, no evaluation, no checkpoint
     loading, step = by_name(phases)["loading"], by_name(phases)["step"]
@@ -61,6 +61,24 @@ def test_the_reference_rows_peak_while_loading(experiment):
     assert step["peak_mib"] == pytest.approx(plan["gpu_peak_mib"]) and step["terms"] == plan["gpu_terms"]
     assert step["carried_mib"] == loading["reserved_mib"] > step["peak_mib"]
     assert run_peak(phases)["phase"] == "loading"
+
+
+@pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
+def test_sixteen_groups_bring_the_loading_peak_below_the_step(experiment):
+    """deepspeed.param_groups=auto (16 at ZeRO-2): one group's flat buffer and clone at a time beside the blocks,
+    and only the last group's freed blocks and clone carried into the step."""
+    plan, phases = plan_with_phases(f"experiment={experiment}")
+    check_accounting(phases)
+    loading, step = by_name(phases)["loading"], by_name(phases)["step"]
+    terms = {t["term"]: t["mib"] for t in loading["terms"]}
+    _, one = plan_with_phases(f"experiment={experiment}", "deepspeed.param_groups=1")
+    blocks = {t["term"]: t["mib"] for t in by_name(one)["loading"]["terms"]}["unet_parameter_blocks"]
+    assert terms["unet_parameter_blocks"] == pytest.approx(blocks)  # the first group: every block still there
+    # a sixteenth of the flat buffer and of the clone (each group rounded to 2 MiB)
+    assert terms["flat_parameter_buffer"] == terms["master_partition_clone"] == pytest.approx(4898.0 / 16, abs=40)
+    assert "group 1 of 16" in next(t["note"] for t in loading["terms"] if t["term"] == "master_partition_clone")
+    assert loading["reserved_mib"] < step["peak_mib"] and run_peak(phases)["phase"] == "step"
+    assert step["carried_mib"] < step["peak_mib"]
 
 
 def test_caching_appears_only_when_it_runs_on_the_gpu():
@@ -113,7 +131,7 @@ def test_the_breakdown_and_the_builder_show_the_phases():
     without = {k: v for k, v in plan.items() if k != "phases"}
     assert "the run's phases" not in render.breakdown(without)
     marks = phase_marks({**plan, "phases": phases})
-    assert [m["phase"] for m in marks] == ["loading", "step"] and [m["run_peak"] for m in marks] == [True, False]
+    assert [m["phase"] for m in marks] == ["loading", "step"] and [m["run_peak"] for m in marks] == [False, True]
     assert phase_marks(without) == []
 
 

@@ -4,6 +4,8 @@ one flat group padded to 2 x world size, each rank owning `flat // world` elemen
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator
@@ -12,20 +14,22 @@ from zerotune.plan.rules import (
     Precision,
     StepShape,
     buffer_term,
-    module_blocks,
+    frozen_numels,
+    numels_of,
     offload_device,
     offload_devices,
     optimizer_kind,
     optimizer_state,
+    precision_of,
     split_groups,
-    state_mib,
     states_record,
     term,
+    zero_config,
 )
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Config, launch_world_size
-from zerotune.units import DTYPE_BYTES, MIB
+from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -135,34 +139,94 @@ def step_transients(shape: StepShape) -> list[dict]:
                  src + " (the gradients flattened" + (", then cast" if cast else "") + ")", "step:flatten")]
 
 
+@dataclass(frozen=True)
+class GroupLoad:
+    """One parameter group's passage through DeepSpeedZeroOptimizer.__init__ (bytes): at its flatten (step 2) and
+    at its clone (step 4, `loading`'s docstring)."""
+
+    group: int
+    separate: int      # blocks not yet flattened: the frozen ones and those of later groups
+    own: int           # the group's own blocks: alive at the flatten, freed (still reserved) at the clone
+    flat: int          # the flat buffers of groups 1..this one
+    clone: int         # this group's partition cloned in the run's dtype
+    master: int        # the fp32 masters of groups 1..this one on the card (0 under offload)
+    earlier_master: int  # those of the groups before this one
+    on_gpu: bool       # flattened on the card (else: its blocks moved to the host first)
+
+    @property
+    def allocated(self) -> int:
+        """The larger of what is allocated at the flatten and at the clone."""
+        at_flatten = self.separate + (self.own if self.on_gpu else 0) + self.flat + self.earlier_master
+        return max(at_flatten, self.separate + self.flat + self.clone + self.master)
+
+    @property
+    def reserved(self) -> int:
+        """At the clone: what is allocated, and the group's freed blocks (emptied only at the next group's start)."""
+        return self.separate + (self.own if self.on_gpu else 0) + self.flat + self.clone + self.master
+
+
+def group_loads(groups: list[list[int]], frozen: list[int], param_elem: int, master_elem: int, world: int,
+                parameter_alignment: bool, offload: bool, free: float | None,
+                held: Callable[[list[int]], int] = allocator.reserved_bytes) -> list[GroupLoad]:
+    """Each group's moments, in the order ZeRO-1/2 take them. `held`: what a set of tensor sizes (bytes) holds:
+    the CUDA allocator's reservation (default), or their bytes (`sum`, for the CPU's allocator);
+    `free`: the card's memory left beside the context (None: taken as fitting)."""
+    # the blocks still separate from group i on: counted together, as they share the allocator's segments
+    tail = [held([n * param_elem for n in [*frozen, *(x for g in groups[i:] for x in g)]])
+            for i in range(len(groups) + 1)]
+    flat_numels = [zero12_flat(g, world, parameter_alignment, param_elem) for g in groups]
+    flats = [held([n * param_elem]) for n in flat_numels]
+    same = param_elem == master_elem  # .to(fp32) of an fp32 clone returns the clone, which is the master
+    clones = [0 if (same and not offload) else held([n // world * param_elem]) for n in flat_numels]
+    masters = [0 if offload else held([n // world * master_elem]) for n in flat_numels]
+    out = []
+    for i in range(len(groups)):
+        separate, own = tail[i + 1], tail[i] - tail[i + 1]
+        on_gpu = free is None or free - tail[i] - sum(flats[:i]) - sum(masters[:i]) >= flats[i]
+        out.append(GroupLoad(i, separate, own, sum(flats[:i + 1]), clones[i], sum(masters[:i + 1]),
+                             sum(masters[:i]), on_gpu))
+    return out
+
+
 def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
-    """ZeRO-1/2: the parameters arrive one block each (module.to); the optimizer flattens them into one buffer,
-    on the GPU when NVML's free memory holds it (stage_1_and_2.py line 453, `flatten_on_accelerator`), else after
-    moving them to the host and emptying the cache (line 462); the separate blocks are then freed
-    (_update_model_bit16_weights) but stay reserved. The fp32 master partition is cloned on the GPU first
-    (`.detach().clone().to(device=self.device, dtype=fp32)`, line 560): a copy of the partition in the run's
-    dtype, freed once converted (and moved to the host under offload)."""
-    elem, world = DTYPE_BYTES[cfg.precision.name], launch_world_size(cfg.launch)
-    sizes, frozen = module_blocks(checked, elem)
-    flat = sum(sizes) - sum(frozen)
-    separate = allocator.reserved_bytes(sizes)
-    on_gpu = gpu is None or (gpu.memory_mib - sum(t["mib"] for t in base)) * MIB - separate >= flat
-    offload = offload_devices(checked.ds_config)[0]
-    master = state_mib(plan, "master_weights") * MIB
-    clone = 0 if (elem == 4 and offload == "none") else allocator.reserved_bytes([-(-flat // world)])
-    where = "no card named: taken as fitting" if gpu is None else f"{gpu.name} holds it"
-    blocks = term("unet_parameter_blocks", separate, "one block per parameter, run dtype (engine.py module.to); "
-                  + ("freed when the flat buffer takes them, still reserved" if on_gpu else
-                     f"moved to the host, released by empty_cache() ({_S12} line 462)"))
-    later = [term("flat_parameter_buffer", allocator.reserved_bytes([flat]), f"{_S12} flatten_dense_tensors_aligned"
-                  + (f" on the GPU ({where})" if on_gpu else " on the host, then moved")),
-             term("master_partition_clone", clone, f"{_S12} line 560: the partition cloned on the GPU before "
-                  f".to(fp32, {'host' if offload != 'none' else 'GPU'})" if clone else "fp32: the clone is the master"),
-             term("master_weights", master, "fp32 partition on the GPU (the step's term)" if master else
-                  "on the host (the step's term)")]
-    moments = [blocks, *later] if on_gpu else max([blocks], later, key=lambda ts: sum(t["mib"] for t in ts))
-    terms = [*base, *moments]
-    end = None if on_gpu else sum(t["mib"] for t in [*base, *later])
-    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms, "end_live_mib": end,
-            "source": f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__ "
-                      f"(empty_cache() at line 449 before flattening releases what earlier phases left)"}
+    """ZeRO-1/2 take the optimizer's parameter groups one at a time (DeepSpeedZeroOptimizer.__init__'s loop over
+    optimizer.param_groups; deepspeed.param_groups sets how many). The parameters arrive one block each
+    (engine.py module.to). For group i, ZeRO:
+    1. empties the cache (line 449): the blocks freed for group i-1, and its clone, go back to the driver;
+    2. flattens the group into one buffer, on the card when NVML's free memory holds it (line 453,
+       `flatten_on_accelerator`), else after moving the group's blocks to the host and emptying the cache again;
+    3. points the parameters into the buffer (_update_model_bit16_weights): the group's blocks are freed, and stay
+       reserved until the next group's step 1;
+    4. clones the rank's partition on the card (`.detach().clone().to(device=self.device, dtype=fp32)`, line 560),
+       then casts it to the fp32 master (on the card; on the host under offload) and frees the clone.
+    At step 4 the pool holds the frozen blocks, the blocks of groups i.. (group i's freed but reserved), the flat
+    buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. Its end
+    keeps the last group's freed blocks and clone reserved."""
+    prec = precision_of(checked.ds_config)
+    numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
+    groups = split_groups(train, checked.group_sizes())
+    offload = offload_devices(checked.ds_config)[0] != "none"
+    free = None if gpu is None else (gpu.memory_mib - sum(t["mib"] for t in base)) * MIB
+    loads = group_loads(groups, frozen_numels(numels, train), prec.param, prec.master,
+                        launch_world_size(cfg.launch), zero_config(checked.ds_config).parameter_alignment, offload,
+                        free)
+    top = max(loads, key=lambda g: g.reserved)
+    where = ("no card named: taken as fitting" if gpu is None else f"{gpu.name} holds it") if top.on_gpu else \
+        "on the host (the card lacked the room), then moved"
+    of = f"group {top.group + 1} of {len(loads)}"
+    terms = [*base,
+             term("unet_parameter_blocks", top.separate + (top.own if top.on_gpu else 0), "one block per parameter, "
+                  f"run dtype (engine.py module.to): the frozen ones and those not yet flattened ({of}'s freed by "
+                  "_update_model_bit16_weights, still reserved)"),
+             term("flat_parameter_buffer", top.flat, f"{_S12} flatten_dense_tensors_aligned, groups 1..{top.group + 1} "
+                  f"({where})"),
+             term("master_partition_clone", top.clone, f"{_S12} line 560: {of}'s partition cloned on the card before "
+                  f".to(fp32, {'host' if offload else 'GPU'})" if top.clone else "fp32: the clone is the master"),
+             term("master_weights", top.master, f"fp32 partitions of groups 1..{top.group + 1} on the card"
+                  if top.master else "on the host (the step's term)")]
+    end = loads[-1].reserved  # the last group's freed blocks and clone stay reserved into the step
+    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "end_live_mib": sum(t["mib"] for t in base) + end / MIB,
+            "source": f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__, "
+                      f"{len(loads)} parameter group(s) (deepspeed.param_groups); empty_cache() at line 449, each "
+                      f"group's start, releases what the group before freed and what earlier phases left"}
