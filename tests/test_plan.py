@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from tests.helpers.cli import call_main, read_summary, run_cli
 from zerotune.cli.plan import main as plan_main
 from zerotune.errors import ConfigError
-from zerotune.plan import allocator, gpus, recommend
+from zerotune.plan import allocator, gpus, recommend, render
 from zerotune.plan import guard as planning
 
 MIB = 2**20
@@ -83,6 +83,11 @@ def test_the_lowest_stage_that_fits_is_recommended_and_why():
     assert "stage 1 needs at least 26,000 MiB" in answer["recommended"]["why"]
     assert [r["fits"] for r in answer["options"]][:3] == [True, True, True]
     assert answer["options"][-1]["refused"]
+    # beside the recommendation, the option with the least memory, whatever its stage and offload
+    assert answer["smallest"] == {"option": "zero_stage=3 offload=cpu gradient_checkpointing=false",
+                                  "peak_mib": 9_000, "time_floor_s": 0.1}
+    assert "smallest peak: zero_stage=3 offload=cpu gradient_checkpointing=false (9,000 MiB, time floor 0.100 " \
+        "s/step)" in render.ranking({"micro_batch": None, **answer})
 
 
 def test_nothing_fits_says_so_with_the_smallest():

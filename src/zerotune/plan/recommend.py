@@ -48,7 +48,18 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
               "fits": r.fits(gpu), "refused": r.refused,
               **({k: getattr(Plan.from_dict(r.plan), k) for k in _FIGURES} if r.plan else {}),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
-    return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu)}
+    return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu),
+            "smallest": _smallest(rows)}
+
+
+def _smallest(rows: list[Row]) -> dict:
+    """The option with the lowest run peak, whatever it costs in time: what to train with when memory is all
+    that matters (the recommendation weighs communication and offload too)."""
+    least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
+    if least is None:
+        return {"option": None, "peak_mib": None, "time_floor_s": None}
+    return {"option": least.label, "peak_mib": peak_mib(least.plan),
+            "time_floor_s": Plan.from_dict(least.plan).time_floor_s}  # type: ignore[union-attr]
 
 
 _FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",

@@ -93,4 +93,9 @@ def ranking(answer: dict) -> str:
     rows.append("GPU MiB: the run's peak as nvidia-smi shows it (its phases); step MiB: the training step's alone")
     rec = answer["recommended"]
     rows.append(f"recommended: {rec['option'] or 'none'} ({rec['why']})")
+    least = answer.get("smallest") or {}
+    if least.get("option"):
+        floor = least["time_floor_s"]
+        rows.append(f"smallest peak: {least['option']} ({least['peak_mib']:,.0f} MiB"
+                    + (f", time floor {floor:.3f} s/step)" if floor is not None else ")"))
     return "\n".join(rows)
