@@ -47,8 +47,8 @@ def check_accounting(phases: list[dict]) -> None:
 @pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
 def test_the_reference_rows_peak_while_loading_with_one_group(experiment):
     """ZeRO-2, bf16, optimizer offload, on the 4090, deepspeed.param_groups=1: DeepSpeed flattens the parameters
-    on the GPU while their separate blocks are still held, then clones the partition there for the fp32 master;
-    nothing empties the cache afterwards, so the step runs inside a pool of about 15 GB at both resolutions."""
+    on the GPU while their separate blocks are still held, then clones the partition there for the fp32 master:
+    about three copies of the weights at once, above the step at both resolutions."""
     plan, phases = plan_with_phases(f"experiment={experiment}", "deepspeed.param_groups=1")
     check_accounting(phases)
     assert [p["phase"] for p in phases] == ["loading", "step"]  # synthetic data, no evaluation, no checkpoint
@@ -59,8 +59,9 @@ def test_the_reference_rows_peak_while_loading_with_one_group(experiment):
     assert terms["unet_parameter_blocks"] > terms["flat_parameter_buffer"]  # one block per parameter: rounding
     assert "cublas_workspace" not in terms  # no matmul before the first step
     assert step["peak_mib"] == pytest.approx(plan["gpu_peak_mib"]) and step["terms"] == plan["gpu_terms"]
-    assert step["carried_mib"] == loading["reserved_mib"] > step["peak_mib"]
     assert run_peak(phases)["phase"] == "loading"
+    # the trainer's empty_cache() after the engine's build: only the flat buffer (and the context) carry over
+    assert step["carried_mib"] == pytest.approx(terms["cuda_context"] + terms["flat_parameter_buffer"])
 
 
 @pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])

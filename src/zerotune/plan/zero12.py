@@ -200,8 +200,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     4. clones the rank's partition on the card (`.detach().clone().to(device=self.device, dtype=fp32)`, line 560),
        then casts it to the fp32 master (on the card; on the host under offload) and frees the clone.
     At step 4 the pool holds the frozen blocks, the blocks of groups i.. (group i's freed but reserved), the flat
-    buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. Its end
-    keeps the last group's freed blocks and clone reserved."""
+    buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. At its
+    end, the trainer empties the cache (training/trainer.py Trainer._prepare): only what is alive carries over."""
     prec = precision_of(checked.ds_config)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = split_groups(train, checked.group_sizes())
@@ -224,7 +224,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
                   f".to(fp32, {'host' if offload else 'GPU'})" if top.clone else "fp32: the clone is the master"),
              term("master_weights", top.master, f"fp32 partitions of groups 1..{top.group + 1} on the card"
                   if top.master else "on the host (the step's term)")]
-    end = loads[-1].reserved  # the last group's freed blocks and clone stay reserved into the step
+    last = loads[-1]  # the trainer's empty_cache() after the engine's build returns the last group's blocks, clone
+    end = last.separate + last.flat + last.master
     return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
             "end_live_mib": sum(t["mib"] for t in base) + end / MIB,
             "source": f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__, "

@@ -102,6 +102,10 @@ class Trainer:
             self.unet, self.optimizer, self.loader, self.scheduler = self.accelerator.prepare(
                 module, opt, loader, sched)
         self.dtype = next(self.unet.parameters()).dtype
+        if torch.cuda.is_available():
+            # What the engine's build freed (ZeRO-1/2's last parameter group's blocks and clone) stays reserved, in
+            # nvidia-smi, through training unless returned here; the step allocates its own afresh.
+            torch.cuda.empty_cache()
 
     def _with_text_encoders(self, unet: torch.nn.Module) -> torch.nn.Module:
         """The U-Net alone, or with the text encoders model.train_text_encoder trains (loaded from the components)."""
