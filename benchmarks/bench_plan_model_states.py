@@ -109,7 +109,8 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
     checked = preflight(cfg, world_size=world)
     numels, trainable = param_numels(checked.config.model, checked.config.adapter)
     return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable,
-                              checked.client_optimizer, checked.model_stats.trained_shapes()) for r in range(world)]
+                              checked.client_optimizer, checked.model_stats.trained_shapes(), checked.group_sizes())
+            for r in range(world)]
 
 
 def compare(combo, engine: list[dict]) -> list[dict]:
