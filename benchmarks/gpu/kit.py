@@ -2,12 +2,15 @@
 
     python benchmarks/gpu/kit.py PART [--dry-run] --out DIR --work DIR      (bash benchmarks/gpu/run.sh PART)
 
-PART: first | env | reference | grid | paths | all. A part plans before it starts: its pieces in order, each with
-its estimated seconds on an H100 (estimates.py, from the recorded runs), against its budget counted from the
-command's start (run.sh's install included, GPU_KIT_STARTED). It prints that plan, then starts a piece only when
-its estimate fits what is left, and lists the others as not run, with their commands. Both files are rewritten
-whole (by rename) before and after every piece, so a call killed at its time limit still leaves valid files with
-every piece done so far. This process never touches CUDA: each measurement runs in a process of its own.
+PART: first | loading | env | reference | grid | paths | all. A part plans before it starts: its pieces in order,
+each with its estimated seconds on an H100 (estimates.py, from the recorded runs), against its budget counted from
+the command's start (run.sh's install included, GPU_KIT_STARTED). It prints that plan, then starts a piece only
+when its estimate fits what is left, and lists the others as not run, with their commands. `loading` plans within
+its budget: the pieces whose estimates do not fit it, in order, are marked "past the budget" before it starts (the
+plan's total leaves them out, and names the later call that runs them); each still runs if the pieces before it
+ended soon enough that its estimate fits what is left. Both files are rewritten whole (by rename) before and after
+every piece, so a call killed at its time limit still leaves valid files with every piece done so far. This process
+never touches CUDA: each measurement runs in a process of its own.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ BUDGET_S = 480.0
 # A piece still running at this many times its estimate is stuck or far off the records: it is stopped, and the
 # pieces after it keep their time.
 LIMIT_FACTOR = 2
-PARTS = ("first", "env", "reference", "grid", "paths")
+PARTS = ("first", "loading", "env", "reference", "grid", "paths")
 ALL = ("env", "reference", "grid", "paths")  # `all`: 8 files, what the device tool brings back; `first` repeats
-# the env part and two reference rows, so `all` leaves it out
+# the env part and two reference rows, so `all` leaves it out, and `loading` is a call of its own
+# A piece planned past its part's budget (`loading`): its estimate does not fit after those before it
+PAST = "past the budget"
 
 
 @dataclass
@@ -102,13 +107,22 @@ def install_entry(part: Part, dry_run: bool, first_of_call: bool) -> dict:
             "wall_s": spent}
 
 
-def run_plan(part: Part, pieces: list[Piece], install: dict) -> dict:
-    """Plans the pieces (printed, and saved with the part), then runs each whose estimate fits what is left."""
+def plan(part: Part, pieces: list[Piece], install: dict, within_budget: bool = False) -> dict:
+    """The part's plan, in its record: the install, then each piece with its estimate and status, and the total.
+    `within_budget`: the plan holds what fits the budget, in order; the rest is marked past it (cut_at_budget)."""
     part.record["plan"] = [install] + [
         {"piece": p.name, "estimate_s": round(p.estimate_s, 1), "basis": p.basis, "command": p.command,
          "status": p.skip or "planned", "wall_s": None} for p in pieces]
+    if within_budget:
+        cut_at_budget(part.record)
     part.record["plan_total_s"] = round(sum(e["estimate_s"] for e in part.record["plan"]
                                             if e["status"] in ("planned", "done")), 1)
+    return part.record
+
+
+def run_plan(part: Part, pieces: list[Piece], install: dict, within_budget: bool = False) -> dict:
+    """Plans the pieces (printed, and saved with the part), then runs each whose estimate fits what is left."""
+    plan(part, pieces, install, within_budget)
     print(report.plan_text(part.record), flush=True)
     part.save()
     for piece, entry in zip(pieces, part.record["plan"][1:], strict=True):
@@ -130,8 +144,35 @@ def run_plan(part: Part, pieces: list[Piece], install: dict) -> dict:
             entry.update(status="done", outcome=outcome, wall_s=round(time.monotonic() - started, 1))
             print(f"gpu kit: {part.record['part']}/{piece.name}: {outcome} in {entry['wall_s']} s", flush=True)
         part.save()
+    if within_budget:
+        part.record["later_call"] = later_call(part.record, lambda e: e["status"].startswith("not run: needs about"))
     part.save(complete=True)
     return part.record
+
+
+def cut_at_budget(record: dict) -> None:
+    """Marks each planned piece whose estimate, after the install and the planned pieces before it, is past the
+    budget (a later one that fits stays planned, as a piece that fits what is left runs); records their seconds and
+    the call that runs them."""
+    spent = record["plan"][0]["estimate_s"]  # the install, measured
+    for entry in record["plan"][1:]:
+        if entry["status"] != "planned":
+            continue
+        if spent + entry["estimate_s"] > record["budget_s"]:
+            entry["status"] = PAST
+        else:
+            spent += entry["estimate_s"]
+    past = [e for e in record["plan"][1:] if e["status"] == PAST]
+    record["past_budget_s"] = round(sum(e["estimate_s"] for e in past), 1)
+    record["later_call"] = later_call(record, lambda e: e["status"] == PAST)
+
+
+def later_call(record: dict, left: Callable[[dict], bool]) -> str | None:
+    """The call that runs the pieces `left` picks (ZEROTUNE_GPU_KIT_ROWS), or None when there are none."""
+    names = [e["piece"] for e in record["plan"][1:] if left(e)]
+    if not names:
+        return None
+    return f"ZEROTUNE_GPU_KIT_ROWS={','.join(names)} bash benchmarks/gpu/run.sh {record['part']}"
 
 
 def compose_row(row: rows.Row) -> tuple[DictConfig | None, str | None]:
@@ -186,12 +227,23 @@ def row_pieces(part: Part, table: list[rows.Row], work: Path, dry_run: bool, cpu
         if not skip and cfg is not None and cfg.offload.device in ("cpu", "nvme"):  # DeepSpeed's CPU-Adam steps it
             build_s, build_basis = cpu_adam.take()
             seconds, basis = seconds + build_s, basis + build_basis
+        reference = reference_of(cfg)
         pieces.append(Piece(row.name, seconds, basis,
-                            " ".join(rows.command(row, Path("<work>") / row.name, dry_run, 0)[1:]),
+                            rows.shown(row, rows.command(row, Path("<work>") / row.name, dry_run, 0)),
                             run=lambda limit, row=row: run_row(part, row, work, dry_run, limit),
-                            not_run=lambda why, row=row: part.record["rows"].append(rows.skipped(row, why, dry_run)),
+                            not_run=lambda why, row=row, ref=reference: part.record["rows"].append(
+                                rows.skipped(row, why, dry_run, ref)),
                             skip=skip))
     return pieces
+
+
+def reference_of(cfg: DictConfig | None) -> dict | None:
+    """The experiment's reference figures (SimpleTuner's), as the run's summary.json gives them; None without."""
+    if cfg is None or cfg.get("reference") is None:
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg.reference, resolve=True)
 
 
 def run_row(part: Part, row: rows.Row, work: Path, dry_run: bool, limit: float) -> str:
@@ -258,8 +310,8 @@ def junit_rows(path: Path) -> list[dict]:
     return out
 
 
-RENDER = {"first": report.first_markdown, "env": report.env_markdown, "reference": report.runs_markdown,
-          "grid": report.runs_markdown, "paths": report.paths_markdown}
+RENDER = {"first": report.first_markdown, "loading": report.loading_markdown, "env": report.env_markdown,
+          "reference": report.runs_markdown, "grid": report.runs_markdown, "paths": report.paths_markdown}
 
 
 def run_part(name: str, out: Path, work: Path, dry_run: bool, started: float, first_of_call: bool,
@@ -273,6 +325,9 @@ def run_part(name: str, out: Path, work: Path, dry_run: bool, started: float, fi
         part.record["env"] = {}
         pieces = [env_piece(part.record["env"], part_work, dry_run, False, cpu_adam),
                   *row_pieces(part, parts.FIRST, part_work, dry_run, cpu_adam, None)]
+    elif name == "loading":  # every row, in order, as far as the budget goes (a dry run too: its rows are quick)
+        pieces = row_pieces(part, parts.LOADING, part_work, dry_run, cpu_adam, None)
+        return run_plan(part, pieces, install, within_budget=True)
     elif name == "env":
         pieces = [env_piece(part.record, part_work, dry_run, True, cpu_adam)]
     elif name == "paths":
@@ -307,6 +362,8 @@ def main(argv: list[str]) -> int:
                           kinds_run)
         print(f"gpu kit: {name}: {'complete' if record['complete'] else 'INCOMPLETE'} in {record['wall_s']} s "
               f"-> {args.out / (name + '.json')}, {args.out / (name + '.md')}", flush=True)
+        if record.get("later_call"):
+            print(f"gpu kit: {name}: the rows not run, in a later call: {record['later_call']}", flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""The rows of the `first`, `reference` and `grid` parts, most valuable first (a part starts a row only when its
-estimated seconds fit what is left of its time budget, and lists the rest as not run, with their commands)."""
+"""The rows of the `first`, `reference`, `grid` and `loading` parts, most valuable first (a part starts a row only
+when its estimated seconds fit what is left of its time budget, and lists the rest as not run, with their
+commands)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,39 @@ def grid_cost(name: str) -> estimates.Cost:
 
 
 GRID = grid_rows()
+
+
+# `loading`: does zerotune's loading peak now beat SimpleTuner's figures? SDXL's full U-Net, ZeRO-2 + CPU offload
+# (the reference rows as `first` runs them, 10 steps): DeepSpeed 0.19.8's ZeRO-1/2 flatten the whole optimizer
+# group on the card and clone the partition there, which made every recorded run's peak its loading phase (16,278 /
+# 16,602 MiB on the H100). deepspeed.param_groups=K cuts the U-Net into K contiguous groups, flattened one at a
+# time; K=1 is the old behaviour, 16 what `auto` takes at ZeRO-1/2. The K=16 rows come first: they answer the part's
+# question, and K=1's peaks are recorded twice already (the H100, the H200: within 6 MiB); K=1 again on the same
+# card is the control. The estimates are K=1's records (K=16's loading is unmeasured).
+K1, K16 = "deepspeed.param_groups=1", "deepspeed.param_groups=16"
+STEPS_10 = "train.max_steps=10"
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+LOADING = [
+    # 1. the two reference rows at K=16, then at K=1
+    Row("ref_128_bs8_k16", [REF_128, STEPS_10, K16], estimates.REF_128_BS8,
+        f"{REF_128_NOTE}; K=16", against="ref_128_bs8_k1"),
+    Row("ref_1024_bs8_k16", [REF_1024, STEPS_10, K16], estimates.REF_1024_BS8,
+        f"{REF_1024_NOTE}; K=16", against="ref_1024_bs8_k1"),
+    Row("ref_128_bs8_k1", [REF_128, STEPS_10, K1], estimates.REF_128_BS8, f"{REF_128_NOTE}; K=1 (before)"),
+    Row("ref_1024_bs8_k1", [REF_1024, STEPS_10, K1], estimates.REF_1024_BS8, f"{REF_1024_NOTE}; K=1 (before)"),
+    # 2. zerotune's cheapest configuration for the same job: ZeRO-3, parameters and optimizer on the host
+    Row("z3_params_cpu_1024_bs8", [REF_1024, STEPS_10, "zero_stage=3", "offload=cpu", "offload.params=true"],
+        estimates.Z3_PARAMS_1024_BS8, "ZeRO-3, parameters and optimizer states on the host; 1024² batch 8",
+        against="ref_1024_bs8_k16"),
+    # 3. as the budget allows: the guide's 8 GiB claim; the 128² row with expandable segments; smaller buckets
+    Row("ref_1024_bs1_k16", [REF_8GIB, STEPS_10, K16], estimates.REF_1024_BS1,
+        "the guide's untested claim: <= 8192 MiB at 1024² batch 1 (buckets 2e8); K=16"),
+    Row("ref_128_bs8_k16_expandable", [REF_128, STEPS_10, K16], estimates.REF_128_BS8,
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; K=16", env=EXPANDABLE, against="ref_128_bs8_k16"),
+    Row("ref_128_bs8_k16_bucket1e8", [REF_128, STEPS_10, K16, "deepspeed.reduce_bucket_size=100000000"],
+        estimates.REF_128_BS8, "reduce bucket 1e8 (default 5e8): its s/step against the default's; K=16",
+        against="ref_128_bs8_k16"),
+    Row("ref_128_bs8_k16_bucket2e8", [REF_128, STEPS_10, K16, "deepspeed.reduce_bucket_size=200000000"],
+        estimates.REF_128_BS8, "reduce bucket 2e8 (default 5e8): its s/step against the default's; K=16",
+        against="ref_128_bs8_k16"),
+]

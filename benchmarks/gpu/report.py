@@ -41,7 +41,13 @@ def plan_text(record: dict) -> str:
         status = "" if entry["status"] in ("planned", "done") else f"[{entry['status']}] "
         lines.append(f"gpu kit:   {entry['piece']:<28} {entry['estimate_s']:>6.1f} s  {status}{entry['basis']}")
     lines.append(f"gpu kit:   {'total':<28} {record['plan_total_s']:>6.1f} s  {verdict(record)}")
+    if record.get("past_budget_s"):
+        lines.append(f"gpu kit:   {'past the budget':<28} {record['past_budget_s']:>6.1f} s  {PAST_TEXT}; the "
+                     f"rest in a later call: {record['later_call']}")
     return "\n".join(lines)
+
+
+PAST_TEXT = "not in the total: each runs if its estimate fits what is left at its turn"
 
 
 def plan_markdown(record: dict) -> list[str]:
@@ -52,7 +58,12 @@ def plan_markdown(record: dict) -> list[str]:
                  [[e["piece"], fmt(e["estimate_s"], 1), fmt(e["basis"]),
                    fmt(e["status"] + (f": {e['outcome']}" if e.get("outcome") else "")), fmt(e["wall_s"], 1)]
                   for e in record["plan"]])
-    return out + ["", f"Planned in all: {fmt(record['plan_total_s'], 1)} s {verdict(record)}.", ""]
+    out += ["", f"Planned in all: {fmt(record['plan_total_s'], 1)} s {verdict(record)}."]
+    if record.get("past_budget_s"):
+        out += ["", f"Past the budget: {fmt(record['past_budget_s'], 1)} s, {PAST_TEXT}."]
+    if record.get("later_call"):
+        out += ["", f"Not run, for a later call: `{record['later_call']}`"]
+    return out + [""]
 
 
 def predicted_peak(predicted: dict) -> str:
@@ -84,6 +95,12 @@ def rows_section(records: list[dict]) -> list[str]:
                      [[r["name"], ph["phase"], fmt(ph["seconds"], 1), fmt(ph["gpu_max_allocated_mib"]),
                        fmt(ph["gpu_max_reserved_mib"]), planner_phase(r, ph["phase"])]
                       for r in by_phase for ph in r["phases_torch"]])
+    return out + later_sections(records)
+
+
+def later_sections(records: list[dict]) -> list[str]:
+    """The ops the rows built, phases.py's marks, the planner's GPU terms: where any row has them."""
+    out = []
     built = [r for r in records if (r.get("ops_build") or {}).get("ops")]
     if built:
         out += ["", "## DeepSpeed ops the rows built or loaded", ""]
@@ -102,6 +119,56 @@ def rows_section(records: list[dict]) -> list[str]:
         out += table(["row", "terms"], [[r["name"], ", ".join(f"{t['term']} {t['mib']:,.0f}"
                                                               for t in r["predicted"]["gpu_terms"])] for r in terms])
     return out
+
+
+def loading_markdown(record: dict) -> str:
+    """`loading`: the plan; each row's nvidia-smi peak beside SimpleTuner's figure (with the ratio) and the
+    planner's; each row against the row it changes one thing of; torch's and the host's peaks in each phase."""
+    rows = record["rows"]
+    out = title(record) + plan_markdown(record)
+    out += ["## The rows: nvidia-smi's peak beside SimpleTuner's figure and the planner's", "",
+            "K: the optimizer groups the run's engine was given (deepspeed.param_groups, from its resolved.json). "
+            "Reference: SimpleTuner's figure for the same job (RTX 4090, its nvidia-smi), from the experiment; "
+            "measured / reference under 1 beats it. Allocated / reserved: torch's peaks over the run. Host: peak "
+            "RSS, the planner's in brackets. s/step: zerotune's median, after its warm-up steps.", ""]
+    out += table(["row", "status", "K", "reference MiB", "nvidia-smi peak MiB", "measured / reference",
+                  "planner's run peak MiB", "predicted / measured", "allocated / reserved MiB",
+                  "host peak RSS MiB (planner)", "s/step", "steps", "note"],
+                 [loading_line(r) for r in rows])
+    out += ["", "## Each row against the row it changes one thing of", ""]
+    out += table(["row", "against", "nvidia-smi peak MiB", "difference MiB", "reserved peak MiB", "s/step",
+                  "s/step ratio"], [against_line(r, {x["name"]: x for x in rows}) for r in rows if r.get("against")])
+    by_phase = [r for r in rows if r.get("phases_torch")]
+    if by_phase:
+        out += ["", "## Each phase: torch's peaks and the host's, beside the planner's (MiB)", ""]
+        out += table(["row", "phase", "seconds", "allocated peak", "reserved peak", "planner's peak",
+                      "host peak RSS"],
+                     [[r["name"], ph["phase"], fmt(ph["seconds"], 1), fmt(ph["gpu_max_allocated_mib"]),
+                       fmt(ph["gpu_max_reserved_mib"]), planner_phase(r, ph["phase"]), fmt(ph.get("host_peak_rss_mib"))]
+                      for r in by_phase for ph in r["phases_torch"]])
+    return "\n".join(out + later_sections(rows)) + "\n"
+
+
+def loading_line(r: dict) -> list[str]:
+    m, p = r["measured"], r.get("predicted") or {}
+    reference = (r.get("reference") or {}).get("gpu_peak_process_mib")
+    against = (m["gpu_peak_process_mib"] / reference) if m["gpu_peak_process_mib"] and reference else None
+    host = f"{fmt(m['host_peak_rss_mib'])} ({fmt(p.get('host_peak_mib'))})"
+    return [r["name"], fmt(r["status"]), fmt(r.get("param_groups")), fmt(reference), fmt(m["gpu_peak_process_mib"]),
+            fmt(against, 3), predicted_peak(p), fmt(r.get("ratio"), 3),
+            f"{fmt(m['gpu_peak_allocated_mib'])} / {fmt(m['gpu_peak_reserved_mib'])}", host,
+            fmt(m["step_time_median_s"], 2), fmt(m["steps"]), fmt(r.get("note", ""))]
+
+
+def against_line(r: dict, by_name: dict) -> list[str]:
+    m = r["measured"]
+    o = (by_name.get(r["against"]) or {}).get("measured") or {}
+    peak, other = m["gpu_peak_process_mib"], o.get("gpu_peak_process_mib")
+    step, other_step = m["step_time_median_s"], o.get("step_time_median_s")
+    return [r["name"], r["against"], f"{fmt(peak)} / {fmt(other)}",
+            fmt(peak - other if peak is not None and other is not None else None),
+            f"{fmt(m['gpu_peak_reserved_mib'])} / {fmt(o.get('gpu_peak_reserved_mib'))}",
+            f"{fmt(step, 2)} / {fmt(other_step, 2)}", fmt(step / other_step if step and other_step else None, 3)]
 
 
 def planner_phase(row: dict, phase: str) -> str:

@@ -43,13 +43,17 @@ class Row:
     note: str = ""
     kind: str = "train"            # train: `python -m zerotune train`; phases: benchmarks/gpu/phases.py
     phases: dict = field(default_factory=dict)   # phases.py's options (kind == "phases")
+    env: dict = field(default_factory=dict)      # set in the job's environment, before anything starts CUDA
+    against: str = ""              # the row it is compared with in the part's tables (same workload, one change)
 
 
 def shrink(overrides: list[str], dry_run: bool) -> list[str]:
     """The row's overrides, or in a dry run the same with the tiny shapes last (they win)."""
     if not dry_run:
         return list(overrides)
-    keep = [o for o in overrides if not o.startswith(("train.batch_size=", "train.max_steps=", "resolution=", "offload="))]
+    # offload's fields go with it (offload.params=true needs a host to put them on)
+    keep = [o for o in overrides if not o.startswith(("train.batch_size=", "train.max_steps=", "resolution=", "offload=",
+                                                      "offload."))]
     return [*keep, *TINY]
 
 
@@ -64,18 +68,27 @@ def command(row: Row, run_dir: Path, dry_run: bool, timeout_s: float) -> list[st
     return [sys.executable, "-m", "zerotune", "train", *overrides]
 
 
+def shown(row: Row, cmd: list[str]) -> str:
+    """The command as the records show it: the row's environment first, then the command less the interpreter."""
+    return " ".join([*(f"{k}={v}" for k, v in row.env.items()), *cmd[1:]])
+
+
 def run_row(row: Row, work: Path, dry_run: bool, timeout_s: float) -> dict:
     """Runs the row's job (killed at `timeout_s`), and returns its record."""
     run_dir = work / row.name
     cmd = command(row, run_dir, dry_run, timeout_s)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **row.env}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     start = time.monotonic()
     exit_code, log = run_bounded(cmd, work, env, timeout_s)
     record = {"name": row.name, "kind": row.kind, "note": row.note, "overrides": cmd[cmd.index("--") + 1:]
-              if "--" in cmd else cmd[4:], "command": " ".join(cmd[1:]), "exit_code": exit_code,
+              if "--" in cmd else cmd[4:], "command": shown(row, cmd), "exit_code": exit_code,
               "wall_s": round(time.monotonic() - start, 1)}
+    if row.env:
+        record["env"] = dict(row.env)
+    if row.against:
+        record["against"] = row.against
     record.update(read_run(run_dir))
     if record["status"] != "ok":
         record["log_tail"] = log[-3000:]
@@ -128,12 +141,21 @@ def read_run(run_dir: Path) -> dict:
            "startup": summary.get("startup")}
     if phases:
         out["phases_measured"] = phases
+    out["param_groups"] = param_groups(run_dir / "resolved.json")
     if phases:  # its own NVML sampler: the card's whole use (the job is the only process on it)
         measured["phases_device_peak_mib"] = phases.get("nvml_device_peak_mib")
     peak = measured.get("gpu_peak_process_mib") or measured.get("phases_device_peak_mib")
     predicted = out["predicted"] or {}  # nvidia-smi's peak is the run's: its phases where the plan has them
     out["ratio"] = ratio(peak, predicted.get("run_peak_mib") or predicted.get("gpu_peak_mib"))
     return out
+
+
+def param_groups(resolved: Path) -> int | None:
+    """How many optimizer groups the run's engine was given (deepspeed.param_groups as resolved), where it says."""
+    if not resolved.is_file():
+        return None
+    groups = json.loads(resolved.read_text()).get("param_groups")
+    return groups.get("count") if isinstance(groups, dict) else None
 
 
 def phase_peaks(phase: dict) -> dict:
@@ -175,8 +197,16 @@ def ratio(measured: float | None, predicted: float | None) -> float | None:
     return round(predicted / measured, 3)
 
 
-def skipped(row: Row, why: str, dry_run: bool) -> dict:
-    """A row not run (the part's time budget is spent, or a dry run runs one row of each kind)."""
+def skipped(row: Row, why: str, dry_run: bool, reference: dict | None = None) -> dict:
+    """A row not run (the part's time budget is spent, or a dry run runs one row of each kind). `reference`: the
+    composed experiment's reference figures, where the row has them."""
     cmd = command(row, Path("<work>") / row.name, dry_run, 0)
-    return {"name": row.name, "kind": row.kind, "note": row.note, "command": " ".join(cmd[1:]), "status": why,
-            "measured": unmeasured(), "predicted": None, "ratio": None}
+    record = {"name": row.name, "kind": row.kind, "note": row.note, "command": shown(row, cmd), "status": why,
+              "measured": unmeasured(), "predicted": None, "ratio": None}
+    if reference is not None:
+        record["reference"] = reference
+    if row.env:
+        record["env"] = dict(row.env)
+    if row.against:
+        record["against"] = row.against
+    return record
