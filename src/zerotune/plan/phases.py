@@ -38,7 +38,8 @@ _BASE = ("cuda_context", "cublas_workspace")
 def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -> list[dict]:
     """One dict per phase: {"phase", "peak_mib" (its own peak, from an empty pool), "carried_mib" (reserved when
     it starts), "reserved_mib" (what nvidia-smi shows during it), "terms" (adding up to peak_mib), "source",
-    "run_peak" (True for the phase that gives the run's peak)}, in run order. `plan`: predict.predict's answer."""
+    "run_peak" (True for the phase that gives the run's peak), and for ZeRO-1/2's loading "freed_at_end_mib" (what the
+    trainer's empty_cache() after the engine's build returns)}, in run order. `plan`: predict.predict's answer."""
     base = [t for t in plan["gpu_terms"] if t["term"] in _BASE]
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.

@@ -228,6 +228,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     end = last.separate + last.flat + last.master
     return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
             "end_live_mib": sum(t["mib"] for t in base) + end / MIB,
+            "freed_at_end_mib": (last.reserved - end) / MIB,
             "source": f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__, "
                       f"{len(loads)} parameter group(s) (deepspeed.param_groups); empty_cache() at line 449, each "
                       f"group's start, releases what the group before freed and what earlier phases left"}
