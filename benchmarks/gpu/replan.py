@@ -37,6 +37,9 @@ def main() -> int:
     for card, folder, row in recorded_rows():
         # the job's own overrides, less where the kit put its run and its time limit
         overrides = [o for o in row["overrides"] if not re.match(r"(hydra\.run\.dir|train\.timeout_s)=", o)]
+        if not any(o.startswith("deepspeed.param_groups=") for o in overrides):
+            # the groups the run's engine was given; a row recorded before the setting had one
+            overrides.append(f"deepspeed.param_groups={row.get('param_groups') or 1}")
         today = plan_one(overrides, gpus.lookup(card))["run_peak_mib"]
         measured = row["measured"]["gpu_peak_process_mib"]
         before = (row.get("predicted") or {}).get("run_peak_mib")
