@@ -6,7 +6,7 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 from __future__ import annotations
 
 from zerotune.models import text_encoders
-from zerotune.plan import allocator, cpu_optimizer, gpus, host, process
+from zerotune.plan import allocator, cpu_optimizer, gpus, process
 from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
@@ -40,8 +40,8 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
-    host_terms += [term(f"deepspeed:{name}", nbytes, _HOST_NOTES.get(name, "pinned")) for name, nbytes in
-                   host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups).items()]
+    host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
+        ds, numels, world, precision, 0, use_ds, train, groups).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
@@ -52,7 +52,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
             "host_terms": [*host_terms, load], "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms),
             "nvme_terms": nvme_terms}
     if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
-        pool = step_terms + [t for t in host_terms if not host.cuda_only(t["term"])]  # a CPU pins nothing
+        pool = step_terms + host_terms
         peak, moment = step_peak(pool)
         plan.update({"gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool})
     else:
@@ -74,12 +74,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     top = run_peak(plan["phases"])
     plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
     plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
-    # the host figure as the run measures it: the workers' RSS, each its process baseline and its host terms
-    return process.card_process_prediction(plan, per_node)
-
-
-_HOST_NOTES = {host.HEAP_KEPT: "the parameters' run-dtype copies glibc's heap keeps after the module moves to the "
-                              "card (host.py heap_kept_bytes)"}
+    return plan
 
 
 def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device: str) -> StepShape:
