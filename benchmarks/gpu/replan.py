@@ -1,12 +1,7 @@
 """The recorded GPU rows, predicted again by today's planner: what a change to the planner does to its misses.
 
-Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's overrides, its measured
-nvidia-smi peak and its host peak RSS) and runs the planner on each row's own command line for the card it ran
-on. Runs on the CPU.
-
-The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: launch/job.py samples the job process's
-descendants, the ranks), against the row's recorded `host_peak_mib` and today's process-RSS prediction for the
-card (plan/process.py card_process_prediction: this host's process baseline plus each rank's host terms).
+Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's overrides and its measured
+nvidia-smi peak) and runs the planner on each row's own command line for the card it ran on. Runs on the CPU.
 
     python benchmarks/gpu/replan.py          # a Markdown table: recorded prediction, today's, measured, ratios
 """
@@ -52,24 +47,12 @@ def as_run_before_the_build_emptied_the_cache(answer: dict, groups: int) -> floa
     return max(answer["run_peak_mib"], under_step)
 
 
-def host_cells(row: dict, today: float) -> str:
-    """The row's host columns: recorded host prediction, today's, the measured peak RSS and the two ratios."""
-    measured = row["measured"].get("host_peak_rss_mib")
-    before = (row.get("predicted") or {}).get("host_peak_mib")
-    cells = [f"{before:,.0f}" if before else "unrecorded", f"{today:,.0f}",
-             f"{measured:,.0f}" if measured else "unmeasured"]
-    cells += [f"{v / measured:.3f}" if v and measured else "-" for v in (before, today)]
-    return " | ".join(cells)
-
-
 def main() -> int:
-    from zerotune.plan import gpus, process
+    from zerotune.plan import gpus
     from zerotune.plan.command_line import plan_one
 
-    print("| folder | row | card | recorded prediction MiB | today's MiB | nvidia-smi peak MiB | recorded / measured | "
-          "today / measured | recorded host MiB | today's host MiB | host peak RSS MiB | recorded host / measured | "
-          "today's host / measured |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| folder | row | card | recorded prediction MiB | today's MiB | nvidia-smi peak MiB | recorded / measured | today / measured |")
+    print("|---|---|---|---|---|---|---|---|")
     for card, folder, row in recorded_rows():
         # the job's own overrides, less where the kit put its run and its time limit
         overrides = [o for o in row["overrides"] if not re.match(r"(hydra\.run\.dir|train\.timeout_s)=", o)]
@@ -82,11 +65,8 @@ def main() -> int:
         measured = row["measured"]["gpu_peak_process_mib"]
         before = (row.get("predicted") or {}).get("run_peak_mib")
         recorded, recorded_ratio = (f"{before:,.0f}", f"{before / measured:.3f}") if before else ("unrecorded", "-")
-        # the kit's rows run on one node: its ranks are the plan's world
-        host = process.card_process_prediction(answer, int(answer["world_size"]))["host_peak_mib"]
         print(f"| {folder} | {row['name']} | {card} | {recorded} | {today:,.0f} | {measured:,.0f} | "
-              f"{recorded_ratio} | {today / measured:.3f} | "
-              f"{host_cells(row, host)} |")
+              f"{recorded_ratio} | {today / measured:.3f} |")
     return 0
 
 
