@@ -133,7 +133,9 @@ def test_buffers_name_their_source_and_overlaps():
     assert z3["stage3_prefetch_bucket"].nbytes == 18 * 4 and z3["stage3_prefetch_bucket"].overlaps
     assert all(t.note.startswith("runtime/") for t in z3.values())
     assert buffer_terms(ds(0), ODD, 2)[0].nbytes == 15 * 4  # stage 0: one flat copy of the gradients
-    assert gpu_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {}
+    # plain accelerate: none of DeepSpeed's; with two processes DDP's buckets, a copy of the gradients (fp32)
+    assert gpu_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {"ddp_gradient_buckets": 15 * 4}
+    assert gpu_buffer_bytes(ds(0), ODD, 1, use_deepspeed=False) == {}
     with pytest.raises(ValueError, match="disagrees"):
         buffer_terms(ds(2), ODD, 2, "bf16")
 

@@ -44,18 +44,20 @@ ROWS = [
     Row("1a", SHIVAM + ": \"To reduce VRAM usage to 9.92 GB, pass --gradient_checkpointing and --use_8bit_adam\"",
         "SD 1.4 U-Net full, 512, bs 1, checkpointing, 8-bit AdamW, fp16 autocast", 9.92 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=true",
-         "optimizer=adamw8bit", *PLAIN_FP16), T4,
-        why="the planner's peak is the optimizer step (weights, gradients and states; the activations are freed by "
-            "then), so it gives checkpointing no cost here, where the source measured 1.25 GB more without it: in "
-            "the source's run the activations coexisted with something the planner frees before the step. Not "
-            "explained: that fork's script zeroes gradients with set_to_none=True, and its latent cache is one small "
-            "latent distribution per image. The T4's own CUDA context and cuDNN workspaces (the planner counts an "
-            "Ampere card's 256 MiB of context) and the allocator's fragmentation are candidates; so is our error"),
+         "optimizer=adamw8bit", *PLAIN_FP16), T4),
     Row("1b", SHIVAM + ": row fp16, bs 1, checkpointing FALSE, 8-bit TRUE: 11.17",
         "as 1a, checkpointing off", 11.17 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=false",
          "optimizer=adamw8bit", *PLAIN_FP16), T4,
-        why="as 1a: not explained; the predicted peak is the optimizer step, which checkpointing does not change"),
+        why="the planner's step (zerotune's loop: fp32 weights and gradients, 8-bit states, the forward under "
+            "autocast) peaks at the end of the backward, the 3,279 MiB of fp32 gradients beside the last 308 MiB of "
+            "activations and fp16 weight copies (the forward's end holds 2,842 MiB of them, no gradients yet); "
+            "checkpointing off adds 172 MiB there, the source 1.25 GB. Not explained: the source holds 2.5 GB more. "
+            "Its own table moves as the planner does with accumulation (GA 2 adds 1.64 GB with checkpointing, 2.53 "
+            "GB without; the planner's later micro-step, all gradients held, 1.68 and 2.47 GiB) but not with the "
+            "batch (a second sample: 2.5 GB without checkpointing, 0.45 GiB in the trace): something the source's "
+            "run holds per sample is not in the trace (xformers' and cuDNN's workspaces, kept by the caching "
+            "allocator, are candidates: the plain step applies none of plan/allocator.py's replay)"),
     Row("1c", SHIVAM + ": \"just xformers ... uses 15.79 GB VRAM with --gradient_checkpointing\"",
         "as 1a, torch AdamW (fp32 states)", 15.79 * GIB, "measured",
         ("model=sd15", "resolution=512", "train.batch_size=1", "train.gradient_checkpointing=true",
@@ -113,17 +115,15 @@ ROWS = [
     Row("12a", "bghira/SimpleTuner documentation/DEEPSPEED.md @ 09b0426a: \"13102MiB of VRAM for batch size 8\" "
         "(nvidia-smi); settings: experiments/results/planner_reference.md",
         "SDXL U-Net full, 1024, bs 8, bf16, DeepSpeed ZeRO-2, optimizer offloaded to the CPU", 13_102, "measured",
-        ("experiment=sdxl_4090_1024_bs8",), RTX4090,
-        why="as 12b: the planner's peak is DeepSpeed 0.19.8's loading phase, which the GPU kit measured for this "
-            "row on an H100 (16,602 MiB, predicted / measured 0.92); the reference's figure is a training step's, "
-            "and the planner's step is the `step` column"),
+        ("experiment=sdxl_4090_1024_bs8",), RTX4090),
     Row("12b", "the same guide: \"At 128x128 image size on a batch size of 8, training consumes as little as "
         "9237MiB of VRAM\"", "as 12a at 128 px", 9_237, "measured", ("experiment=sdxl_4090_128_bs8",), RTX4090,
-        why="the planner's peak is DeepSpeed 0.19.8's loading phase (the U-Net's blocks, the flat buffer and a "
-            "clone of the partition on the GPU at once, never emptied after), the same at every resolution; the GPU "
-            "kit measured it on an H100 at 16,278 MiB for this row (README, Reproducing the reference "
-            "measurements). The reference ran 2023's DeepSpeed; its figure is a training step's, and the planner's "
-            "step alone is the `step` column"),
+        why="today's trainer empties the cache after the engine's build (training/trainer.py Trainer._prepare), so "
+            "the planner's peak is the step: at 128 px little more than the bf16 weights (4,897 MiB), DeepSpeed's "
+            "reduce bucket and gradient-norm copy and 107 MiB of activations. Not explained: the reference, a training "
+            "step of 2023's DeepSpeed, read 2.5 GB more; the GPU kit's H100 run of this row, made before that "
+            "empty_cache, read 16,278 MiB with the engine build's blocks still reserved (README, Reproducing the "
+            "reference measurements)"),
     Row("13", "huggingface/diffusers issue #6230, on README_sdxl.md's full fine-tune command: \"Does running this "
         "script require 40GB of video memory?\" - maintainer: \"Yes.\"",
         "SDXL U-Net full, 512, bs 1, GA 4, checkpointing, 8-bit Adam, fp16 autocast, xformers; embeddings and "
@@ -131,10 +131,11 @@ ROWS = [
         ("model=sdxl", "resolution=512", "train.batch_size=1", "train.grad_accum=4",
          "train.gradient_checkpointing=true", "optimizer=adamw8bit", *PLAIN_FP16), V100,
         gap="the user's out-of-memory was on a 32 GB V100: the figure compared is that card",
-        why="not consistent, and not explained: the planner fits this run in a 32 GB card (fp32 weights and "
-            "gradients, 8-bit states, checkpointed activations at 512 px). The maintainer's \"Yes\" to \"40GB?\" is "
-            "no measurement; the script's validation pass loads both text encoders and the VAE beside training "
-            "(about 1.8 GiB in fp16), which still leaves it under 32 GB"),
+        why="not consistent, and not explained: the planner fits this run in a 32 GB card (fp32 weights, 8-bit "
+            "states, and in a later micro-step of the four the earlier ones' fp32 gradients beside autocast's fp16 "
+            "copies of the weights and checkpointed activations at 512 px: 30,078 MiB). The maintainer's \"Yes\" to "
+            "\"40GB?\" is no measurement; the script's validation pass loads both text encoders and the VAE beside "
+            "training (about 1.8 GiB in fp16), between steps, which still leaves it under 32 GB"),
     Row("14", "huggingface/diffusers examples/dreambooth/README_sdxl.md \"Dog toy example with < 16GB VRAM\"",
         "SDXL LoRA (rank 4, the script's default) on the U-Net, 1024, bs 1, GA 4, checkpointing, 8-bit Adam, "
         "fp16, xformers; embeddings precomputed", 16 * GIB, "fits",

@@ -16,6 +16,12 @@ torch's CPU flash kernel, which saves what CUDA's flash / memory-efficient kerne
 an fp32 log-sum-exp per query, no score matrix), and (2) no rounding of allocations up to the CUDA
 allocator's 512-byte blocks (a few kB against activations of MBs to GBs).
 
+Plain accelerate (deepspeed.enabled=false) with bf16/fp16 trains differently: fp32 weights and inputs, the
+module's forward wrapped in torch.autocast by accelerate (Accelerator.prepare_model), fp32 gradients.
+`trace_step(..., autocast=device)` traces that step (plain_trace: the same step as predict.py asked for it): the
+autocast key of the trace's CPU tensors with, for a CUDA plan, CUDA's cast policy (cast_policy: read from torch's
+own ATen/autocast_mode.h, stage0.py), and the half-precision copies autocast makes of the fp32 weights counted on their own.
+
 Traces are cached in this process and on disk (<cache>/plan/trace-<key>.json, <cache> being
 $ZEROTUNE_CACHE_DIR or ~/.cache/zerotune): a cached trace returns in milliseconds.
 """
@@ -28,9 +34,11 @@ import itertools
 import json
 import re
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple, cast
+from types import MethodType
+from typing import Any, NamedTuple, cast
 
 import torch
 from omegaconf import OmegaConf
@@ -45,11 +53,14 @@ from zerotune.models import (
     trained_encoder_archs,
     unet_config,
 )
+from zerotune.plan.stage0 import cast_policy
 from zerotune.schema import Adapter, Model, as_dict
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
 _TRACES: dict[str, Trace] = {}  # this process's traces, by key
+_ASKED: dict[str, tuple] = {}  # trace_step's arguments by the key of the trace it gave (this process): plain_trace
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -78,36 +89,64 @@ class Trace:
     backward_flops: int
     seconds: float
     key: str
+    # Plain accelerate's autocast (trace_step(..., autocast=...)): the half-precision copies of fp32 weights the
+    # forward makes (autocast's cached_cast), alive at the activation peak, at the joint peak, and at most; part of
+    # the two peaks above. 0 without autocast.
+    weight_copies_at_activation_peak_bytes: int = 0
+    weight_copies_at_joint_peak_bytes: int = 0
+    weight_copies_peak_bytes: int = 0
 
 
 def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> Trace:
+               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None,
+               autocast: str | None = None) -> Trace:
     """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape`
     ((channels, height, width): models.latent_shape), from this process's or the disk cache if it holds it.
 
     precision: fp32 | bf16 | fp16 (the parameters' dtype under DeepSpeed); attention: the model option's
     `attention` (sdpa | default); adapter_cfg: the run's `adapter` (None or adapter=none: full training).
+    autocast: None (the module cast to `precision`, as DeepSpeed's engine casts it), or the device (cpu | cuda)
+    plain accelerate runs the step on: fp32 weights and inputs, the forward under torch.autocast to `precision`
+    with that device's cast policy (autocast_forward, cast_policy).
     """
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
+    if autocast is not None and (autocast not in AUTOCAST_DEVICES or precision == "fp32"):
+        raise ValueError(f"autocast {autocast!r} to {precision}: autocast is to bf16 or fp16, on cpu or cuda")
     # The run's own adapter block all the way down: each step reads its settings from it.
-    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg)
+    key = trace_key(model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg, autocast)
+    if autocast is None:
+        _ASKED[key] = (model_cfg, latent_shape, batch, precision, gradient_checkpointing, attention, adapter_cfg)
     file = cache_dir() / f"trace-{key}.json"
     if key not in _TRACES:
         try:
             _TRACES[key] = Trace(**files.read_json(file))  # type: ignore[arg-type]
         except TypeError:  # absent, or unreadable (a partial write): trace again
             _TRACES[key] = _trace(model_cfg, cast("tuple[int, int, int]", tuple(latent_shape)), batch, precision,
-                                  gradient_checkpointing, attention, key, adapter_cfg)
+                                  gradient_checkpointing, attention, key, adapter_cfg, autocast)
             files.write_cached_json(file, asdict(_TRACES[key]))
     return _TRACES[key]
 
 
+def plain_trace(trace: Trace, device: str) -> Trace:
+    """The step `trace` is of (trace_step's answer in this process, the module cast to the run's dtype), as plain
+    accelerate runs it on `device` (cpu | cuda): fp32 weights, the forward under autocast (trace_step's
+    `autocast`). An fp32 run's trace is its own: no autocast, fp32 weights either way."""
+    if trace.key not in _ASKED:
+        raise KeyError(f"no trace_step call in this process gave the trace {trace.key}")
+    model_cfg, latent_shape, batch, precision, checkpointing, attention, adapter_cfg = _ASKED[trace.key]
+    if precision == "fp32":
+        return trace
+    return trace_step(model_cfg, latent_shape, batch, precision, checkpointing, attention, adapter_cfg, device)
+
+
 def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-              gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None) -> str:
+              gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None,
+              autocast: str | None = None) -> str:
     """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
     its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
-    adapter and its rank: `full` without one) and the torch version."""
+    adapter and its rank: `full` without one; plain accelerate's autocast and its device) and the torch
+    version."""
     fields = adapter.settings(adapter_cfg)
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.conditioning,
              "text_seq_len": model_cfg.text_seq_len, "prediction_type": model_cfg.prediction_type,
@@ -119,7 +158,8 @@ def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, 
     shape = "x".join(str(int(n)) for n in latent_shape)
     tuned = (f"{fields['name']}-r{fields.get('rank')}" if fields else "full") + (
         f"-te_{model_cfg.train_text_encoder}" if trained else "")
-    key = (f"{model_cfg.name}-{digest}-{shape}-b{int(batch)}-{precision}-"
+    amp = f"amp_{autocast}-" if autocast else ""  # absent without autocast: the engine's traces keep their keys
+    key = (f"{model_cfg.name}-{digest}-{shape}-b{int(batch)}-{precision}-{amp}"
            f"{'gc' if gradient_checkpointing else 'nogc'}-{attention}-{tuned}-torch{torch.__version__}-v{TRACE_FORMAT}")
     return re.sub(r"[^A-Za-z0-9._+-]", "_", key)
 
@@ -129,28 +169,105 @@ def cache_dir() -> Path:
 
 
 def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
-           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | None = None) -> Trace:
+           gradient_checkpointing: bool, attention: str, key: str, adapter_cfg: Adapter | None = None,
+           autocast: str | None = None) -> Trace:
     # Here, on a cache miss only: importing torch's MemTracker takes ~1 s, which every job start would pay.
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _MemRefType
 
-    from zerotune.plan.step_tracker import StepTracker
-
     start = time.perf_counter()
-    unet = _meta_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+    weights = "fp32" if autocast else precision  # plain accelerate keeps fp32 weights, and feeds fp32 inputs
+    unet = _meta_trained(model_cfg, weights, gradient_checkpointing, attention, adapter_cfg)
     # Non-fake inputs allowed: the noise scheduler's small constant tables are real tensors.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), cast_policy(autocast):
         unet.to_empty(device="cpu")
-        tracker = StepTracker()
+        if autocast:
+            autocast_forward(unet, precision)
+        tracker = _tracker()
         tracker.track_external(unet)
         with tracker, torch.enable_grad():
-            inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[precision])
+            inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[weights])
             _loss(unet, model_cfg, inputs).backward()
             params, grads = tracker.held(_MemRefType.PARAM), tracker.held(_MemRefType.GRAD)
+        tracker.stop_counting_copies()
     return Trace(activation_peak_bytes=tracker.activation_peak,
                  activation_and_grad_peak_bytes=tracker.activation_and_grad_peak, param_bytes=params, grad_bytes=grads,
                  forward_flops=tracker.flops["forward"], backward_flops=tracker.flops["backward"],
-                 seconds=round(time.perf_counter() - start, 3), key=key)
+                 seconds=round(time.perf_counter() - start, 3), key=key,
+                 weight_copies_at_activation_peak_bytes=tracker.copies_at_activation_peak if autocast else 0,
+                 weight_copies_at_joint_peak_bytes=tracker.copies_at_joint_peak if autocast else 0,
+                 weight_copies_peak_bytes=tracker.copies_peak if autocast else 0)
+
+
+def _tracker() -> Any:
+    """step_tracker.StepTracker, also following the half-precision copies of parameters autocast makes
+    (cached_cast's `arg.to(lower_precision_fp)`, an aten._to_copy of a parameter): how many bytes of them are alive
+    at each op, and at the activation and joint peaks. Defined here: step_tracker imports MemTracker (~1 s)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from zerotune.plan.step_tracker import StepTracker
+
+    class CopyTracker(StepTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copies_live = self.copies_peak = self.copies_at_activation_peak = self.copies_at_joint_peak = 0
+            self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+            self._finalizers: list[weakref.finalize] = []
+            self._casting_param = False
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            source = args[0] if func is torch.ops.aten._to_copy.default and args else None
+            self._casting_param = isinstance(source, torch.Tensor) and source.dtype == torch.float32 and \
+                getattr(self._WINFO.get(source.untyped_storage(), (None, None))[0], "reftype", None) == \
+                _MemRefType.PARAM
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._casting_param = False
+
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            # Called for the op's outputs before the peaks are updated: the copy counts at this op's sample.
+            if self._casting_param and t.dtype in (torch.float16, torch.bfloat16):
+                storage = t.untyped_storage()
+                if storage not in self._copies:
+                    self._copies[storage] = nbytes = storage.nbytes()
+                    self.copies_live += nbytes
+                    self._finalizers.append(weakref.finalize(storage, self._freed, nbytes))
+            super()._track(reftype, t)
+
+        def _freed(self, nbytes: int) -> None:
+            self.copies_live -= nbytes
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            before = (self.activation_peak, self.activation_and_grad_peak)
+            super()._update_peak_stats(peak_state)
+            if self.activation_peak > before[0]:
+                self.copies_at_activation_peak = self.copies_live
+            if self.activation_and_grad_peak > before[1]:
+                self.copies_at_joint_peak = self.copies_live
+            self.copies_peak = max(self.copies_peak, self.copies_live)
+
+        def stop_counting_copies(self) -> None:
+            for found in self._finalizers:  # copies still alive (none after backward): nothing runs at exit
+                found.detach()
+
+    return CopyTracker()
+
+
+# --------------------------------------------------------------------------- plain accelerate's mixed precision
+
+def autocast_forward(module: torch.nn.Module, precision: str) -> None:
+    """What accelerate.Accelerator.prepare_model does to the module under mixed precision (native_amp):
+    model.forward wrapped in torch.autocast (utils/modeling.py get_mixed_precision_context_manager) and its outputs
+    converted to fp32 (utils/operations.py convert_outputs_to_fp32). The autocast context is the forward's only:
+    its exit (nesting back to 0) clears autocast's cache of weight copies (torch/amp/autocast_mode.py __exit__:
+    torch.clear_autocast_cache); backward keeps the copies its nodes saved. The trace's tensors are CPU tensors:
+    CPU's autocast key, with CUDA's cast policy under cast_policy("cuda")."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = torch.autocast("cpu", dtype=DTYPES[precision])(type(module).forward)
+    module.forward = MethodType(convert_outputs_to_fp32(forward), module)  # type: ignore[method-assign]
 
 
 def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
@@ -246,7 +363,7 @@ class MeasuredPeaks(NamedTuple):
 
 def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
                         gradient_checkpointing: bool, attention: str, precision: str = "fp32",
-                        adapter_cfg: Adapter | None = None) -> MeasuredPeaks:
+                        adapter_cfg: Adapter | None = None, autocast: str | None = None) -> MeasuredPeaks:
     """The same step run for real on this CPU, its activation peak measured by the allocator: the check on
     trace_step, independent of MemTracker.
 
@@ -257,16 +374,21 @@ def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], ba
     samples after each op; `with_workspaces` is its maximum at any instant, counting also the scratch
     buffers kernels allocate and free inside one call (im2col columns of CPU convolutions, mostly),
     which no trace of tensors sees and which differ between CPU kernels and cuDNN anyway.
+    `autocast`: as trace_step's, the step plain accelerate runs (fp32 weights and inputs, autocast's forward).
     """
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    unet = _as_trained(model_cfg, precision, gradient_checkpointing, attention, adapter_cfg)
+    weights = "fp32" if autocast else precision
+    unet = _as_trained(model_cfg, weights, gradient_checkpointing, attention, adapter_cfg)
+    if autocast:
+        autocast_forward(unet, precision)
     for p in unet.parameters():
         if p.requires_grad:  # frozen parameters (an adapter's base) get no gradient
             p.register_post_accumulate_grad_hook(_drop_grad)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.enable_grad():
-        inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[precision])
+    with cast_policy(autocast), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, \
+            torch.enable_grad():
+        inputs = _inputs(model_cfg, latent_shape, batch, DTYPES[weights])
         _loss(unet, model_cfg, inputs).backward()
     return _peaks(prof.profiler.kineto_results.events())
 

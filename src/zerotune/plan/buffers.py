@@ -5,10 +5,14 @@ only the optimizer's (trainable) parameters are flattened, bucketed, staged and 
 frozen base U-Net counts only where stage 3 gathers every module parameter for forward and backward. Nothing
 here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator allocates the "GPU" buffers in host
 memory too); the rules are read from the source.
+
+Plain accelerate (use_deepspeed False) has none of DeepSpeed's buffers; its own, torch's and accelerate's, are
+stage0.plain_buffers' (gradients kept across micro-steps, DDP's gradient buckets), on the device `device` names.
 """
 
 from __future__ import annotations
 
+from zerotune.plan import stage0
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.rules import numels_of, precision_of, zero_config
 from zerotune.plan.stages import rules_for
@@ -17,12 +21,14 @@ from zerotune.rundir.plan import Term
 
 def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                  rank: int | None = None, use_deepspeed: bool = True,
-                 trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> list[Term]:
+                 trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                 device: str = "cuda") -> list[Term]:
     """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
-    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's (torch DDP's are its own).
+    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's: its own (torch DDP's, the gradients
+    kept across micro-steps) are stage0.plain_buffers', on `device` (cuda | cpu: where DDP wraps the module).
     `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
     if not use_deepspeed:
-        return []
+        return stage0.plain_buffers(ds_config, numels_of(param_numels, trainable_numels)[1], world_size, device)
     prec, zero = precision_of(ds_config), zero_config(ds_config)
     if precision is not None and precision != prec.name:
         raise ValueError(f"precision {precision!r} disagrees with the DeepSpeed dict's {prec.name!r}")
@@ -32,11 +38,11 @@ def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, prec
 
 def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: int, precision: str | None,
             rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None,
-            groups: list[int] | None = None) -> tuple[dict, list[Term], int]:
+            groups: list[int] | None = None, device: str = "cuda") -> tuple[dict, list[Term], int]:
     """({name: bytes} of the buffers in `where` that overlap no model state, those sharing the gradients' memory,
     the gradients' bytes)."""
     terms = [t for t in buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                     trainable_numels, groups) if t.where == where]
+                                     trainable_numels, groups, device) if t.where == where]
     wider = [t for t in terms if t.overlaps == "grads_bytes"]
     grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
                               trainable_numels, trainable_groups=groups)["grads_bytes"] if wider else 0
@@ -45,19 +51,21 @@ def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: in
 
 def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                      rank: int | None = None, use_deepspeed: bool = True,
-                     trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> dict:
+                     trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                     device: str = "cuda") -> dict:
     """{name: bytes} of the GPU buffers a planner adds to the model states (overlapping terms left out;
     the stage-2 contiguous-gradients buffer counts only what it holds beyond the gradient partition)."""
     out, wider, grads = _placed("gpu", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                trainable_numels, groups)
+                                trainable_numels, groups, device)
     return {**out, **{t.term: max(0, t.nbytes - grads) for t in wider}}
 
 
 def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
                       rank: int | None = None, use_deepspeed: bool = True,
-                      trainable_numels: list[int] | None = None, groups: list[int] | None = None) -> dict:
+                      trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                      device: str = "cuda") -> dict:
     """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
     out, wider, grads = _placed("host", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
-                                trainable_numels, groups)
+                                trainable_numels, groups, device)
     # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype: the excess counts
     return {**out, **{t.term + "_beyond_grads": t.nbytes - grads for t in wider if t.nbytes > grads}}

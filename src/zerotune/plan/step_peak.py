@@ -8,6 +8,12 @@ Checked on this CPU against what torch really allocates for a whole step through
 `device`, each branch with its source: torch's optimizers run their foreach kernels on CUDA tensors and one
 tensor at a time on CPU ones (torch/optim/optimizer.py:_default_to_fused_or_foreach), and DeepSpeed wraps
 FusedAdam (CUDA) in FP16_Optimizer but torch's AdamW (zerotune's choice on a CPU) in FP16_UnfusedOptimizer.
+
+Plain accelerate (no DeepSpeed) trains fp32 weights under autocast: its forward and backward are traced as it runs
+them (activations.plain_trace), where the half-precision weight copies autocast makes live beside the activations
+and the fp32 gradients grow through backward, which is where such a step peaks when its activations are large
+(not the optimizer's step). Under gradient accumulation the later micro-steps run their forward and backward with
+the earlier ones' gradients held (ACCUMULATING; the gradients are buffers.py's term).
 """
 
 from __future__ import annotations
@@ -15,14 +21,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zerotune.plan.rules import StepShape, term
+from zerotune.plan.stage0 import ACCUMULATING
 from zerotune.plan.stages import rules_for
 
 if TYPE_CHECKING:  # activations imports torch: the planner's callers that only read a plan need not
     from zerotune.plan.activations import Trace
 
-MOMENTS = ("forward+backward", "reduce", "step:flatten", "step:update")
+MOMENTS = ("forward+backward", ACCUMULATING, "reduce", "step:flatten", "step:update")
 _TRACE = "fake-tensor trace of forward + backward"
 _JOINT = _TRACE + ": activations and the gradients accumulated so far, at their joint peak"
+_PLAIN = (_TRACE + " as plain accelerate runs it (fp32 weights and inputs; the forward under torch.autocast, "
+          "accelerate/accelerator.py Accelerator.prepare_model; {policy})")
+_COPIES = ("torch autocast's half-precision copies of the fp32 weights (ATen/autocast_mode.cpp cached_cast: cached "
+           "from a weight's first use in the forward to the autocast's exit at the forward's end, "
+           "torch.clear_autocast_cache; then held by the backward nodes that saved them until each runs), alive {when}")
 
 
 def moment_of(found: dict) -> str:
@@ -44,7 +56,9 @@ def terms_at_peak(terms: list[dict], moment: str) -> list[dict]:
 
 def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
     """The gradients and the activations, as each stage holds them."""
-    if not shape.use_deepspeed or shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
+    if not shape.use_deepspeed:
+        return _plain_gradient_terms(shape, grads_bytes, trace)
+    if shape.stage == 0:  # param.grad: through backward, its reduction and the whole step
         return [term("activations_and_grads", trace.activation_and_grad_peak_bytes, _JOINT, "forward+backward"),
                 *(term("grads", grads_bytes, "param.grad", m) for m in ("reduce", "step:flatten", "step:update"))]
     if shape.offloaded or shape.stage == 3:  # reduced into pinned host buffers, or ZeRO-3's flat partition
@@ -54,6 +68,27 @@ def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dic
                 term("grads", grads_bytes, "param.grad until the step flattens them", "step:flatten")]
     return [term("activations", trace.activation_peak_bytes, _TRACE, "forward+backward"),  # ZeRO-2: the partition
             *(term("grads", grads_bytes, "the gradient partition", m) for m in ("forward+backward", "step:flatten"))]
+
+
+def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
+    """Plain accelerate: the step traced as it runs (fp32 weights, autocast's forward, fp32 gradients in param.grad
+    through backward and the optimizer's step). The first micro-step peaks with the gradients growing; a later one
+    (ACCUMULATING) holds all of them from the start, beside its activations."""
+    from zerotune.plan.activations import plain_trace  # imports torch: only where a plan is made
+
+    run = plain_trace(trace, shape.device)
+    policy = {"cuda": "CUDA's cast policy, torch's ATen/autocast_mode.h",
+              "cpu": "CPU's cast policy"}[shape.device] if run is not trace else "fp32: no autocast"
+    joint, alone = run.weight_copies_at_joint_peak_bytes, run.weight_copies_at_activation_peak_bytes
+    terms = [term("activations_and_grads", run.activation_and_grad_peak_bytes - joint, _PLAIN.format(policy=policy) +
+                  ": activations and the fp32 gradients accumulated so far, at their joint peak", "forward+backward"),
+             term("activations", run.activation_peak_bytes - alone, _PLAIN.format(policy=policy) +
+                  ": a later micro-step's activations (under gradient accumulation)", ACCUMULATING)]
+    if run is not trace:
+        terms += [term("autocast_weight_copies", joint, _COPIES.format(when="at that joint peak"), "forward+backward"),
+                  term("autocast_weight_copies", alone, _COPIES.format(when="at a micro-step's activation peak"),
+                       ACCUMULATING)]
+    return terms + [term("grads", grads_bytes, "param.grad", m) for m in ("reduce", "step:flatten", "step:update")]
 
 
 def step_transients(shape: StepShape) -> list[dict]:
