@@ -45,18 +45,17 @@ class ResolvedRun:
         """The ZeRO stage that runs: the DeepSpeed dict's; 0 on the plain accelerate path, whatever zero_stage says."""
         return int(self.ds_config["zero_optimization"]["stage"]) if self.use_deepspeed else 0
 
-    def group_sizes(self) -> list[int] | None:
-        """The optimizer's groups' parameter counts, module after module (the planner's `groups`); None: one
-        group of all the trained parameters."""
-        if self.param_groups is not None:
-            return self.param_groups.sizes()
-        return list(self.model_stats.trainable_groups) or None
+    def groups(self) -> ParamGroups:
+        """The optimizer's parameter groups: as resolved, or one per trained module (a run resolved before them)."""
+        return self.param_groups or ParamGroups.cut(self.model_stats.module_numels(), 1)
+
+    def group_sizes(self) -> list[int]:
+        """The groups' parameter counts, module after module (the planner's `groups`)."""
+        return self.groups().sizes()
 
     def group_layout(self) -> tuple[tuple[int, ...], ...]:
-        """Per trained module, its groups' parameter counts (one group each where none were resolved)."""
-        if self.param_groups is not None:
-            return self.param_groups.layout
-        return tuple((len(m),) for m in self.model_stats.module_numels())
+        """Per trained module, its groups' parameter counts."""
+        return self.groups().layout
 
     @property
     def nvme_dir(self) -> str | None:
