@@ -21,7 +21,7 @@ from tests.helpers.cli import ROOT, compose_cfg
 from zerotune.models import _from_config, model_stats
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.model_states import model_state_bytes, param_numels
-from zerotune.plan.zero3 import stage3_partition_numel, stage3_sub_groups
+from zerotune.plan.zero3_runtime import stage3_partition_numel, stage3_sub_groups
 from zerotune.plan.zero12 import zero12_flat
 
 ODD = [3, 5, 7]  # 15 elements: padded to 16 at world 2 (stages 1-2), to 2+3+4 per rank at stage 3
@@ -121,7 +121,10 @@ def test_buffers_name_their_source_and_overlaps():
     gpu = gpu_buffer_bytes(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
     assert gpu["contiguous_gradients"] == 4
     host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), ODD, 2)
-    assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28}
+    # each pinned buffer also holds its block beyond its bytes: torch's pinned allocator rounds to a power of 2
+    assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28,
+                    "offload_fp32_master_pinned_rounding": 0, "offload_fp32_grad_partition_pinned_rounding": 0,
+                    "offload_bit16_param_partition_pinned_rounding": 0, "offload_temp_grad_host_pinned_rounding": 4}
     offload_gpu = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), ODD, 2)
     # the largest parameter (7 elements) in the model dtype for staging, and cast to fp64 for its norm
     assert offload_gpu["offload_temp_grad_gpu"] == 7 * 4 and offload_gpu["offload_grad_norm_fp64"] == 7 * 8
@@ -174,7 +177,9 @@ def test_buffers_follow_the_optimizers_parameters():
     assert offload["offload_temp_grad_gpu"] == 5 * 4 and offload["offload_grad_norm_fp64"] == 5 * 8
     host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
     assert host == {"offload_fp32_grad_partition": 24, "offload_bit16_param_partition": 24,
-                    "offload_temp_grad_host": 20}
+                    "offload_temp_grad_host": 20, "offload_fp32_master_pinned_rounding": 8,
+                    "offload_fp32_grad_partition_pinned_rounding": 8,
+                    "offload_bit16_param_partition_pinned_rounding": 8, "offload_temp_grad_host_pinned_rounding": 12}
     assert buffer_terms(ds(0), MIXED, 2, trainable_numels=TRAINED)[0].nbytes == 9 * 4
     z3 = {t.term: t for t in buffer_terms(ds(3, "cpu", reduce_bucket_size=100,
                                               stage3_param_persistence_threshold=0), MIXED, 2,

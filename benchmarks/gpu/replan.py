@@ -1,7 +1,12 @@
 """The recorded GPU rows, predicted again by today's planner: what a change to the planner does to its misses.
 
-Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's overrides and its measured
-nvidia-smi peak) and runs the planner on each row's own command line for the card it ran on. Runs on the CPU.
+Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's overrides, its measured
+nvidia-smi peak and its host peak RSS) and runs the planner on each row's own command line for the card it ran
+on. Runs on the CPU.
+
+The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: launch/job.py samples the job process's
+descendants, the ranks), against the row's recorded `host_peak_mib` and today's process-RSS prediction for the
+card (plan/process.py card_process_prediction: this host's process baseline plus each rank's host terms).
 
     python benchmarks/gpu/replan.py          # a Markdown table: recorded prediction, today's, measured, ratios
 """
@@ -35,7 +40,8 @@ def as_run_before_the_build_emptied_the_cache(answer: dict, groups: int) -> floa
     places a tensor in a freed block only where it fits. Without offload, the step's peak tensors (the fp32
     gradient partition and Adam's two moments: each one tensor the size of a group's fp32 master partition) are
     larger than the largest freed block (the clone, in the run's dtype), so the two pools add. With offload those
-    live on the host, the card's step tensors fit into the freed blocks, and the pool is the larger of the two."""
+    live on the host, the card's step tensors fit into the freed blocks, and the pool is the larger of the two.
+    ZeRO-3's rows: zero3_kept_cache."""
     phases = {p["phase"]: p for p in answer.get("phases", [])}
     loading, step = phases.get("loading"), phases.get("step")
     freed = (loading or {}).get("freed_at_end_mib")
@@ -47,12 +53,46 @@ def as_run_before_the_build_emptied_the_cache(answer: dict, groups: int) -> floa
     return max(answer["run_peak_mib"], under_step)
 
 
+def zero3_kept_cache(answer: dict, overrides: list[str], card) -> float | None:
+    """A ZeRO-3 row's run peak with the engine build's cache kept: the step replayed so (zero3_replay.step_terms,
+    emptied=False) in place of the plan's step phase, the other phases as planned. None at other stages."""
+    from zerotune.compose import compose
+    from zerotune.plan.command_line import platform_for
+    from zerotune.plan.rules import zero_stage
+    from zerotune.plan.step_peak import step_peak
+    from zerotune.plan.zero3_replay import step_terms
+    from zerotune.preflight import preflight
+
+    cfg = compose(overrides)
+    checked = preflight(cfg, overrides=overrides, platform=platform_for(card))
+    if not checked.use_deepspeed or zero_stage(checked) != 3:
+        return None
+    kept = step_terms(cfg, checked, card, emptied=False)
+    if kept is None:
+        return None
+    context = sum(t["mib"] for t in answer["gpu_terms"] if t["term"] == "cuda_context")
+    others = [p["reserved_mib"] for p in answer.get("phases", []) if p["phase"] != "step"]
+    return max([context + step_peak(kept)[0], *others])
+
+
+def host_cells(row: dict, today: float) -> str:
+    """The row's host columns: recorded host prediction, today's, the measured peak RSS and the two ratios."""
+    measured = row["measured"].get("host_peak_rss_mib")
+    before = (row.get("predicted") or {}).get("host_peak_mib")
+    cells = [f"{before:,.0f}" if before else "unrecorded", f"{today:,.0f}",
+             f"{measured:,.0f}" if measured else "unmeasured"]
+    cells += [f"{v / measured:.3f}" if v and measured else "-" for v in (before, today)]
+    return " | ".join(cells)
+
+
 def main() -> int:
-    from zerotune.plan import gpus
+    from zerotune.plan import gpus, process
     from zerotune.plan.command_line import plan_one
 
-    print("| folder | row | card | recorded prediction MiB | today's MiB | nvidia-smi peak MiB | recorded / measured | today / measured |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| folder | row | card | recorded prediction MiB | today's MiB | nvidia-smi peak MiB | recorded / measured | "
+          "today / measured | recorded host MiB | today's host MiB | host peak RSS MiB | recorded host / measured | "
+          "today's host / measured |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for card, folder, row in recorded_rows():
         # the job's own overrides, less where the kit put its run and its time limit
         overrides = [o for o in row["overrides"] if not re.match(r"(hydra\.run\.dir|train\.timeout_s)=", o)]
@@ -60,13 +100,19 @@ def main() -> int:
         if not any(o.startswith("deepspeed.param_groups=") for o in overrides):
             overrides.append(f"deepspeed.param_groups={groups}")
         answer = plan_one(overrides, gpus.lookup(card))
-        today = answer["run_peak_mib"] if "param_groups" in row else \
-            as_run_before_the_build_emptied_the_cache(answer, groups)
+        if "param_groups" in row:
+            today = answer["run_peak_mib"]
+        else:  # the trainer did not empty the cache after the engine's build yet
+            kept = zero3_kept_cache(answer, overrides, gpus.lookup(card))
+            today = kept if kept is not None else as_run_before_the_build_emptied_the_cache(answer, groups)
         measured = row["measured"]["gpu_peak_process_mib"]
         before = (row.get("predicted") or {}).get("run_peak_mib")
         recorded, recorded_ratio = (f"{before:,.0f}", f"{before / measured:.3f}") if before else ("unrecorded", "-")
+        # the kit's rows run on one node: its ranks are the plan's world
+        host = process.card_process_prediction(answer, int(answer["world_size"]))["host_peak_mib"]
         print(f"| {folder} | {row['name']} | {card} | {recorded} | {today:,.0f} | {measured:,.0f} | "
-              f"{recorded_ratio} | {today / measured:.3f} |")
+              f"{recorded_ratio} | {today / measured:.3f} | "
+              f"{host_cells(row, host)} |")
     return 0
 
 

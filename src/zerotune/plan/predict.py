@@ -6,7 +6,7 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 from __future__ import annotations
 
 from zerotune.models import text_encoders
-from zerotune.plan import allocator, cpu_optimizer, gpus, process
+from zerotune.plan import allocator, cpu_optimizer, gpus, host, process, zero3_replay
 from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
 from zerotune.plan.context import CONTEXT, CUBLAS_WORKSPACE
@@ -40,8 +40,8 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
-    host_terms += [term(f"deepspeed:{name}", nbytes, "pinned") for name, nbytes in host_buffer_bytes(
-        ds, numels, world, precision, 0, use_ds, train, groups).items()]
+    host_terms += [term(f"deepspeed:{name}", nbytes, _HOST_NOTES.get(name, "pinned")) for name, nbytes in
+                   host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
@@ -52,11 +52,14 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
             "host_terms": [*host_terms, load], "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms),
             "nvme_terms": nvme_terms}
     if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
-        pool = step_terms + host_terms
+        pool = step_terms + [t for t in host_terms if not host.cuda_only(t["term"])]  # a CPU pins nothing
         peak, moment = step_peak(pool)
         plan.update({"gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool})
     else:
         gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
+        replayed = zero3_replay.step_terms(cfg, checked, gpu) if use_ds and stage == 3 and gpu else None
+        if replayed is not None:  # ZeRO-3's step as the card's allocator sees it, in place of the rules' sum
+            gpu_terms = [t for t in gpu_terms if t["term"] == "cuda_context"] + replayed
         peak, moment = step_peak(gpu_terms)
         plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
     plan.update({"step_peak_mib": peak, "step_peak_moment": moment,
@@ -74,7 +77,12 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     top = run_peak(plan["phases"])
     plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
     plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
-    return plan
+    # the host figure as the run measures it: the workers' RSS, each its process baseline and its host terms
+    return process.card_process_prediction(plan, per_node)
+
+
+_HOST_NOTES = {host.HEAP_KEPT: "the parameters' run-dtype copies glibc's heap keeps after the module moves to the "
+                              "card (host.py heap_kept_bytes)"}
 
 
 def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device: str) -> StepShape:

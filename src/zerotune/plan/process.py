@@ -15,6 +15,13 @@ job's workers alone: launch/job.py samples with `MemorySampler(include_root=Fals
   bytes, host and offloaded states included), else the sum of host.py's rank terms; or the fp32 build of the
   U-Net at load time (host.py's MODEL_LOAD), whichever is larger, as host.py's node_need_mib takes it;
 - the parent: 0, since the sampled tree leaves the job process out (PARENT_BASELINE_MIB).
+
+A run on a card is measured the same way (launch/job.py's sampler; the kit's `host_peak_rss_mib`), and
+`card_process_prediction` predicts it the same way from a card's plan: each rank's host terms alone (host.py's
+rank terms on a CUDA accelerator: offloaded states, DeepSpeed's pinned buffers at torch's pinned block sizes, what
+glibc's heap keeps of the module's host copies) or its fp32 build, whichever is larger, on top of the process
+baseline. The baseline is this host's: where this host's torch has no CUDA, it lacks what a card's worker maps of
+CUDA's libraries and context (its term says so).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import sys
 from typing import Any
 
 from zerotune import files
-from zerotune.plan.host import MODEL_LOAD, rank_terms
+from zerotune.plan.host import MODEL_LOAD, cuda_only, rank_terms
 from zerotune.rundir.plan import Plan, Term
 
 PROCESS_RSS = "process_rss"   # plan["host_peak_kind"]: the host figure predicts the job tree's peak RSS
@@ -93,13 +100,17 @@ def measure_imports(modules: tuple[str, ...]) -> dict | None:
     return {"rss_mib": found["VmRSS"], "hwm_mib": found.get("VmHWM"), "modules": list(modules)}
 
 
-def rank_tensors_mib(plan: dict) -> tuple[float | None, str]:
-    """(MiB of tensors one rank holds at its peak, where the figure came from); None without terms."""
+def rank_tensors_mib(plan: dict, accelerator: str = "cpu") -> tuple[float | None, str]:
+    """(MiB of tensors one rank holds at its peak, where the figure came from); None without terms.
+    `accelerator`: where the rank trains, cpu (a GPU plan's device terms are host memory too) or cuda."""
     found = Plan.from_dict(plan) or Plan()
     if found.device == "cpu" and isinstance(found.step_peak_mib, (int, float)):
-        step, source = float(found.step_peak_mib), "plan step_peak_mib (CPU plan: the whole step's peak)"
+        # the step's pool also holds the terms only a card's run has (host.py cuda_only): none on a CPU
+        device_only = sum(t.mib or 0.0 for t in found.step_terms if cuda_only(t.term)
+                          and t.held_in in ("persistent", found.step_peak_moment))
+        step, source = float(found.step_peak_mib) - device_only, "plan step_peak_mib (CPU plan: the whole step's peak)"
     elif "host_terms" in found:
-        step, source = sum(rank_terms(plan, "cpu").values()), "sum of host.py rank_terms (cpu)"
+        step, source = sum(rank_terms(plan, accelerator).values()), f"sum of host.py rank_terms ({accelerator})"
     else:
         return None, "no terms in the plan"
     load = sum(t.mib or 0.0 for t in found.host_terms if t.term == MODEL_LOAD)
@@ -108,14 +119,15 @@ def rank_tensors_mib(plan: dict) -> tuple[float | None, str]:
     return step, source
 
 
-def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: float | None) -> dict:
+def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: float | None,
+                        accelerator: str = "cpu", baseline_note: str = "") -> dict:
     """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
     "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
-    tensors, tensor_source = rank_tensors_mib(plan)
+    tensors, tensor_source = rank_tensors_mib(plan, accelerator)
     terms: list[dict[str, Any]] = [t.to_dict() for t in (
         Term("parent_process", parent, "the job process: outside the sampled tree"),
         Term("process_baseline", None if baseline is None else ranks * baseline,
-             f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host)"),
+             f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host{baseline_note})"),
         Term("rank_tensors", None if tensors is None else ranks * tensors, f"{ranks} rank(s) × {tensor_source}"),
     )]
     known: list[float | None] = [t["mib"] for t in terms]
@@ -132,3 +144,14 @@ def mark_process_prediction(plan: dict, node_prediction: dict) -> dict:
         plan["host_peak_mib"] = node_prediction["mib"]
         plan["host_peak_kind"] = PROCESS_RSS
     return plan
+
+
+def card_process_prediction(plan: dict, ranks: int) -> dict:
+    """A card's plan (predict.py, device cuda) with its host figure made the process-RSS prediction of the node's
+    `ranks` workers (marked PROCESS_RSS), as the run measures it: what predict.py does for a CPU plan, with the
+    rank's host terms alone (host.py rank_terms on a CUDA accelerator)."""
+    import torch
+
+    note = "" if torch.version.cuda else ": its torch has no CUDA, so not the CUDA libraries a card's worker maps"
+    node = node_rss_prediction(plan, ranks, process_baseline_mib(), PARENT_BASELINE_MIB, "cuda", note)
+    return mark_process_prediction(plan, node)

@@ -263,3 +263,28 @@ def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]
     numels, trainable = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     frozen = frozen_numels(numels, trainable)
     return [n * elem for n in numels], [n * elem for n in frozen]
+
+
+def optimizer_temporaries(shape: StepShape, device: str) -> list[dict]:
+    """What the optimizer's step allocates and frees beyond its states, on `device` (cuda: foreach kernels)."""
+    if shape.optimizer == "transformers.Adafactor":
+        # Adafactor.step, one tensor at a time: `update` (grad**2 + eps) is alive while the second moment's
+        # rsqrt (or the factors' product) makes the next one, and again while `-update` is added to the weights
+        return [term("optimizer_temporaries", 2 * shape.largest_trained * 4,
+                     "transformers/optimization.py Adafactor.step: two fp32 copies of the largest tensor it steps "
+                     "(the flat partition under ZeRO)", "step:update")]
+    if not shape.optimizer.startswith("torch.optim."):
+        return []  # FusedAdam/FusedLion (CUDA), DeepSpeed's CPU ops and bitsandbytes' kernels update in place
+    kind = shape.optimizer.rsplit(".", 1)[1]
+    module = "adagrad" if kind == "Adagrad" else "adam"  # torch's AdamW is adam.py's Adam, decoupled
+    per_tensor = {"AdamW": 2, "Adam": 2, "Adagrad": 1}.get(kind, 0)
+    if not per_tensor:
+        return []
+    if device == "cuda":  # foreach: one new tensor per optimized tensor, all at once
+        return [term("optimizer_temporaries", shape.trained * shape.master_elem,
+                     f"torch/optim/{module}.py ({kind}), foreach on CUDA tensors: torch._foreach_sqrt of the states",
+                     "step:update")]
+    what = "exp_avg_sq.sqrt() / bias_correction2_sqrt" if per_tensor == 2 else "state_sum.sqrt()"
+    return [term("optimizer_temporaries", per_tensor * shape.largest_trained * shape.master_elem,
+                 f"torch/optim/{module}.py ({kind}), one tensor at a time on CPU tensors: {what} of the largest one",
+                 "step:update")]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zerotune.plan.rules import StepShape, term
+from zerotune.plan.rules import StepShape, optimizer_temporaries, term
 from zerotune.plan.stage0 import ACCUMULATING
 from zerotune.plan.stages import rules_for
 
@@ -95,35 +95,10 @@ def step_transients(shape: StepShape) -> list[dict]:
     """What the optimizer's step allocates and frees beyond the model states and DeepSpeed's step buffers, on the
     device (an offloaded optimizer's own temporaries are host memory: host_step_temporaries)."""
     stage = shape.stage if shape.use_deepspeed else 0
-    own = [] if shape.offloaded else _optimizer_temporaries(shape, shape.device)
+    own = [] if shape.offloaded else optimizer_temporaries(shape, shape.device)
     return rules_for(stage).step_transients(shape) + own
 
 
 def host_step_temporaries(shape: StepShape) -> list[dict]:
     """An offloaded optimizer steps the host partitions: what it allocates there while stepping."""
-    return _optimizer_temporaries(shape, "cpu") if shape.offloaded else []
-
-
-def _optimizer_temporaries(shape: StepShape, device: str) -> list[dict]:
-    if shape.optimizer == "transformers.Adafactor":
-        # Adafactor.step, one tensor at a time: `update` (grad**2 + eps) is alive while the second moment's
-        # rsqrt (or the factors' product) makes the next one, and again while `-update` is added to the weights
-        return [term("optimizer_temporaries", 2 * shape.largest_trained * 4,
-                     "transformers/optimization.py Adafactor.step: two fp32 copies of the largest tensor it steps "
-                     "(the flat partition under ZeRO)", "step:update")]
-    if not shape.optimizer.startswith("torch.optim."):
-        return []  # FusedAdam/FusedLion (CUDA), DeepSpeed's CPU ops and bitsandbytes' kernels update in place
-    kind = shape.optimizer.rsplit(".", 1)[1]
-    module = "adagrad" if kind == "Adagrad" else "adam"  # torch's AdamW is adam.py's Adam, decoupled
-    per_tensor = {"AdamW": 2, "Adam": 2, "Adagrad": 1}.get(kind, 0)
-    if not per_tensor:
-        return []
-    if device == "cuda":  # foreach: one new tensor per optimized tensor, all at once
-        return [term("optimizer_temporaries", shape.trained * shape.master_elem,
-                     f"torch/optim/{module}.py ({kind}), foreach on CUDA tensors: torch._foreach_sqrt of the states",
-                     "step:update")]
-    what = "exp_avg_sq.sqrt() / bias_correction2_sqrt" if per_tensor == 2 else "state_sum.sqrt()"
-    return [term("optimizer_temporaries", per_tensor * shape.largest_trained * shape.master_elem,
-                 f"torch/optim/{module}.py ({kind}), one tensor at a time on CPU tensors: {what} of the largest one",
-                 "step:update")]
-
+    return optimizer_temporaries(shape, "cpu") if shape.offloaded else []

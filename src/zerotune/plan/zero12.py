@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
+from zerotune.plan.host import HEAP_KEPT, heap_kept_bytes
+from zerotune.plan.pinned import PINNED_ROUNDING, rounding_bytes, torch_pins
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -85,16 +87,35 @@ def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
     return total
 
 
+def _touching(numels: list[int], part: int, rank: int) -> list[int]:
+    """The whole parameters (their sizes) that touch `rank`'s partition of one group (get_partition_info)."""
+    start, end, index, found = part * rank, part * (rank + 1), 0, []
+    for n in numels:
+        if start <= index < end or index < start < index + n:
+            found.append(n)
+        index += n
+    return found
+
+
 def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int | None, prec: Precision,
             zero: DeepSpeedZeroConfig, groups: list[int] | None = None) -> list[Term]:
     stage, offload = int(zero.stage), offload_device(zero.offload_optimizer) != "none"
-    flat = sum(zero12_flat(g, world, zero.parameter_alignment, prec.param) for g in split_groups(train, groups))
+    trained_groups = split_groups(train, groups)
+    # each group's flat buffer and this rank's partition of it: DeepSpeed allocates (and pins) per group
+    flats = [zero12_flat(g, world, zero.parameter_alignment, prec.param) for g in trained_groups]
+    flat, parts = sum(flats), [f // world for f in flats]
     part, largest, src = flat // world, max(train, default=0), "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer."
     accum_attr = stage == 1 and prec.grad_accum != prec.param  # use_grad_accum_attribute
     terms = [buffer_term("flat_group_padding", (flat - sum(train)) * prec.param, "gpu", "exact", "persistent",
                    src + "__init__ (flatten_dense_tensors_aligned)"),
              buffer_term("allgather_bucket", 0, "gpu", "exact", "step", "runtime/utils.py:all_gather_dp_groups (gathers "
                    "into the flat group in place; allgather_bucket_size only shards the legacy path)")]
+    if prec.param != 4:  # the module is built in fp32 on the host; the engine casts it there, then moves it
+        terms.append(buffer_term(HEAP_KEPT, heap_kept_bytes(n * prec.param for n in numels), "host", "estimate",
+                                 "persistent", "runtime/engine.py:DeepSpeedEngine._cast_module_mixed_precision "
+                                 "line 1862 (p.data.to(param_dtype): each parameter's copy, on the host), freed by "
+                                 "_configure_distributed_model line 2094 (module.to(device)): the copies under "
+                                 "glibc's 32 MiB mmap ceiling stay in its heap (host.py heap_kept_bytes)"))
     if zero.contiguous_gradients or offload:  # CPU offload forces contiguous gradients
         terms.append(buffer_term("ipg_bucket", zero.reduce_bucket_size * (prec.grad_accum if accum_attr else prec.param)
                            * (2 if zero.overlap_comm else 1), "gpu", "exact", "backward",
@@ -113,6 +134,7 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
                   buffer_term("offload_grad_norm_fp64", largest * _NORM_BYTES, "gpu", "upper", "backward",
                         src + "set_norm_for_param_grad_in_gpu / copy_grads_in_partition (each gradient "
                         "cast to fp64, zero/utils.py:get_norm_dtype, for its norm)")]
+        terms += _offload_host_terms(ds, trained_groups, parts, world, rank, prec, zero, src)
         return terms
     if stage == 2 and zero.contiguous_gradients and prec.grad_accum == 4 and prec.param != 4:
         # _use_compact_grad_partition_buffer
@@ -125,6 +147,50 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
                                  "whole parameters touching the rank's partition)", "grads_bytes"))
     terms.append(buffer_term("step_fp32_grad_partition", part * prec.master, "gpu", "exact", "step:update",
                        src + "step (flattened gradient partition, cast to the master dtype; the gradients freed)"))
+    return terms
+
+
+def _offload_host_terms(ds: dict, trained_groups: list[list[int]], parts: list[int], world: int, rank: int | None,
+                        prec: Precision, zero: DeepSpeedZeroConfig, src: str) -> list[Term]:
+    """What CPU offload holds on the host beyond buffers()' tensors: with offload_optimizer.pin_memory each
+    pinned tensor takes a power-of-two block of torch's pinned allocator (pinned.py), one per parameter group
+    (`parts`: this rank's partition of each group's flat buffer, in elements); with gradient accumulation, a host
+    gradient per parameter of the rank's partition."""
+    pinned = bool(zero.offload_optimizer.pin_memory) and torch_pins()
+    terms: list[Term] = []
+    if pinned:
+        largest = max((n for g in trained_groups for n in g), default=0)
+        terms += [buffer_term("offload_fp32_master" + PINNED_ROUNDING, rounding_bytes(p * prec.master for p in parts),
+                              "host", "exact", "persistent", src + "__init__ line 565 (each group's fp32 master "
+                              "partition, the `master_weights` term, pinned: a power-of-two block, pinned.py)"),
+                  buffer_term("offload_fp32_grad_partition" + PINNED_ROUNDING,
+                              rounding_bytes(p * prec.master for p in parts), "host", "exact", "persistent",
+                              src + "initialize_optimizer_states lines 937-941 (each group's fp32 gradient "
+                              "partition pinned)"),
+                  buffer_term("offload_bit16_param_partition" + PINNED_ROUNDING,
+                              rounding_bytes(p * prec.param for p in parts), "host", "exact", "persistent",
+                              src + "__init__ lines 568-573 (each group's param_buffer_of_bit16_for_cpu_offload "
+                              "pinned)"),
+                  buffer_term("offload_temp_grad_host" + PINNED_ROUNDING, rounding_bytes([largest * prec.param]),
+                              "host", "exact", "persistent", src + "__init__ lines 653-658 "
+                              "(temp_grad_buffer_for_cpu_offload, the largest parameter, pinned)")]
+    # async_accumulate_grad_in_cpu_via_gpu (lines 1822-1825, from copy_grads_in_partition when a step has more
+    # than one backward): a host gradient per parameter of the partition, in the parameters' dtype, kept in
+    # accumulated_grads_in_cpu for the run; not with low-precision masters, nor on the compact fp32 path
+    # (_use_compact_grad_partition_buffer: fp32 accumulation of 16-bit parameters)
+    compact = prec.grad_accum == 4 and prec.param != 4
+    if int(ds.get("gradient_accumulation_steps") or 1) > 1 and prec.master == 4 and not compact:
+        def held(r: int) -> list[int]:
+            return [n * prec.param for g, p in zip(trained_groups, parts, strict=True) for n in _touching(g, p, r)]
+
+        sizes = max((held(r) for r in (range(world) if rank is None else [rank])),
+                    key=lambda s: rounding_bytes(s) + sum(s) if pinned else sum(s))
+        bound, what = ("exact" if rank is not None else "upper"), src + "async_accumulate_grad_in_cpu_via_gpu " \
+            "lines 1822-1825 (accumulated_grads_in_cpu: each whole parameter touching the rank's partition)"
+        terms.append(buffer_term("offload_accumulated_grads_host", sum(sizes), "host", bound, "persistent", what))
+        if pinned:
+            terms.append(buffer_term("offload_accumulated_grads_host" + PINNED_ROUNDING, rounding_bytes(sizes),
+                                     "host", bound, "persistent", what + ", each pinned"))
     return terms
 
 

@@ -1,12 +1,22 @@
 """ZeRO-3's rules (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py):
-each module parameter is padded to a multiple of the world size and split evenly."""
+each module parameter is padded to a multiple of the world size and split evenly (zero3_runtime.py).
+
+Two ways to the card's memory. The rules here (states, buffers, step_transients) give each term from the
+parameter sizes alone, as a sum: what a CPU plan and the host figure use. On a card, the engine's build
+(loading) and the training step (predict.py, through zero3_replay.step_terms) are replayed: DeepSpeed's own
+ZeRO-3 hooks and parameter coordinator over a fake-tensor copy of the model, every allocation through a
+simulator of torch's caching allocator, so what ZeRO-3 gathers, keeps and frees in which order, and the
+reserve its frees leave, are counted rather than bounded (zero3_replay.py)."""
+
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
-from zerotune.plan import allocator, encoders
+from zerotune.plan import zero3_replay
 from zerotune.plan.gpus import GPU
+from zerotune.plan.pinned import PINNED_CACHE, PINNED_ROUNDING, pinned_block_bytes, rounding_bytes, torch_pins
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -17,48 +27,28 @@ from zerotune.plan.rules import (
     optimizer_state,
     place,
     split_groups,
-    state_mib,
     states_record,
-    term,
+)
+from zerotune.plan.zero3_runtime import (
+    NORM_CHUNK,
+    stage3_partition_numel,
+    stage3_persistent,
+    stage3_sub_groups,
+    sub_groups,
 )
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
 from zerotune.schema import Config
-from zerotune.units import DTYPE_BYTES, MIB
+from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+__all__ = ["buffers", "loading", "stage3_partition_numel", "stage3_persistent", "stage3_sub_groups", "states",
+           "step_transients"]
+
 _SRC = "runtime/zero/stage3.py:DeepSpeedZeroOptimizer_Stage3."
 
-
-def stage3_partition_numel(numel: int, world: int) -> int:
-    # Init._padding_size / _partition_param (partition_parameters.py), by hand: they are methods of a live
-    # zero.Init context. Each tensor is padded to a multiple of the world size and split evenly.
-    return (numel + (-numel) % world) // world
-
-
-def stage3_persistent(numels: list[int], zero: DeepSpeedZeroConfig) -> list[bool]:
-    """DeepSpeedZeRoOffload.mark_persistent_parameters: small parameters stay whole, up to a model total."""
-    out, total = [], 0
-    for n in numels:
-        keep = n + total <= zero.model_persistence_threshold and n <= zero.param_persistence_threshold
-        total += n if keep else 0
-        out.append(keep)
-    return out
-
-
-def stage3_sub_groups(partition_numels: list[int], sub_group_size: int) -> list[int]:
-    """Elements per sub-group (DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups)."""
-    if sub_group_size is None or sub_group_size >= sum(partition_numels):
-        return [sum(partition_numels)]
-    groups, size = [], 0
-    for i, n in enumerate(partition_numels):
-        size += n
-        if size >= sub_group_size or i == len(partition_numels) - 1:
-            groups.append(size)
-            size = 0
-    return groups
 
 
 def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Precision,
@@ -72,7 +62,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     every = sum(stage3_partition_numel(n, world) for n in numels)
     persist = sum(n for n, keep in zip(numels, stage3_persistent(numels, zero), strict=True) if keep)
     parts = [stage3_partition_numel(n, world) for n in train]
-    part, subs = sum(parts), _sub_groups(parts, zero.sub_group_size, groups)
+    part, subs = sum(parts), sub_groups(parts, zero.sub_group_size, groups)
     host = place(opt_dev)
     return states_record((every + persist) * prec.param, part * prec.grad_accum, part * prec.master,
                          optimizer_state(kind, [(g,) for g in subs]), (prec.param, prec.grad_accum, prec.master), kind,
@@ -85,10 +75,6 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
                          master_weights_alias_params=opt_dev == "none" and param_dev == "none" and prec.param == prec.master,
                          partition_numel=part, sub_groups=len(subs))
 
-
-def _sub_groups(parts: list[int], sub_group_size: int, groups: list[int] | None) -> list[int]:
-    """stage3.py _create_fp16_sub_groups, per parameter group: sub-groups never span two groups."""
-    return [size for group in split_groups(parts, groups) for size in stage3_sub_groups(group, sub_group_size)]
 
 
 def _aio_aligned(numel: int, elem: int, ds: dict) -> int:
@@ -104,26 +90,49 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
             zero: DeepSpeedZeroConfig, groups: list[int] | None = None) -> list[Term]:
     src, opt_dev, param_dev = _SRC, offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     parts = [stage3_partition_numel(n, world) for n in train]  # the optimizer's partitions
-    largest = max(_sub_groups(parts, zero.sub_group_size, groups))
+    largest = max(sub_groups(parts, zero.sub_group_size, groups))
     persist = stage3_persistent(numels, zero)
     # every module parameter (frozen ones too) is all-gathered for forward and backward, at padded size
     gathered = sum(stage3_partition_numel(n, world) * world for n, keep in zip(numels, persist, strict=True)
                    if not keep)
     coord = "runtime/zero/partitioned_param_coordinator.py:PartitionedParameterCoordinator.fetch_sub_module"
-    terms = [buffer_term("stage3_live_params", min(zero.max_live_parameters, gathered) * prec.param, "gpu", "upper",
-                         "forward+backward", coord + " (cap on gathered parameters; the running module is fetched "
-                         "even past it)"),
+    if world == 1 and param_dev == "none":
+        # partition_parameters.py NoGatherHandle line 74: on one rank a partition on the device is the whole
+        # parameter, and .to(device) of it is the tensor itself: gathering allocates nothing
+        gathered, live, how = 0, 0, "exact"
+        said = " (one rank, partitions on the device: a gathered parameter is its partition, no copy)"
+    else:  # no bound: __params_to_release keeps parameters reused within stage3_max_reuse_distance past the cap
+        live, how = min(zero.max_live_parameters, gathered), "estimate"
+        said = (" (stage3_max_live_parameters limits prefetching only; what reuse distance and checkpointing "
+                "hold on to is the replay's, step_terms)")
+    comm = comm_elem(ds, prec.param)
+    terms = [buffer_term("stage3_live_params", live * prec.param, "gpu", how, "forward+backward", coord + said),
              buffer_term("stage3_prefetch_bucket", min(zero.prefetch_bucket_size, gathered) * prec.param, "gpu",
-                         "upper", "forward+backward", coord + " (prefetch, inside the live-parameter cap)",
-                         "stage3_live_params")]
+                         how, "forward+backward", coord + " (prefetch, inside the live-parameter cap)",
+                         "stage3_live_params"),
+             # each flush of the bucket concatenates its gradients (reduce_scatter_coalesced) while backward runs
+             buffer_term("reduce_scatter_buffer", min(zero.reduce_bucket_size, sum(
+                 stage3_partition_numel(n, world) * world for n in train)) * comm, "gpu", "upper", "backward",
+                 "runtime/comm/coalesced_collectives.py:reduce_scatter_coalesced line 122 (torch.cat of the "
+                 "bucket's gradients, called by " + src + "__avg_scatter_grads)")]
     if zero.contiguous_gradients:
-        terms.append(buffer_term("ipg_bucket", zero.reduce_bucket_size * comm_elem(ds, prec.param), "gpu", "exact",
+        terms.append(buffer_term("ipg_bucket", zero.reduce_bucket_size * comm, "gpu", "exact",
                                  "persistent", src + "_setup_for_real_optimizer (one buffer, overlap_comm or not)"))
     if opt_dev == "none":
         cast = prec.master if prec.master != prec.grad_accum else 0
-        terms.append(buffer_term("step_fp32_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "upper",
-                                 "step:flatten", src + "_prepare_fp32_grad_for_sub_group (flatten, then cast to the "
-                                 "master dtype)"))
+        terms += [buffer_term("step_flat_grad_sub_group", largest * (prec.grad_accum + cast), "gpu", "exact",
+                              "step:flatten", src + "_prepare_fp32_grad_for_sub_group line 2686 (the largest "
+                              "sub-group's gradients flattened, then cast to the master dtype)"),
+                  buffer_term("step_fp32_grad_sub_group", largest * (prec.master if cast else prec.grad_accum), "gpu",
+                              "exact", "step:update", src + "_prepare_fp32_grad_for_sub_group line 2686 (the largest "
+                              "sub-group's gradient while the optimizer steps it; _release_sub_group frees it)")]
+    else:  # partition_grads, one parameter at a time: its partition back on the device, then its norm in fp64
+        part = max(parts)
+        terms += [buffer_term("offload_grad_partition_gpu", part * prec.grad_accum, "gpu", "exact", "backward",
+                              src + "partition_grads line 2028 (grad_buffer.to(device), the largest partition)"),
+                  buffer_term("offload_grad_norm_fp64", min(part, NORM_CHUNK) * 8, "gpu", "exact", "backward",
+                              src + "_constant_buffered_norm2 line 1964 (.to(fp64), 250M elements at a time; "
+                              "the .to(fp32) copy of line 1457 comes after it, smaller)")]
     if opt_dev == "cpu":
         terms.append(buffer_term("offload_fp32_grad_partition", sum(parts) * prec.master, "host", "exact", "persistent",
                                  src + "initialize_optimizer_states (subgroup_gradient_buffer, pinned)"))
@@ -139,36 +148,73 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
         terms.append(buffer_term("nvme_optimizer_swap_buffers", zero.offload_optimizer.buffer_count * _aio_aligned(
             largest, prec.master, ds) * prec.master, "host", "upper", "persistent",
             "runtime/swap_tensor/optimizer_utils.py:OptimizerSwapper.__init__ (SwapBufferManager)"))
+    return terms + _pinned_host_terms(numels, train, parts, persist, world, prec, zero, groups)
+
+
+def _pinned_host_terms(numels: list[int], train: list[int], parts: list[int], persist: list[bool], world: int,
+                       prec: Precision, zero: DeepSpeedZeroConfig, groups: list[int] | None) -> list[Term]:
+    """What torch's pinned allocator holds beyond the host tensors of the model states and buffers() (pinned.py):
+    each pinned tensor takes a power-of-two block, and a freed one stays in the allocator's cache. Per pinned
+    tensor: each sub-group's fp32 gradient, the flat gradient partitions, each parameter group's flat parameter
+    buffer, and zero.Init's per-parameter partitions (`parts`: the optimizer's, in elements)."""
+    src, opt_dev, param_dev = _SRC, offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
+    terms: list[Term] = []
+    if opt_dev != "none" and zero.offload_optimizer.pin_memory and torch_pins():
+        terms.append(buffer_term("offload_grad_partitions_flat" + PINNED_ROUNDING,
+                                 rounding_bytes([sum(parts) * prec.grad_accum]), "host", "exact", "persistent",
+                                 src + "__init__ lines 789-795 (grad_partitions_flat_buffer, the `grads` term, "
+                                 "pinned: a power-of-two block, pinned.py)"))
+        if opt_dev == "cpu":
+            subs = sub_groups(parts, zero.sub_group_size, groups)
+            terms.append(buffer_term("offload_fp32_grad_partition" + PINNED_ROUNDING,
+                                     rounding_bytes(n * prec.master for n in subs), "host", "exact", "persistent",
+                                     src + "initialize_optimizer_states lines 1338-1340 (each sub-group's "
+                                     "subgroup_gradient_buffer pinned)"))
+    if param_dev == "cpu" and zero.offload_param.pin_memory and torch_pins():
+        terms.append(buffer_term("offload_param_flat" + PINNED_ROUNDING, rounding_bytes(
+            sum(g) * prec.param for g in split_groups(parts, groups)), "host", "exact", "persistent",
+            src + "_create_param_groups_fp16_flat_cpu_memory line 906 (each parameter group's flat buffer, the "
+            "`params` term, pinned)"))
+        # partition_parameters.py _partition_param lines 1842-1843: zero.Init pins each parameter's partition
+        # on its own. _move_to_flat_buffer (stage3.py line 883) points the trained ones into the flat buffer:
+        # their blocks go back to the allocator's cache, whole; the frozen ones keep theirs.
+        trained, held = Counter(train), 0
+        for n, keep in zip(numels, persist, strict=True):
+            if trained[n]:
+                trained[n] -= 1
+                block = 0 if keep else pinned_block_bytes(stage3_partition_numel(n, world) * prec.param)
+            else:
+                block = 0 if keep else rounding_bytes([stage3_partition_numel(n, world) * prec.param])
+            held += block
+        terms.append(buffer_term("zero_init_param_partitions" + PINNED_CACHE, held, "host", "exact", "persistent",
+                                 "runtime/zero/partition_parameters.py:Init._partition_param lines 1842-1843 (each "
+                                 "parameter's partition pinned alone; the trained ones' blocks, freed by stage3.py "
+                                 "_move_to_flat_buffer line 883, stay in torch's pinned cache)"))
     return terms
 
 
 def step_transients(shape: StepShape) -> list[dict]:
-    if not shape.use_deepspeed or shape.offloaded:
-        return []
-    return [term("step_fp32_grad_sub_group", shape.largest_trained * shape.master_elem,
-                 _SRC + "_prepare_fp32_grad_for_sub_group (the sub-group's fp32 gradient)", "step:update")]
+    """None beyond buffers(): the sub-group's gradient during the update is its step_fp32_grad_sub_group term,
+    sized by the largest sub-group (StepShape has the mean)."""
+    return []
 
 
 def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
-    """ZeRO-3: zero.Init builds each module on the GPU in fp32 and casts it (partition_parameters.py
-    zero_wrapper_for_fp_tensor_constructor), then keeps this rank's partition; the optimizer moves the partitions
-    to the host, empties the cache and copies them back as one flat buffer (runtime/zero/utils.py defragment,
-    line 234); without optimizer offload the fp32 master is `.to(device, fp32).clone()` of each sub-group
-    (stage3.py _create_fp32_partitions, line 1170): one sub-group's fp32 copy is transient."""
-    elem = DTYPE_BYTES[cfg.precision.name]
-    params = (state_mib(plan, "params") + state_mib(plan, "params_persistent")) * MIB
-    master = state_mib(plan, "master_weights") * MIB
-    module = encoders.largest_module_numel(cfg.model, cfg.adapter)
-    build = allocator.reserved_bytes([module * elem, module * 4])
-    sub = int(checked.ds_config["zero_optimization"].get("sub_group_size", 1_000_000_000))
-    transient = min(master, sub * 4) if master else 0
-    terms = [*base, term("params_partitions", params, "this rank's flat partition (the step's params terms)"),
-             term("master_weights", master, "fp32 partition on the GPU (the step's term)" if master else
-                  "on the host (the step's term)"),
-             term("loading_transient", max(build, transient),
-                  f"the larger of: one module built whole, fp32 then {cfg.precision.name} ({module:,} elements, "
-                  f"{build / MIB:,.1f} MiB), and one fp32 sub-group copy ({transient / MIB:,.1f} MiB)")]
-    end = sum(t["mib"] for t in base) + (params + master + transient) / MIB  # the build's blocks were released
-    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms, "end_live_mib": end,
-            "source": "partition_parameters.py zero.Init; runtime/zero/utils.py defragment empties the cache "
-                      "(line 234) before the fp32 partitions are made"}
+    """ZeRO-3's engine build, replayed through the caching allocator (_load, allocator.CachingAllocator): zero.Init
+    builds each module's tensors in fp32 and casts them (partition_parameters.py zero_wrapper_for_fp_tensor_
+    constructor, line 266), keeping this rank's partition on the device unless the parameters are offloaded
+    (_partition_param, line 1836); without offloaded parameters the optimizer moves the partitions to the host,
+    empties the cache and copies them back as one flat buffer (runtime/zero/utils.py defragment, lines 234-237);
+    without optimizer offload each sub-group's fp32 master is `.to(fp32).clone()` (stage3.py line 1170) and
+    initialize_optimizer_states allocates then frees the largest sub-group's gradient buffer (line 1306); then
+    the reduce bucket (line 782) and the gradient partitions (line 791). The trainer then empties the cache
+    (training/trainer.py Trainer._prepare): a segment still holding a live block stays reserved, whole."""
+    found = zero3_replay.loading_memory(cfg, checked)
+    at = found["at_reserved_peak"]
+    terms = [*base, *zero3_replay.terms_at(at, "", "replayed engine build")]
+    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
+            "end_live_mib": sum(t["mib"] for t in base) + found["end_reserved"] / MIB,
+            "source": "partition_parameters.py zero.Init; stage3.py DeepSpeedZeroOptimizer_Stage3.__init__, "
+                      "replayed through the caching allocator (runtime/zero/utils.py defragment empties the cache "
+                      "at line 234, before the flat buffer; training/trainer.py Trainer._prepare once the engine is "
+                      "built: only segments still in use carry over)"}
