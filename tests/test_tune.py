@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.cli import compose_cfg
 from zerotune.errors import ConfigError
 from zerotune.training.rungs import TrialRungs, journal, rung_steps
-from zerotune.tune.report import Outcome, markdown
+from zerotune.tune.report import Outcome, markdown, smallest_peak
 from zerotune.tune.screen import INVALID, KEPT, NO_FIT, SAME, SLOWER, Screened, screen
 from zerotune.tune.settings import TuneSettings, read_settings
 from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
@@ -212,3 +212,21 @@ def test_the_screen_composes_each_candidate_as_hydra_does_whole():
             assert OmegaConf.to_container(cached) == OmegaConf.to_container(whole), candidate.label()
             assert OmegaConf.to_container(cached, resolve=True) == OmegaConf.to_container(whole, resolve=True)
         assert len(sweeper._by_groups) < len(chosen)  # composed once per set of group choices
+
+
+def test_the_report_names_the_smallest_peak_measured_else_planned():
+    def plan(peak: float, floor: float) -> dict:
+        return {"run_peak_mib": peak, "time_floor_s": floor, "terms": {"compute": floor}}
+
+    screened = [Screened(0, Candidate({"zero_stage": "2"}, 1), KEPT, plan=plan(16_000.0, 1.0)),
+                Screened(1, Candidate({"zero_stage": "3"}, 1), KEPT, plan=plan(8_800.0, 2.0)),
+                Screened(2, Candidate({"zero_stage": "0"}, 1), NO_FIT, "above the card", plan=plan(100.0, 0.5)),
+                Screened(3, Candidate({"zero_stage": "1"}, 1), INVALID, "refused")]
+    outcome = Outcome("model=sdxl", 8, "here", screened, predicted=True)
+    table = markdown(outcome, outcome.rows())
+    assert "Fastest: zero_stage=2" in table  # the answer stays the fastest
+    assert "Smallest peak: zero_stage=3 (grad_accum 1), 8,800 MiB predicted by the planner (unmeasured" in table
+    rows = outcome.rows()
+    for row in rows:  # trials on a card: what nvidia-smi measured decides, not the plan
+        row.update(status="ok", gpu_peak_process_mib={0: 9_000.0, 1: 9_500.0}.get(row["candidate"]))
+    assert smallest_peak(rows).startswith("Smallest peak: zero_stage=2 (grad_accum 1), 9,000 MiB measured")

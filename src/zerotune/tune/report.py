@@ -13,7 +13,7 @@ from pathlib import Path
 from zerotune.rundir.status import Status
 from zerotune.tune.finalists import RESAMPLES, Verdict
 from zerotune.tune.pooled import pooled_figures
-from zerotune.tune.screen import KEPT, Screened, planned_peak_mib
+from zerotune.tune.screen import KEPT, SLOWER, Screened, planned_peak_mib
 from zerotune.tune.study import Trial
 
 # A candidate ranked by its predicted time floor, run or not: a row of the tune report, not a run's status.
@@ -100,7 +100,8 @@ def markdown(outcome: Outcome, rows: list[dict]) -> str:
     lines = [f"# tune: {outcome.workload}, global batch {outcome.global_batch}", "",
              f"- machine: {outcome.machine}",
              f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
-             f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "", *paired_table(outcome.verdict),
+             f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "", smallest_peak(rows), "",
+             *paired_table(outcome.verdict),
              "Pooled: a complete trial's samples/s with its neighbours' (tune/pooled.py), which picks the finalists.",
              "", "| # | config | accum | status | timed steps | samples/s | pooled | rungs (steps:samples/s) | "
              "GPU peak MiB | host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -126,6 +127,29 @@ def answer(outcome: Outcome) -> str:
         f"measured over {best['timed_steps']} timed steps, not re-measured against another ({outcome.why_no_rounds})"
     return f"**Fastest: {best['config']} (grad_accum {best['grad_accum']}), {best['samples_per_s']:.4g} samples/s, " \
            f"{how}**{saved}."
+
+
+# Rows that would run: a trial that completed or was stopped at a rung, one ranked or left unrun, or one
+# dropped only because its twin without gradient checkpointing fits (it fits too).
+_WOULD_RUN = (Status.OK, Status.PRUNED, PREDICTED, "not_run", SLOWER)
+
+
+def smallest_peak(rows: list[dict]) -> str:
+    """What to train with when memory is all that matters: the lowest GPU peak nvidia-smi measured among the
+    trials, else the lowest planned peak among the candidates that would run (`zerotune plan --all`'s
+    "smallest peak" over the tune's space)."""
+    fits = [r for r in rows if r["status"] in _WOULD_RUN]
+    measured = [r for r in fits if r["gpu_peak_process_mib"]]
+    if measured:
+        least = min(measured, key=lambda r: (r["gpu_peak_process_mib"], r["candidate"]))
+        return (f"Smallest peak: {least['config']} (grad_accum {least['grad_accum']}), "
+                f"{least['gpu_peak_process_mib']:,.0f} MiB measured (nvidia-smi, the job's processes).")
+    planned = [r for r in fits if r["plan_peak_mib"]]
+    if not planned:
+        return "Smallest peak: none known (no candidate that would run has a measured or planned peak)."
+    least = min(planned, key=lambda r: (r["plan_peak_mib"], r["candidate"]))
+    return (f"Smallest peak: {least['config']} (grad_accum {least['grad_accum']}), {least['plan_peak_mib']:,.0f} "
+            "MiB predicted by the planner (unmeasured: no trial measured a GPU peak).")
 
 
 def certainty(verdict: Verdict) -> str:
