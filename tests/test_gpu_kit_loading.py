@@ -36,7 +36,8 @@ LOADING = {
     "ref_1024_bs8_k16": [REF_1024, TEN, K16],
     "ref_128_bs8_k1": [REF_128, TEN, K1],
     "ref_1024_bs8_k1": [REF_1024, TEN, K1],
-    "z3_params_cpu_1024_bs8": [REF_1024, TEN, "zero_stage=3", "offload=cpu", "offload.params=true"],
+    "z3_params_cpu_1024_bs8": [REF_1024, TEN, "zero_stage=3", "offload=cpu", "offload.params=true",
+                               "deepspeed.reduce_bucket_size=100000000"],
     "ref_1024_bs1_k16": [REF_8GIB, TEN, K16],
     "ref_128_bs8_k16_expandable": [REF_128, TEN, K16],
     "ref_128_bs8_k16_bucket1e8": [REF_128, TEN, K16, "deepspeed.reduce_bucket_size=100000000"],
@@ -74,6 +75,7 @@ def test_each_loading_row_composes_as_the_card_runs_it():
         assert seen[name].deepspeed.param_groups == 1 and seen[name].zero_stage.stage == 2, name
     z3 = seen["z3_params_cpu_1024_bs8"]
     assert z3.zero_stage.stage == 3 and z3.offload.params is True and z3.deepspeed.param_groups == "auto"
+    assert z3.deepspeed.reduce_bucket_size == 100_000_000  # the planner's cheapest: 8,678 MiB on an rtx4090
     assert (z3.resolution.size, z3.train.batch_size) == (1024, 8)
     for name, size, batch, mib in (("ref_128_bs8_k16", 128, 8, 9237), ("ref_1024_bs8_k16", 1024, 8, 13102),
                                    ("ref_1024_bs1_k16", 1024, 1, 8192)):
