@@ -12,7 +12,6 @@ weights under autocast, each term checked against the code that allocates it, on
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import subprocess
@@ -27,7 +26,6 @@ from torch.profiler import ProfilerActivity, profile
 from tests.helpers.cli import compose_cfg
 from zerotune.models import latent_shape
 from zerotune.plan import activations, buffers, gpus, stage0
-from zerotune.plan import predict as plan_predict
 from zerotune.plan.activations import measure_step_on_cpu, trace_step
 from zerotune.plan.predict import predict
 from zerotune.plan.stage0 import (
@@ -221,15 +219,13 @@ STEPS = [pytest.param(("model=tiny", "resolution=16", "train.grad_accum=2"), id=
 
 
 @pytest.mark.parametrize("settings", STEPS)
-def test_the_plain_step_is_what_the_trainer_allocates(settings, monkeypatch):
+def test_the_plain_step_is_what_the_trainer_allocates(settings):
     from benchmarks.step_alloc import QUICK
     from zerotune.compose import compose
 
     overrides = [*QUICK, *settings, *PLAIN, "precision=bf16"]
     real = _step_alloc(overrides)
-    # predict.py asks buffers.py for a card's buffers: on this CPU accelerate wraps even one process in DDP
-    for name in ("gpu_buffer_bytes", "buffer_terms"):
-        monkeypatch.setattr(plan_predict, name, functools.partial(getattr(buffers, name), device="cpu"))
+    # a CPU plan: accelerate wraps even one process in DDP here, and the plan's buffers say so
     plan = predict(preflight(compose(overrides), 1, overrides=overrides), None, device="cpu")
     held = sum(t["mib"] for t in plan["step_terms"] if moment_of(t) == "persistent") * 2**20
     # What the step adds to what it holds throughout (activations, autocast's copies, gradients, the optimizer's

@@ -45,8 +45,34 @@ def test_the_import_baseline_is_measured_cached_and_keyed(tmp_path: Path, monkey
     # Read back, not measured again: a planted figure under the key is what comes out.
     stored[key]["rss_mib"] = 123.0
     (tmp_path / "plan" / process.CACHE_FILE).write_text(json.dumps(stored))
-    monkeypatch.setattr(process, "measure_imports", lambda modules: pytest.fail("measured again"))
+    monkeypatch.setattr(process, "measure_imports", lambda modules, then="": pytest.fail("measured again"))
     assert process.process_baseline_mib() == 123.0
+
+
+def test_the_child_runs_what_a_worker_does_after_its_imports():
+    """`then`: a card's worker makes CUDA's context and loads cuBLAS before the model (CUDA_START); here, 200 MiB
+    touched stands in for it, and the child's RSS shows it."""
+    alone = process.measure_imports(("json",))
+    grown = process.measure_imports(("json",), "x = bytearray(200 * 2**20)\nx[::4096] = b'1' * len(x[::4096])")
+    assert alone is not None and grown is not None and grown["rss_mib"] - alone["rss_mib"] > 150
+
+
+def test_a_card_plan_takes_the_baseline_on_the_card_and_says_so_where_none_is_here(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path))
+    ran: list[str] = []
+
+    def measure(modules: tuple[str, ...], then: str = "") -> dict:
+        ran.append(then)
+        return {"rss_mib": 500.0 + (700.0 if then else 0.0), "hwm_mib": None, "modules": list(modules)}
+
+    monkeypatch.setattr(process, "measure_imports", measure)
+    monkeypatch.setattr(process, "_card_here", lambda: False)  # this machine: no card, nothing measured for one
+    assert process.process_baseline_mib(on_card=True) is None and ran == []
+    here = process.card_process_prediction(dict(GPU_PLAN), 1)["host_process_terms"]["terms"][1]
+    assert here["mib"] == 500.0 and "no card here" in here["note"] and "unmeasured" in here["note"]
+    monkeypatch.setattr(process, "_card_here", lambda: True)  # a card's host: CUDA started in the child
+    card = process.card_process_prediction(dict(GPU_PLAN), 1)["host_process_terms"]["terms"][1]
+    assert card["mib"] == 1200.0 and "on its card" in card["note"] and ran[-1] == process.CUDA_START
 
 
 def test_an_import_that_fails_is_unmeasured(tmp_path: Path, monkeypatch):

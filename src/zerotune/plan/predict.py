@@ -32,16 +32,17 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     groups = checked.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
     states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
                                checked.model_stats.trained_shapes(), groups)
-    lifetimes = {t.term: t.moment for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups)}
-    shape = _step_shape(states, stage, use_ds, train, device)
-    step_terms = _step_terms(states, lifetimes, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train,
-                                                                 groups), trace, shape)
+    # where the step runs decides plain accelerate's buffers: on a CPU, accelerate wraps even one process in DDP
+    buffers = {t.term: t for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups, device)}
+    shape = _step_shape(states, stage, use_ds, train, device, ds)
+    step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train,
+                                                               groups, device), trace, shape)
     host_terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, _HOST_NOTES.get(name, "pinned")) for name, nbytes in
-                   host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups).items()]
+                   host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups, device).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
@@ -85,26 +86,34 @@ _HOST_NOTES = {host.HEAP_KEPT: "the parameters' run-dtype copies glibc's heap ke
                               "card (host.py heap_kept_bytes)"}
 
 
-def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device: str) -> StepShape:
+def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device: str, ds: dict) -> StepShape:
     part = states.get("partition_numel") or sum(train)
-    largest = {0: max(train, default=0), 1: part, 2: part}.get(stage if use_ds else 0)
+    bucket = ds.get("zero_optimization", {}).get("reduce_bucket_size")
+    one_flush = use_ds and stage >= 2 and isinstance(bucket, (int, float)) and bucket >= sum(train)
+    groups = tuple(states.get("step_groups") or ()) if use_ds and stage in (1, 2) else ()
+    largest = {0: max(train, default=0), 1: max(groups, default=part), 2: max(groups, default=part)}.get(
+        stage if use_ds else 0)
     if largest is None:  # ZeRO-3: the optimizer steps one sub-group at a time
         largest = states["master_weights_bytes"] // max(1, states["elem_bytes"]["master_weights"]) // max(
             1, states.get("sub_groups", 1))
     return StepShape(stage, use_ds, states["optimizer"], states["elem_bytes"]["params"],
                      states["elem_bytes"]["master_weights"], states["where"]["optimizer_state"] != "gpu",
-                     part if use_ds and stage else sum(train), largest, device)
+                     part if use_ds and stage else sum(train), largest, device, groups,
+                     tuple(states.get("step_group_grads") or ()) if groups else (), one_flush)
 
 
-def _step_terms(states: dict, lifetimes: dict, buffer_bytes: dict, trace: Trace, shape: StepShape) -> list[dict]:
-    """Every term the device holds during the step, each with its moment (step_peak.py)."""
+def _step_terms(states: dict, buffers: dict[str, Term], buffer_bytes: dict, trace: Trace,
+                shape: StepShape) -> list[dict]:
+    """Every term the device holds during the step, each with its moment (step_peak.py). `buffers`: the
+    buffers' own terms by name (their lifetimes and the lines allocating them)."""
     terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
         terms.append(term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
     if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
         terms.append(term("grads", states["grads_bytes"], "ZeRO-3's flat gradient partition"))
     terms += gradient_terms(shape, states["grads_bytes"], trace)
-    terms += [term(f"deepspeed:{name}", nbytes, moment=_MOMENT.get(lifetimes[name], PERSISTENT))
+    terms += [term(f"deepspeed:{name}", nbytes, buffers[name].note, _MOMENT.get(buffers[name].moment or PERSISTENT,
+                                                                             PERSISTENT))
               for name, nbytes in buffer_bytes.items()]
     return terms + step_transients(shape)
 

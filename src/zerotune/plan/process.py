@@ -20,8 +20,8 @@ A run on a card is measured the same way (launch/job.py's sampler; the kit's `ho
 `card_process_prediction` predicts it the same way from a card's plan: each rank's host terms alone (host.py's
 rank terms on a CUDA accelerator: offloaded states, DeepSpeed's pinned buffers at torch's pinned block sizes, what
 glibc's heap keeps of the module's host copies) or its fp32 build, whichever is larger, on top of the process
-baseline. The baseline is this host's: where this host's torch has no CUDA, it lacks what a card's worker maps of
-CUDA's libraries and context (its term says so).
+baseline. On a host with a card, that baseline is measured with CUDA's context made and cuBLAS loaded, as a
+card's worker has them; elsewhere it is the CPU worker's, without them (its term says so).
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ MEASURE_TIMEOUT_S = 300
 # The job process's share of the measured tree: 0, because the job's sampler leaves it out
 # (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process).
 PARENT_BASELINE_MIB = 0.0
+# A card's worker, before it builds the model, has made CUDA's context (the driver's host allocations) and, at
+# its first matmul, loaded cuBLAS: pages a CPU-only host's baseline cannot have.
+CUDA_START = "torch.cuda.init()\na = torch.ones(64, 64, device='cuda')\n(a @ a).sum().item()"
 _STATUS = re.compile(r"^(VmRSS|VmHWM):\s+(\d+) kB$", re.MULTILINE)
 
 
@@ -71,25 +74,35 @@ def baseline_key() -> str:
                      f"imports-{imports}"])
 
 
-def process_baseline_mib() -> float | None:
+def process_baseline_mib(on_card: bool = False) -> float | None:
     """A fresh worker's RSS (MiB) after its imports, before any model exists: measured once, cached; None
-    where the child could not run them."""
+    where the child could not run them. `on_card`: then CUDA's context made on this host's first card and
+    cuBLAS loaded (CUDA_START), as a card's worker has them before it builds the model; None where this host
+    has no usable card."""
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
-    key = baseline_key()
+    key = baseline_key() + ("|cuda" if on_card else "")
     if isinstance(known.get(key), dict):
         return known[key]["rss_mib"]
-    measured = measure_imports(WORKER_IMPORTS)
+    if on_card and not _card_here():
+        return None
+    measured = measure_imports(WORKER_IMPORTS, CUDA_START if on_card else "")
     if measured is not None:
         files.write_cached_json(file, {**known, key: measured})
     return None if measured is None else measured["rss_mib"]
 
 
-def measure_imports(modules: tuple[str, ...]) -> dict | None:
-    """{"rss_mib", "hwm_mib"} of a child interpreter (this one's executable) that imported `modules`, read
-    from its /proc/self/status; None where the child failed or the kernel has no such file."""
-    code = "\n".join([*(f"import {m}" for m in modules), "print(open('/proc/self/status').read())"])
+def _card_here() -> bool:
+    import torch
+
+    return bool(torch.version.cuda) and torch.cuda.is_available()
+
+
+def measure_imports(modules: tuple[str, ...], then: str = "") -> dict | None:
+    """{"rss_mib", "hwm_mib"} of a child interpreter (this one's executable) that imported `modules` and ran
+    `then`, read from its /proc/self/status; None where the child failed or the kernel has no such file."""
+    code = "\n".join([*(f"import {m}" for m in modules), then, "print(open('/proc/self/status').read())"])
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):
@@ -150,8 +163,12 @@ def card_process_prediction(plan: dict, ranks: int) -> dict:
     """A card's plan (predict.py, device cuda) with its host figure made the process-RSS prediction of the node's
     `ranks` workers (marked PROCESS_RSS), as the run measures it: what predict.py does for a CPU plan, with the
     rank's host terms alone (host.py rank_terms on a CUDA accelerator)."""
-    import torch
-
-    note = "" if torch.version.cuda else ": its torch has no CUDA, so not the CUDA libraries a card's worker maps"
-    node = node_rss_prediction(plan, ranks, process_baseline_mib(), PARENT_BASELINE_MIB, "cuda", note)
+    on_card = process_baseline_mib(on_card=True)
+    baseline: float | None
+    if on_card is not None:
+        baseline, note = on_card, ", on its card: CUDA's context and cuBLAS loaded"
+    else:  # the figure stands without them, and says what it lacks
+        baseline, note = process_baseline_mib(), (": no card here, so without the CUDA context's host memory "
+                                                  "and the CUDA libraries a card's worker maps (unmeasured)")
+    node = node_rss_prediction(plan, ranks, baseline, PARENT_BASELINE_MIB, "cuda", note)
     return mark_process_prediction(plan, node)

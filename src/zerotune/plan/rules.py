@@ -56,6 +56,13 @@ class StepShape:
     trained: int             # elements the optimizer updates on this rank
     largest_trained: int     # the largest tensor it steps at once: a parameter, the flat partition, a sub-group
     device: str              # cuda | cpu
+    # ZeRO-1/2: the optimizer's calls, one per parameter group (stage_1_and_2.py step's loop), in order: each
+    # group's partition (elements) and the gradient bytes the group holds until its turn frees them
+    groups: tuple[int, ...] = ()
+    group_grads: tuple[int, ...] = ()
+    # the reduce bucket holds every trained gradient: it is flushed once, after backward (ZeRO-2's and ZeRO-3's
+    # gradient partitions are filled then, not while the activations are held)
+    one_flush: bool = False
 
 
 def dtype_bytes(value: Any) -> int:
@@ -280,8 +287,10 @@ def optimizer_temporaries(shape: StepShape, device: str) -> list[dict]:
     per_tensor = {"AdamW": 2, "Adam": 2, "Adagrad": 1}.get(kind, 0)
     if not per_tensor:
         return []
+    # what one optimizer.step() call updates: everything at stage 0, one group (ZeRO-1/2) or sub-group (ZeRO-3)
+    per_call = shape.trained if not shape.use_deepspeed or shape.stage == 0 else shape.largest_trained
     if device == "cuda":  # foreach: one new tensor per optimized tensor, all at once
-        return [term("optimizer_temporaries", shape.trained * shape.master_elem,
+        return [term("optimizer_temporaries", per_call * shape.master_elem,
                      f"torch/optim/{module}.py ({kind}), foreach on CUDA tensors: torch._foreach_sqrt of the states",
                      "step:update")]
     what = "exp_avg_sq.sqrt() / bias_correction2_sqrt" if per_tensor == 2 else "state_sum.sqrt()"

@@ -66,8 +66,10 @@ def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dic
     if shape.stage == 1:  # kept in param.grad until the step flattens them
         return [term("activations_and_grads", trace.activation_and_grad_peak_bytes, _JOINT, "forward+backward"),
                 term("grads", grads_bytes, "param.grad until the step flattens them", "step:flatten")]
-    return [term("activations", trace.activation_peak_bytes, _TRACE, "forward+backward"),  # ZeRO-2: the partition
-            *(term("grads", grads_bytes, "the gradient partition", m) for m in ("forward+backward", "step:flatten"))]
+    # ZeRO-2: the gradient partition, filled at each flush of the reduce bucket (during backward, or once after it)
+    filled = "reduce" if shape.one_flush else "forward+backward"
+    return [term("activations", trace.activation_peak_bytes, _TRACE, "forward+backward"),
+            *(term("grads", grads_bytes, "the gradient partition", m) for m in (filled, "step:flatten"))]
 
 
 def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:

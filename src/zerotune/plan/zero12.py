@@ -63,18 +63,25 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     kind = optimizer_kind(ds, opt_dev != "none", prec, client=client)
     parts = [zero12_flat(g, world, zero.parameter_alignment, prec.param) // world for g in split_groups(train, groups)]
     part = sum(parts)
-    grads = part * prec.param if stage == 2 else trained * prec.param
+    trained_groups = split_groups(train, groups)
+    # step() frees a group's gradients at its turn: ZeRO-2 holds the group's partition, ZeRO-1 its whole grads
+    group_grads = [p * prec.param for p in parts] if stage == 2 else [sum(g) * prec.param for g in trained_groups]
+    step_groups = parts
     if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and opt_dev == "none":
         # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
-        # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer).
-        grads = sum(zero12_flat(g, world, False, 2) for g in split_groups(train, groups)) * 4
+        # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer),
+        # kept across steps, and one optimizer.step() over every group (bf16_optimizer.py step, line 422).
+        group_grads = [zero12_flat(g, world, False, 2) * 4 for g in trained_groups]
+        step_groups = [part]
+    grads = sum(group_grads)
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
     # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
     # flattens the optimizer's param_groups)
     return states_record(sum(numels) * prec.param, grads, part * prec.master, optimizer_state(kind, [(p,) for p in parts]),
                          (prec.param, prec.param, prec.master), kind, trained * prec.param,
                          where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
-                                "optimizer_state": host}, partition_numel=part)
+                                "optimizer_state": host}, partition_numel=part, step_groups=step_groups,
+                         step_group_grads=group_grads if len(step_groups) == len(group_grads) else [grads])
 
 
 def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
@@ -145,8 +152,9 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
         terms.append(buffer_term("contiguous_gradients", held * prec.param, "gpu", "exact" if rank is not None
                                  else "upper", "backward", src + "copy_grads_in_partition (grads_in_partition: "
                                  "whole parameters touching the rank's partition)", "grads_bytes"))
-    terms.append(buffer_term("step_fp32_grad_partition", part * prec.master, "gpu", "exact", "step:update",
-                       src + "step (flattened gradient partition, cast to the master dtype; the gradients freed)"))
+    terms.append(buffer_term("step_fp32_grad_partition", max(parts, default=0) * prec.master, "gpu", "exact",
+                             "step:update", src + "step lines 3107-3144 (one parameter group at a time: its flattened "
+                             "gradient partition cast to the master dtype, freed after its update; the largest group)"))
     return terms
 
 
@@ -195,14 +203,29 @@ def _offload_host_terms(ds: dict, trained_groups: list[list[int]], parts: list[i
 
 
 def step_transients(shape: StepShape) -> list[dict]:
+    """DeepSpeedZeroOptimizer.step takes the parameter groups one at a time (stage_1_and_2.py lines 3075-3144):
+    group i's gradients flattened (flatten_dense_tensors_aligned), then `.to(master dtype)` (a copy only where the
+    dtypes differ; the fp32 partition is buffers()'s step_fp32_grad_partition), its gradients freed, the
+    optimizer stepped over that group alone, its fp32 gradient freed. The later groups' gradients wait: at group
+    i's update they are still held. Each moment is taken at the group where it is largest (with unequal groups,
+    the fp32 gradient and the optimizer's temporaries are the largest group's: an upper bound)."""
     if not shape.use_deepspeed or shape.offloaded:
         return []
-    # DeepSpeedZeroOptimizer.step: flatten_dense_tensors_aligned(averaged_gradients), then .to(master dtype),
-    # a copy only where the dtypes differ; the fp32 partition itself is buffers.py's step_fp32_grad_partition.
     src = "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer.step"
-    cast = shape.trained * shape.master_elem if shape.master_elem != shape.param_elem else 0
-    return [term("step_flat_grad_partition", shape.trained * shape.param_elem + cast,
-                 src + " (the gradients flattened" + (", then cast" if cast else "") + ")", "step:flatten")]
+    groups, grads = shape.groups or (shape.trained,), shape.group_grads or (0,) * len(shape.groups or (1,))
+    cast = shape.master_elem if shape.master_elem != shape.param_elem else 0
+    # the step:flatten moment counts every group's gradients (step_peak.gradient_terms): group i's own
+    # flatten and cast come with the earlier groups' gradients already freed
+    flatten = max(n * (shape.param_elem + cast) - sum(grads[:i]) for i, n in enumerate(groups))
+    terms = [term("step_flat_grad_partition", flatten, src + " lines 3112-3116 (a group's gradients flattened" +
+                  (", then cast" if cast else "") + ", the earlier groups' gradients already freed)", "step:flatten")]
+    later = max(sum(grads[i + 1:]) + n * shape.master_elem for i, n in enumerate(groups)) - max(groups) * \
+        shape.master_elem
+    if later > 0:
+        terms.append(term("grads_of_later_groups", later, src + " line 3126 (free_grad_in_param_list frees each "
+                          "group's gradients at its turn: the later groups' are held while one group updates)",
+                          "step:update"))
+    return terms
 
 
 @dataclass(frozen=True)

@@ -106,13 +106,16 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
         said = (" (stage3_max_live_parameters limits prefetching only; what reuse distance and checkpointing "
                 "hold on to is the replay's, step_terms)")
     comm = comm_elem(ds, prec.param)
+    # a bucket that holds every trained gradient is flushed once, by independent_gradient_partition_epilogue
+    # (stage3.py line 1407) after backward: its transients then come with no activation held
+    flush = "reduce" if zero.reduce_bucket_size >= sum(train) else "backward"
     terms = [buffer_term("stage3_live_params", live * prec.param, "gpu", how, "forward+backward", coord + said),
              buffer_term("stage3_prefetch_bucket", min(zero.prefetch_bucket_size, gathered) * prec.param, "gpu",
                          how, "forward+backward", coord + " (prefetch, inside the live-parameter cap)",
                          "stage3_live_params"),
              # each flush of the bucket concatenates its gradients (reduce_scatter_coalesced) while backward runs
              buffer_term("reduce_scatter_buffer", min(zero.reduce_bucket_size, sum(
-                 stage3_partition_numel(n, world) * world for n in train)) * comm, "gpu", "upper", "backward",
+                 stage3_partition_numel(n, world) * world for n in train)) * comm, "gpu", "upper", flush,
                  "runtime/comm/coalesced_collectives.py:reduce_scatter_coalesced line 122 (torch.cat of the "
                  "bucket's gradients, called by " + src + "__avg_scatter_grads)")]
     if zero.contiguous_gradients:
@@ -128,9 +131,9 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
                               "sub-group's gradient while the optimizer steps it; _release_sub_group frees it)")]
     else:  # partition_grads, one parameter at a time: its partition back on the device, then its norm in fp64
         part = max(parts)
-        terms += [buffer_term("offload_grad_partition_gpu", part * prec.grad_accum, "gpu", "exact", "backward",
+        terms += [buffer_term("offload_grad_partition_gpu", part * prec.grad_accum, "gpu", "exact", flush,
                               src + "partition_grads line 2028 (grad_buffer.to(device), the largest partition)"),
-                  buffer_term("offload_grad_norm_fp64", min(part, NORM_CHUNK) * 8, "gpu", "exact", "backward",
+                  buffer_term("offload_grad_norm_fp64", min(part, NORM_CHUNK) * 8, "gpu", "exact", flush,
                               src + "_constant_buffered_norm2 line 1964 (.to(fp64), 250M elements at a time; "
                               "the .to(fp32) copy of line 1457 comes after it, smaller)")]
     if opt_dev == "cpu":
