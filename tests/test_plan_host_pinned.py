@@ -188,12 +188,12 @@ def test_the_terms_only_a_card_has_leave_a_cpu_accelerators_host():
 
 
 def test_a_cards_host_figure_is_the_process_rss_of_its_ranks(monkeypatch):
-    monkeypatch.setattr(process, "process_baseline_mib", lambda: 500.0)
+    monkeypatch.setattr(process, "process_baseline_mib", lambda on_card=False: None if on_card else 500.0)
     plan = {"device": "cuda", "host_peak_mib": 135.0, "host_terms": CARD_HOST}
     marked = process.card_process_prediction(dict(plan), 2)
     assert marked["host_peak_kind"] == process.PROCESS_RSS
     assert marked["host_peak_mib"] == 2 * (500.0 + 135.0)  # the step's host terms, above the 120 MiB fp32 build
     loading = process.card_process_prediction({**plan, "host_terms": terms(("model_load", 900.0))}, 1)
     assert loading["host_peak_mib"] == 500.0 + 900.0
-    monkeypatch.setattr(process, "process_baseline_mib", lambda: None)  # unmeasured: the plan's figure stays
+    monkeypatch.setattr(process, "process_baseline_mib", lambda on_card=False: None)  # unmeasured: the figure stays
     assert process.card_process_prediction(dict(plan), 1)["host_peak_mib"] == 135.0
