@@ -66,13 +66,13 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
     trained_groups = split_groups(train, groups)
     # step() frees a group's gradients at its turn: ZeRO-2 holds the group's partition, ZeRO-1 its whole grads
     group_grads = [p * prec.param for p in parts] if stage == 2 else [sum(g) * prec.param for g in trained_groups]
-    step_groups = parts
+    step_groups, step_grads = parts, group_grads
     if stage == 1 and prec.name == "bf16" and prec.grad_accum == 4 and opt_dev == "none":
         # engine._do_optimizer_sanity_check picks BF16_Optimizer here: the same flat partition rule as
         # stage 1 for master and states, but whole fp32 gradients (bf16_optimizer.py:_setup_for_real_optimizer),
         # kept across steps, and one optimizer.step() over every group (bf16_optimizer.py step, line 422).
         group_grads = [zero12_flat(g, world, False, 2) * 4 for g in trained_groups]
-        step_groups = [part]
+        step_groups, step_grads = [part], [sum(group_grads)]
     grads = sum(group_grads)
     host = "host" if opt_dev != "none" else "gpu"  # DeepSpeed offloads stages 1-2 to the CPU only
     # params: the flat group's views and the frozen parameters, each whole (stage_1_and_2.py only
@@ -81,7 +81,7 @@ def states(numels: list[int], train: list[int], ds: dict, world: int, prec: Prec
                          (prec.param, prec.param, prec.master), kind, trained * prec.param,
                          where={"params": "gpu", "grads": host if stage == 2 else "gpu", "master_weights": host,
                                 "optimizer_state": host}, partition_numel=part, step_groups=step_groups,
-                         step_group_grads=group_grads if len(step_groups) == len(group_grads) else [grads])
+                         step_group_grads=step_grads)
 
 
 def _overlap_partition(numels: list[int], part: int, rank: int) -> int:
@@ -212,7 +212,8 @@ def step_transients(shape: StepShape) -> list[dict]:
     if not shape.use_deepspeed or shape.offloaded:
         return []
     src = "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer.step"
-    groups, grads = shape.groups or (shape.trained,), shape.group_grads or (0,) * len(shape.groups or (1,))
+    groups = shape.groups or (shape.trained,)
+    grads = shape.group_grads or (0,) * len(groups)
     cast = shape.master_elem if shape.master_elem != shape.param_elem else 0
     # the step:flatten moment counts every group's gradients (step_peak.gradient_terms): group i's own
     # flatten and cast come with the earlier groups' gradients already freed

@@ -24,7 +24,7 @@ from typing import Any
 
 from zerotune.plan.allocator import TaggedPool, storage_mode
 from zerotune.plan.gpus import GPU
-from zerotune.plan.rules import comm_elem, offload_device, optimizer_kind, term
+from zerotune.plan.rules import comm_elem, offload_device, optimizer_kind, precision_of, term, zero_config
 from zerotune.plan.zero3_runtime import (
     Gather,
     OneStreamAccelerator,
@@ -36,9 +36,10 @@ from zerotune.plan.zero3_runtime import (
     optimizer_step,
     stage3_partition_numel,
     sub_groups,
+    zero_numel,
 )
 from zerotune.resolved import ResolvedRun
-from zerotune.schema import Config
+from zerotune.schema import Config, launch_world_size
 from zerotune.units import MIB
 
 _LOADINGS: dict[str, dict] = {}
@@ -46,29 +47,35 @@ _LOADINGS: dict[str, dict] = {}
 
 def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
     """The engine build's peaks on the device, replayed (allocations only: the model is built on the meta device),
-    as _Pool.record gives them: {"allocated", "reserved", "at_allocated_peak", "at_reserved_peak"}, and
+    as TaggedPool.record gives them: {"allocated", "reserved", "at_allocated_peak", "at_reserved_peak"}, and
     "end_reserved": what stays reserved once the trainer has emptied the cache after the build."""
     from zerotune.plan import activations
-    from zerotune.plan.rules import precision_of, zero_config
-    from zerotune.schema import launch_world_size
 
     key = _replay_key(cfg, checked, "loading")
     if key not in _LOADINGS:
-        ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
-        world = launch_world_size(cfg.launch)
         model = activations._meta_trained(cfg.model, cfg.precision.name, bool(cfg.train.gradient_checkpointing),
                                           str(cfg.model.attention), cfg.adapter)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        subs = sub_groups([stage3_partition_numel(p.numel(), world) for p in trained], zero.sub_group_size,
-                           checked.group_sizes())
-        pool = TaggedPool()
-        build_engine(model, pool, world, offload_device(zero.offload_param) != "none",
-              offload_device(zero.offload_optimizer) != "none", prec, comm_elem(ds, prec.param), zero, subs, trained)
-        _LOADINGS[key] = pool.record()
-        pool.sim.empty_cache()  # training/trainer.py Trainer._prepare, once the engine is built
-        _LOADINGS[key]["end_reserved"] = pool.sim.reserved
+        _LOADINGS[key], _ = _build(model, TaggedPool(), cfg, checked, emptied=True)
     return _LOADINGS[key]
 
+
+def _build(model, pool: TaggedPool, cfg: Config, checked: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
+    """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
+    reserved after it (training/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
+    engine, since commit d6e1446; `emptied` False: the trainer before), and the optimizer's sub-groups."""
+
+    ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
+    world = launch_world_size(cfg.launch)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    subs = sub_groups([stage3_partition_numel(zero_numel(p), world) for p in trained], zero.sub_group_size,
+                      checked.group_sizes())
+    build_engine(model, pool, world, offload_device(zero.offload_param) != "none",
+                 offload_device(zero.offload_optimizer) != "none", prec, comm_elem(ds, prec.param), zero, subs, trained)
+    loading = pool.record()
+    if emptied:
+        pool.sim.empty_cache()
+    loading["end_reserved"] = pool.sim.reserved
+    return loading, subs
 
 
 REPLAY_STEPS = 3        # the kit's runs: step 1 records the module trace, step 2 prefetches, step 3 repeats step 2
@@ -122,8 +129,8 @@ _TAGS: dict[str, tuple[str, bool, str]] = {
                                                         "(flatten of the sub-group's gradients)"),
     "step_fp32_grad": ("step_fp32_grad_sub_group", False, "stage3.py line 2686 (.to(fp32): the sub-group's "
                                                           "gradient, freed by _release_sub_group)"),
-    "optimizer_temporaries": ("optimizer_temporaries", False, "plan/step_peak.py's rule for the optimizer, "
-                                                              "applied to one sub-group per optimizer.step()"),
+    "optimizer_temporaries": ("optimizer_temporaries", False, "plan/rules.py optimizer_temporaries, applied to "
+                                                              "one sub-group per optimizer.step()"),
 }
 _MOMENTS = {"carried": "persistent", "loading": "persistent", "forward": "forward+backward",
             "backward": "forward+backward", "step": "step:update"}
@@ -202,8 +209,6 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
 
     from zerotune.plan import activations
     from zerotune.plan.context import CUBLAS_WORKSPACE
-    from zerotune.plan.rules import zero_config
-    from zerotune.schema import launch_world_size
 
     ds = checked.ds_config
     trace = activations.trace_key(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]),
@@ -267,8 +272,6 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
 
     from zerotune.plan import activations
     from zerotune.plan.context import CUBLAS_WORKSPACE
-    from zerotune.plan.rules import precision_of, zero_config
-    from zerotune.schema import launch_world_size
 
     ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
     world, ga = launch_world_size(cfg.launch), int(ds["gradient_accumulation_steps"])
@@ -283,13 +286,7 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
     gather = Gather(pool, mode, world, host_params, status)
     as_zero_parameters(params, gather, mode, world, status)
     offload = offload_hooks(model, zero)
-    subs = sub_groups([stage3_partition_numel(p.ds_numel, world) for p in trained], zero.sub_group_size,
-                       checked.group_sizes())
-    build_engine(model, pool, world, host_params, host_optimizer, prec, comm, zero, subs, trained)
-    loading = pool.record()
-    if emptied:  # Trainer._prepare: torch.cuda.empty_cache() once accelerate.prepare has built the engine
-        pool.sim.empty_cache()
-    loading["end_reserved"] = pool.sim.reserved
+    loading, subs = _build(model, pool, cfg, checked, emptied)
     reducer = Reducer(pool, mode, world, host_optimizer, prec, comm, int(zero.reduce_bucket_size), dtype,
                        bool(zero.contiguous_gradients))
     for p in trained:

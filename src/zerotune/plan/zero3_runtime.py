@@ -147,16 +147,16 @@ def build_engine(model, pool: TaggedPool, world, host_params, host_optimizer, pr
         own = list(m.parameters(recurse=False))
         built = []
         for p in own:
-            fp32 = pool.malloc(_numel(p) * 4, "loading")
+            fp32 = pool.malloc(zero_numel(p) * 4, "loading")
             if prec.param != 4:
-                built.append(pool.malloc(_numel(p) * prec.param, "loading"))
+                built.append(pool.malloc(zero_numel(p) * prec.param, "loading"))
                 pool.free(fp32)
             else:
                 built.append(fp32)
         for p in own:  # _partition_param line 1836: the partition on the GPU unless the parameters are offloaded
             if not host_params:
                 tag = "frozen_params" if id(p) not in trained_ids else "loading"
-                partitions[id(p)] = pool.malloc(stage3_partition_numel(_numel(p), world) * prec.param, tag)
+                partitions[id(p)] = pool.malloc(stage3_partition_numel(zero_numel(p), world) * prec.param, tag)
         for handle in built:
             pool.free(handle)
     if not host_params:  # defragment (runtime/zero/utils.py line 215): to the host, empty_cache, one flat buffer
@@ -181,10 +181,10 @@ def build_engine(model, pool: TaggedPool, world, host_params, host_optimizer, pr
         pool.malloc(sum(subs) * prec.grad_accum, "grads")
     if host_params or world > 1:  # create_reduce_and_remove_grad_hooks: all_gather then partition, one at a time
         for p in trained:
-            pool.free(pool.malloc(_gathered_numel(_numel(p), world) * prec.param, "loading"))
+            pool.free(pool.malloc(_gathered_numel(zero_numel(p), world) * prec.param, "loading"))
 
 
-def _numel(p) -> int:
+def zero_numel(p) -> int:
     """A parameter's elements: its ZeRO size once the replay has emptied it, else its own."""
     return getattr(p, "ds_numel", None) or p.numel()
 
