@@ -101,12 +101,13 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
     """What the planner predicts for every rank of that job, from a meta-device build (with the adapter)
     and preflight's dict."""
     from tests.helpers.cli import compose_cfg
+    from zerotune.compose.settle import settle
     from zerotune.plan.model_states import model_state_bytes, param_numels
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
-    checked = preflight(cfg, world_size=world)
+    checked = check(settle(cfg, world_size=world))
     numels, trainable = param_numels(checked.config.model, checked.config.adapter)
     return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable,
                               checked.client_optimizer, checked.model_stats.trained_shapes(), checked.group_sizes())

@@ -50,12 +50,13 @@ def predicted(config: tuple) -> dict:
     sys.path.insert(0, str(ROOT))
     from benchmarks.step_alloc import QUICK, RESOLUTION
     from zerotune.compose import compose
+    from zerotune.compose.settle import settle
     from zerotune.plan.predict import predict
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
     overrides = [*QUICK, f"resolution={RESOLUTION[config[0]]}", *_args(config)]
     cfg = compose(overrides)
-    return predict(preflight(cfg, 1, overrides=overrides), None, device="cpu")
+    return predict(check(settle(cfg, overrides, 1)), None, device="cpu")
 
 
 def compare(config: tuple, cache: dict) -> dict:

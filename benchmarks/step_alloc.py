@@ -33,15 +33,16 @@ def measure(overrides: list[str]) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from zerotune.compose import compose
+    from zerotune.compose.settle import settle
     from zerotune.loggers.base import NullLogger
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
     from zerotune.rundir import RunDir
     from zerotune.training import distributed
     from zerotune.training.trainer import Trainer
 
     cfg = compose(overrides)
     distributed.ensure_single_process_env()
-    run = preflight(cfg, 1, overrides=overrides)
+    run = check(settle(cfg, overrides, 1))
     distributed.init_accelerate_state(run.use_deepspeed, 600)
     with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(run, RunDir(tmp, is_writer=True), NullLogger())

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers.cli import compose_cfg, run_cli
+from tests.helpers.cli import compose_cfg, preflight, run_cli
 from tests.helpers.fixes import check_fix
 from zerotune.config_search import packaged_conf
 from zerotune.data.footprint import GIB, check_fits_memory
@@ -23,7 +23,6 @@ from zerotune.ds_config.offload import check_nvme_path
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.loggers import check_logger
 from zerotune.models import build_unet, check_pretrained, downsample_factor
-from zerotune.preflight import preflight
 
 FAST = ("train.max_steps=2", "evaluate.enabled=false")
 

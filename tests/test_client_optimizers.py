@@ -13,14 +13,13 @@ import pytest
 import torch
 
 import benchmarks.bench_plan_model_states as bench
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune.checkpoints.decide import conversion_mode, current_meta, decide_resume
 from zerotune.ds_config import optimizers
 from zerotune.errors import ConfigError
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.rules import Precision, client_kind, optimizer_state
 from zerotune.plan.zero12 import zero12_flat
-from zerotune.preflight import preflight
 from zerotune.training.backend import client_optimizer
 from zerotune.training.partition import _state_bytes
 from zerotune.tune.space import read_command_line

@@ -83,7 +83,7 @@ def test_a_zerotune_package_source_folder_is_not_taken_for_configs(tmp_path, mon
 
 
 def test_the_run_records_where_its_configs_came_from(tmp_path, monkeypatch):
-    from zerotune.preflight import preflight
+    from tests.helpers.cli import preflight
 
     user_folder(tmp_path / "zerotune")
     monkeypatch.chdir(tmp_path)

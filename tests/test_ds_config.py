@@ -6,13 +6,12 @@ import json
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, run_cli
+from tests.helpers.cli import compose_cfg, preflight, run_cli
 from zerotune.ds_config.builder import build
 from zerotune.ds_config.offload import DEFAULT_PARAM_BUFFER, param_buffer_size
 from zerotune.ds_config.validator import validate
 from zerotune.models import ModelStats
 from zerotune.platform import detect
-from zerotune.preflight import preflight
 from zerotune.user_config.merge import merge
 
 PLATFORM = detect()

@@ -12,10 +12,9 @@ import shlex
 
 import pytest
 
-from tests.helpers.cli import ROOT, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, compose_cfg, preflight, read_summary, run_cli
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.preflight import preflight
 from zerotune.user_config import deepspeed_file, ds_keys
 
 CORPUS = ROOT / "tests" / "data" / "ds_configs"

@@ -20,7 +20,7 @@ TRAIN_AND_PROBE = textwrap.dedent("""
     from zerotune.training import distributed
     distributed.ensure_single_process_env()
     from zerotune.loggers.base import NullLogger
-    from zerotune.preflight import preflight
+    from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
     from zerotune.training.trainer import Trainer
 

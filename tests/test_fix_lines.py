@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from tests.helpers.fixes import alternatives, applied, check_fix
 from zerotune.errors import ConfigError
-from zerotune.preflight import preflight
 
 
 @pytest.mark.parametrize(("fix", "expected"), [

@@ -192,7 +192,7 @@ def test_plan_only_is_never_refused_and_records_the_fit(tmp_path):
 def test_every_fix_that_can_be_typed_passes_the_guard(monkeypatch):
     """The fix line's alternatives, applied to the refused overrides, pass the same checks on a host with
     SDXL's refusal (20,000 MiB available, as on this 24 GiB machine when idle)."""
-    from zerotune.preflight import preflight
+    from tests.helpers.cli import preflight
 
     monkeypatch.setattr(planning, "read_host_memory", lambda: HostMemory(24105.0, 20000.0))
 

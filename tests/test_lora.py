@@ -14,14 +14,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import ROOT, call_main, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, call_main, cli_env, compose_cfg, preflight, read_summary, run_cli
 from zerotune import checkpoints, models
 from zerotune.checkpoints.convert import full_state
 from zerotune.checkpoints.decide import decide_resume
 from zerotune.cli.export import main as export_main
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, lora_export
-from zerotune.preflight import preflight
 
 QUICK = ["adapter=lora", "train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2", "precision=fp32"]

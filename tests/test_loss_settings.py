@@ -10,11 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.fixes import check_fix
 from zerotune.diffusion import diffusion_loss, min_snr_weights, noise_scheduler
 from zerotune.errors import ConfigError
-from zerotune.preflight import preflight
 from zerotune.sampling import make_sampler
 from zerotune.training.distributed import global_batch_draws
 

@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, cli_env, compose_cfg, preflight, read_summary, run_cli
 from zerotune.errors import ConfigError
 from zerotune.launch.gate import Gate, GateWatch
 from zerotune.ops import build as ops
-from zerotune.preflight import preflight
 
 SHM = "ShareMemCommBuilder"
 

@@ -139,9 +139,9 @@ def test_a_checkpoint_resumes_with_its_own_groups_and_another_count_is_refused_w
 
 def test_auto_resumes_a_checkpoint_from_before_the_groups_with_one(tmp_path):
     """A ZeRO-2 checkpoint whose meta.json predates deepspeed.param_groups held one group: auto keeps it."""
+    from tests.helpers.cli import preflight
     from zerotune.checkpoints import manifest
     from zerotune.checkpoints.layout import COMPLETE
-    from zerotune.preflight import preflight
 
     first = tmp_path / "first"
     proc = run_cli("zero_stage=2", "train.max_steps=2", "train.batch_size=8", "evaluate.enabled=false",

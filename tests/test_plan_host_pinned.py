@@ -112,10 +112,10 @@ def test_the_engines_cast_leaves_its_copies_in_the_heap_below_zero3():
 
 @pytest.mark.parametrize("groups", [1, 3])
 def test_a_zero2_cpu_offload_plans_host_terms_hold_each_groups_pinned_blocks(groups):
+    from tests.helpers.cli import preflight
     from zerotune.compose import compose
     from zerotune.plan import gpus
     from zerotune.plan.command_line import plan_one, platform_for
-    from zerotune.preflight import preflight
 
     overrides = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "zero_stage=2", "offload=cpu",
                  "precision=bf16", f"deepspeed.param_groups={groups}"]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune.builder.fit import phase_marks
 from zerotune.plan import gpus, render
 from zerotune.plan.command_line import platform_for
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.predict import predict
-from zerotune.preflight import preflight
 
 
 def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overrides: tuple[str, ...] = ()):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune.models import latent_shape
 from zerotune.plan import activations, buffers, gpus, stage0
 from zerotune.plan.activations import measure_step_on_cpu, trace_step
@@ -37,7 +37,6 @@ from zerotune.plan.stage0 import (
 )
 from zerotune.plan.step_peak import moment_of
 from zerotune.platform import ANY_CUDA_GPU
-from zerotune.preflight import preflight
 
 PLAIN = ("deepspeed.enabled=false", "zero_stage=0")
 

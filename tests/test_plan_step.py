@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.bench_plan_step import compare, configs
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune.plan import gpus
 from zerotune.plan.predict import predict
 from zerotune.plan.step_peak import MOMENTS, terms_at_peak
 from zerotune.platform import ANY_CUDA_GPU
-from zerotune.preflight import preflight
 
 GRID = configs(["tiny", "sdxl_tiny"], [0, 1, 2, 3], ["none", "cpu"], ["fp32", "bf16"])
 QUICK = [("tiny", 0, "none", "bf16")]  # the stage-0 step transient the planner lacked; the rest under -m slow

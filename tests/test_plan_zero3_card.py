@@ -10,13 +10,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune.plan import allocator, gpus, zero3, zero3_replay, zero3_runtime
 from zerotune.plan.allocator import CachingAllocator, block_size
 from zerotune.plan.command_line import platform_for
 from zerotune.plan.rules import Precision, StepShape, optimizer_temporaries
 from zerotune.plan.step_peak import step_peak
-from zerotune.preflight import preflight
 from zerotune.units import MIB
 
 CUDA = torch.device("cuda", 0)  # a device object: a device string would ask for the CUDA runtime

@@ -23,9 +23,9 @@ from PIL import Image
 
 from tests.helpers.cli import call_main, cli_env
 from zerotune.cli.report import main as report_main
+from zerotune.cli.sweep_report import SweepReportCallback
 from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
 from zerotune.report.build import build_report
-from zerotune.report.callback import SweepReportCallback
 from zerotune.report.collect import NoRunsError
 from zerotune.report.plots import GPU_PNG, HOST_PNG, TIME_PNG
 
@@ -374,7 +374,7 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     (broken / "0" / "summary.json").write_text("{ not json")
     (broken / "1").mkdir()
     (broken / "1" / "summary.json").write_text("[1, 2]")
-    with caplog.at_level(logging.INFO, logger="zerotune.report.callback"):
+    with caplog.at_level(logging.INFO, logger="zerotune.cli.sweep_report"):
         callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "empty")}}}))
         callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}}))
         callback.on_multirun_end(OmegaConf.create({"no_hydra_node": 1}))
@@ -463,7 +463,7 @@ hydra:
     dir: sweeps/${now:%H-%M-%S-%f}
   callbacks:
     sweep_report:
-      _target_: zerotune.report.callback.SweepReportCallback
+      _target_: zerotune.cli.sweep_report.SweepReportCallback
 """
 
 

@@ -9,9 +9,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from zerotune import schema
-from zerotune.preflight import preflight
+from zerotune.compose.node import to_config
 from zerotune.resolved import RESOLVED_FILE, ResolvedRun
 from zerotune.rundir import CONFIG, RunDir
 
@@ -47,7 +47,7 @@ def test_the_resolved_run_survives_its_file(tmp_path):
 
 def test_config_yaml_is_written_once_per_run(tmp_path):
     run_dir = RunDir(tmp_path)
-    config = schema.to_config(compose_cfg())
+    config = to_config(compose_cfg())
     run_dir.write_config(config)
     with pytest.raises(RuntimeError, match="written once"):
         run_dir.write_config(config)

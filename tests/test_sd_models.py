@@ -8,11 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
 from tests.helpers.pipelines import draw, exported_pipeline
 from zerotune.errors import ConfigError
-from zerotune.preflight import preflight
 
 # the diffusers unet/ folders of runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-2-1
 PUBLISHED = {"sd15": 859_520_964, "sd21": 865_910_724}

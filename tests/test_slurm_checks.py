@@ -14,6 +14,8 @@ from omegaconf import open_dict
 import zerotune.compose  # noqa: F401 (registers the schema config.yaml names)
 from tests.helpers.cli import run_cli
 from zerotune import config_search
+from zerotune.cli.slurm_check import check_slurm_sweep, sweep_jobs
+from zerotune.compose.settle import settle
 from zerotune.errors import ConfigError
 from zerotune.slurm import precheck as slurm_check
 from zerotune.slurm.cluster import (
@@ -179,7 +181,8 @@ def test_the_planners_floor_per_job():
         cfg = _sweep_config(["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=10",
                              *task, "zero_stage='1'"], [*task, "zero_stage='1','2'", "checkpoint.on_signal=false,true"])
         req = slurm_check.request_of(cfg.hydra.launcher)
-        jobs = slurm_check.job_times(cfg, cluster, check_request(cluster, req), req)
+        settle_job = lambda o: settle(compose("config", overrides=o), o)  # noqa: E731
+        jobs = slurm_check.job_times(sweep_jobs(cfg), settle_job, cluster, check_request(cluster, req), req)
     assert [j.label.split()[-2:] for j in jobs] == [["zero_stage='1'", "checkpoint.on_signal=False"],
                                                     ["zero_stage='1'", "checkpoint.on_signal=True"],
                                                     ["zero_stage='2'", "checkpoint.on_signal=False"],
@@ -229,7 +232,7 @@ def test_refused_before_submission(slurm_cluster, tmp_path, bad, key, fix):
     fixed = dict(re.findall(r"(hydra\.launcher\.\w+)=(\S+)", done.stderr.split("  fix: ")[1].split(" (")[0]))
     with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
         cfg = _sweep_config([f"{k}={v}" for k, v in {**overrides, **fixed}.items() if k.startswith("hydra")])
-    assert slurm_check.check_sweep(cfg, env=slurm_cluster.env()).name == "debug"
+    assert check_slurm_sweep(cfg, env=slurm_cluster.env()).name == "debug"
 
 
 def test_no_cluster_here(tmp_path):

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
 from tests.helpers.pipelines import draw, pipeline
 from zerotune.errors import ConfigError
-from zerotune.preflight import preflight
 
 # Published text encoders: CLIP ViT-L/14's text model (SDXL's text_encoder, SD 1.5's) and OpenCLIP ViT-bigG/14's
 # with its projection (SDXL's text_encoder_2): the parameter counts of their model.safetensors.

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.cli import compose_cfg
+from zerotune.compose.settle import Settled, settle
 from zerotune.errors import ConfigError
 from zerotune.training.rungs import TrialRungs, journal, rung_steps
 from zerotune.tune.report import Outcome, markdown, smallest_peak
@@ -21,6 +22,10 @@ from zerotune.tune.study import JOURNAL, run_trials
 SPACE = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "cpu"], "train.batch_size": "auto",
          "train.gradient_checkpointing": [False, True], "deepspeed.overlap_comm": [False, True],
          "launch.num_processes": [1, 2]}
+
+
+def _settled(overrides: list[str]) -> Settled:
+    return settle(compose_cfg(*overrides), overrides)
 
 
 def test_fixed_values_are_kept_and_lists_bound_the_search():
@@ -77,14 +82,14 @@ def test_the_planner_drops_what_cannot_fit_and_the_validator_what_it_refuses():
     workload = ["model=tiny", "data=synthetic", "resolution=32", "launch.num_processes=1"]
     big = Candidate({"zero_stage": "2", "offload": "none", "train.batch_size": "64"}, 1)
     small = Candidate({"zero_stage": "2", "offload": "none", "train.batch_size": "4"}, 16)
-    first = screen([big, small], workload, lambda o: compose_cfg(*o), None)
+    first = screen([big, small], workload, _settled, None)
     need = {s.candidate.knobs["train.batch_size"]: s.plan["host_need_mib"] for s in first}
     assert need["64"] > need["4"] > 0
     budget = int((need["64"] + need["4"]) / 2)  # room for the small one only
     cpu_stage0 = Candidate({"zero_stage": "0", "offload": "cpu", "train.batch_size": "4"}, 16)
     again = Candidate({"zero_stage": "'2'", "offload": "none", "train.batch_size": "4"}, 16)
     found = screen([big, small, cpu_stage0, again], [*workload, f"plan.host_mib={budget}"],
-                   lambda o: compose_cfg(*o), None)
+                   _settled, None)
     verdicts = {s.number: s for s in found}
     assert verdicts[0].verdict == NO_FIT and f"{budget:,.0f} MiB plan.host_mib" in verdicts[0].reason
     assert verdicts[1].verdict == KEPT
@@ -97,13 +102,13 @@ def test_checkpointing_is_tried_only_where_the_run_without_it_does_not_fit():
                 "offload=none"]
     found = [Candidate({"train.batch_size": str(b), "train.gradient_checkpointing": gc}, 64 // b)
              for b in (64, 8) for gc in ("false", "true")]
-    first = screen(found, workload, lambda o: compose_cfg(*o), None)
+    first = screen(found, workload, _settled, None)
     assert [s.verdict for s in first] == [KEPT, SLOWER, KEPT, SLOWER] and "candidate 0" in first[1].reason
     need = {(s.candidate.knobs["train.batch_size"], s.candidate.knobs["train.gradient_checkpointing"]):
             s.plan["host_need_mib"] for s in first}
     assert need[("64", "true")] < need[("64", "false")]
     budget = int((need[("64", "true")] + need[("64", "false")]) / 2)  # batch 64 fits only with checkpointing
-    again = screen(found, [*workload, f"plan.host_mib={budget}"], lambda o: compose_cfg(*o), None)
+    again = screen(found, [*workload, f"plan.host_mib={budget}"], _settled, None)
     assert [s.verdict for s in again] == [NO_FIT, KEPT, KEPT, SLOWER]
 
 

@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import LLAMAFACTORY_OFFLOAD
-from tests.helpers.cli import ROOT, call_main, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import ROOT, call_main, compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.ds_corpus import CORPUS, EXPECTED, QUICK, file_override
 from zerotune.cli.ds_config import main as ds_config_main
 from zerotune.cli.import_config import main as import_config_main
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.ops.build import needed_ops
 from zerotune.platform import Platform
-from zerotune.preflight import preflight
 from zerotune.rundir.summary import key_choices
 from zerotune.user_config import accelerate_config
 

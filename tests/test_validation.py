@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from tests.helpers.cli import call_main, compose_cfg, read_summary, run_cli
+from tests.helpers.cli import call_main, compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.fixes import check_fix
 from zerotune.cli.ds_config import main as ds_config_main
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.platform import Platform, detect
-from zerotune.preflight import preflight
 
 
 def plan_error(*overrides: str, platform: Platform | None = None) -> ConfigError:

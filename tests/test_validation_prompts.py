@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, preflight
 from tests.helpers.folder_fixtures import make_folder
 from tests.test_validation import plan_error
 from zerotune.errors import ConfigError
 from zerotune.loggers.base import NullLogger
-from zerotune.preflight import preflight
 from zerotune.schema import Validation
 from zerotune.validation.prompts import check_validation, load_prompts, weights_to_sample
 

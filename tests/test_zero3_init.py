@@ -24,7 +24,7 @@ PROBE = textwrap.dedent("""
     from accelerate.utils import set_seed
     from zerotune.loggers.base import NullLogger
     from zerotune.models import build_unet
-    from zerotune.preflight import preflight
+    from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
     from zerotune.training import trainer as trainer_module
 

@@ -57,14 +57,15 @@ def zero3_kept_cache(answer: dict, overrides: list[str], card) -> float | None:
     """A ZeRO-3 row's run peak with the engine build's cache kept: the step replayed so (zero3_replay.step_terms,
     emptied=False) in place of the plan's step phase, the other phases as planned. None at other stages."""
     from zerotune.compose import compose
+    from zerotune.compose.settle import settle
     from zerotune.plan.command_line import platform_for
     from zerotune.plan.rules import zero_stage
     from zerotune.plan.step_peak import step_peak
     from zerotune.plan.zero3_replay import step_terms
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
     cfg = compose(overrides)
-    checked = preflight(cfg, overrides=overrides, platform=platform_for(card))
+    checked = check(settle(cfg, overrides), platform_for(card))
     if not checked.use_deepspeed or zero_stage(checked) != 3:
         return None
     kept = step_terms(cfg, checked, card, emptied=False)

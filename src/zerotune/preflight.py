@@ -1,4 +1,4 @@
-"""Preflight: from a composed config to a resolved run (zerotune/resolved.py). Every bad configuration stops
+"""Preflight: from a settled config (compose/settle.py) to a resolved run (zerotune/resolved.py). Every bad configuration stops
 here, before any model exists."""
 
 from __future__ import annotations
@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from zerotune import checkpoints, config_search, models
+from zerotune.compose.settle import Settled
 from zerotune.data import check_data
 from zerotune.data.spec import DataSpec
 from zerotune.ds_config import builder, validator
@@ -19,7 +18,6 @@ from zerotune.models.param_groups import ParamGroups
 from zerotune.platform import Platform, detect
 from zerotune.resolved import ResolvedRun
 from zerotune.schema import Config
-from zerotune.settle import Settled, settle
 from zerotune.user_config import autofill, merge
 from zerotune.validation import check_validation
 
@@ -142,9 +140,3 @@ def check(settled: Settled, platform: Platform | None = None, run_dir: str | Pat
                        platform=platform, world_size=world_size, client_optimizer=client, param_groups=groups,
                        config_sources={**user.summary(ds), "configs": config_search.current().describe()},
                        config_warnings=tuple(user.warnings), resume=resume)
-
-
-def preflight(cfg: DictConfig, world_size: int | None = None, platform: Platform | None = None,
-              overrides: list[str] | tuple = (), run_dir: str | Path | None = None) -> ResolvedRun:
-    """settle, then check: from a composed config to a resolved run, in one call."""
-    return check(settle(cfg, overrides, world_size), platform, run_dir)

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.checkpoints import ResumeDecision
+from zerotune.compose.node import to_config
 from zerotune.files import write_json_atomic
 from zerotune.models import ModelStats, stats_from_json
 from zerotune.models.param_groups import ParamGroups
 from zerotune.platform import Platform
-from zerotune.schema import Config, as_dict, to_config
+from zerotune.schema import Config, as_dict
 
 RESOLVED_FILE = "resolved.json"
 

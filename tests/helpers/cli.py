@@ -10,8 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotune.compose import compose
+
+if TYPE_CHECKING:
+    from zerotune.platform import Platform
+    from zerotune.resolved import ResolvedRun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +24,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def compose_cfg(*overrides: str):
     """The config train.py would compose from these overrides (a ConfigError where it would exit 2)."""
     return compose(list(overrides))
+
+
+def preflight(cfg, world_size: int | None = None, platform: Platform | None = None, overrides: list[str] | tuple = (),
+              run_dir: str | Path | None = None) -> ResolvedRun:
+    """A composed config settled and checked, as a job's command line does (cli/main.py, then the job's checks);
+    `overrides`: those typed on the command line."""
+    from zerotune.compose.settle import settle
+    from zerotune.preflight import check
+
+    return check(settle(cfg, overrides, world_size), platform, run_dir)
 
 
 def cli_env() -> dict:

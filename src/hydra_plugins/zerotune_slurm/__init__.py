@@ -17,11 +17,17 @@ extra there is nothing to extend, and nothing is registered.
 
 # No `from __future__ import annotations`: Hydra executes this module without registering it in sys.modules,
 # where dataclasses look string annotations up.
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
+from omegaconf import open_dict
+
+log = logging.getLogger("zerotune.slurm.launcher")
 
 try:
     from hydra_plugins.hydra_submitit_launcher import submitit_launcher
@@ -47,6 +53,18 @@ if submitit_launcher is not None:
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
             jobs = zerotune_launcher.submitted(lambda: super(SlurmLauncher, self).launch(job_overrides,
                                                                                          initial_job_idx))
-            load = self.hydra_context.config_loader.load_sweep_config
-            return [zerotune_launcher.outcome(job, list(overrides), initial_job_idx + i, self.config, load)
-                    for i, (job, overrides) in enumerate(zip(jobs, job_overrides, strict=True))]
+            return [zerotune_launcher.outcome(job, list(overrides), partial(self._job_run_dir, list(overrides), i))
+                    for i, (job, overrides) in enumerate(zip(jobs, job_overrides, strict=True), initial_job_idx)]
+
+        def _job_run_dir(self, overrides: list[str], idx: int) -> Path:
+            """The job's run folder, as Hydra names it inside the job (hydra.sweep.dir / hydra.sweep.subdir)."""
+            sweep_dir = Path(str(self.config.hydra.sweep.dir))
+            try:
+                job_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+                with open_dict(job_config.hydra.job):
+                    job_config.hydra.job.num = idx
+                return sweep_dir / str(job_config.hydra.sweep.subdir)
+            except Exception as exc:  # a subdir naming what only the job knows (hydra.job.id, say)
+                log.warning("hydra.sweep.subdir does not resolve here (%s): job %d recorded in %s/%d", exc, idx,
+                            sweep_dir, idx)
+                return sweep_dir / str(idx)

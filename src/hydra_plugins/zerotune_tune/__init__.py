@@ -7,12 +7,15 @@ so it cannot stop a trial at a rung, nor drop a configuration before it runs."""
 
 # No `from __future__ import annotations`: Hydra executes this module without registering it in sys.modules.
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+if TYPE_CHECKING:
+    from zerotune.compose.settle import Settled
 
 
 class TuneSweeper(Sweeper):
@@ -41,10 +44,16 @@ class TuneSweeper(Sweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         try:
             settings = read_settings(_plain(self.params))
-            outcome = tune_sweep(settings, list(arguments), self._compose, self._launch, sweep_dir)
+            outcome = tune_sweep(settings, list(arguments), self._settle, self._launch, sweep_dir)
         except ConfigError as exc:
             exit_config_error(exc)
         return outcome
+
+    def _settle(self, overrides: list[str]) -> "Settled":
+        """The job's config as it will run (the user's files folded in), for the screen and the trials' batch."""
+        from zerotune.compose.settle import settle
+
+        return settle(self._compose(overrides), overrides)
 
     def _compose(self, overrides: list[str]) -> DictConfig:
         """The config `overrides` compose to, as a job of this sweep would get it. Composed by Hydra once per set

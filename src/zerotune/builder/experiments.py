@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
 
 from zerotune.builder import allowed, form, preview
-from zerotune.compose import compose
+from zerotune.compose import composed
 from zerotune.compose.experiment_file import (
     experiment_file,
     experiment_names,
@@ -106,8 +105,8 @@ def _check_holds_only_configuration(name: str, path: Path) -> None:
 
 def _check_round_trip(name: str, overrides: list[str]) -> None:
     """The saved file must compose to the config the form composes; a file that does not is not kept."""
-    from_file = OmegaConf.to_container(compose([f"experiment={name}"]), resolve=False)
-    from_form = OmegaConf.to_container(compose(overrides), resolve=False)
+    from_file = composed([f"experiment={name}"]).tree()
+    from_form = composed(overrides).tree()
     differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "

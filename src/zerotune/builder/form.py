@@ -12,11 +12,11 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from zerotune import config_search, schema
 from zerotune.builder import allowed
-from zerotune.compose import compose, compose_with_choices
+from zerotune.compose import Composed, composed
 from zerotune.compose.interpolation import check_pure_interpolations
 from zerotune.compose.overrides import override
 from zerotune.platform import Platform
@@ -50,18 +50,19 @@ class Field:
 def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     """({group: default option}, {knob key: default value}) of the default job, as Hydra composes it; the
     groups in the packaged config.yaml's order, which is the order overrides are written in."""
-    cfg, choices = compose_with_choices([])
+    found = composed([])
+    choices = found.choices
     listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
     return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
-        knob_values(cfg)
+        knob_values(found)
 
 
 def as_form(overrides: list[str]) -> dict:
     """The page's form for these overrides (an experiment, an imported file): group choices, field values,
     and the keys without a field as extra overrides."""
-    cfg, choices = compose_with_choices(overrides)
-    return {"choices": choices, "values": knob_values(cfg), "extra": extra_overrides(cfg, choices)}
+    found = composed(overrides)
+    return {"choices": found.choices, "values": knob_values(found), "extra": extra_overrides(found)}
 
 
 def fields(platform: Platform) -> list[Field]:
@@ -82,8 +83,8 @@ def _train_keys() -> list[str]:
     return [f"train.{f.name}" for f in dataclasses.fields(schema.Train)]
 
 
-def knob_values(cfg: DictConfig) -> dict[str, Any]:
-    return {key: OmegaConf.select(cfg, key, throw_on_missing=False) for key in knob_keys()}
+def knob_values(found: Composed) -> dict[str, Any]:
+    return found.values(knob_keys())
 
 
 def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> list[str]:
@@ -135,15 +136,15 @@ def option_implies(group: str, option: str) -> dict[str, str]:
 @lru_cache(maxsize=512)
 def composition(overrides: tuple[str, ...]) -> tuple[dict[str, str], dict[str, Any]]:
     """(group choices, field values) of a composition, cached: the page asks for the same ones again and again."""
-    cfg, choices = compose_with_choices(list(overrides))
-    return choices, knob_values(cfg)
+    found = composed(list(overrides))
+    return found.choices, knob_values(found)
 
 
-def extra_overrides(cfg: DictConfig, choices: dict[str, str]) -> list[str]:
-    """The keys `cfg` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
+def extra_overrides(found: Composed) -> list[str]:
+    """The keys `found` sets beyond its group choices and the form's fields (an experiment's bucket sizes,
     say), as overrides, so that loading and saving an experiment keeps them."""
-    plain = compose([f"{g}={o}" for g, o in choices.items()])
-    ours, theirs = (OmegaConf.to_container(c, resolve=False) for c in (cfg, plain))
+    plain = composed([f"{g}={o}" for g, o in found.choices.items()])
+    ours, theirs = found.tree(), plain.tree()
     skip = set(knob_keys())
     # A key the default job lacks (an experiment's reference.*) is added, as Hydra asks: +key=value.
     return [("+" if theirs is _ABSENT else "") + override(k, v)

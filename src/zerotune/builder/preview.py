@@ -8,13 +8,11 @@ import re
 import shlex
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from zerotune import config_search
 from zerotune.builder import form
-from zerotune.compose import compose_with_choices
+from zerotune.compose import composed
 from zerotune.errors import ConfigError
-from zerotune.preflight import preflight
+from zerotune.preflight import check
 from zerotune.user_config.precedence import DS_KEY_SOURCES
 
 # DeepSpeed's batch keys, by the zerotune key that sets each.
@@ -31,10 +29,9 @@ def preview(choices: dict[str, str], values: dict[str, Any], extra: list[str] = 
         return {"overrides": [], "command": None, "errors": [error_entry(exc)]}
     answer: dict[str, Any] = {"overrides": overrides, "command": command_line(overrides), "errors": []}
     try:
-        cfg, answer["choices"] = compose_with_choices(overrides)
-        answer["composed"] = OmegaConf.to_yaml(cfg)
-        answer["values"] = form.knob_values(cfg)
-        answer["ds_config"] = preflight(cfg, overrides=overrides).ds_config
+        found = composed(overrides)
+        answer["choices"], answer["composed"], answer["values"] = found.choices, found.yaml(), form.knob_values(found)
+        answer["ds_config"] = check(found.settled(overrides)).ds_config
     except ConfigError as exc:
         answer["errors"].append(error_entry(exc))
     return answer

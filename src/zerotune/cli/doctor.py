@@ -15,6 +15,7 @@ import sys
 
 from zerotune import config_search
 from zerotune.compose import compose
+from zerotune.compose.node import to_config
 from zerotune.doctor.check import as_json, as_text, exit_code
 from zerotune.doctor.run import configured_offload_path, run_checks
 from zerotune.errors import ConfigError, report_config_error
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     try:
         config_search.choose_and_warn(args.config_dir)
-        cfg = compose(args.overrides)
+        cfg = to_config(compose(args.overrides))  # as composed: the user's files are checked, not applied
         offload_path = args.offload_path or configured_offload_path(cfg)
     except ConfigError as exc:
         return report_config_error(exc)

@@ -12,9 +12,9 @@ import json
 import sys
 
 from zerotune import config_search
-from zerotune.compose import compose
+from zerotune.compose import compose_settled
 from zerotune.errors import ConfigError, report_config_error
-from zerotune.preflight import preflight
+from zerotune.preflight import check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError("--world-size", f"must be 1 or more, got {args.world_size}", "--world-size 8")
         config_search.choose_and_warn(args.config_dir)
-        cfg = compose(args.overrides)
+        settled = compose_settled(args.overrides, world_size=args.world_size)
         with contextlib.redirect_stdout(sys.stderr):
-            checked = preflight(cfg, world_size=args.world_size, overrides=args.overrides)
+            checked = check(settled)
     except ConfigError as exc:
         return report_config_error(exc)
     print(json.dumps(checked.ds_config, indent=2))

@@ -20,9 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from zerotune import config_search, console, held_signals
 from zerotune.compose import as_config_error, check_command_line, check_resolves, is_multirun
+from zerotune.compose.node import to_config
 from zerotune.compose.overrides import as_typed, normalize_overrides, strip_local_rank, take_config_dir
+from zerotune.compose.settle import Settled, settle
 from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, exit_config_error
 from zerotune.exiting import exit_now
+from zerotune.launch.elastic import check_launch
 from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec, run_name
@@ -30,7 +33,7 @@ from zerotune.rundir.status import SUCCEEDED, Status
 from zerotune.rundir.summary import print_result
 from zerotune.slurm.job import (
     ends_the_step,
-    job_node_rank,
+    job_settings,
     job_start_time,
     record_lost_attempts,
     requeue_if_preempted,
@@ -57,18 +60,12 @@ def _hydra_main(cfg: DictConfig) -> None:
     console.route_library_logs()  # before the job's imports: libraries' chatter to main.log, not the console
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     spec = job_spec()
-    if distributed.rank() == 0 and job_node_rank(cfg) == 0:
-        # A rerun into this folder never overwrites its records. Only node 0 moves them, and only what was
-        # there before this job began: over a shared file system the other nodes write here too. The kernel's
-        # start of this process, not a clock read at import: under submitit this function arrives pickled by
-        # value, its globals as they were in the submitting process (a requeued attempt's would move nothing).
-        RunDir(spec.run_dir).archive_previous_attempt(started=process_start_time())
-        record_lost_attempts(spec.run_dir, os.environ)  # in a requeued SLURM job: one record per attempt
     try:
         check_resolves(cfg, spec.overrides)  # an interpolation typed on the command line, e.g. ${oc.env:...}
+        settled = settle_job(cfg, spec)
         # Under torchrun / `accelerate launch` / `deepspeed` this process is one rank already: it trains.
         # Otherwise it is the job's parent, which starts the workers and records what they did.
-        summary = _train_here(cfg, spec) if distributed.launched_externally() else _run_job(cfg, spec)
+        summary = _train_here(settled, spec) if distributed.launched_externally() else _run_job(settled, spec)
     except ConfigError as exc:
         if multirun:  # a sweep records the bad job (summary.json) and goes on
             log.error("config error at %s", exc)
@@ -81,7 +78,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     if summary.status == Status.INTERRUPTED:
         requeue_if_preempted(summary)  # under submitit, on its signal: now that the workers have saved
         sys.exit(_interrupted_exit(summary))  # a sweep stops too: the signal was meant for all of it
-    if multirun and ends_the_step(summary, job_node_rank(cfg)):
+    if multirun and ends_the_step(summary, settled.config.launch.node_rank):
         sys.exit(1)
     if summary.status not in SUCCEEDED and not multirun:
         # A config problem found in a worker (e.g. a refused resume) is still a config problem.
@@ -91,16 +88,57 @@ def _hydra_main(cfg: DictConfig) -> None:
 # Imported when called, not at the top: they bring torch, DeepSpeed and diffusers (seconds), which `--help`,
 # `--cfg job` and a config error never need; and the job's parent never imports the trainer (its evaluation
 # brings scikit-learn): its workers do.
-def _run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
+def _run_job(settled: Settled, spec: JobSpec) -> RunSummary:
     from zerotune.launch.job import run_job
 
-    return run_job(cfg, spec)
+    return run_job(settled, spec)
 
 
-def _train_here(cfg: DictConfig, spec: JobSpec) -> RunSummary:
+def _train_here(settled: Settled, spec: JobSpec) -> RunSummary:
     from zerotune.training.run import train_launched_externally
 
-    return train_launched_externally(cfg, spec)
+    return train_launched_externally(settled, spec)
+
+
+def settle_job(cfg: DictConfig, spec: JobSpec) -> Settled:
+    """The job's config as it will run, settled here, before anything else: the user's files and, in a SLURM job
+    started by hydra/launcher=slurm, its nodes folded in; the launch block checked. Past this function the job
+    is given the frozen config. The run dir's earlier records are moved aside first (by node 0's first rank);
+    a refusal is then recorded in summary.json (and config.yaml, as composed) and raised."""
+    composed = to_config(cfg)
+    launched_here = not distributed.launched_externally()
+    # An external launcher's ranks each settle (quietly but the first) and take its world size.
+    surroundings = job_settings(composed, spec.run_dir) if launched_here else {}
+    try:
+        settled = settle(cfg, spec.overrides, None if launched_here else distributed.world_size(),
+                         settings=surroundings, quiet=distributed.rank() != 0)
+        if launched_here:
+            check_launch(settled.config.launch)
+    except ConfigError:
+        if _archive_previous_attempt(surroundings.get("launch.node_rank", composed.launch.node_rank), spec):
+            from zerotune.launch.records import refusal_recorded  # brings torch: only a refusal needs it
+
+            run_dir = RunDir(spec.run_dir)
+            run_dir.write_config(composed)
+            with refusal_recorded(composed, spec, run_dir):
+                raise
+        raise
+    _archive_previous_attempt(settled.config.launch.node_rank, spec)
+    return settled
+
+
+def _archive_previous_attempt(node_rank: int, spec: JobSpec) -> bool:
+    """A rerun into this folder never overwrites its records. Only node 0 moves them, and only what was there
+    before this job began: over a shared file system the other nodes write here too. The kernel's start of this
+    process, not a clock read at import: under submitit this function arrives pickled by value, its globals as
+    they were in the submitting process (a requeued attempt's would move nothing). Whether this process is the
+    job's writer (node 0's first rank)."""
+    if distributed.rank() != 0 or node_rank != 0:
+        return False
+    run_dir = RunDir(spec.run_dir)
+    run_dir.archive_previous_attempt(started=process_start_time())
+    record_lost_attempts(spec.run_dir, os.environ)  # in a requeued SLURM job: one record per attempt
+    return True
 
 
 def _interrupted_exit(summary: RunSummary) -> int:

@@ -8,7 +8,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_module
@@ -24,18 +24,56 @@ from zerotune import config_search, schema
 from zerotune.compose.overrides import normalize_overrides
 from zerotune.errors import ConfigError
 
+if TYPE_CHECKING:
+    from zerotune.compose.settle import Settled
+
 _PARSER = OverridesParser.create()
 # Hydra's compose API keeps one global state per process (GlobalHydra): threads (the builder page's
 # requests) compose one at a time.
 _HYDRA_STATE = threading.Lock()
 
 
-def compose(overrides: list[str]) -> Any:
+@dataclass(frozen=True)
+class Composed:
+    """A config as Hydra composed it, before the user's files are folded in (compose/settle.py): what the config
+    builder's page shows and edits. Hydra's tree stays inside; readers get plain values."""
+
+    node: DictConfig
+    choices: dict[str, str]         # the option each config group ended up with
+
+    def values(self, keys: list[str]) -> dict[str, Any]:
+        """Each key's value, interpolations resolved (None where the key is unset)."""
+        return {key: OmegaConf.select(self.node, key, throw_on_missing=False) for key in keys}
+
+    def tree(self) -> dict[str, Any]:
+        """The config as plain data, interpolations as written."""
+        return OmegaConf.to_container(self.node, resolve=False)  # type: ignore[return-value]
+
+    def yaml(self) -> str:
+        return OmegaConf.to_yaml(self.node)
+
+    def settled(self, typed: list[str]) -> Settled:
+        """This config as it will run (compose/settle.py); `typed`: the overrides as the user typed them."""
+        from zerotune.compose.settle import settle
+
+        return settle(self.node, typed)
+
+
+def compose(overrides: list[str]) -> DictConfig:
     """config.yaml with `overrides` as a user types them (the user's folder searched first: config_search)."""
-    return compose_with_choices(overrides)[0]
+    return composed(overrides).node
 
 
-def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
+def compose_settled(overrides: list[str], typed: list[str] | None = None, world_size: int | None = None,
+                    quiet: bool = False) -> Settled:
+    """`overrides` composed as train.py composes them, then settled. `typed`: the overrides the user typed, which
+    the user's files may not contradict (all of them by default; the rest come from an experiment or a tool)."""
+    from zerotune.compose.settle import settle
+
+    return settle(compose(overrides), overrides if typed is None else typed, world_size, quiet=quiet)
+
+
+def composed(overrides: list[str]) -> Composed:
     """compose(), and the option each config group ended up with (Hydra's runtime choices: an option may
     choose others, as data=digits picks resolution 8)."""
     search = config_search.current()
@@ -51,7 +89,7 @@ def compose_with_choices(overrides: list[str]) -> tuple[Any, dict[str, str]]:
     with open_dict(cfg):
         del cfg["hydra"]
     check_resolves(cfg, args)
-    return cfg, choices
+    return Composed(cfg, choices)
 
 
 @dataclass(frozen=True)

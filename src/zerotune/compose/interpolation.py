@@ -104,4 +104,4 @@ def _example(key: str) -> str:
         return str(default).lower() if isinstance(default, bool) else str(default)
     if not exists:
         return "<value>"
-    return f"<{_OPTIONAL.sub(lambda m: m[1], annotation)}>"
+    return f"<{_OPTIONAL.sub(lambda m: m[1], annotation or 'value')}>"

@@ -17,12 +17,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import QuotedString, ValueType
 from hydra.errors import HydraException
 
-from zerotune import schema
+from zerotune.compose import node
 from zerotune.config_search import ConfigSearch
 from zerotune.ds_config.optimizers import is_known, normalize
 from zerotune.errors import ConfigError
 
-schema.register()  # conf/config.yaml names the schema; every composition goes through this module
+node.register()  # conf/config.yaml names the schema; every composition goes through this module
 
 _PARSER = OverridesParser.create()
 _PLAIN = re.compile(r"^[\w./-]+$")  # a value that needs no quotes

@@ -8,17 +8,16 @@ import shutil
 import sys
 from typing import Any
 
-from omegaconf import DictConfig
-
 from zerotune import config_search
 from zerotune.doctor.check import FAIL, INFO, OK, WARN, Check
 from zerotune.errors import ConfigError
 from zerotune.folders import fs_type, nearest_existing
 from zerotune.ops import locks
+from zerotune.schema import Config
 from zerotune.units import MIB
 
 
-def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) -> Check:
+def offload_path_check(path: str | None, cfg: Config, overrides: list[str]) -> Check:
     """Can files be created there, and is there room: for the composed config's NVMe swap where it uses one
     (the planner's prediction), else the free space alone."""
     from zerotune.ds_config.offload import check_nvme_path
@@ -34,7 +33,7 @@ def offload_path_check(path: str | None, cfg: DictConfig, overrides: list[str]) 
     free = shutil.disk_usage(existing).free
     facts = {"path": str(folder), "free_bytes": free, "file_system": fs_type(existing)}
     found = f"{folder} is writable, {_size(free / MIB)} free ({facts['file_system'] or 'unknown'} file system)"
-    need = _nvme_need_mib(cfg, overrides) if cfg.offload.device == "nvme" else None
+    need = _nvme_need_mib(overrides) if cfg.offload.device == "nvme" else None
     facts["needed_mib"] = need
     if need is not None and free < need * MIB:
         return Check("offload path", FAIL, f"{found}: the run swaps about {_size(need)} there",
@@ -51,14 +50,15 @@ def _size(mib: float) -> str:
     return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
 
 
-def _nvme_need_mib(cfg: DictConfig, overrides: list[str]) -> float | None:
+def _nvme_need_mib(overrides: list[str]) -> float | None:
     """What the planner predicts the run writes to the NVMe folder; None where the config cannot be planned."""
+    from zerotune.compose import compose_settled
     from zerotune.plan.predict import predict
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
-            run = preflight(cfg, overrides=overrides)
+            run = check(compose_settled(overrides))
             return float(predict(run, None)["nvme_mib"])
     except ConfigError:
         return None

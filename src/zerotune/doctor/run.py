@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from omegaconf import DictConfig
-
 from zerotune.doctor import files, system
 from zerotune.doctor.check import FAIL, Check
+from zerotune.schema import Config
 
 
-def run_checks(cfg: DictConfig, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
+def run_checks(cfg: Config, overrides: list[str], offload_path: str | None, fix: bool) -> list[Check]:
     nvme_wanted = cfg.offload.device == "nvme"
     checks = [_guarded("configs", files.configs_check), _guarded("platform", system.platform_check)]
     table = _guarded_table()
@@ -42,5 +41,5 @@ def _guarded_table() -> dict[str, dict]:
         return {}  # no DeepSpeed: the platform check says so
 
 
-def configured_offload_path(cfg: DictConfig) -> str | None:
+def configured_offload_path(cfg: Config) -> str | None:
     return None if cfg.offload.path is None else str(cfg.offload.path)

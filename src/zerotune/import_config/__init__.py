@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from zerotune import config_search
-from zerotune.compose import compose, experiment_file
+from zerotune.compose import compose_settled, experiment_file
 from zerotune.compose.overrides import override
 from zerotune.platform import ANY_CUDA_GPU
-from zerotune.preflight import preflight
+from zerotune.preflight import check
 from zerotune.schema import Config, as_dict
 from zerotune.user_config.file_fixes import GROUP_PINS
 
@@ -37,8 +37,7 @@ def file_override(path: Path) -> str:
 def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
-    cfg = compose(file_only)
-    checked = preflight(cfg, platform=ANY_CUDA_GPU)
+    checked = check(compose_settled(file_only, typed=[]), ANY_CUDA_GPU)
     origins = checked.config_sources["origins"]
     ordered = [k for k in GROUP_KEYS if k in origins] + sorted(k for k in origins if k not in GROUP_KEYS)
     overrides = [_override(key, _value(checked.config, key)) for key in ordered]
@@ -49,7 +48,7 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
                 o.startswith(f"{key}=") for o in overrides):
             overrides.append(f"{key}={from_file[ds_key]}")
     overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
-    rebuilt = preflight(compose([*overrides, "accelerate.config_file=null"]), platform=ANY_CUDA_GPU).ds_config
+    rebuilt = check(compose_settled([*overrides, "accelerate.config_file=null"], typed=[]), ANY_CUDA_GPU).ds_config
     from_file, rebuilt = _comparable(from_file), _comparable(rebuilt)
     differ = sorted(k for k in set(from_file) | set(rebuilt)
                     if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))

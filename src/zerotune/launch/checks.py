@@ -14,6 +14,7 @@ import logging
 import threading
 from dataclasses import replace
 
+from zerotune.compose.settle import Settled
 from zerotune.launch.gate import Gate
 from zerotune.launch.records import base_summary, refusal_recorded
 from zerotune.ops.build import prebuild_ops
@@ -23,7 +24,6 @@ from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
-from zerotune.settle import Settled
 from zerotune.telemetry import MemorySampler
 from zerotune.telemetry.startup import Marks
 

@@ -8,27 +8,21 @@ runs the sweep carries on to the next job.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any
-
-from omegaconf import DictConfig
 
 from zerotune import checkpoints
-from zerotune.errors import ConfigError
+from zerotune.compose.settle import Settled
 from zerotune.launch import warm
-from zerotune.launch.elastic import Launcher, LaunchResult, check_launch
+from zerotune.launch.elastic import Launcher, LaunchResult
 from zerotune.launch.gate import Gate
 from zerotune.launch.node_failures import name_failed_node
 from zerotune.launch.records import base_summary, merge_job_view, refusal_recorded
-from zerotune.rundir import CONFIG, RunDir
+from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary, node_summary_name
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
-from zerotune.schema import Config, as_dict, to_config
-from zerotune.settle import Settled, settle
-from zerotune.slurm.job import continue_requeued, in_slurm_job, launch_from_slurm
+from zerotune.schema import Config
 from zerotune.telemetry import MemorySampler, environment_info
 from zerotune.telemetry.env import node_identity
 from zerotune.telemetry.startup import ParentMarks, startup_view
@@ -36,16 +30,15 @@ from zerotune.telemetry.startup import ParentMarks, startup_view
 log = logging.getLogger("zerotune")
 
 
-def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
+def run_job(settled: Settled, spec: JobSpec) -> RunSummary:
     """The parent side of a job: its workers train (launch/worker.py); this process resolves, watches, records.
 
-    The config is settled (the user's files folded in) and written once; the workers start as soon as it is,
-    and the checks that need DeepSpeed and the model run while they import: they train only if the checks
-    pass (launch/gate.py), reading the run the checks resolved (resolved.json)."""
+    The config, settled at the command line (the user's files folded in), is written once; the workers start as
+    soon as it is, and the checks that need DeepSpeed and the model run while they import: they train only if
+    the checks pass (launch/gate.py), reading the run the checks resolved (resolved.json)."""
     marks = ParentMarks()
     marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
     run_dir = RunDir(spec.run_dir)
-    settled = settle_job(cfg, spec, run_dir)
     if settled.config.launch.node_rank == 0:  # the job's other nodes share this folder, or keep no record of it
         run_dir.write_config(settled.config)
     spec = replace(spec, from_parent=True)
@@ -89,7 +82,7 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
         if base.ops_build is not None:
             summary.ops_build = base.ops_build
     summary = merge_job_view(summary, result, sampler.peaks(), run_dir.path)
-    node_rank, nnodes = int(config.launch.node_rank), int(config.launch.nnodes)
+    node_rank, nnodes = config.launch.node_rank, config.launch.nnodes
     if node_rank != 0:  # node 0 writes the job's summary.json; any other node its own summary.node<k>.json
         summary.write(run_dir.path, node_summary_name(node_rank))
     else:
@@ -97,21 +90,6 @@ def run_job(cfg: DictConfig, spec: JobSpec) -> RunSummary:
             name_failed_node(summary, result, node_identity()["node"], run_dir.path, nnodes)
         run_dir.write_summary(summary)
     return summary
-
-
-def settle_job(cfg: DictConfig, spec: JobSpec, run_dir: RunDir) -> Settled:
-    """The job's config as it will run: the user's files and, in a SLURM job, its nodes folded in; the launch
-    block checked. A refusal is recorded in summary.json (and config.yaml, as composed) and raised."""
-    try:
-        settled = settle(cfg, spec.overrides, settings=slurm_settings(cfg, spec.run_dir))
-        check_launch(settled.config.launch)
-        return settled
-    except ConfigError:
-        composed = to_config(cfg)
-        if not run_dir.file(CONFIG).exists():  # another node of the job may have written the job's own
-            run_dir.write_config(composed)
-        with refusal_recorded(composed, spec, run_dir):
-            raise
 
 
 def plan_only(settled: Settled, spec: JobSpec, run_dir: RunDir) -> RunSummary:
@@ -146,18 +124,3 @@ def _workers_summary(cfg: Config, run_dir: RunDir, base: RunSummary, result: Lau
     if workers is None:
         base.env = environment_info()
     return workers or base
-
-
-def slurm_settings(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
-    """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM; a
-    requeued attempt continues the job's newest checkpoint. As `key: value` settings for `settle`."""
-    if not in_slurm_job(os.environ, cfg.launch.slurm):
-        return {}
-    mapped = launch_from_slurm(as_dict(cfg.launch))
-    log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],
-             mapped["node_rank"], mapped["nnodes"], mapped["master_addr"], mapped["master_port"],
-             mapped["num_processes"])
-    settings: dict[str, Any] = {f"launch.{key}": value for key, value in mapped.items()}
-    if continue_requeued(cfg, run_dir):
-        settings["resume.path"] = "auto"
-    return settings

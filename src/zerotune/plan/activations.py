@@ -35,13 +35,12 @@ import json
 import re
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import MethodType
 from typing import Any, NamedTuple, cast
 
 import torch
-from omegaconf import OmegaConf
 
 from zerotune import files
 from zerotune.errors import ConfigError
@@ -54,7 +53,7 @@ from zerotune.models import (
     unet_config,
 )
 from zerotune.plan.stage0 import cast_policy
-from zerotune.schema import Adapter, Model, as_dict
+from zerotune.schema import Adapter, Model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
@@ -275,11 +274,8 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
     """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
     with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
     (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
-    fields = model_cfg if isinstance(model_cfg, dict) else as_dict(model_cfg)
-    # DictConfigs read as the schema's blocks (attribute access): the model without weights, the adapter's settings
-    cfg = cast(Model, OmegaConf.create({**fields, "pretrained": None, "attention": attention}))
-    tuned = adapter.settings(adapter_cfg)
-    unet = adapter.add_adapter(build_unet(cfg), cast(Adapter, OmegaConf.create(tuned)) if tuned else None)
+    without_weights = replace(model_cfg, pretrained=None, attention=attention)
+    unet = adapter.add_adapter(build_unet(without_weights), adapter_cfg)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin method
@@ -294,11 +290,9 @@ def _as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, 
     archs = trained_encoder_archs(model_cfg)
     if not archs:
         return unet
-    tuned = adapter.settings(adapter_cfg)
-    adapter_block = cast(Adapter, OmegaConf.create(tuned)) if tuned else None
     built = {}
     for name, arch in archs.items():
-        encoder = text_encoders.add_adapter(text_encoders.build(name, arch), adapter_block)
+        encoder = text_encoders.add_adapter(text_encoders.build(name, arch), adapter_cfg)
         torch.nn.Module.to(encoder, DTYPES[precision])
         if gradient_checkpointing:
             text_encoders.checkpointing_on(encoder)

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from zerotune.compose import compose, value_setter
+from zerotune.compose import compose_settled, value_setter
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus, recommend
 from zerotune.plan.predict import predict
 from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.preflight import preflight
+from zerotune.preflight import check
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Plan
 from zerotune.schema import Config
@@ -32,9 +32,10 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
              trace_lock: AbstractContextManager = _NO_LOCK, device: str = "cuda") -> dict:
     """One job's prediction. `trace_lock` is held while it traces (the builder page's requests take turns).
     `device` cpu: the job as it runs on this machine's CPU accelerator (its own dict: torch's AdamW, no card)."""
-    cfg = compose(overrides)
-    gpu = None if device == "cpu" else gpu or gpus.lookup(cfg.plan.gpu, cfg.plan.gpu_mib)
-    checked = preflight(cfg, overrides=overrides, platform=platform_for(gpu))
+    settled = compose_settled(overrides)
+    plan = settled.config.plan
+    gpu = None if device == "cpu" else gpu or gpus.lookup(plan.gpu, plan.gpu_mib)
+    checked = check(settled, platform_for(gpu))
     with trace_lock:
         answer = predict(checked, gpu, device=device)
     return {**answer, "micro_batch": micro_batch(checked.config, checked, overrides)}

@@ -1,4 +1,4 @@
-"""The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml.
+"""The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml (compose/node.py).
 
 The YAML files stay the options users read and copy; these dataclasses say what each key may hold, so a
 wrong type (`train.batch_size=abc`) or an unknown key (`train.batchsize=4`, also with `+`) fails at
@@ -13,8 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from zerotune.schema.job import Checkpoint, Debug, Launch, Plan, Report, Resume, Trial
 
@@ -267,43 +266,6 @@ def as_dict(block: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(block) and not isinstance(block, type):
         return dataclasses.asdict(block)
     return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
-
-
-def structured() -> DictConfig:
-    """The schema as a config Hydra can compose into. The dataclasses are frozen (a resolved run's config is
-    never changed), which OmegaConf carries over as read-only nodes; composition must write into them
-    (defaults, then overrides), so the nodes are made writable here."""
-    node = OmegaConf.structured(Config)
-
-    def writable(container: DictConfig) -> None:
-        OmegaConf.set_readonly(container, None)
-        for key in container:
-            child = container._get_node(key)  # the node itself: reading it as a value would resolve it
-            if isinstance(child, DictConfig):
-                writable(child)
-
-    writable(node)
-    return node
-
-
-def register() -> None:
-    """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
-    ConfigStore.instance().store(name="zerotune_schema", node=structured())
-
-
-def typed(cfg: DictConfig | dict[str, Any]) -> DictConfig:
-    """A plain config (a run's config.yaml) with the schema's types again, still a DictConfig."""
-    return OmegaConf.merge(structured(), cfg)  # type: ignore[return-value]
-
-
-def to_config(cfg: DictConfig | dict[str, Any]) -> Config:
-    """The composed config (Hydra's DictConfig, or a plain mapping) as the schema's frozen dataclasses: what
-    every function past the command line is given. Interpolations are resolved here, once."""
-    node = cfg if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config else typed(cfg)
-    return OmegaConf.to_object(node)  # type: ignore[return-value]
-
-
-register()
 
 
 def describe(key: str) -> tuple[bool, str | None, Any]:

@@ -18,11 +18,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
 from zerotune import held_signals
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.status import ENDS_THE_STEP, Status
+from zerotune.schema import Config, as_dict
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +108,6 @@ def job_start_time(env: Mapping[str, str]) -> datetime | None:
         return None
 
 
-def job_node_rank(cfg: DictConfig) -> int:
-    """This process's node in its job: SLURM's node index inside a SLURM job, else launch.node_rank."""
-    if in_slurm_job(os.environ, cfg.launch.slurm):
-        return int(os.environ.get("SLURM_NODEID", 0))
-    return int(cfg.launch.node_rank)
-
-
 def _gpus_on_node(env: Mapping[str, str]) -> int | None:
     for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
         value = env.get(key)
@@ -143,7 +135,22 @@ def launch_from_slurm(launch: Mapping[str, Any]) -> dict:
     return out
 
 
-def continue_requeued(cfg: DictConfig, run_dir: str | Path) -> bool:
+def job_settings(config: Config, run_dir: str) -> dict[str, Any]:
+    """Inside a SLURM job started by hydra/launcher=slurm: nodes, node rank, master and GPUs from SLURM; a
+    requeued attempt continues the job's newest checkpoint. As `key: value` settings for `settle`."""
+    if not in_slurm_job(os.environ, config.launch.slurm):
+        return {}
+    mapped = launch_from_slurm(as_dict(config.launch))
+    log.info("SLURM job %s: node %s of %s, master %s:%s, %s workers on this node", os.environ["SLURM_JOB_ID"],
+             mapped["node_rank"], mapped["nnodes"], mapped["master_addr"], mapped["master_port"],
+             mapped["num_processes"])
+    settings: dict[str, Any] = {f"launch.{key}": value for key, value in mapped.items()}
+    if continue_requeued(config, run_dir):
+        settings["resume.path"] = "auto"
+    return settings
+
+
+def continue_requeued(cfg: Config, run_dir: str | Path) -> bool:
     """Whether this attempt resumes with resume=auto. A requeued attempt (SLURM_RESTART_COUNT > 0: pre-empted,
     timed out and requeued, `scontrol requeue`) runs the same command in the same run dir: it continues the
     newest complete checkpoint its job saved, not the first attempt's starting point again; before the job

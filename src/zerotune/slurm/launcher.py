@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig, open_dict
 
 from zerotune.slurm import job_end
 
@@ -55,11 +54,10 @@ def submitted(launch: Callable[[], object]) -> list:
     return captured
 
 
-def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
-            load_sweep_config: Callable[[DictConfig, Sequence[str]], DictConfig]) -> JobReturn:
+def outcome(job: Any, overrides: list[str], run_dir_of: Callable[[], Path]) -> JobReturn:
     """The job's result once it wrote one; else (cancelled, killed, its node lost) a summary.json in its run
-    folder with SLURM's state and the node whose task ended first as srun saw it, returned as COMPLETED so that
-    the sweep goes on to the next job."""
+    folder (`run_dir_of`: as Hydra names it inside the job) with SLURM's state and the node whose task ended first
+    as srun saw it, returned as COMPLETED so that the sweep goes on to the next job."""
     state = job_end.wait_for_end(job)
     failure = ""
     if state == "COMPLETED":
@@ -67,7 +65,7 @@ def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
             return job.results()[0]
         except Exception as exc:  # submitit's FailedJobError: the task raised past Hydra (its traceback)
             failure = str(exc).strip().splitlines()[-1][:500]
-    run_dir = job_run_dir(config, load_sweep_config, overrides, idx)
+    run_dir = run_dir_of()
     stderr, restarts = job_end.srun_output(job), job_end.job_restarts(str(job.job_id))
     # Every task's own error, where they raised; else srun's word on the task that ended first.
     ended_first = None if failure else job_end.first_task_end(stderr, restarts)
@@ -77,18 +75,3 @@ def outcome(job: Any, overrides: list[str], idx: int, config: DictConfig,
     # COMPLETED, as zerotune's own task returns for a job that failed in a sweep: recorded, and the sweep goes on.
     return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
                      _return_value=summary)
-
-
-def job_run_dir(config: DictConfig, load_sweep_config: Callable[[DictConfig, Sequence[str]], DictConfig],
-                overrides: list[str], idx: int) -> Path:
-    """The job's run folder, as Hydra names it inside the job (hydra.sweep.dir / hydra.sweep.subdir)."""
-    sweep_dir = Path(str(config.hydra.sweep.dir))
-    try:
-        job_config = load_sweep_config(config, overrides)
-        with open_dict(job_config.hydra.job):
-            job_config.hydra.job.num = idx
-        return sweep_dir / str(job_config.hydra.sweep.subdir)
-    except Exception as exc:  # a subdir naming what only the job knows (hydra.job.id, say)
-        log.warning("hydra.sweep.subdir does not resolve here (%s): job %d recorded in %s/%d", exc, idx,
-                    sweep_dir, idx)
-        return sweep_dir / str(idx)

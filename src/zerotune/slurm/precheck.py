@@ -8,16 +8,16 @@ The Hydra callback that runs it before the first job is submitted is cli/slurm_c
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
+from typing import Any
 
-from omegaconf import DictConfig, open_dict
-
+from zerotune.compose.settle import Settled
 from zerotune.errors import ConfigError
 from zerotune.plan import gpus
+from zerotune.schema import Config
 from zerotune.slurm.cluster import Cluster, read_cluster
 from zerotune.slurm.request import (
     JobTime,
@@ -31,14 +31,16 @@ from zerotune.slurm.request import (
 log = logging.getLogger("zerotune")
 
 
-def is_slurm(launcher: DictConfig) -> bool:
+def is_slurm(launcher: Mapping[str, Any]) -> bool:
     return str(launcher.get("_target_", "")).endswith("SlurmLauncher")
 
 
-def request_of(launcher: DictConfig) -> Request:
-    """The launcher's settings sbatch matches against the cluster; a count below 1 is refused here."""
+def request_of(launcher: Mapping[str, Any]) -> Request:
+    """The launcher's settings (Hydra's `hydra.launcher` node) sbatch matches against the cluster; a count below 1
+    is refused here."""
     # A null setting is Request's default (None: not asked).
-    req = Request(**{f.name: launcher.get(f.name) for f in fields(Request) if launcher.get(f.name) is not None})
+    given: dict[str, Any] = {f.name: launcher.get(f.name) for f in fields(Request) if launcher.get(f.name) is not None}
+    req = Request(**given)
     for key in ("nodes", "gpus_per_node", "cpus_per_task", "tasks_per_node", "mem_gb", "timeout_min"):
         value = getattr(req, key)
         if value is not None and value < (0 if key == "gpus_per_node" else 1):
@@ -47,63 +49,50 @@ def request_of(launcher: DictConfig) -> Request:
     return req
 
 
-def check_sweep(config: DictConfig, env: Mapping[str, str] | None = None,
-                load_job: Callable[[list[str]], DictConfig] | None = None) -> Partition:
-    """Check the request of `config` (the sweep's config, with its `hydra` node) against the cluster; the
-    partition the jobs go to, or a ConfigError. `load_job`: a job's config from its overrides (Hydra's own,
-    as its launcher composes them, by default)."""
-    req = request_of(config.hydra.launcher)
+def check_sweep(req: Request, jobs: list[list[str]], settle_job: Callable[[list[str]], Settled],
+                env: Mapping[str, str] | None = None) -> Partition:
+    """Check the sweep's request against the cluster; the partition the jobs go to, or a ConfigError. `jobs`:
+    each job's overrides; `settle_job`: a job's config from its overrides, as its launcher composes it."""
     cluster = read_cluster(env)
     partition = check_request(cluster, req)
-    check_time_to_checkpoint(partition, req, job_times(config, cluster, partition, req, load_job))
+    check_time_to_checkpoint(partition, req, job_times(jobs, settle_job, cluster, partition, req))
     return partition
 
 
-def sweep_jobs(config: DictConfig) -> list[list[str]]:
-    """Each job's overrides, as Hydra's basic sweeper expands the command line's."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-
-
-def _hydra_loader(config: DictConfig) -> Callable[[list[str]], DictConfig]:
-    from hydra.core.global_hydra import GlobalHydra
-
-    loader = GlobalHydra.instance().config_loader()
-    return lambda overrides: loader.load_sweep_config(config, overrides)
-
-
-def job_times(config: DictConfig, cluster: Cluster, partition: Partition, req: Request,
-              load_job: Callable[[list[str]], DictConfig] | None = None) -> list[JobTime]:
+def job_times(jobs: list[list[str]], settle_job: Callable[[list[str]], Settled], cluster: Cluster,
+              partition: Partition, req: Request) -> list[JobTime]:
     """What each job needs before its first checkpoint. A time per step is known only for jobs with GPUs of a
     known card, so only then are the jobs composed (and planned)."""
     if not req.gpus_per_node:
         return [JobTime("", None, False, None)]
     card = gres_card(fitting_nodes(cluster, partition.name, req))
-    load = load_job or _hydra_loader(config)
     times = []
-    for overrides in sweep_jobs(config):
-        cfg = load(overrides)
-        steps, on_signal = steps_to_first_checkpoint(cfg), bool(cfg.checkpoint.on_signal)
-        job_card = card or (gpus.CATALOG.get(str(cfg.plan.gpu).lower()) if cfg.plan.gpu else None)
+    for overrides in jobs:
+        label = " ".join(overrides)
+        try:
+            settled = settle_job(overrides)
+        except ConfigError:  # the job refuses itself, naming the key, when it runs
+            times.append(JobTime(label, None, False, None))
+            continue
+        cfg = settled.config
+        steps, on_signal = steps_to_first_checkpoint(cfg), cfg.checkpoint.on_signal
+        job_card = card or (gpus.CATALOG.get(cfg.plan.gpu.lower()) if cfg.plan.gpu else None)
         floor = None
         if steps and not on_signal and job_card is not None:
-            floor = step_floor(cfg, overrides, job_card, req)
-        times.append(JobTime(" ".join(overrides), steps, on_signal, floor))
+            floor = step_floor(settled, job_card, req)
+        times.append(JobTime(label, steps, on_signal, floor))
     return times
 
 
-def steps_to_first_checkpoint(cfg: DictConfig) -> int | None:
+def steps_to_first_checkpoint(cfg: Config) -> int | None:
     """Optimizer steps to the job's first scheduled save; None where none is scheduled, or where they are not
     known (a resumed job starts part way; a plan.only job does not train)."""
     if cfg.resume.path is not None or cfg.plan.only:
         return None
-    every, last = int(cfg.checkpoint.every_n_steps or 0), cfg.train.max_steps
-    if every > 0 and (last is None or every <= int(last)):
+    every, last = cfg.checkpoint.every_n_steps or 0, cfg.train.max_steps
+    if every > 0 and (last is None or every <= last):
         return every
-    return int(last) if cfg.checkpoint.final and last else None
+    return last if cfg.checkpoint.final and last else None
 
 
 # gres types as clusters name them (a100, nvidia_h100_80gb_hbm3, rtx_4090) -> the catalog's card. A token must
@@ -125,24 +114,22 @@ def gres_card(nodes: list) -> gpus.GPU | None:
     return max(cards, key=lambda g: (g.bf16_tflops, g.host_link_gbps), default=None)
 
 
-def step_floor(cfg: DictConfig, overrides: list[str], card: gpus.GPU, req: Request) -> float | None:
+def step_floor(settled: Settled, card: gpus.GPU, req: Request) -> float | None:
     """The planner's lower bound on one optimizer step of this job on `card`, from the terms that do not depend
     on this machine (the card's compute and host link; not the CPU optimizer, timed here). None where the
     planner cannot tell (it fails on this job: the job reports why itself)."""
     from zerotune.plan.predict import predict
     from zerotune.platform import ANY_CUDA_GPU
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
-    job, per_node = copy.deepcopy(cfg), int(req.gpus_per_node or 0)
-    with open_dict(job):
-        job.pop("hydra", None)
-        job.launch.num_processes, job.launch.nnodes = per_node, int(req.nodes)
+    per_node = req.gpus_per_node or 0
+    launch = replace(settled.config.launch, num_processes=per_node, nnodes=req.nodes)
+    on_cluster = replace(settled, config=replace(settled.config, launch=launch), world_size=per_node * launch.nnodes)
     try:
-        checked = preflight(job, world_size=per_node * req.nodes, platform=ANY_CUDA_GPU,
-                            overrides=overrides)
+        checked = check(on_cluster, ANY_CUDA_GPU)
         terms = predict(checked, card)["time_terms"]
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)
-        log.debug("no time floor for %s: %s", overrides, exc)
+        log.debug("no time floor for %s: %s", settled.config.launch, exc)
         return None
     known = [t["seconds"] for t in terms if t["term"] in ("compute", "pcie") and t["seconds"]]
     return max(known, default=None)

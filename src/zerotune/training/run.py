@@ -7,20 +7,19 @@ import time
 import traceback
 from contextlib import ExitStack
 
-from omegaconf import DictConfig
-
 from zerotune import checkpoints
+from zerotune.compose.settle import Settled
 from zerotune.errors import ConfigError
 from zerotune.loggers import make_logger
 from zerotune.loggers.base import NullLogger, RunLogger
-from zerotune.preflight import preflight
+from zerotune.preflight import check
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import RunDir
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import Status
 from zerotune.rundir.summary import experiment_info, is_oom, key_choices, per_rank_summary, write_rank_record
-from zerotune.schema import Config, to_config
+from zerotune.schema import Config
 from zerotune.telemetry import environment_info, node_identity
 from zerotune.telemetry.startup import gate_wait_s, startup_view
 from zerotune.telemetry.timing import process_start_time
@@ -74,18 +73,18 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
             _close(summary, run_dir, logger, marks, plot=cfg.trial.storage is None)
 
 
-def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> RunSummary:
+def train_launched_externally(settled: Settled, spec: JobSpec) -> RunSummary:
     """Under torchrun / `accelerate launch` / `deepspeed` / `srun` with no zerotune parent, every rank runs
     this: rank 0 resolves the run (and writes config.yaml, ds_config.json, resolved.json), the other ranks
-    receive it, and all train it. A refusal is recorded in summary.json (with config.yaml as composed) and
+    receive it, and all train it. A refusal is recorded in summary.json (with config.yaml as settled) and
     raised on every rank."""
     try:
-        run = _resolved_by_rank0(cfg, spec)
+        run = _resolved_by_rank0(settled, spec)
     except ConfigError as exc:
         if distributed.rank() == 0:
-            run_dir, composed = RunDir(spec.run_dir), to_config(cfg)
-            run_dir.write_config(composed)
-            summary = _failed_summary(composed, run_dir)
+            run_dir = RunDir(spec.run_dir)
+            run_dir.write_config(settled.config)
+            summary = _failed_summary(settled.config, run_dir)
             summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
             summary.env = environment_info()
             run_dir.write_summary(summary)
@@ -93,12 +92,12 @@ def train_launched_externally(cfg: DictConfig, spec: JobSpec) -> RunSummary:
     return train(run, spec)
 
 
-def _resolved_by_rank0(cfg: DictConfig, spec: JobSpec) -> ResolvedRun:
+def _resolved_by_rank0(settled: Settled, spec: JobSpec) -> ResolvedRun:
     run: ResolvedRun | None = None
     error: ConfigError | None = None
     if distributed.rank() == 0:
         try:
-            run = preflight(cfg, distributed.world_size(), overrides=spec.overrides, run_dir=spec.run_dir)
+            run = check(settled, run_dir=spec.run_dir)
         except ConfigError as exc:
             error = exc
         else:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from zerotune.compose.settle import Settled
 from zerotune.errors import ConfigError
 from zerotune.rundir.plan import Plan
 from zerotune.rundir.status import Status
@@ -29,19 +29,19 @@ class Screened:
     plan: dict = field(default_factory=dict)   # peak MiB, time floor and what binds it
 
 
-def screen(found: list[Candidate], workload: list[str], compose: Callable[[list[str]], Any],
+def screen(found: list[Candidate], workload: list[str], settle: Callable[[list[str]], Settled],
            gpu_name: str | None) -> list[Screened]:
-    """Each candidate's verdict. `compose`: overrides -> the job's config; `gpu_name`: plan for that card
+    """Each candidate's verdict. `settle`: overrides -> the job's settled config; `gpu_name`: plan for that card
     (not present) rather than this machine."""
     from zerotune.plan import gpus
     from zerotune.plan.guard import job_gpu, job_plan
-    from zerotune.preflight import preflight
+    from zerotune.preflight import check
 
     out, runs = [], {}
     for number, candidate in enumerate(found):
         overrides = [*workload, *candidate.overrides()]
         try:
-            run = preflight(compose(overrides), overrides=overrides)
+            run = check(settle(overrides))
             gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
             plan = Plan.from_dict(job_plan(run, gpu)) or Plan()
         except ConfigError as exc:

@@ -9,10 +9,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from zerotune.compose.overrides import as_typed
+from zerotune.compose.settle import Settled
 from zerotune.launch import warm
+from zerotune.schema import launch_world_size
 from zerotune.tune import finalists, report
 from zerotune.tune.finalists import Finalist, Verdict
 from zerotune.tune.report import Outcome
@@ -26,28 +27,28 @@ log = logging.getLogger("zerotune")
 WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
 
 
-def tune_sweep(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
+def tune_sweep(settings: TuneSettings, arguments: list[str], settle: Callable[[list[str]], Settled],
                launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
     started = time.perf_counter()
     # The workers' template imports while the candidates are screened (launch/warm.py); on a card too, where
     # its imports leave CUDA's driver alone. None for a card not present: no trial runs.
     warm_log = sweep_dir / "warm_template.log"
     with warm.template(warm_log, enabled=settings.warm_workers and not settings.gpu) as template:
-        return _tune(settings, arguments, compose, launch, sweep_dir, started, template)
+        return _tune(settings, arguments, settle, launch, sweep_dir, started, template)
 
 
-def _tune(settings: TuneSettings, arguments: list[str], compose: Callable[[list[str]], Any],
+def _tune(settings: TuneSettings, arguments: list[str], settle: Callable[[list[str]], Settled],
           launch: Callable[[list[str], int], Path], sweep_dir: Path, started: float,
           template: warm.Template) -> Outcome:
     line = read_command_line(arguments)
     fixed = [f"{k}={line.values[k][0]}" for k in sorted(line.fixed)]
-    base = compose([*line.workload, *line.accumulation, *fixed])
-    global_batch = settings.global_batch or (int(base.train.batch_size) * int(base.train.grad_accum) *
-                                             int(base.launch.num_processes) * int(base.launch.nnodes))
+    base = settle([*line.workload, *line.accumulation, *fixed]).config
+    global_batch = settings.global_batch or (base.train.batch_size * base.train.grad_accum *
+                                             launch_world_size(base.launch))
     gpus = _gpu_count()
     values = knob_values(line, settings.space, 1 if settings.gpu else gpus)  # a named card: one process on it
-    found, dropped = candidates(values, global_batch, int(base.launch.nnodes), settings.space.get("train.batch_size"))
-    screened = screen(found, line.workload, compose, settings.gpu)
+    found, dropped = candidates(values, global_batch, base.launch.nnodes, settings.space.get("train.batch_size"))
+    screened = screen(found, line.workload, settle, settings.gpu)
     screened += [Screened(len(found) + i, Candidate({"config": label}, 0), INVALID, why)
                  for i, (label, why) in enumerate(dropped)]
     kept = sum(s.verdict == KEPT for s in screened)

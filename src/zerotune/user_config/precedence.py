@@ -1,31 +1,18 @@
-"""Who wins: the command line, the user's files, or zerotune's defaults.
-
-- A value the file states replaces the group default (the composed config is updated, so config.yaml,
-  summary choices, reports, offload handling and measurement all describe what runs).
-- A value typed on the command line that contradicts a file is an error naming both sides.
-- Two files (an accelerate YAML and the DeepSpeed JSON it names) that disagree are an error too.
-"""
+"""What the user's files set and where each value came from (`UserConfig`), and how a key typed on the command
+line is found (`typed_keys`, `pinned_by`). The rules of who wins are compose/settle.py's, which applies them."""
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
 
-from zerotune.ds_config.batch import Batch, Known, solve
+from zerotune.ds_config.batch import Batch
 from zerotune.errors import ConfigError
-from zerotune.schema import launch_world_size
-from zerotune.user_config import accelerate_config, deepspeed_file, file_fixes
+from zerotune.user_config import file_fixes
 from zerotune.user_config.file_fixes import GROUP_PINS
-from zerotune.user_config.settings import Setting, from_accelerate, from_deepspeed, stated
-
-log = logging.getLogger(__name__)
-
 
 # The zerotune keys each top-level DeepSpeed key is generated from (for "where did this come from").
 DS_KEY_SOURCES = {
@@ -117,105 +104,6 @@ def pinned_by(typed: dict[str, str], key: str) -> str | None:
         if key in GROUP_PINS.get(typed_key, ()):
             return line
     return None
-
-
-def resolve(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
-            environ: dict | None = None, quiet: bool = False) -> UserConfig:
-    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg` (settle's own copy of the composed
-    config), in place; return what was used.
-    `quiet`: the file's warnings are only recorded (a later resolve of the same files says them)."""
-    user = UserConfig(typed=typed_keys(list(overrides)))
-    applied: dict[str, Setting] = {}
-    for acc in accelerate_config.find(cfg.accelerate.config_file, environ):
-        user.accelerate.append({"origin": acc.origin, "how": acc.how, "path": acc.path})
-        if acc.how == "default location":
-            log.info("read accelerate's default config %s (accelerate.config_file=null to ignore it)", acc.path)
-        for s in from_accelerate(acc, launched_externally=acc.how == "environment"):
-            _apply(cfg, s, applied, user)
-    path = cfg.deepspeed.config_file
-    if path:
-        user.deepspeed_path = str(Path(str(path)).expanduser())
-        user.deepspeed, user.warnings = deepspeed_file.load(user.deepspeed_path, quiet=quiet)
-        for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
-            _apply(cfg, s, applied, user)
-    # the batch: DeepSpeed's three keys, the command line and the defaults settled together
-    world = launch_world_size(cfg.launch) if world_size is None else world_size
-    ds = user.deepspeed or {}
-    name = user._ds_name()
-
-    def known(ds_key: str, cfg_key: str) -> Known | None:
-        in_file = ds.get(ds_key)
-        line = pinned_by(user.typed, cfg_key)
-        typed_value = OmegaConf.select(cfg, cfg_key) if line else None
-        if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
-            raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
-                              f"drop `{line}` from the command line, or change {ds_key} in {name}")
-        if stated(in_file):
-            return Known(in_file, f"{name}", ds_key, name)
-        if line:
-            return Known(typed_value, "command line", cfg_key)
-        if cfg_key in user.origins:  # from an accelerate config
-            return Known(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
-        return None
-
-    micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
-    accum = known("gradient_accumulation_steps", "train.grad_accum")
-    total_in_file = ds.get("train_batch_size")
-    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
-    defaults = (Known(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
-                Known(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
-    user.batch = solve(micro, accum, total, world, *defaults)
-    procs = f"{world} process{'es' if world > 1 else ''}"
-
-    def part_origin(part: Known | None, cfg_key: str) -> str:
-        if part is not None:
-            return part.origin
-        if total is not None:
-            return f"derived: train_batch_size / (the other factor x {procs})"
-        return user.origin_of(cfg_key)
-
-    user.batch_origins = {
-        "train_batch_size": total.origin if total else f"derived: micro batch x accumulation x {procs}",
-        "train_micro_batch_size_per_gpu": part_origin(micro, "train.batch_size"),
-        "gradient_accumulation_steps": part_origin(accum, "train.grad_accum")}
-    OmegaConf.update(cfg, "train.batch_size", user.batch.micro, merge=False)
-    OmegaConf.update(cfg, "train.grad_accum", user.batch.accum, merge=False)
-    return user
-
-
-def _apply(cfg: DictConfig, s: Setting, applied: dict[str, Setting], user: UserConfig) -> None:
-    if s.key == "precision.not":  # a file says "fp16.enabled: false"
-        if cfg.precision.name != s.value:
-            return
-        s = Setting("precision.name", "fp32", s.origin)
-    earlier = applied.get(s.key)
-    if earlier is not None and not _same(s.key, earlier.value, s.value):
-        raise ConfigError(s.key, f"{earlier.origin} says {earlier.value!r} but {s.origin} says {s.value!r}",
-                          "make the two files agree (or drop one of them)")
-    current = OmegaConf.select(cfg, s.key, default=None)
-    line = pinned_by(user.typed, s.key)
-    if line is not None and current != "auto" and not _same(s.key, current, s.value):
-        raise ConfigError(s.key, f"the command line says `{line}` but {s.origin} says {s.value!r}",
-                          f"drop `{line}` from the command line, or {file_fixes.change(s.origin)}")
-    applied[s.key] = s
-    user.origins[s.key] = s.origin
-    if not _same(s.key, current, s.value):
-        log.info("%s = %r, from %s", s.key, s.value, s.origin)
-        OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
-
-
-def _same(key: str, a: Any, b: Any) -> bool:
-    if OmegaConf.is_config(a):
-        a = OmegaConf.to_container(a, resolve=True)
-    if key.endswith("path") or key.endswith("config_file"):
-        return a is not None and b is not None and os.path.abspath(os.path.expanduser(str(a))) == \
-            os.path.abspath(os.path.expanduser(str(b)))
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-            and not isinstance(b, bool):
-        return float(a) == float(b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(key, x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _has_auto(value: Any) -> bool:
