@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from tests.helpers.browser import start_builder, stop_builder
 from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, packaged_configs, run_in, with_multirun_readme
-from tests.helpers.cli import cli_env, run_cli
+from tests.helpers.cli import cli_env, preflight, run_cli
 from zerotune import config_search
 from zerotune.builder import app as builder_app
 from zerotune.builder import experiments, form, paths, preview
@@ -148,7 +148,7 @@ def test_an_unexpected_failure_is_shown_and_the_server_keeps_serving(client, mon
     def broken(*_, **__):
         raise RuntimeError("validator exploded")
 
-    monkeypatch.setattr(preview, "preflight", broken)
+    monkeypatch.setattr(preview, "check", broken)
     answer = client.post("/api/preview", json={"choices": {}, "values": {}})
     assert answer.status_code == 500 and "validator exploded" in answer.json()["error"]["problem"]
     monkeypatch.undo()
@@ -178,7 +178,7 @@ def test_the_fit_bar_adds_up_to_the_planners_peak(client):
     assert sum(s["mib"] for s in plan["bar"]) == pytest.approx(plan["gpu_peak_mib"], rel=1e-12)
     assert {s["segment"] for s in plan["bar"]} == set(form_segments())
     cfg = compose([])
-    expected = predict(preview.preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
+    expected = predict(preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
     assert plan["gpu_peak_mib"] == pytest.approx(expected)
 
 
@@ -471,9 +471,9 @@ def test_the_fit_answer_marks_the_runs_phases_when_the_plan_has_them(client, mon
 
     def with_phases(overrides, gpu):
         cfg = compose(overrides)
-        checked = preview.preflight(cfg)
+        checked = preflight(cfg)
         plan = predict(checked, gpu)
-        return {**plan, "phases": run_phases(cfg, checked, gpu, plan)}
+        return {**plan, "phases": run_phases(checked.config, checked, gpu, plan)}
 
     monkeypatch.setattr(fit_module, "plan_job", with_phases)
     plan = client.post("/api/fit", json={"choices": {}, "values": {}, "gpu": "rtx4090"}).json()
