@@ -18,6 +18,7 @@ from zerotune.files import write_json_atomic
 from zerotune.models import ModelStats, stats_from_json
 from zerotune.models.param_groups import ParamGroups
 from zerotune.platform import Platform
+from zerotune.rundir.plan import Plan
 from zerotune.schema import Config, as_dict
 
 RESOLVED_FILE = "resolved.json"
@@ -35,7 +36,7 @@ class ResolvedRun:
     config_sources: dict[str, Any] = field(default_factory=dict)  # where each value came from, config folders
     config_warnings: tuple[str, ...] = ()  # the DeepSpeed file's keys left out or translated
     resume: ResumeDecision | None = None  # the checkpoint to continue (checked), and how
-    plan: dict[str, Any] | None = None    # the planner's prediction, as summary.json's "plan" holds it
+    plan: Plan | None = None              # the planner's prediction (summary.json's "plan")
     # the optimizer zerotune builds and hands the engine ({"name", "class", "params"}); None: the dict's own
     client_optimizer: dict[str, Any] | None = None
     # the optimizer's parameter groups (deepspeed.param_groups, resolved); None: one group per trained module
@@ -70,7 +71,7 @@ class ResolvedRun:
                 "model_stats": asdict(self.model_stats), "input_shape": list(self.input_shape),
                 "platform": asdict(self.platform), "world_size": self.world_size,
                 "config_sources": self.config_sources, "config_warnings": list(self.config_warnings),
-                "resume": resume, "plan": self.plan, "client_optimizer": self.client_optimizer,
+                "resume": resume, "plan": None if self.plan is None else self.plan.to_dict(), "client_optimizer": self.client_optimizer,
                 "param_groups": None if self.param_groups is None else asdict(self.param_groups)}
 
     @classmethod
@@ -86,7 +87,7 @@ class ResolvedRun:
                    resume=None if resume is None else ResumeDecision(
                        path=Path(resume["path"]), mode=resume["mode"], meta=resume["meta"],
                        changed={k: tuple(v) for k, v in resume["changed"].items()}),
-                   plan=data["plan"], client_optimizer=data["client_optimizer"],
+                   plan=Plan.from_dict(data["plan"]), client_optimizer=data["client_optimizer"],
                    param_groups=_groups(data.get("param_groups")))
 
     def save(self, run_dir: str | Path) -> None:

@@ -33,7 +33,7 @@ def card(name: str | None, mib: Any) -> gpus.GPU | None:
     return gpus.lookup(name or None, memory, key="gpu")
 
 
-def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> dict:
+def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> Plan:
     return plan_one(overrides, gpu, trace_lock=TRACE_LOCK)
 
 
@@ -42,18 +42,15 @@ def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_n
     gpu = card(gpu_name, gpu_mib)
     overrides = form.overrides(choices, values, extra)
     plan = plan_job(overrides, gpu)
-    typed = Plan.from_dict(plan) or Plan()
     # the bar is the step at its largest moment: what it holds throughout and that moment's own terms
-    return {**plan, "bar": bar(typed.terms_at_peak()), "phase_marks": phase_marks(typed)}
+    return {**plan.to_dict(), "bar": bar(plan.terms_at_peak()), "phase_marks": phase_marks(plan)}
 
 
-def phase_marks(plan: Plan | dict) -> list[dict]:
+def phase_marks(plan: Plan) -> list[dict]:
     """One mark per phase of the run on the bar, when the plan has them (plan/phases.py): what nvidia-smi shows
     during it (reserved_mib) and whether it is the run's peak; [] without phases."""
-    if not isinstance(plan, Plan):
-        plan = Plan.from_dict(plan) or Plan()
-    return [{"phase": str(p["phase"]), "mib": float(p["reserved_mib"]), "own_peak_mib": float(p["peak_mib"]),
-             "run_peak": bool(p.get("run_peak"))} for p in plan.phases]
+    return [{"phase": p.phase, "mib": p.reserved_mib, "own_peak_mib": p.peak_mib, "run_peak": p.run_peak}
+            for p in plan.phases]
 
 
 def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,

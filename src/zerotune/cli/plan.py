@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         return report_config_error(exc)
     if args.json:
-        print(json.dumps(answer, indent=2))
+        print(json.dumps(answer if isinstance(answer, dict) else answer.to_dict(), indent=2))
     else:
         print(render.ranking(answer) if args.all else render.breakdown(answer))
     return 0

@@ -59,7 +59,7 @@ def _nvme_need_mib(overrides: list[str]) -> float | None:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout
             run = check(compose_settled(overrides))
-            return float(predict(run, None)["nvme_mib"])
+            return predict(run, None).nvme_mib
     except ConfigError:
         return None
 

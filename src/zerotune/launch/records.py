@@ -13,6 +13,7 @@ from zerotune import checkpoints
 from zerotune.errors import ConfigError
 from zerotune.launch.elastic import LaunchResult
 from zerotune.rundir import RunDir
+from zerotune.rundir.plan import Plan
 from zerotune.rundir.run_summary import JsonDict, RunSummary
 from zerotune.rundir.spec import JobSpec
 from zerotune.rundir.status import LAUNCHER_OVERRIDES, Status
@@ -33,7 +34,7 @@ def base_summary(cfg: Config, spec: JobSpec) -> RunSummary:
 
 
 @contextmanager
-def refusal_recorded(cfg: Config, spec: JobSpec, run_dir: RunDir, plan: JsonDict | None = None) -> Iterator[None]:
+def refusal_recorded(cfg: Config, spec: JobSpec, run_dir: RunDir, plan: Plan | None = None) -> Iterator[None]:
     """A job refused before training (a ConfigError raised inside) still has its summary.json, naming the key
     (and the prediction, when the guard refused it); the error goes on."""
     try:
@@ -105,7 +106,7 @@ def host_oom_error(result: LaunchResult, summary: RunSummary, peaks: JsonDict) -
     figures. None for any other death: a SIGKILL with memory to spare is a person's or a scheduler's."""
     if result.exitcode != -signal.SIGKILL or result.host is None:
         return None
-    fit = (summary.plan or {}).get("host_fit") or {}
+    fit = (summary.plan.host_fit if summary.plan else None) or {}
     near = near_limit(result.host.samples, fit.get("budget_mib"))
     if near is None and not result.host.kernel_says_oom:
         return None

@@ -290,6 +290,12 @@ def _meta_shapes(config: dict, path: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
 
 
+def load_option(path: Path) -> Model:
+    """A model option's file (conf/model/<name>.yaml, or the user's) as the schema's Model, the other keys at
+    their defaults."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(path)))  # type: ignore[return-value]
+
+
 def _options_holding(header: dict[str, tuple[int, ...]], path: Path) -> list[str]:
     """The model options whose U-Net an original-layout checkpoint holds: converted, its names and shapes are
     the option's. Only asked once a checkpoint has been refused, to name the fix."""
@@ -302,8 +308,7 @@ def _options_holding(header: dict[str, tuple[int, ...]], path: Path) -> list[str
         if file is None:
             continue
         try:
-            option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(file)))
-            config = unet_config(option)
+            config = unet_config(load_option(file))
             if single_file.converted_shapes(header, config, path) == _meta_shapes(config, path):
                 holding.append(name)
         except (ConfigError, OmegaConfBaseException, ValueError, TypeError, KeyError):

@@ -29,7 +29,7 @@ _NO_LOCK = contextlib.nullcontext()  # reusable: it holds nothing
 
 
 def plan_one(overrides: list[str], gpu: gpus.GPU | None,
-             trace_lock: AbstractContextManager = _NO_LOCK, device: str = "cuda") -> dict:
+             trace_lock: AbstractContextManager = _NO_LOCK, device: str = "cuda") -> Plan:
     """One job's prediction. `trace_lock` is held while it traces (the builder page's requests take turns).
     `device` cpu: the job as it runs on this machine's CPU accelerator (its own dict: torch's AdamW, no card)."""
     settled = compose_settled(overrides)
@@ -38,7 +38,7 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
     checked = check(settled, platform_for(gpu))
     with trace_lock:
         answer = predict(checked, gpu, device=device)
-    return {**answer, "micro_batch": micro_batch(checked.config, checked, overrides)}
+    return answer.adding(micro_batch=micro_batch(checked.config, checked, overrides))
 
 
 BATCH_KEY = "train.batch_size"
@@ -89,7 +89,7 @@ def platform_for(gpu: gpus.GPU | None) -> Platform | None:
     return ANY_CUDA_GPU if gpu is not None else None
 
 
-def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[str], gpus.GPU | None], dict] = plan_one
+def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[str], gpus.GPU | None], Plan] = plan_one
              ) -> dict:
     """Every option in OPTIONS ranked; `plan` predicts one job (the builder page's takes its locks)."""
     rows = []
@@ -100,5 +100,5 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[st
         except ConfigError as exc:
             rows.append(recommend.Row(stage, offload, checkpointing, None, refused=str(exc).splitlines()[0]))
     # The options vary stage, offload and checkpointing only: every one plans the same micro batch.
-    batch = next((p.micro_batch for r in rows if (p := Plan.from_dict(r.plan)) and "micro_batch" in p), None)
+    batch = next((r.plan.micro_batch for r in rows if r.plan and "micro_batch" in r.plan), None)
     return {**recommend.rank(rows, gpu), "micro_batch": batch}

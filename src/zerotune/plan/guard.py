@@ -60,7 +60,7 @@ def check_plan_keys(plan: PlanSettings) -> None:
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
+def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
@@ -69,17 +69,17 @@ def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> dict:
         plan = predict(checked, gpu, device=device)
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
-        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        return Plan.made(error=f"{type(exc).__name__}: {exc}"[:500])
     if not (cfg.plan.only and (cfg.plan.gpu or cfg.plan.gpu_mib)):  # a plan for a named card is not this host's
-        plan["host_fit"] = host_fit(cfg, plan)
+        plan = plan.adding(host_fit=host_fit(cfg, plan))
     return plan
 
 
-def host_fit(cfg: Config, plan: dict) -> dict:
+def host_fit(cfg: Config, plan: Plan) -> dict[str, Any]:
     """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
-    accelerator, ranks = detect().device_type, int(cfg.launch.num_processes)
+    accelerator, ranks = detect().device_type, cfg.launch.num_processes
     # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
-    need = plan["host_peak_mib"] if plan.get("host_peak_kind") == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
+    need = plan.host_peak_mib if plan.host_peak_kind == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
     memory, budget = read_host_memory(), cfg.plan.host_mib
     room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))
     return {"accelerator": accelerator, "ranks": ranks, "needed_mib": need, "available_mib": memory.headroom_mib,
@@ -87,10 +87,10 @@ def host_fit(cfg: Config, plan: dict) -> dict:
             "room_mib": room, "fits": None if need is None else need <= room}
 
 
-def guard(cfg: Config, plan: dict) -> Status | None:
+def guard(cfg: Config, plan: Plan) -> Status | None:
     """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
     PREDICTED_OOM, its status): on a CUDA device its free memory; on every host the available memory, against the
-    device terms as well on a CPU accelerator (plan["host_fit"], from job_plan)."""
+    device terms as well on a CPU accelerator (plan.host_fit, from job_plan)."""
     problems = memory_problems(plan)
     if not problems:
         return None
@@ -101,12 +101,11 @@ def guard(cfg: Config, plan: dict) -> Status | None:
     return Status.PREDICTED_OOM if cfg.plan.guard == "skip" else None
 
 
-def memory_problems(plan: Plan | dict) -> list[str]:
+def memory_problems(plan: Plan) -> list[str]:
     """Each memory the predicted peak is above: a present GPU's free memory, this host's available memory."""
-    found = plan if isinstance(plan, Plan) else Plan.from_dict(plan) or Plan()
-    if "gpu_peak_mib" not in found:
+    if "gpu_peak_mib" not in plan:
         return []
-    return [p for p in (_cuda_problem(found), _host_problem(found.host_fit)) if p]
+    return [p for p in (_cuda_problem(plan), _host_problem(plan.host_fit)) if p]
 
 
 def _cuda_problem(plan: Plan) -> str | None:
@@ -136,11 +135,11 @@ def _host_problem(fit: dict | None) -> str | None:
             f"is above {room}")
 
 
-def _fixes(cfg: Config, plan: dict) -> str:
+def _fixes(cfg: Config, plan: Plan) -> str:
     """What brings the prediction under the memory there is, the largest terms' remedies first; alternatives
     apart, each as the overrides to type."""
     fixes = []
-    fit = plan.get("host_fit") or {}
+    fit = plan.host_fit or {}
     if fit.get("fits") is False:
         states, activations = largest_share(plan, fit["accelerator"])
         if fit["ranks"] > 1:
@@ -159,31 +158,27 @@ def _fixes(cfg: Config, plan: dict) -> str:
     return "; or ".join(fixes)
 
 
-def _smaller_models(cfg: Config, plan: dict, fit: dict) -> list[str]:
+def _smaller_models(cfg: Config, plan: Plan, fit: dict[str, Any]) -> list[str]:
     """The other model options with fewer parameters whose need, this plan's scaled by their parameter count,
     is under the room (nearly every term grows with the parameters: an estimate, and a typed fix is checked
     again): the host's where the host is short, else the card's. Not a larger model: it needs more. None where
     the run names weights or components: they belong to its model."""
-    from omegaconf import OmegaConf
-
-    from zerotune.models import model_stats
-    from zerotune.schema import Model
+    from zerotune.models import load_option, model_stats
 
     model, search = _option(cfg, "model"), config_search.current()
-    current = int(plan.get("trainable_params") or 0) + int(plan.get("frozen_params") or 0)
+    current = (plan.trainable_params or 0) + (plan.frozen_params or 0)
     if not model or not current or _option(cfg, "model", "pretrained") or _option(cfg, "model", "components"):
         return []
     if fit.get("fits") is False:
         need, room = fit.get("needed_mib"), fit.get("room_mib")
     else:
-        need, room = plan.get("gpu_peak_mib"), (plan.get("gpu") or {}).get("memory_mib")
+        need, room = plan.gpu_peak_mib, (plan.gpu or {}).get("memory_mib")
     found = []
     for name in search.group_options().get("model", []):
         path = search.option_file("model", name)
         if name == model or path is None:
             continue
-        option = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Model), OmegaConf.load(path)))
-        params = model_stats(option).num_params  # type: ignore[arg-type]  # to_object of the Model schema
+        params = model_stats(load_option(path)).num_params
         if params < current and (need is None or room is None or need * params / current <= room):
             found.append(name)
     return found

@@ -49,9 +49,8 @@ def heap_kept_bytes(sizes: Iterable[int]) -> int:
     return sum(int(n) for n in sizes if 0 < n < MMAP_THRESHOLD_MAX)
 
 
-def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
+def rank_terms(found: Plan, accelerator: str) -> dict[str, float]:
     """{term: MiB} one rank holds in host memory at its training peak (the fp32 build, before, is apart)."""
-    found = Plan.from_dict(plan) or Plan()
     terms: dict[str, float] = {}
     if found.device == "cpu":  # --device cpu: one pool already, at the step's largest moment
         held = at_peak(found.step_terms, found.step_peak_moment)
@@ -66,18 +65,17 @@ def rank_terms(plan: dict, accelerator: str) -> dict[str, float]:
     return terms
 
 
-def node_need_mib(plan: dict, ranks: int, accelerator: str) -> float | None:
+def node_need_mib(found: Plan, ranks: int, accelerator: str) -> float | None:
     """The host memory this node's `ranks` need at their peak: each holds its terms, or its build of the U-Net,
     which comes first, whichever is larger (the whole model in fp32 below ZeRO-3; at ZeRO-3, built under
     zero.Init, the rank's partition: plan/predict.py's `model_load`). None when the plan has no terms."""
-    found = Plan.from_dict(plan) or Plan()
     if "host_terms" not in found:
         return None
     load = sum(t.mib or 0.0 for t in found.host_terms if t.term == MODEL_LOAD)
-    return ranks * max(load, sum(rank_terms(plan, accelerator).values()))
+    return ranks * max(load, sum(rank_terms(found, accelerator).values()))
 
 
-def largest_share(plan: dict, accelerator: str) -> tuple[float, float]:
+def largest_share(plan: Plan, accelerator: str) -> tuple[float, float]:
     """(model states and DeepSpeed's buffers, activations) as shares of one rank's terms, each 0..1."""
     terms = rank_terms(plan, accelerator)
     total = sum(terms.values()) or 1.0

@@ -20,14 +20,15 @@ DeepSpeed calls empty_cache, only the blocks still alive carry over (each such c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from zerotune.models import encoder_archs
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
 from zerotune.plan.rules import state_mib, term, zero_stage
 from zerotune.plan.stages import rules_for
-from zerotune.plan.step_peak import moment_of, terms_at_peak
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import PERSISTENT
+from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, mib_of
 from zerotune.schema import Config
 from zerotune.units import DTYPE_BYTES, MIB
 from zerotune.validation import check_validation, enabled
@@ -35,15 +36,13 @@ from zerotune.validation import check_validation, enabled
 _BASE = ("cuda_context", "cublas_workspace")
 
 
-def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -> list[dict]:
-    """One dict per phase: {"phase", "peak_mib" (its own peak, from an empty pool), "carried_mib" (reserved when
-    it starts), "reserved_mib" (what nvidia-smi shows during it), "terms" (adding up to peak_mib), "source",
-    "run_peak" (True for the phase that gives the run's peak), and for ZeRO-1/2's loading "freed_at_end_mib" (what the
-    trainer's empty_cache() after the engine's build returns)}, in run order. `plan`: predict.predict's answer."""
-    base = [t for t in plan["gpu_terms"] if t["term"] in _BASE]
+def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan) -> list[Phase]:
+    """The run's phases in run order (rundir.plan.Phase: each its own peak, what it carries in, what nvidia-smi
+    shows during it). `plan`: predict.predict's step."""
+    base = [t for t in plan.gpu_terms if t.term in _BASE]
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
-    before = base if caching else [t for t in base if t["term"] == "cuda_context"]
+    before = base if caching else [t for t in base if t.term == "cuda_context"]
     # loading: DeepSpeed's engine and ZeRO optimizer take the U-Net, each stage's own rule (stage0, zero12, zero3)
     found = [_adapter_injection(cfg, checked, plan, before), caching,
              rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, before), _step(plan),
@@ -51,26 +50,23 @@ def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict) -
     return _carry([p for p in found if p is not None])
 
 
-def run_peak(phases: list[dict]) -> dict:
-    """{"phase", "mib"}: the phase whose reserved figure is the run's largest."""
-    top = max(phases, key=lambda p: p["reserved_mib"])
-    return {"phase": top["phase"], "mib": top["reserved_mib"]}
+def run_peak(phases: list[Phase]) -> Phase:
+    """The phase whose reserved figure is the run's largest."""
+    return max(phases, key=lambda p: p.reserved_mib)
 
 
-def _carry(phases: list[dict]) -> list[dict]:
-    carried = 0.0
+def _carry(phases: list[Phase]) -> list[Phase]:
+    carried, out = 0.0, []
     for p in phases:
-        p["carried_mib"] = carried
-        p["reserved_mib"] = max(carried, p["peak_mib"])
-        end = p.pop("end_live_mib", None)  # an empty_cache at the phase's end: only live blocks stay reserved
-        carried = p["reserved_mib"] if end is None else end
-    top = run_peak(phases)["phase"] if phases else None
-    for p in phases:
-        p["run_peak"] = p["phase"] == top
-    return phases
+        reserved = max(carried, p.peak_mib)
+        out.append(replace(p, carried_mib=carried, reserved_mib=reserved))
+        # an empty_cache at the phase's end: only live blocks stay reserved
+        carried = reserved if p.end_live_mib is None else p.end_live_mib
+    top = run_peak(out).phase if out else None
+    return [replace(p, run_peak=p.phase == top) for p in out]
 
 
-def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict | None:
+def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase | None:
     """FrozenEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
     device = str(cfg.data.cache_device)
@@ -93,16 +89,15 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, bas
                          f"every text encoder, fp32, one block per parameter ({where}); the VAE stays loaded"),
             term("text_encode_activations", traced["text_peak"], f"fake-tensor trace: {batch} captions, "
                  "all hidden states (FrozenEncoders.encode_text)")]
-    top = max((vae, text), key=lambda ts: sum(t["mib"] for t in ts))
+    top = max((vae, text), key=mib_of)
     terms = [*base, *resident, *top]
-    live = sum(t["mib"] for t in [*base, *resident])
-    return {"phase": "caching", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": "data/prepare.py prepare_folder_data -> data/latent_cache.py build_cache; "
-                      "data/components.py FrozenEncoders.release calls torch.cuda.empty_cache() (line 198)",
-            "end_live_mib": live}
+    return Phase("caching", mib_of(terms), tuple(terms),
+                 "data/prepare.py prepare_folder_data -> data/latent_cache.py build_cache; "
+                 "data/components.py FrozenEncoders.release calls torch.cuda.empty_cache() (line 198)",
+                 end_live_mib=mib_of([*base, *resident]))
 
 
-def _zero3_resident(checked: ResolvedRun, plan: dict) -> list[dict]:
+def _zero3_resident(checked: ResolvedRun, plan: Plan) -> list[Term]:
     """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
     if zero_stage(checked) != 3:
         return []
@@ -110,7 +105,7 @@ def _zero3_resident(checked: ResolvedRun, plan: dict) -> list[dict]:
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
 
 
-def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
+def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """ZeRO-3 with an adapter: right after the partitioned build, peft wraps its targets while they are gathered
     whole in the run's dtype (models/adapter.py gathered_targets). Freed after, but still reserved: nothing
     empties the cache until DeepSpeed's engine does."""
@@ -120,26 +115,25 @@ def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: dict, base: list
         return None
     terms = [*base, *resident, term("adapter_targets_gathered", targets * DTYPE_BYTES[cfg.precision.name],
                                     "deepspeed.zero.GatheredParameters over peft's targets (transient)")]
-    return {"phase": "adapter_injection", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": "models/adapter.py add_adapter under gathered_targets (trainer.py _prepare)"}
+    return Phase("adapter_injection", mib_of(terms), tuple(terms),
+                 "models/adapter.py add_adapter under gathered_targets (trainer.py _prepare)")
 
 
-def _step(plan: dict) -> dict:
+def _step(plan: Plan) -> Phase:
     """What the step holds throughout and at its largest moment (plan/step_peak.py): its terms add up."""
-    moment = plan["step_peak_moment"]
-    return {"phase": "step", "peak_mib": plan["gpu_peak_mib"],
-            "terms": terms_at_peak(plan["gpu_terms"], moment),
-            "source": f"the step's prediction (plan/predict.py gpu_terms), at its largest moment: {moment}"}
+    moment = plan.step_peak_moment
+    return Phase("step", plan.gpu_peak_mib or 0.0, tuple(plan.terms_at_peak()),
+                 f"the step's prediction (plan/predict.py gpu_terms), at its largest moment: {moment}")
 
 
-def _live_states(plan: dict) -> list[dict]:
+def _live_states(plan: Plan) -> list[Term]:
     """What stays allocated after a step: the model states and the parameters' rounding (activations and the
     step's transients are freed, their blocks reserved)."""
     keep = ("params", "grads", "master_weights", "optimizer_states", "params_persistent", "allocator_rounding")
-    return [t for t in plan["gpu_terms"] if t["term"] in keep and moment_of(t) == PERSISTENT]
+    return [t for t in plan.gpu_terms if t.term in keep and t.held_in == PERSISTENT]
 
 
-def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
+def _sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """The run's sampling: validation passes (text models with prompts), or the digits' evaluation."""
     found = validation_pass_terms(cfg, checked)
     if found is None:
@@ -147,18 +141,17 @@ def _sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -
     return _validation(found, plan, base)
 
 
-def _validation(found: tuple[list[dict], str], plan: dict, base: list[dict]) -> dict:
+def _validation(found: tuple[list[Term], str], plan: Plan, base: list[Term]) -> Phase:
     """training/validation.py, at its largest prompt: what training holds after a step, and what the pass adds
     (validation_pass_terms). The pass ends with torch.cuda.empty_cache()."""
     added, source = found
     live = [*base, *_live_states(plan)]
     terms = [*live, *added]
-    return {"phase": "sampling", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": f"{source}; Validator._vae_off_device calls torch.cuda.empty_cache()",
-            "end_live_mib": sum(t["mib"] for t in live)}
+    return Phase("sampling", mib_of(terms), tuple(terms),
+                 f"{source}; Validator._vae_off_device calls torch.cuda.empty_cache()", end_live_mib=mib_of(live))
 
 
-def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict], str] | None:
+def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term], str] | None:
     """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3
     (GatheredParameters over every parameter, in the training dtype; below ZeRO-3 the engine's module holds
     them already), the VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode
@@ -175,7 +168,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
     scale, precision = int(cfg.model.vae_scale_factor), str(cfg.precision.name)
     hw = (largest.height // scale, largest.width // scale)
     traced = encoders.trace_sampling(archs, cfg.model, cfg.adapter, hw, precision)
-    terms = []
+    terms: list[Term] = []
     if zero_stage(checked) == 3:
         sizes = [n * DTYPE_BYTES[precision] for n in checked.model_stats.param_numels]
         terms.append(term("unet_gathered_for_sampling", allocator.reserved_bytes(sizes),
@@ -188,7 +181,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[dict]
     return terms, f"training/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
 
 
-def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[dict]) -> dict | None:
+def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
     parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
     each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its
@@ -202,12 +195,12 @@ def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: dict, base: list[d
         terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),
                           f"the largest module's own parameters whole ({numel:,} elements), "
                           "GatheredParameters(module.parameters(recurse=False))"))
-    return {"phase": "sampling", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": f"training/evaluate.py: {int(cfg.evaluate.per_class) * 10} samples x 2 (guidance) at "
-                      f"{int(cfg.resolution.size)} px, {int(cfg.evaluate.steps)} steps, on the CPU"}
+    return Phase("sampling", mib_of(terms), tuple(terms),
+                 f"training/evaluate.py: {cfg.evaluate.per_class * 10} samples x 2 (guidance) at "
+                 f"{cfg.resolution.size} px, {cfg.evaluate.steps} steps, on the CPU")
 
 
-def _export(cfg: Config, plan: dict, base: list[dict]) -> dict | None:
+def _export(cfg: Config, plan: Plan, base: list[Term]) -> Phase | None:
     """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
     copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
     own process (checkpoints/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
@@ -215,6 +208,6 @@ def _export(cfg: Config, plan: dict, base: list[dict]) -> dict | None:
     if not (cfg.checkpoint.final or int(cfg.checkpoint.every_n_steps or 0) > 0):
         return None
     terms = [*base, *_live_states(plan)]
-    return {"phase": "export", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": "checkpoints/store.py save (in the run); export.py runs on the CPU, "
-                      "no CUDA context: 0 MiB on the GPU in its own process"}
+    return Phase("export", mib_of(terms), tuple(terms),
+                 "checkpoints/store.py save (in the run); export.py runs on the CPU, "
+                 "no CUDA context: 0 MiB on the GPU in its own process")

@@ -5,6 +5,8 @@ fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from zerotune.models import text_encoders
 from zerotune.plan import allocator, cpu_optimizer, gpus, host, process, zero3_replay
 from zerotune.plan.activations import Trace, trace_step
@@ -15,12 +17,12 @@ from zerotune.plan.phases import run_peak, run_phases, validation_pass_terms
 from zerotune.plan.rules import StepShape, frozen_numels, numels_of, offload_devices, term, zero_stage
 from zerotune.plan.step_peak import MOMENTS, gradient_terms, host_step_temporaries, step_peak, step_transients
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import PERSISTENT, Term
+from zerotune.rundir.plan import PERSISTENT, Plan, Term, mib_of
 from zerotune.schema import launch_world_size
 from zerotune.units import DTYPE_BYTES, MIB
 
 
-def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> dict:
+def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> Plan:
     """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only).
     `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
     accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
@@ -46,38 +48,37 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
     per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
-    plan = {"workload": _workload(checked, world, stage, shape.offloaded), "device": device,
-            "trainable_params": checked.model_stats.num_trainable, "frozen_params": checked.model_stats.num_frozen,
-            "gpu": gpu.as_dict() if gpu else None, "world_size": world, "rank": 0,
-            "trace": {"key": trace.key, "seconds": trace.seconds}, "host_peak_mib": per_node * host_peak,
-            "host_terms": [*host_terms, load], "nvme_mib": per_node * sum(t["mib"] for t in nvme_terms),
-            "nvme_terms": nvme_terms}
+    plan = Plan.made(workload=_workload(checked, world, stage, shape.offloaded), device=device,
+                     trainable_params=checked.model_stats.num_trainable, frozen_params=checked.model_stats.num_frozen,
+                     gpu=gpu.as_dict() if gpu else None, world_size=world, rank=0,
+                     trace={"key": trace.key, "seconds": trace.seconds}, host_peak_mib=per_node * host_peak,
+                     host_terms=[*host_terms, load], nvme_mib=per_node * mib_of(nvme_terms), nvme_terms=nvme_terms)
     if device == "cpu":  # one pool: what the plan puts "on the GPU" and on the host are both host memory here
-        pool = step_terms + [t for t in host_terms if not host.cuda_only(t["term"])]  # a CPU pins nothing
+        pool = step_terms + [t for t in host_terms if not host.cuda_only(t.term)]  # a CPU pins nothing
         peak, moment = step_peak(pool)
-        plan.update({"gpu_peak_mib": None, "gpu_terms": [], "fits": None, "step_terms": pool})
+        plan = plan.adding(gpu_peak_mib=None, gpu_terms=[], fits=None, step_terms=pool)
     else:
         gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
         replayed = zero3_replay.step_terms(cfg, checked, gpu) if use_ds and stage == 3 and gpu else None
         if replayed is not None:  # ZeRO-3's step as the card's allocator sees it, in place of the rules' sum
-            gpu_terms = [t for t in gpu_terms if t["term"] == "cuda_context"] + replayed
+            gpu_terms = [t for t in gpu_terms if t.term == "cuda_context"] + replayed
         peak, moment = step_peak(gpu_terms)
-        plan.update({"gpu_peak_mib": peak, "gpu_terms": gpu_terms, "fits": None if gpu is None else peak <= gpu.memory_mib})
-    plan.update({"step_peak_mib": peak, "step_peak_moment": moment,
-                 **_times(gpu, trace, states, ds, precision, checked.client_optimizer)})
+        plan = plan.adding(gpu_peak_mib=peak, gpu_terms=gpu_terms, fits=None if gpu is None else peak <= gpu.memory_mib)
+    plan = plan.adding(step_peak_mib=peak, step_peak_moment=moment,
+                       **_times(gpu, trace, states, ds, precision, checked.client_optimizer))
     passes = validation_pass_terms(cfg, checked)  # what a validation pass adds, on any device (None: no prompts)
     if passes is not None:
-        plan["sampling_pass_terms"] = passes[0]
+        plan = plan.adding(sampling_pass_terms=passes[0])
     # Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
     # on a card, the run's phases as nvidia-smi shows them (a block freed by an earlier phase stays reserved).
     if device == "cpu":
-        node = process.node_rss_prediction(plan, int(cfg.launch.num_processes), process.process_baseline_mib(),
+        node = process.node_rss_prediction(plan, cfg.launch.num_processes, process.process_baseline_mib(),
                                            process.PARENT_BASELINE_MIB)
         return process.mark_process_prediction(plan, node)
-    plan["phases"] = run_phases(cfg, checked, gpu, plan)
-    top = run_peak(plan["phases"])
-    plan["run_peak_mib"], plan["run_peak_phase"] = top["mib"], top["phase"]
-    plan["fits"] = None if gpu is None else top["mib"] <= gpu.memory_mib
+    phases = run_phases(cfg, checked, gpu, plan)
+    top = run_peak(phases)
+    plan = plan.adding(phases=phases, run_peak_mib=top.reserved_mib, run_peak_phase=top.phase,
+                       fits=None if gpu is None else top.reserved_mib <= gpu.memory_mib)
     # the host figure as the run measures it: the workers' RSS, each its process baseline and its host terms
     return process.card_process_prediction(plan, per_node)
 
@@ -103,10 +104,10 @@ def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device
 
 
 def _step_terms(states: dict, buffers: dict[str, Term], buffer_bytes: dict, trace: Trace,
-                shape: StepShape) -> list[dict]:
+                shape: StepShape) -> list[Term]:
     """Every term the device holds during the step, each with its moment (step_peak.py). `buffers`: the
     buffers' own terms by name (their lifetimes and the lines allocating them)."""
-    terms = [t for t in _state_terms(states, "gpu") if t["term"] != "grads"]
+    terms = [t for t in _state_terms(states, "gpu") if t.term != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
         terms.append(term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
     if shape.use_deepspeed and shape.stage == 3 and states["where"]["grads"] == "gpu":
@@ -122,7 +123,7 @@ def _step_terms(states: dict, buffers: dict[str, Term], buffer_bytes: dict, trac
 _MOMENT = {"backward": "forward+backward", **{m: m for m in MOMENTS}}
 
 
-def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dict]:
+def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[Term]:
     """What only a CUDA device holds: its context, cuBLAS's workspace, the caching allocator's rounding."""
     family = gpu.family if gpu else "unknown"
     context = CONTEXT.get(family)
@@ -134,13 +135,13 @@ def _cuda_terms(gpu: gpus.GPU | None, blocks: tuple[list[int], str]) -> list[dic
 
 
 def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision: str,
-           client: dict | None = None) -> dict:
+           client: dict | None = None) -> dict[str, Any]:
     opt_device, param_device = offload_devices(ds)
     flops = (trace.forward_flops + trace.backward_flops) * int(ds["gradient_accumulation_steps"])
     compute = flops / (gpu.bf16_tflops * 1e12) if gpu and gpu.bf16_tflops and precision != "fp32" else None
     terms = [Term.timing("compute", compute, f"{flops / 1e12:,.1f} TFLOP over the dense bf16 peak" if compute is not None
                          else "unmeasured: no " + ("card named" if not gpu or not gpu.bf16_tflops
-                                                   else "fp32 peak in the catalog")).to_dict()]
+                                                   else "fp32 peak in the catalog"))]
     moved = 0
     if opt_device != "none":  # gradients down, updated (trainable) params up, every step
         moved += states["grads_bytes"] + states["trainable_params_bytes"]
@@ -149,18 +150,18 @@ def _times(gpu: gpus.GPU | None, trace: Trace, states: dict, ds: dict, precision
     if moved:
         link = gpu.host_link_gbps if gpu and gpu.host_link_gbps else None
         terms.append(Term.timing("pcie", moved / (link * 1e9) if link else None,
-                                 f"{moved / MIB:,.0f} MiB per step over the host link").to_dict())
+                                 f"{moved / MIB:,.0f} MiB per step over the host link"))
     if opt_device != "none" and client is not None:  # CPU-Adam's figure says nothing about another class
         terms.append(Term.timing("cpu_optimizer", None, f"unmeasured: {states['optimizer']} on the host is not "
-                                 "timed here (DeepSpeed's CPU-Adam figure does not apply)").to_dict())
+                                 "timed here (DeepSpeed's CPU-Adam figure does not apply)"))
     elif opt_device != "none":
         figure = cpu_optimizer.cpu_adam_figure()
         partition = states["master_weights_bytes"] // 4
         terms.append(Term.timing("cpu_optimizer", figure.s_per_param * partition if figure else None,
-                                 _cpu_adam_note(figure)).to_dict())
-    known = [t for t in terms if t["seconds"] is not None]
-    bound = max(known, key=lambda t: t["seconds"]) if known else None
-    return {"time_floor_s": bound["seconds"] if bound else None, "bound": bound["term"] if bound else None,
+                                 _cpu_adam_note(figure)))
+    known = [t for t in terms if t.seconds is not None]
+    bound = max(known, key=lambda t: t.seconds or 0.0) if known else None
+    return {"time_floor_s": bound.seconds if bound else None, "bound": bound.term if bound else None,
             "time_terms": terms}
 
 
@@ -186,7 +187,7 @@ def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> 
             f"trained, {stats.num_frozen:,} frozen")
 
 
-def _state_terms(states: dict, place: str) -> list[dict]:
+def _state_terms(states: dict, place: str) -> list[Term]:
     """The model states that live in `place` (gpu | host | nvme), as model_states.py places them."""
     terms = []
     for key in ("params", "grads", "master_weights", "optimizer_state"):
@@ -226,7 +227,7 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _host_peak(checked: ResolvedRun, terms: list[dict], stage: int, world: int) -> tuple[float, dict]:
+def _host_peak(checked: ResolvedRun, terms: list[Term], stage: int, world: int) -> tuple[float, Term]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
     (training/backend.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
@@ -243,4 +244,4 @@ def _host_peak(checked: ResolvedRun, terms: list[dict], stage: int, world: int) 
                      + (", or the adapter's targets gathered whole while peft wraps them" if gathered else ""))
     else:
         load = term("model_load", stats.num_params * 4, "fp32 build before the move (transient)")
-    return max(sum(t["mib"] for t in terms), load["mib"]), load
+    return max(mib_of(terms), load.mib or 0.0), load

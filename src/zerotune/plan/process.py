@@ -113,17 +113,16 @@ def measure_imports(modules: tuple[str, ...], then: str = "") -> dict | None:
     return {"rss_mib": found["VmRSS"], "hwm_mib": found.get("VmHWM"), "modules": list(modules)}
 
 
-def rank_tensors_mib(plan: dict, accelerator: str = "cpu") -> tuple[float | None, str]:
+def rank_tensors_mib(found: Plan, accelerator: str = "cpu") -> tuple[float | None, str]:
     """(MiB of tensors one rank holds at its peak, where the figure came from); None without terms.
     `accelerator`: where the rank trains, cpu (a GPU plan's device terms are host memory too) or cuda."""
-    found = Plan.from_dict(plan) or Plan()
     if found.device == "cpu" and isinstance(found.step_peak_mib, (int, float)):
         # the step's pool also holds the terms only a card's run has (host.py cuda_only): none on a CPU
         device_only = sum(t.mib or 0.0 for t in found.step_terms if cuda_only(t.term)
                           and t.held_in in ("persistent", found.step_peak_moment))
         step, source = float(found.step_peak_mib) - device_only, "plan step_peak_mib (CPU plan: the whole step's peak)"
     elif "host_terms" in found:
-        step, source = sum(rank_terms(plan, accelerator).values()), f"sum of host.py rank_terms ({accelerator})"
+        step, source = sum(rank_terms(found, accelerator).values()), f"sum of host.py rank_terms ({accelerator})"
     else:
         return None, "no terms in the plan"
     load = sum(t.mib or 0.0 for t in found.host_terms if t.term == MODEL_LOAD)
@@ -132,7 +131,7 @@ def rank_tensors_mib(plan: dict, accelerator: str = "cpu") -> tuple[float | None
     return step, source
 
 
-def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: float | None,
+def node_rss_prediction(plan: Plan, ranks: int, baseline: float | None, parent: float | None,
                         accelerator: str = "cpu", baseline_note: str = "") -> dict:
     """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
     "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
@@ -148,18 +147,17 @@ def node_rss_prediction(plan: dict, ranks: int, baseline: float | None, parent: 
     return {"mib": mib, "terms": terms, "source": "process RSS: parent + ranks × (import baseline + tensors)"}
 
 
-def mark_process_prediction(plan: dict, node_prediction: dict) -> dict:
+def mark_process_prediction(plan: Plan, node_prediction: dict) -> Plan:
     """Make the plan's host figure the process-RSS prediction (what a CPU run's summary measures), so the
     report prints a measured/predicted host ratio for it. The terms are kept either way; an unknown
     prediction (mib None) leaves the plan's host figure as it was, and so unmarked."""
-    plan["host_process_terms"] = node_prediction
+    plan = plan.adding(host_process_terms=node_prediction)
     if node_prediction.get("mib") is not None:
-        plan["host_peak_mib"] = node_prediction["mib"]
-        plan["host_peak_kind"] = PROCESS_RSS
+        plan = plan.adding(host_peak_mib=node_prediction["mib"], host_peak_kind=PROCESS_RSS)
     return plan
 
 
-def card_process_prediction(plan: dict, ranks: int) -> dict:
+def card_process_prediction(plan: Plan, ranks: int) -> Plan:
     """A card's plan (predict.py, device cuda) with its host figure made the process-RSS prediction of the node's
     `ranks` workers (marked PROCESS_RSS), as the run measures it: what predict.py does for a CPU plan, with the
     rank's host terms alone (host.py rank_terms on a CUDA accelerator)."""

@@ -17,7 +17,7 @@ class Row:
     stage: int
     offload: str
     checkpointing: bool
-    plan: dict | None
+    plan: Plan | None
     refused: str | None = None     # the validator's reason, when the combination is not allowed
 
     @property
@@ -30,12 +30,11 @@ class Row:
         return peak_mib(self.plan) <= gpu.memory_mib
 
 
-def peak_mib(plan: dict | None) -> float:
+def peak_mib(plan: Plan | None) -> float:
     """What nvidia-smi would show at the run's peak: its phases' (plan/phases.py) when known, else the step's."""
-    found = Plan.from_dict(plan)
-    if found is None or found.peak_mib is None:
+    if plan is None or plan.peak_mib is None:
         raise ValueError("an option without a GPU plan has no peak")
-    return found.peak_mib
+    return plan.peak_mib
 
 
 def rank(rows: list[Row], gpu: GPU | None) -> dict:
@@ -46,7 +45,7 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
     fitting = [r for r in ordered if r.fits(gpu)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
               "fits": r.fits(gpu), "refused": r.refused,
-              **({k: getattr(Plan.from_dict(r.plan), k) for k in _FIGURES} if r.plan else {}),
+              **({k: getattr(r.plan, k) for k in _FIGURES} if r.plan else {}),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
     return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu),
             "smallest": _smallest(rows)}
@@ -59,7 +58,7 @@ def _smallest(rows: list[Row]) -> dict:
     if least is None:
         return {"option": None, "peak_mib": None, "time_floor_s": None}
     return {"option": least.label, "peak_mib": peak_mib(least.plan),
-            "time_floor_s": Plan.from_dict(least.plan).time_floor_s}  # type: ignore[union-attr]
+            "time_floor_s": least.plan.time_floor_s if least.plan else None}
 
 
 _FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",

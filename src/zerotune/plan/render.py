@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from zerotune.rundir.plan import PERSISTENT, Plan, Term, terms_of
+from collections.abc import Sequence
+
+from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, terms_of
 
 
-def _terms(found: tuple[Term, ...] | list[dict], unit: str = "MiB") -> list[str]:
-    terms = terms_of(found) if isinstance(found, list) else found
+def _terms(terms: Sequence[Term], unit: str = "MiB") -> list[str]:
     width = max((len(t.term) for t in terms), default=0)
     out = []
     for t in terms:
@@ -36,7 +37,7 @@ def _host(plan: Plan) -> list[str]:
     process = plan.host_process_terms
     if not process:
         return _terms(plan.host_terms)
-    return [f"  the job's processes (RSS): {process['source']}", *("  " + line for line in _terms(process["terms"])),
+    return [f"  the job's processes (RSS): {process['source']}", *("  " + line for line in _terms(terms_of(process["terms"]))),
             "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan.host_terms))]
 
 
@@ -49,9 +50,8 @@ def micro_batch(found: dict | None) -> list[str]:
     return [f"micro batch: {found['value']} per rank, from {found['from']}{hint}"]
 
 
-def breakdown(answer: dict) -> str:
-    plan = Plan.from_dict(answer) or Plan()
-    lines = [f"workload: {plan.workload}", *micro_batch(answer.get("micro_batch")), *_device(plan),
+def breakdown(plan: Plan) -> str:
+    lines = [f"workload: {plan.workload}", *micro_batch(plan.micro_batch), *_device(plan),
              f"host peak (all {plan.world_size} ranks): {plan.host_peak_mib:,.1f} MiB", *_host(plan),
              f"NVMe: {plan.nvme_mib:,.1f} MiB", *_terms(plan.nvme_terms)]
     floor = plan.time_floor_s
@@ -62,20 +62,20 @@ def breakdown(answer: dict) -> str:
     return "\n".join(lines)
 
 
-def phases(found: list[dict]) -> list[str]:
+def phases(found: list[Phase]) -> list[str]:
     """The run's phases (plan/phases.py), in run order: what nvidia-smi shows during each, its own peak, what
     earlier phases left reserved, and its terms; [] for a plan without them."""
     if not found:
         return []
-    top = max(found, key=lambda p: p["reserved_mib"])
+    top = max(found, key=lambda p: p.reserved_mib)
     lines = [f"the run's phases (nvidia-smi during each; a freed block stays reserved until empty_cache): "
-             f"peak {top['reserved_mib']:,.1f} MiB in {top['phase']}"]
+             f"peak {top.reserved_mib:,.1f} MiB in {top.phase}"]
     for p in found:
         mark = "  <- the run's peak" if p is top else ""
-        lines.append(f" {p['phase']}: {p['reserved_mib']:,.1f} MiB reserved (own peak {p['peak_mib']:,.1f}, "
-                     f"{p['carried_mib']:,.1f} left by earlier phases){mark}")
-        lines += ["  " + line for line in _terms(p["terms"])]
-        lines.append(f"    source: {p['source']}")
+        lines.append(f" {p.phase}: {p.reserved_mib:,.1f} MiB reserved (own peak {p.peak_mib:,.1f}, "
+                     f"{p.carried_mib:,.1f} left by earlier phases){mark}")
+        lines += ["  " + line for line in _terms(p.terms)]
+        lines.append(f"    source: {p.source}")
     return lines
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import Term
+from zerotune.rundir.plan import Plan, Term
 from zerotune.units import DTYPE_BYTES
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
@@ -225,9 +225,9 @@ def states_record(params: int, grads: int, master: int, state: int, elem: tuple[
             "trainable_params_bytes": trainable, **extra}
 
 
-def term(name: str, nbytes: float, note: str = "", moment: str | None = None) -> dict[str, Any]:
-    """A memory term as the plan writes it (rundir.plan.Term)."""
-    return Term.of_bytes(name, nbytes, note, moment).to_dict()
+def term(name: str, nbytes: float, note: str = "", moment: str | None = None) -> Term:
+    """A memory term of the plan."""
+    return Term.of_bytes(name, nbytes, note, moment)
 
 
 def buffer_term(name: str, nbytes: int, where: str, bound: str, lifetime: str, source: str,
@@ -244,9 +244,9 @@ def comm_elem(ds: dict, param_elem: int) -> int:
     return dtype_bytes(value) if value else param_elem
 
 
-def state_mib(plan: dict, name: str) -> float:
+def state_mib(plan: Plan, name: str) -> float:
     """A GPU term of the step's prediction by name (0 when the term is not on the GPU)."""
-    return sum(t["mib"] for t in plan["gpu_terms"] if t["term"] == name)
+    return sum(t.mib or 0.0 for t in plan.gpu_terms if t.term == name)
 
 
 def zero_stage(checked: ResolvedRun) -> int:
@@ -272,7 +272,7 @@ def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]
     return [n * elem for n in numels], [n * elem for n in frozen]
 
 
-def optimizer_temporaries(shape: StepShape, device: str) -> list[dict]:
+def optimizer_temporaries(shape: StepShape, device: str) -> list[Term]:
     """What the optimizer's step allocates and frees beyond its states, on `device` (cuda: foreach kernels)."""
     if shape.optimizer == "transformers.Adafactor":
         # Adafactor.step, one tensor at a time: `update` (grad**2 + eps) is alive while the second moment's

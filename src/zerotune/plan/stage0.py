@@ -33,7 +33,7 @@ from zerotune.plan.rules import (
     term,
 )
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import Term
+from zerotune.rundir.plan import Phase, Plan, Term, mib_of
 from zerotune.schema import Config, launch_world_size
 from zerotune.units import DTYPE_BYTES
 
@@ -133,7 +133,7 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
                         "(flattens gradients in buckets of MEMORY_OPT_ALLREDUCE_SIZE elements)")]
 
 
-def step_transients(shape: StepShape) -> list[dict]:
+def step_transients(shape: StepShape) -> list[Term]:
     """DeepSpeed's ZeRO-0 optimizer wrappers step fp32 copies of lower-precision gradients (plain accelerate: none)."""
     if not shape.use_deepspeed or shape.param_elem == shape.master_elem:
         return []
@@ -147,7 +147,7 @@ def step_transients(shape: StepShape) -> list[dict]:
                  "step:update")]
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """Stage 0 / plain accelerate: the module cast and moved parameter by parameter (engine.py
     _configure_distributed_model: _cast_module_mixed_precision on the host, then module.to(device)). Plain
     accelerate moves the fp32 module as it is (accelerator.py prepare_model: model.to(device); autocast casts per
@@ -156,8 +156,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
         sizes, _ = module_blocks(checked, DTYPE_BYTES[cfg.precision.name])
         terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes),
                              "one block per parameter, run dtype (engine.py _configure_distributed_model module.to)")]
-        return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-                "source": "engine.py _configure_distributed_model; the optimizer's copies are the step's terms"}
+        return Phase("loading", mib_of(terms), tuple(terms),
+                source="engine.py _configure_distributed_model; the optimizer's copies are the step's terms")
     sizes, _ = module_blocks(checked, PLAIN_GRAD_ELEM)
     terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes), "one block per parameter, fp32 "
                          "(accelerate/accelerator.py prepare_model: model.to(device))")]
@@ -169,9 +169,9 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
                           "torch/distributed/utils.py _sync_module_states -> dist._broadcast_coalesced "
                           "(DistributedDataParallel.__init__): the parameters flattened into 250 MiB buckets, two in "
                           "flight (transient)"))
-    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "source": "accelerate/accelerator.py prepare_model (model.to, then DistributedDataParallel with several "
-                      "processes); the optimizer's states are the step's terms"}
+    return Phase("loading", mib_of(terms), tuple(terms),
+            source="accelerate/accelerator.py prepare_model (model.to, then DistributedDataParallel with several "
+                      "processes); the optimizer's states are the step's terms")
 
 
 # ------------------------------------------------------------ plain accelerate's autocast: CUDA's cast policy

@@ -18,11 +18,13 @@ the earlier ones' gradients held (ACCUMULATING; the gradients are buffers.py's t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from zerotune.plan.rules import StepShape, optimizer_temporaries, term
 from zerotune.plan.stage0 import ACCUMULATING
 from zerotune.plan.stages import rules_for
+from zerotune.rundir.plan import PERSISTENT, Term, mib_of
 
 if TYPE_CHECKING:  # activations imports torch: the planner's callers that only read a plan need not
     from zerotune.plan.activations import Trace
@@ -37,24 +39,15 @@ _COPIES = ("torch autocast's half-precision copies of the fp32 weights (ATen/aut
            "torch.clear_autocast_cache; then held by the backward nodes that saved them until each runs), alive {when}")
 
 
-def moment_of(found: dict) -> str:
-    return found.get("moment", "persistent")
-
-
-def step_peak(terms: list[dict]) -> tuple[float, str]:
+def step_peak(terms: Sequence[Term]) -> tuple[float, str]:
     """(MiB, moment): the persistent terms plus the largest moment's."""
-    base = sum(t["mib"] for t in terms if moment_of(t) == "persistent")
-    moments = {m: sum(t["mib"] for t in terms if moment_of(t) == m) for m in MOMENTS}
+    base = mib_of(t for t in terms if t.held_in == PERSISTENT)
+    moments = {m: mib_of(t for t in terms if t.held_in == m) for m in MOMENTS}
     worst = max(MOMENTS, key=lambda m: moments[m])
     return base + moments[worst], worst
 
 
-def terms_at_peak(terms: list[dict], moment: str) -> list[dict]:
-    """The terms that make up the peak at `moment`: those held throughout and that moment's own."""
-    return [t for t in terms if moment_of(t) in ("persistent", moment)]
-
-
-def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
+def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[Term]:
     """The gradients and the activations, as each stage holds them."""
     if not shape.use_deepspeed:
         return _plain_gradient_terms(shape, grads_bytes, trace)
@@ -72,7 +65,7 @@ def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dic
             *(term("grads", grads_bytes, "the gradient partition", m) for m in (filled, "step:flatten"))]
 
 
-def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[dict]:
+def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[Term]:
     """Plain accelerate: the step traced as it runs (fp32 weights, autocast's forward, fp32 gradients in param.grad
     through backward and the optimizer's step). The first micro-step peaks with the gradients growing; a later one
     (ACCUMULATING) holds all of them from the start, beside its activations."""
@@ -93,7 +86,7 @@ def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> l
     return terms + [term("grads", grads_bytes, "param.grad", m) for m in ("reduce", "step:flatten", "step:update")]
 
 
-def step_transients(shape: StepShape) -> list[dict]:
+def step_transients(shape: StepShape) -> list[Term]:
     """What the optimizer's step allocates and frees beyond the model states and DeepSpeed's step buffers, on the
     device (an offloaded optimizer's own temporaries are host memory: host_step_temporaries)."""
     stage = shape.stage if shape.use_deepspeed else 0
@@ -101,6 +94,6 @@ def step_transients(shape: StepShape) -> list[dict]:
     return rules_for(stage).step_transients(shape) + own
 
 
-def host_step_temporaries(shape: StepShape) -> list[dict]:
+def host_step_temporaries(shape: StepShape) -> list[Term]:
     """An offloaded optimizer steps the host partitions: what it allocates there while stepping."""
     return optimizer_temporaries(shape, "cpu") if shape.offloaded else []

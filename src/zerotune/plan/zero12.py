@@ -29,7 +29,7 @@ from zerotune.plan.rules import (
     zero_config,
 )
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import Term
+from zerotune.rundir.plan import Phase, Plan, Term, mib_of
 from zerotune.schema import Config, launch_world_size
 from zerotune.units import MIB
 
@@ -202,7 +202,7 @@ def _offload_host_terms(ds: dict, trained_groups: list[list[int]], parts: list[i
     return terms
 
 
-def step_transients(shape: StepShape) -> list[dict]:
+def step_transients(shape: StepShape) -> list[Term]:
     """DeepSpeedZeroOptimizer.step takes the parameter groups one at a time (stage_1_and_2.py lines 3075-3144):
     group i's gradients flattened (flatten_dense_tensors_aligned), then `.to(master dtype)` (a copy only where the
     dtypes differ; the fp32 partition is buffers()'s step_fp32_grad_partition), its gradients freed, the
@@ -278,7 +278,7 @@ def group_loads(groups: list[list[int]], frozen: list[int], param_elem: int, mas
     return out
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """ZeRO-1/2 take the optimizer's parameter groups one at a time (DeepSpeedZeroOptimizer.__init__'s loop over
     optimizer.param_groups; deepspeed.param_groups sets how many). The parameters arrive one block each
     (engine.py module.to). For group i, ZeRO:
@@ -296,7 +296,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = split_groups(train, checked.group_sizes())
     offload = offload_devices(checked.ds_config)[0] != "none"
-    free = None if gpu is None else (gpu.memory_mib - sum(t["mib"] for t in base)) * MIB
+    free = None if gpu is None else (gpu.memory_mib - mib_of(base)) * MIB
     loads = group_loads(groups, frozen_numels(numels, train), prec.param, prec.master,
                         launch_world_size(cfg.launch), zero_config(checked.ds_config).parameter_alignment, offload,
                         free)
@@ -316,9 +316,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
                   if top.master else "on the host (the step's term)")]
     last = loads[-1]  # the trainer's empty_cache() after the engine's build returns the last group's blocks, clone
     end = last.separate + last.flat + last.master
-    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "end_live_mib": sum(t["mib"] for t in base) + end / MIB,
-            "freed_at_end_mib": (last.reserved - end) / MIB,
-            "source": f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__, "
+    return Phase("loading", mib_of(terms), tuple(terms), end_live_mib=mib_of(base) + end / MIB,
+                 freed_at_end_mib=(last.reserved - end) / MIB,
+                 source=f"engine.py _configure_distributed_model; {_S12} DeepSpeedZeroOptimizer.__init__, "
                       f"{len(loads)} parameter group(s) (deepspeed.param_groups); empty_cache() at line 449, each "
-                      f"group's start, releases what the group before freed and what earlier phases left"}
+                      f"group's start, releases what the group before freed and what earlier phases left")

@@ -37,7 +37,7 @@ from zerotune.plan.zero3_runtime import (
     sub_groups,
 )
 from zerotune.resolved import ResolvedRun
-from zerotune.rundir.plan import Term
+from zerotune.rundir.plan import Phase, Plan, Term, mib_of
 from zerotune.schema import Config
 from zerotune.units import MIB
 
@@ -196,13 +196,13 @@ def _pinned_host_terms(numels: list[int], train: list[int], parts: list[int], pe
     return terms
 
 
-def step_transients(shape: StepShape) -> list[dict]:
+def step_transients(shape: StepShape) -> list[Term]:
     """None beyond buffers(): the sub-group's gradient during the update is its step_fp32_grad_sub_group term,
     sized by the largest sub-group (StepShape has the mean)."""
     return []
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base: list[dict]) -> dict:
+def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """ZeRO-3's engine build, replayed through the caching allocator (_load, allocator.CachingAllocator): zero.Init
     builds each module's tensors in fp32 and casts them (partition_parameters.py zero_wrapper_for_fp_tensor_
     constructor, line 266), keeping this rank's partition on the device unless the parameters are offloaded
@@ -215,9 +215,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: dict, base
     found = zero3_replay.loading_memory(cfg, checked)
     at = found["at_reserved_peak"]
     terms = [*base, *zero3_replay.terms_at(at, "", "replayed engine build")]
-    return {"phase": "loading", "peak_mib": sum(t["mib"] for t in terms), "terms": terms,
-            "end_live_mib": sum(t["mib"] for t in base) + found["end_reserved"] / MIB,
-            "source": "partition_parameters.py zero.Init; stage3.py DeepSpeedZeroOptimizer_Stage3.__init__, "
+    return Phase("loading", mib_of(terms), tuple(terms), end_live_mib=mib_of(base) + found["end_reserved"] / MIB,
+                 source="partition_parameters.py zero.Init; stage3.py DeepSpeedZeroOptimizer_Stage3.__init__, "
                       "replayed through the caching allocator (runtime/zero/utils.py defragment empties the cache "
                       "at line 234, before the flat buffer; training/trainer.py Trainer._prepare once the engine is "
-                      "built: only segments still in use carry over)"}
+                      "built: only segments still in use carry over)")

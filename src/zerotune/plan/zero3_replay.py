@@ -39,6 +39,7 @@ from zerotune.plan.zero3_runtime import (
     zero_numel,
 )
 from zerotune.resolved import ResolvedRun
+from zerotune.rundir.plan import Term
 from zerotune.schema import Config, launch_world_size
 from zerotune.units import MIB
 
@@ -167,7 +168,7 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
     return _REPLAYS[key]
 
 
-def step_terms(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> list[dict] | None:
+def step_terms(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> list[Term] | None:
     """The training step's GPU terms at its nvidia-smi peak (the CUDA context aside), from the replay: the
     step whose reserved figure is the largest, what was allocated at that moment tag by tag, and the cached
     free blocks (`allocator_reserve`). They add up to the replayed reserved peak, what loading left reserved
@@ -182,7 +183,7 @@ def step_terms(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool
                   f"replayed step {found['steps'].index(step) + 1} of {len(found['steps'])}")
 
 
-def terms_at(at: dict, optimizer_source: str, said: str) -> list[dict]:
+def terms_at(at: dict, optimizer_source: str, said: str) -> list[Term]:
     moment = _MOMENTS[at["phase"]]
     merged: dict[str, list] = {}
     for tag, nbytes in at["tags"].items():

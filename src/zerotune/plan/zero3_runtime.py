@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from zerotune.plan.allocator import TaggedPool
 from zerotune.plan.rules import Precision, StepShape, optimizer_state, optimizer_temporaries, split_groups
-from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -354,7 +353,7 @@ def optimizer_step(offload, pool: TaggedPool, reducer: Reducer, host_optimizer, 
                     states[i] = [pool.malloc(optimizer_state(kind, [(n,)]), "optimizer_states")]
             shape = StepShape(3, True, kind.name, prec.param, prec.master, False, n, n, "cuda")
             for temporary in optimizer_temporaries(shape, "cuda"):
-                pool.free(pool.malloc(round(temporary["mib"] * MIB), "optimizer_temporaries"))
+                pool.free(pool.malloc(temporary.nbytes, "optimizer_temporaries"))
             pool.free(grad)  # _release_sub_group, line 2731
     for handle in reducer.norms:  # _post_step: reset_cpu_buffers (line 2536)
         pool.free(handle)

@@ -33,9 +33,8 @@ RATIOS = (("gpu_peak_measured_over_predicted", "gpu_peak_process_mib", "plan_gpu
           ("step_time_over_floor", "step_time_median_s", "plan_time_floor_s"))
 
 
-def plan_figures(recorded: object) -> dict[str, Any]:
+def plan_figures(plan: Plan | None) -> dict[str, Any]:
     """{row key: value} for PLAN_FIELDS' keys and PLAN_ERROR from a summary's plan (any of them None when absent)."""
-    plan = Plan.from_dict(recorded)
     row: dict[str, Any] = dict.fromkeys(PLAN_FIELDS)
     row[PLAN_ERROR] = row[PLAN_HOST_KIND] = None
     if plan is None:

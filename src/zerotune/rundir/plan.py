@@ -1,9 +1,11 @@
-"""The planner's prediction as a record: what summary.json's `plan` holds, typed for its readers (the planner,
-the reports, the builder page, the tuner). `Plan.from_dict(...).to_dict()` gives back the same JSON."""
+"""The planner's prediction as a record: what the planner returns and summary.json's `plan` holds, typed for its
+readers (the reports, the builder page, the tuner). The planner makes one with `Plan.made` and adds to it with
+`adding`; `Plan.from_dict` reads one back from a file, and `to_dict` gives back the same JSON."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from zerotune.units import MIB
@@ -65,12 +67,46 @@ def terms_of(found: Any) -> tuple[Term, ...]:
     return tuple(Term.from_dict(t) for t in found) if isinstance(found, list) else ()
 
 
-def at_peak(terms: tuple[Term, ...], moment: str | None) -> list[Term]:
+def mib_of(terms: Iterable[Term]) -> float:
+    """The terms' MiB together (a term of unknown size counts 0)."""
+    return sum(t.mib or 0.0 for t in terms)
+
+
+def at_peak(terms: Sequence[Term], moment: str | None) -> list[Term]:
     """The terms held at the step's `moment`: those held throughout and that moment's own."""
     return [t for t in terms if t.held_in in (PERSISTENT, moment)]
 
 
-_TERM_LISTS = ("gpu_terms", "host_terms", "nvme_terms", "step_terms", "time_terms")
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the run as nvidia-smi shows it (plan/phases.py): its own peak from an empty pool, the terms
+    that make it up, what earlier phases left reserved when it starts, and what it shows."""
+
+    phase: str                            # caching | adapter_injection | loading | step | sampling | export
+    peak_mib: float
+    terms: tuple[Term, ...]
+    source: str
+    end_live_mib: float | None = None     # an empty_cache() at its end: what stays reserved (not written)
+    freed_at_end_mib: float | None = None  # ZeRO-1/2's loading: what that empty_cache() returns
+    carried_mib: float = 0.0
+    reserved_mib: float = 0.0
+    run_peak: bool = False                # the phase that gives the run's peak
+
+    def to_dict(self) -> dict[str, Any]:
+        freed = {} if self.freed_at_end_mib is None else {"freed_at_end_mib": self.freed_at_end_mib}
+        return {"phase": self.phase, "peak_mib": self.peak_mib, "terms": [t.to_dict() for t in self.terms],
+                **freed, "source": self.source, "carried_mib": self.carried_mib, "reserved_mib": self.reserved_mib,
+                "run_peak": self.run_peak}
+
+    @classmethod
+    def from_dict(cls, found: dict[str, Any]) -> Phase:
+        return cls(str(found.get("phase")), float(found.get("peak_mib") or 0.0), terms_of(found.get("terms")),
+                   str(found.get("source", "")), None, found.get("freed_at_end_mib"),
+                   float(found.get("carried_mib") or 0.0), float(found.get("reserved_mib") or 0.0),
+                   bool(found.get("run_peak")))
+
+
+_TERM_LISTS = ("gpu_terms", "host_terms", "nvme_terms", "step_terms", "time_terms", "sampling_pass_terms")
 
 
 @dataclass(frozen=True)
@@ -81,8 +117,12 @@ class Plan:
     error: str | None = None
     workload: str | None = None
     device: str | None = None
+    trainable_params: int | None = None
+    frozen_params: int | None = None
     gpu: dict[str, Any] | None = None
     world_size: int | None = None
+    rank: int | None = None
+    trace: dict[str, Any] | None = None                   # the activation trace's cache key and its seconds
     gpu_peak_mib: float | None = None
     step_peak_mib: float | None = None
     step_peak_moment: str | None = None
@@ -99,7 +139,8 @@ class Plan:
     nvme_terms: tuple[Term, ...] = ()
     step_terms: tuple[Term, ...] = ()
     time_terms: tuple[Term, ...] = ()
-    phases: tuple[dict[str, Any], ...] = ()
+    sampling_pass_terms: tuple[Term, ...] = ()            # what one validation pass adds to the step's memory
+    phases: tuple[Phase, ...] = ()
     host_fit: dict[str, Any] | None = None
     host_process_terms: dict[str, Any] | None = None
     micro_batch: dict[str, Any] | None = None             # `zerotune plan`'s answer: which batch was planned
@@ -107,8 +148,17 @@ class Plan:
     keys: tuple[str, ...] = ()
 
     @classmethod
+    def made(cls, **values: Any) -> Plan:
+        """The planner's plan with these fields, written in this order (term lists as tuples of Term)."""
+        return cls(**_as_fields(values), keys=tuple(values))
+
+    def adding(self, **values: Any) -> Plan:
+        """This plan with these fields set: a field already written keeps its place, a new one is written last."""
+        return replace(self, **_as_fields(values), keys=self.keys + tuple(k for k in values if k not in self.keys))
+
+    @classmethod
     def from_dict(cls, found: Any) -> Plan | None:
-        """The plan of a summary (None where it has none: runs older than the planner)."""
+        """The plan of a summary read from a file (None where it has none: runs older than the planner)."""
         if not isinstance(found, dict):
             return None
         typed = {f.name for f in fields(cls)} - {"extra", "keys"}
@@ -117,7 +167,7 @@ class Plan:
             if key in _TERM_LISTS:
                 values[key] = terms_of(value)
             elif key == "phases":
-                values[key] = tuple(value) if isinstance(value, list) else ()
+                values[key] = tuple(Phase.from_dict(p) for p in value) if isinstance(value, list) else ()
             elif key in typed:
                 values[key] = value
         extra = {k: v for k, v in found.items() if k not in typed}
@@ -131,7 +181,7 @@ class Plan:
             elif key in _TERM_LISTS:
                 out[key] = [t.to_dict() for t in getattr(self, key)]
             elif key == "phases":
-                out[key] = list(self.phases)
+                out[key] = [p.to_dict() for p in self.phases]
             else:
                 out[key] = getattr(self, key)
         return out
@@ -149,3 +199,8 @@ class Plan:
     def terms_at_peak(self) -> list[Term]:
         """The GPU terms held at the step's largest moment."""
         return at_peak(self.gpu_terms, self.step_peak_moment)
+
+
+def _as_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """The planner's lists as the record's tuples."""
+    return {k: tuple(v) if k in _TERM_LISTS or k == "phases" else v for k, v in values.items()}

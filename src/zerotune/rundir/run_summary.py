@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from zerotune.files import jsonable, write_json_atomic
+from zerotune.rundir.plan import Plan
 from zerotune.rundir.status import Status
 
 SUMMARY = "summary.json"
@@ -38,7 +39,7 @@ class RunSummary:
     error: JsonDict | None = None           # type, message; key for a ConfigError; failed_rank, log_tail, ...
     config_sources: JsonDict | None = None
     config_warnings: list[str] | None = None
-    plan: JsonDict | None = None            # the planner's prediction, or {"error": ...}
+    plan: Plan | None = None                # the planner's prediction, or its error
     ops_build: JsonDict | None = None
     threads: JsonDict | None = None
     use_deepspeed: bool | None = None
@@ -91,6 +92,8 @@ class RunSummary:
             status = Status.parse(value) if key == "status" else None
             if key not in known or (key == "status" and value is not None and status is None):
                 self.extra[key] = value  # a status word this version does not know, too: kept as written
+            elif key == "plan" and isinstance(value, dict):  # as read from a file
+                self.plan = Plan.from_dict(value)
             else:
                 setattr(self, key, status if key == "status" else value)
 
@@ -100,7 +103,7 @@ class RunSummary:
         for key in self.keys():
             value = getattr(self, key)
             if value is not None or key in self.nulls:
-                out[key] = value
+                out[key] = value.to_dict() if isinstance(value, Plan) else value
         return {**out, **self.extra}
 
     def to_json(self) -> JsonDict:

@@ -86,10 +86,10 @@ def print_result(summary: RunSummary, command_s: float | None = None) -> None:
         parts.append(f"{perf['step_time_median_s']:.3f} s/step (median)")
     if "digit_accuracy" in q:
         parts.append(f"digit accuracy {100 * q['digit_accuracy']:.1f}%")
-    plan = summary.plan or {}
-    if plan.get("gpu_peak_mib") is not None:
-        card = (plan.get("gpu") or {}).get("name")
-        parts.append(f"predicted GPU peak {plan['gpu_peak_mib']:,.0f} MiB per rank" + (f" on {card}" if card else ""))
+    plan = summary.plan
+    if plan is not None and plan.gpu_peak_mib is not None:
+        card = (plan.gpu or {}).get("name")
+        parts.append(f"predicted GPU peak {plan.gpu_peak_mib:,.0f} MiB per rank" + (f" on {card}" if card else ""))
     wall = f"wall time {summary.wall_time_s or 0:.0f} s"
     parts.append(wall + (f" ({command_s:.0f} s since the command started)" if command_s is not None else ""))
     log.info("result: %s", ", ".join(parts))

@@ -127,9 +127,9 @@ def step_floor(settled: Settled, card: gpus.GPU, req: Request) -> float | None:
     on_cluster = replace(settled, config=replace(settled.config, launch=launch), world_size=per_node * launch.nnodes)
     try:
         checked = check(on_cluster, ANY_CUDA_GPU)
-        terms = predict(checked, card)["time_terms"]
+        terms = predict(checked, card).time_terms
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)
         log.debug("no time floor for %s: %s", settled.config.launch, exc)
         return None
-    known = [t["seconds"] for t in terms if t["term"] in ("compute", "pcie") and t["seconds"]]
+    known = [t.seconds for t in terms if t.term in ("compute", "pcie") and t.seconds]
     return max(known, default=None)

@@ -44,6 +44,7 @@ from zerotune.loggers.base import RunLogger
 from zerotune.models import text_encoders
 from zerotune.resolved import ResolvedRun
 from zerotune.rundir import SAMPLES, RunDir
+from zerotune.rundir.plan import Plan, mib_of
 from zerotune.sampling import make_sampler
 from zerotune.schema import Config
 from zerotune.training import distributed
@@ -332,7 +333,7 @@ def make_validator(cfg: Config, run_dir: RunDir, logger: RunLogger, device: torc
     return validator, None
 
 
-def validation_record(validator: Validator | None, error: dict | None, plan: dict[str, Any] | None,
+def validation_record(validator: Validator | None, error: dict | None, plan: Plan | None,
                       phases: Sequence[dict]) -> dict | None:
     """summary.json's `validation` (`error`: make_validator's); None for a run without validation prompts."""
     if error is not None:
@@ -342,22 +343,21 @@ def validation_record(validator: Validator | None, error: dict | None, plan: dic
     return {**validator.summary(), "memory": phase_memory(plan, phases)}
 
 
-def phase_memory(plan: dict[str, Any] | None, phases: Sequence[dict]) -> dict:
+def phase_memory(plan: Plan | None, phases: Sequence[dict]) -> dict:
     """The planner's sampling phase and the largest measured pass. On a CUDA device the allocator's reserved peak
     during the passes is what the planned reserved figure predicts; on a CPU there is no device figure (None,
     unmeasured), and the host RSS rise over the training steps' peak stands beside the terms the pass adds
     (the plan's sampling_pass_terms, plan/phases.py validation_pass_terms, predicted on any device)."""
-    plan = plan or {}
-    planned = next((p for p in plan.get("phases") or [] if p.get("phase") == "sampling"), None)
-    added = plan.get("sampling_pass_terms")
+    planned = next((p for p in plan.phases if p.phase == "sampling"), None) if plan else None
+    added = plan.sampling_pass_terms if plan and "sampling_pass_terms" in plan else None
     passes = [r for r in phases if r.get("phase") == "sampling"]
     steps = [r for r in phases if r.get("phase") == "step"]
     reserved = _largest(passes, "gpu_max_reserved_mib")
     host, step_host = _largest(passes, "host_peak_rss_mib"), _largest(steps, "host_peak_rss_mib")
-    planned_reserved: float | None = planned.get("reserved_mib") if planned else None
+    planned_reserved: float | None = planned.reserved_mib if planned else None
     out = {"planned_reserved_mib": planned_reserved,
-           "planned_pass_mib": sum(t["mib"] for t in added) if added is not None else None,
-           "planned_pass_terms": {t["term"]: t["mib"] for t in added or []},
+           "planned_pass_mib": mib_of(added) if added is not None else None,
+           "planned_pass_terms": {t.term: t.mib for t in added or ()},
            "measured_gpu_max_reserved_mib": reserved,
            "measured_gpu_max_allocated_mib": _largest(passes, "gpu_max_allocated_mib"),
            "measured_host_peak_rss_mib": host, "steps_host_peak_rss_mib": step_host,

@@ -43,7 +43,7 @@ def screen(found: list[Candidate], workload: list[str], settle: Callable[[list[s
         try:
             run = check(settle(overrides))
             gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
-            plan = Plan.from_dict(job_plan(run, gpu)) or Plan()
+            plan = job_plan(run, gpu)
         except ConfigError as exc:
             out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
             continue
