@@ -64,7 +64,7 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q
 
-# The GPU kit (README "GPU kit"): every wheel the GPU machine's image lacks, for its CPython 3.12, into .whl/
+# The GPU kit (docs/gpu-kit.md): every wheel the GPU machine's image lacks, for its CPython 3.12, into .whl/
 # (git-ignored; under 64 MiB, what the device tool carries). Then on the card: bash benchmarks/gpu/run.sh PART.
 gpu-kit: setup
 	bash benchmarks/gpu/build_kit.sh .whl 3.12

@@ -23,7 +23,7 @@ from zerotune.sampling import sample_images
 pytestmark = pytest.mark.slow
 
 BASE_STEPS, LORA_STEPS = 150, 300   # the base's samples are recognisable after 150 (20/20 per digit measured)
-# The 2.4M-parameter width these figures were measured at (README, LoRA): at the default 0.6M width a rank-16
+# The 2.4M-parameter width these figures were measured at (docs/results.md, LoRA): at the default 0.6M width a rank-16
 # adapter on the convolutions is a quarter of the model, not the small fraction this test asserts.
 WIDTH = "model.unet.block_out_channels=[64,128]"
 PER_CLASS = 20                      # samples per digit scored

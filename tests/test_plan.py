@@ -294,11 +294,13 @@ def test_the_plan_text_names_the_micro_batch_and_how_to_plan_another():
 
 
 def test_the_readmes_plan_example_plans_the_batch_it_names():
-    """README's wheel section: SDXL at 1024², micro batch 8 in bf16 on a 4090 (the default job's batch is 64)."""
+    """The README's and the docs' example (the wheel section, "Will it fit?"): SDXL at 1024², micro batch 8 in
+    bf16 on a 4090 (the default job's batch is 64)."""
     from tests.helpers.cli import ROOT
 
     example = "zerotune plan model=sdxl resolution=1024 train.batch_size=8 precision=bf16 --gpu rtx4090"
-    assert (ROOT / "README.md").read_text().count(example) >= 2  # the wheel section and "Will it fit?"
+    for page in ("README.md", "docs/getting-started.md", "docs/planner.md"):
+        assert example in (ROOT / page).read_text(), page
     proc = call_main(plan_main, *example.split()[2:])
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()

@@ -52,7 +52,7 @@ def test_the_score_follows_the_samples_not_the_run(default_job_run):
 @pytest.mark.slow
 def test_the_default_job_draws_digits_a_classifier_reads(tmp_path):
     """`python train.py` as typed: at least 99% of its 500 samples are read as the digit asked for, and that
-    figure is the score of the samples it saved (README, Results: the default job)."""
+    figure is the score of the samples it saved (README and docs/results.md: the default job)."""
     run_dir = tmp_path / "run"
     proc = run_cli(f"hydra.run.dir={run_dir}", "checkpoint.final=false")
     assert proc.returncode == 0, proc.stderr[-3000:]

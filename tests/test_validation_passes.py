@@ -258,7 +258,7 @@ def test_under_strict_a_failed_pass_stops_the_run_keeping_what_came_before(tmp_p
 
 
 def test_the_demo_puts_the_passes_side_by_side(zero2_runs, tmp_path):
-    """experiments/validation_demo/progress.py (the README's picture): a row per prompt, a column per pass."""
+    """experiments/validation_demo/progress.py (the picture in docs/validation.md): a row per prompt, a column per pass."""
     import subprocess
     import sys
 

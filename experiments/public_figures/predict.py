@@ -122,7 +122,7 @@ ROWS = [
             "the planner's peak is the step: at 128 px little more than the bf16 weights (4,897 MiB), DeepSpeed's "
             "reduce bucket and gradient-norm copy and 107 MiB of activations. Not explained: the reference, a training "
             "step of 2023's DeepSpeed, read 2.5 GB more; the GPU kit's H100 run of this row, made before that "
-            "empty_cache, read 16,278 MiB with the engine build's blocks still reserved (README, Reproducing the "
+            "empty_cache, read 16,278 MiB with the engine build's blocks still reserved (docs/results.md, Reproducing the "
             "reference measurements)"),
     Row("13", "huggingface/diffusers issue #6230, on README_sdxl.md's full fine-tune command: \"Does running this "
         "script require 40GB of video memory?\" - maintainer: \"Yes.\"",

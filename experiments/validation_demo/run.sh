@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's validation picture, on a CPU: shapes and a VAE that draws them (make_data.py), then a tiny
+# The documentation's validation picture (docs/images/validation-grid.png), on a CPU: shapes and a VAE that draws them (make_data.py), then a tiny
 # SDXL-shaped U-Net trained on them through zerotune with validation prompts every 200 steps, then one picture
 # of the passes (progress.py). About 8 minutes on 2 cores. Usage: bash experiments/validation_demo/run.sh [out]
 set -euo pipefail
@@ -13,4 +13,4 @@ python=${PYTHON:-$root/.venv/bin/python}
     optimizer.lr=1e-3 checkpoint.final=false evaluate.enabled=false train.log_every=50 \
     'validation.prompts=["a red circle","a green square","a blue triangle"]' validation.every_n_steps=200 \
     validation.steps=25 validation.guidance_scale=4 "hydra.run.dir=$out/run"
-"$python" "$here/progress.py" "$out/run" "$root/experiments/results/validation/grid.png"
+"$python" "$here/progress.py" "$out/run" "$root/docs/images/validation-grid.png"
