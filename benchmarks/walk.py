@@ -8,7 +8,12 @@ The walk follows the config from `zerotune.launch.job.run_job` (or, with `--from
 - a room is a module: the distinct modules among the stops;
 - a return is a re-entry into a module the walk had left before (A B A: one return);
 - a climb is a stop whose caller's module sits in a lower layer than its own, by the layers contract of
-  `[tool.importlinter]` in pyproject.toml (a caller outside the layers, Hydra's or torch's, never climbs).
+  `[tool.importlinter]` in pyproject.toml (a caller outside the layers, Hydra's or torch's, never climbs);
+  since that contract forbids imports upward, only a callback or a thread can climb. A rise, counted beside
+  it, is a step of the walk's order from a lower layer's module to a higher one's, whoever calls.
+
+A call made again from the same line (a loop, a recursion, a helper reached twice) is read once, at its first
+time; `--every-call` counts each.
 
 It runs one short default job (`python train.py train.max_steps=1 evaluate.enabled=false checkpoint.final=false`:
 the keys it changes act after the first step) under a `sys.setprofile` tracer, in the job's process and in its
@@ -490,6 +495,8 @@ def report(walk: Walk, layers: dict[str, int], top: int = 8) -> dict[str, Any]:
         "returns_by_module": dict(returns_by_module(modules).most_common(top)),
         "climbs": [f"{s['caller']}:{s['caller_function']} -> {s['module']}:{s['function']}"
                    for s in walk.stops if is_climb(s["caller"], s["module"], layers)],
+        "rises": [f"{a['module']}:{a['function']} -> {b['module']}:{b['function']}"
+                  for a, b in zip(walk.stops, walk.stops[1:], strict=False) if is_climb(a["module"], b["module"], layers)],
     }
 
 

@@ -108,3 +108,4 @@ def test_the_walk_of_the_default_job_reaches_its_training_step(tmp_path, capsys)
     assert sum(line[5] == ">" for line in listed) == total["rooms"]
     assert sum(line[5] == "<" for line in listed) == total["returns"]
     assert sum("^ climb" in line for line in listed) == total["climbs"] == len(figures["climbs"])
+    assert len(figures["rises"]) == total["rises"]
