@@ -108,6 +108,7 @@ def _check_round_trip(name: str, overrides: list[str]) -> None:
     """The saved file must compose to the config the form composes; a file that does not is not kept."""
     from_file = OmegaConf.to_container(compose([f"experiment={name}"]), resolve=False)
     from_form = OmegaConf.to_container(compose(overrides), resolve=False)
+    assert isinstance(from_file, dict) and isinstance(from_form, dict)  # a composed config's container is a dict
     differ = sorted(k for k in set(from_file) | set(from_form) if from_file.get(k) != from_form.get(k))
     if differ:
         raise ConfigError("name", f"experiment {name!r} would not run what the form shows: {', '.join(differ)} "

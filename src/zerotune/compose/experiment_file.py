@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -52,7 +53,7 @@ def write_experiment(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def experiment_yaml(overrides: list[str], comments: list[str] = ()) -> str:
+def experiment_yaml(overrides: list[str], comments: Sequence[str] = ()) -> str:
     groups = set(config_search.current().group_options()) - {"experiment"}
     choices: list[dict] = []
     values: dict = {}

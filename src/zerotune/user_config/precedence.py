@@ -17,6 +17,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from zerotune.compose.overrides import typed_line
 from zerotune.ds_config.batch import Batch, Known, solve
 from zerotune.errors import ConfigError
 from zerotune.schema import launch_world_size
@@ -105,7 +106,7 @@ class UserConfig:
 def typed_keys(overrides: list[str]) -> dict[str, str]:
     """{key or group: the override as typed} for the command line's overrides, parsed by Hydra's own parser."""
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
-    return {o.key_or_group: o.input_line for o in parsed
+    return {o.key_or_group: typed_line(o) for o in parsed
             if not o.key_or_group.startswith("hydra") and not o.is_delete()}
 
 
@@ -151,9 +152,9 @@ def resolve(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int 
             raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
                               f"drop `{line}` from the command line, or change {ds_key} in {name}")
         if stated(in_file):
-            return Known(in_file, f"{name}", ds_key, name)
+            return Known.read(in_file, f"{name}", ds_key, name)
         if line:
-            return Known(typed_value, "command line", cfg_key)
+            return Known.read(typed_value, "command line", cfg_key)
         if cfg_key in user.origins:  # from an accelerate config
             return Known(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
         return None
@@ -161,7 +162,7 @@ def resolve(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int 
     micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
     accum = known("gradient_accumulation_steps", "train.grad_accum")
     total_in_file = ds.get("train_batch_size")
-    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
+    total = Known.read(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
     defaults = (Known(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
                 Known(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
     user.batch = solve(micro, accum, total, world, *defaults)
