@@ -69,7 +69,7 @@ test-all: setup
 gpu-kit: setup
 	bash benchmarks/gpu/build_kit.sh .whl 3.12
 
-# ruff, the type checker (pyproject.toml [tool.mypy] names the packages it checks) and the import contracts.
+# ruff, the type checker (over all of src/: pyproject.toml [tool.mypy] files) and the import contracts.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy

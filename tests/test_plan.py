@@ -14,6 +14,7 @@ from zerotune.cli.plan import main as plan_main
 from zerotune.errors import ConfigError
 from zerotune.plan import allocator, gpus, recommend, render
 from zerotune.plan import guard as planning
+from zerotune.rundir.plan import Plan
 
 MIB = 2**20
 
@@ -69,7 +70,7 @@ def test_caching_allocator_rules(sizes, reserved):
 
 
 def _row(stage, offload, checkpointing, peak):
-    plan = {"gpu_peak_mib": peak, "host_peak_mib": 1.0, "nvme_mib": 0.0, "time_floor_s": 0.1, "bound": "compute"}
+    plan = Plan.made(gpu_peak_mib=peak, host_peak_mib=1.0, nvme_mib=0.0, time_floor_s=0.1, bound="compute")
     return recommend.Row(stage, offload, checkpointing, plan)
 
 
@@ -111,26 +112,26 @@ def _cfg(guard):
 
 
 def test_guard_on_a_gpu_with_too_little_free_memory(fake_cuda, caplog):
-    plan = {"gpu_peak_mib": 5000.0}
+    plan = Plan.made(gpu_peak_mib=5000.0)
     assert planning.guard(_cfg("warn"), plan) is None
     assert "above the 1,024 MiB free" in caplog.text
     assert planning.guard(_cfg("skip"), plan) == "predicted_oom"
     with pytest.raises(ConfigError) as err:
         planning.guard(_cfg("refuse"), plan)
     assert err.value.key == "plan.guard"
-    assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 900.0}) is None
+    assert planning.guard(_cfg("refuse"), Plan.made(gpu_peak_mib=900.0)) is None
 
 
 def test_guard_without_a_gpu_or_host_figures_has_nothing_to_do():
     # On this CPU-only torch the device's share is guarded through the plan's host_fit (tests/test_host_guard.py).
-    assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 10**9}) is None
+    assert planning.guard(_cfg("refuse"), Plan.made(gpu_peak_mib=10**9)) is None
 
 
 def test_guard_on_a_gpu_host_checks_the_host_terms_too(fake_cuda):
     fit = {"accelerator": "cuda", "ranks": 1, "needed_mib": 40_000.0, "available_mib": 30_000.0,
            "total_mib": 32_000.0, "cgroup_limit_mib": None, "budget_mib": None, "room_mib": 30_000.0, "fits": False}
     with pytest.raises(ConfigError) as err:
-        planning.guard(_cfg("refuse"), {"gpu_peak_mib": 900.0, "host_fit": fit})  # the GPU has room, the host not
+        planning.guard(_cfg("refuse"), Plan.made(gpu_peak_mib=900.0, host_fit=fit))  # the GPU has room, the host not
     assert "40,000 MiB of host memory (offloaded states" in err.value.problem and "GPU" not in err.value.problem
 
 
@@ -234,7 +235,7 @@ def test_a_plan_for_a_named_card_is_checked_as_a_config_for_that_card():
     from zerotune.plan.command_line import plan_one
 
     plan = plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], gpus.lookup("rtx4090"))
-    assert plan["gpu_peak_mib"] > 0 and plan["fits"] is True
+    assert plan.gpu_peak_mib > 0 and plan.fits is True
     with pytest.raises(ConfigError) as err:
         plan_one(["optimizer=lion", "zero_stage=2", "offload=none"], None)
     assert err.value.key == "optimizer.type" and "FusedLion" in err.value.problem
@@ -275,11 +276,11 @@ def test_the_plan_says_which_micro_batch_it_planned_and_where_it_came_from(own_e
     from zerotune.plan.command_line import plan_one
 
     plan = plan_one([*overrides, "accelerate.config_file=null"], None)
-    found = plan["micro_batch"]
+    found = plan.micro_batch
     assert (found["value"], found["source"]) == (value, source)
     assert said in found["from"], found["from"]
     assert found["file"] is None if file is None else found["file"].endswith(file)
-    assert f"batch {value}x1 per rank" in plan["workload"]  # the batch named is the batch planned
+    assert f"batch {value}x1 per rank" in plan.workload  # the batch named is the batch planned
 
 
 def test_the_plan_text_names_the_micro_batch_and_how_to_plan_another():

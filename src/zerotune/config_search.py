@@ -135,6 +135,7 @@ def choose(config_dir: str | Path | None) -> ConfigSearch:
     global _chosen
     search = ConfigSearch(find_user_folder(config_dir))
     if config_dir is not None:
+        assert search.user is not None  # a named folder is found, or refused above
         _chosen = search
         os.environ[CONFIG_DIR_ENV] = str(search.user.path)
     return search

@@ -16,8 +16,11 @@ import sys
 import threading
 from typing import NoReturn
 
+# What SystemExit carries and sys.exit takes: a status, a message (printed, status 1) or None (status 0).
+ExitCode = str | int | None
 
-def exit_status(code: object) -> int:
+
+def exit_status(code: ExitCode) -> int:
     """SystemExit's code as the interpreter turns it into a status: None is 0, a message is 1 (printed)."""
     if code is None:
         return 0
@@ -27,7 +30,7 @@ def exit_status(code: object) -> int:
     return 1
 
 
-def exit_now(code: object = 0) -> NoReturn:
+def exit_now(code: ExitCode = 0) -> NoReturn:
     # Under a profiler or debugger (python -m cProfile), which writes its output after the script returns.
     traced = sys.getprofile() is not None or sys.gettrace() is not None
     if traced or any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):

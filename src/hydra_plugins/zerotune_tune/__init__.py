@@ -9,7 +9,9 @@ so it cannot stop a trial at a rung, nor drop a configuration before it runs."""
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -24,7 +26,7 @@ class TuneSweeper(Sweeper):
         self.params = params
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
-        self.launcher = None
+        self.launcher: Launcher | None = None
         self._by_groups: dict[tuple[str, ...], DictConfig] = {}  # _compose's cache: group overrides -> composed
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
@@ -39,6 +41,7 @@ class TuneSweeper(Sweeper):
         from zerotune.tune.settings import read_settings
         from zerotune.tune.sweep import tune_sweep
 
+        assert self.config is not None, "Hydra calls setup before sweep"
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
@@ -67,17 +70,20 @@ class TuneSweeper(Sweeper):
 
         from zerotune import config_search
         from zerotune.compose import check_resolves
-        from zerotune.compose.overrides import normalize_overrides
+        from zerotune.compose.overrides import normalize_overrides, typed_line
 
+        assert self.config is not None and self.hydra_context is not None, "Hydra calls setup before sweep"
         args = normalize_overrides(list(overrides), config_search.current())
         loader = self.hydra_context.config_loader
+        assert isinstance(loader, ConfigLoaderImpl)  # Hydra's one loader: its repository knows the groups
         # Hydra's own split (defaults_list.Overrides): a group's key, unless its value is a dict, picks a config
         # of the defaults list; any other override is applied to the composed config, in order, after it.
-        picks, values = [], []
+        picks: list[Override] = []
+        values: list[Override] = []
         for o in OverridesParser.create().parse_overrides(args):
             is_pick = loader.repository.group_exists(o.key_or_group) and not isinstance(o.value(), dict)
             (picks if is_pick else values).append(o)
-        key = tuple(o.input_line for o in picks)
+        key = tuple(typed_line(o) for o in picks)
         if key not in self._by_groups:
             self._by_groups[key] = loader.load_configuration(
                 config_name=self.config.hydra.job.config_name, overrides=list(key), run_mode=RunMode.MULTIRUN)
@@ -92,8 +98,10 @@ class TuneSweeper(Sweeper):
         from zerotune import config_search
         from zerotune.compose.overrides import normalize_overrides
 
+        assert self.launcher is not None, "Hydra calls setup before sweep"
         args = normalize_overrides(list(overrides), config_search.current())
         returned: JobReturn = self.launcher.launch([args], initial_job_idx=job)[0]
+        assert returned.hydra_cfg is not None, "a launcher returns each job's Hydra config"
         return Path(returned.hydra_cfg.hydra.runtime.output_dir)
 
 

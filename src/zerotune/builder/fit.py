@@ -5,7 +5,7 @@ ranking), whose recommendation the page puts back into its form."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, TypedDict
 
 from zerotune.builder import form
 from zerotune.plan import gpus
@@ -67,9 +67,17 @@ def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], 
     return answer
 
 
-def bar(terms: list[Term]) -> list[dict]:
+class BarSegment(TypedDict):
+    """One segment of the page's memory bar: its planner terms and their sum."""
+
+    segment: str
+    mib: float
+    terms: list[str]
+
+
+def bar(terms: list[Term]) -> list[BarSegment]:
     """The GPU terms summed per segment; a DeepSpeed buffer counts with the gradients and buckets."""
-    segments = {name: {"segment": name, "mib": 0.0, "terms": []} for name in CATEGORIES}
+    segments = {name: BarSegment(segment=name, mib=0.0, terms=[]) for name in CATEGORIES}
     for term in terms:
         name = next((seg for seg, members in CATEGORIES.items() if term.term in members),
                     "gradients and buckets" if term.term.startswith("deepspeed:") else None)

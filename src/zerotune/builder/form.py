@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from pathlib import Path
@@ -53,6 +54,7 @@ def defaults() -> tuple[dict[str, str], dict[str, Any]]:
     found = composed([])
     choices = found.choices
     listed = OmegaConf.to_container(OmegaConf.load(config_search.packaged_conf() / "config.yaml").defaults)
+    assert isinstance(listed, list)  # the defaults list
     order = [next(iter(d)) for d in listed if isinstance(d, dict)]
     return {g: choices[g] for g in sorted(choices, key=lambda g: order.index(g) if g in order else len(order))}, \
         knob_values(found)
@@ -87,7 +89,7 @@ def knob_values(found: Composed) -> dict[str, Any]:
     return found.values(knob_keys())
 
 
-def overrides(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> list[str]:
+def overrides(choices: dict[str, str], values: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
     """What differs from the default job, as `zerotune train` takes it: group choices first, then keys,
     then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
     the user set; each is compared with what the rest of the composition gives it. The page's input
@@ -183,7 +185,9 @@ def _group_field(group: str, names: list[str], platform: Platform) -> Field:
     return Field(group, "group", group.replace("_", " "), options)
 
 
-def _title(path: Path) -> str:
+def _title(path: Path | None) -> str:
+    if path is None:  # an option listed, then gone
+        return ""
     for line in path.read_text().splitlines():
         if line.startswith("#") and not line.startswith("# @package"):
             return line.lstrip("# ").strip()

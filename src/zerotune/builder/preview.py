@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from typing import Any
 
 from zerotune import config_search
@@ -22,7 +23,7 @@ _NAMED_KEY = re.compile(r"\(([\w.]+)\)")
 _EXPANDS = re.compile(r'["$`\\!]')  # what a shell still reads inside double quotes
 
 
-def preview(choices: dict[str, str], values: dict[str, Any], extra: list[str] = ()) -> dict:
+def preview(choices: dict[str, str], values: dict[str, Any], extra: Sequence[str] = ()) -> dict:
     try:
         overrides = form.overrides(choices, values, extra)
     except ConfigError as exc:  # a value Hydra cannot read

@@ -11,27 +11,40 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TypedDict
 
 from zerotune.checkpoints.layout import COMPLETE, META, read_meta
 
 
-def file_record(path: Path, durable: bool = False) -> dict:
+class FileRecord(TypedDict):
+    bytes: int
+    sha256: str
+
+
+class Manifest(TypedDict):
+    """COMPLETE's JSON: the step saved, and each file's record by its path inside the checkpoint."""
+
+    step: int
+    files: dict[str, FileRecord]
+
+
+def file_record(path: Path, durable: bool = False) -> FileRecord:
     """Size and sha256 of one file (fsynced first when `durable`: the save is published after this)."""
     with open(path, "rb") as fh:
         if durable:
             os.fsync(fh.fileno())
         digest = hashlib.file_digest(fh, "sha256")
-    return {"bytes": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+    return FileRecord(bytes=Path(path).stat().st_size, sha256=digest.hexdigest())
 
 
-def build(folder: Path, step: int, durable: bool = True) -> dict:
+def build(folder: Path, step: int, durable: bool = True) -> Manifest:
     """The manifest of everything under `folder` (COMPLETE itself excluded)."""
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE)
-    return {"step": step, "files": {p.relative_to(folder).as_posix(): file_record(p, durable) for p in files}}
+    return Manifest(step=step, files={p.relative_to(folder).as_posix(): file_record(p, durable) for p in files})
 
 
-def dumps(manifest: dict) -> str:
+def dumps(manifest: Manifest) -> str:
     return json.dumps(manifest, indent=1) + "\n"
 
 

@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -51,8 +51,16 @@ class SaveRequest:
     keep_last: int = 0
 
 
-def save(acc, request: SaveRequest) -> dict:
-    """Save on EVERY rank (a rank-0-only save hangs under DeepSpeed); returns {path, seconds, bytes}."""
+class SavedCheckpoint(TypedDict):
+    """A save as summary.json's checkpoints list records it (with its step)."""
+
+    path: str       # the published checkpoint folder
+    seconds: float  # the save's wall time, on this rank
+    bytes: int      # what rank 0 published (0 on the other ranks)
+
+
+def save(acc, request: SaveRequest) -> SavedCheckpoint:
+    """Save on EVERY rank (a rank-0-only save hangs under DeepSpeed)."""
     t0 = time.perf_counter()
     final, tmp = step_dir(request.root, request.step), tmp_dir(request.root, request.step, request.job)
     if acc.is_main_process:
@@ -77,7 +85,7 @@ def save(acc, request: SaveRequest) -> dict:
     acc.wait_for_everyone()
     size = _publish(tmp, final, request) if acc.is_main_process else 0
     acc.wait_for_everyone()
-    return {"path": str(final), "seconds": time.perf_counter() - t0, "bytes": size}
+    return SavedCheckpoint(path=str(final), seconds=time.perf_counter() - t0, bytes=size)
 
 
 def _failed_save(exc: Exception, tmp: Path, request: SaveRequest) -> Exception:

@@ -49,7 +49,7 @@ def job_spec() -> JobSpec:
     multirun = hc.mode == RunMode.MULTIRUN
     group = f"{Path(hc.sweep.dir).parent.name}/{Path(hc.sweep.dir).name}" if multirun else None
     # zero_stage=2, as the user typed it; unresolved: an interpolation typed there is checked in the task
-    overrides = as_typed(OmegaConf.to_container(hc.overrides.task, resolve=False))
+    overrides = as_typed(OmegaConf.to_container(hc.overrides.task, resolve=False))  # type: ignore[arg-type]  # a ListConfig's container is a list
     return JobSpec(run_dir=hc.runtime.output_dir, run_name=run_name(overrides), group=group, overrides=overrides)
 
 
@@ -184,7 +184,7 @@ def pin_hydra_clock(moment: datetime) -> None:
         def now(cls, tz=None):  # noqa: ARG003 (datetime's signature)
             return moment
 
-    hydra_utils.datetime = _Pinned
+    hydra_utils.datetime = _Pinned  # type: ignore[misc]  # Hydra's module patched: its resolver reads this name
 
 
 def main() -> None:
@@ -248,6 +248,6 @@ def _task_started() -> None:
         return
     if _full_error_before is None:
         os.environ.pop(_FULL_ERROR, None)
-    else:
+    elif isinstance(_full_error_before, str):
         os.environ[_FULL_ERROR] = _full_error_before
     _full_error_before = _UNSET

@@ -17,6 +17,7 @@ from zerotune import config_search
 from zerotune.errors import ConfigError, report_config_error
 from zerotune.plan import gpus, render
 from zerotune.plan.command_line import plan_all, plan_one
+from zerotune.rundir.plan import Plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             answer = plan_all(args.overrides, gpu) if args.all else plan_one(args.overrides, gpu, device=args.device)
     except ConfigError as exc:
         return report_config_error(exc)
-    if args.json:
-        print(json.dumps(answer if isinstance(answer, dict) else answer.to_dict(), indent=2))
+    if isinstance(answer, Plan):
+        print(json.dumps(answer.to_dict(), indent=2) if args.json else render.breakdown(answer))
     else:
-        print(render.ranking(answer) if args.all else render.breakdown(answer))
+        print(json.dumps(answer, indent=2) if args.json else render.ranking(answer))
     return 0
 
 

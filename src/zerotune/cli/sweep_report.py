@@ -65,7 +65,7 @@ class SweepReportCallback(Callback):
             metric = OmegaConf.select(config, "report.metric", default=None) or "gpu"
             where = OmegaConf.select(config, "report.where", default=None)
             where = OmegaConf.to_container(where) if where is not None else None
-            report = build_report([sweep_dir], budget_mib=budget, metric=metric, where=where,
+            report = build_report([sweep_dir], budget_mib=budget, metric=metric, where=where,  # type: ignore[arg-type]  # a DictConfig's container is a dict
                                   running_window_s=running_window_s)
         except (FileNotFoundError, NoRunsError) as exc:
             log.warning("sweep report skipped: %s", exc)

@@ -102,6 +102,6 @@ def _example(key: str) -> str:
     exists, annotation, default = schema.describe(key)
     if exists and default is not None and not isinstance(default, dict | list):
         return str(default).lower() if isinstance(default, bool) else str(default)
-    if not exists:
+    if not exists or annotation is None:  # None: a key inside a dict-typed field (model.unet.*), of any type
         return "<value>"
     return f"<{_OPTIONAL.sub(lambda m: m[1], annotation or 'value')}>"

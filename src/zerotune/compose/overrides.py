@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import QuotedString, ValueType
+from hydra.core.override_parser.types import Override, QuotedString, ValueType
 from hydra.errors import HydraException
 
 from zerotune.compose import node
@@ -44,6 +44,13 @@ def strip_local_rank(args: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def typed_line(override: Override) -> str:
+    """The override as it was typed. Hydra's parser sets it on every override it returns; Override declares it
+    optional for the overrides built by hand."""
+    assert override.input_line is not None
+    return override.input_line
 
 
 def normalize_overrides(args: list[str], search: ConfigSearch) -> list[str]:

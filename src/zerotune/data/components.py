@@ -57,8 +57,7 @@ def component_names(model_cfg: Model) -> tuple[str, ...]:
 
 def resolve_components(model_cfg: Model) -> ComponentPaths:
     """Where each component lives; a ConfigError naming the key for one that is missing."""
-    base = model_cfg.components
-    base = Path(str(base)).expanduser() if base else None
+    base = Path(str(model_cfg.components)).expanduser() if model_cfg.components else None
     if base is not None and not base.is_dir():
         raise ConfigError("model.components", f"{base} is not a folder",
                           f"model.components=/path/to/a/local/{model_cfg.name}/pipeline (with vae/, text_encoder/, ...)")

@@ -17,9 +17,9 @@ DECODE_ERRORS = (Exception,)
 
 def open_rgb(path: Path) -> Image.Image:
     """Decode the whole image, upright (EXIF orientation applied), in RGB."""
-    with Image.open(path) as img:
-        img.load()
-        img = ImageOps.exif_transpose(img)
+    with Image.open(path) as decoded:
+        decoded.load()
+        img = ImageOps.exif_transpose(decoded)
         if img.mode in ("RGBA", "LA", "PA", "P") or "transparency" in img.info:
             # Transparent pixels become white rather than whatever colour they happen to hold.
             rgba = img.convert("RGBA")

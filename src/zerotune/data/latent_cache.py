@@ -180,8 +180,8 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
               disable=not progress or not todo) as bar:
         for i in range(0, len(todo), batch_size):
             chunk = todo[i:i + batch_size]
-            captions = [c for _, c in chunk]
-            cache.put_texts([k for k, _ in chunk], captions, *encoders.encode_text(captions))
+            texts = [c for _, c in chunk]
+            cache.put_texts([k for k, _ in chunk], texts, *encoders.encode_text(texts))
             stats.texts_computed += len(chunk)
             bar.update(len(chunk))
     stats.text_seconds = time.perf_counter() - start

@@ -44,18 +44,18 @@ class BucketBatchSampler(Sampler[list[SampleRef]]):
     def __iter__(self) -> Iterator[list[SampleRef]]:
         rng = np.random.default_rng([self.seed, self._epoch])
         self._epoch += 1
-        batches = []
+        batches: list[np.ndarray] = []
         for group in self._groups:
             shuffled = rng.permutation(group)
             whole = len(shuffled) // self.batch_size * self.batch_size
             batches.extend(shuffled[:whole].reshape(-1, self.batch_size))
         for i in rng.permutation(len(batches)):
-            batch = [int(x) for x in batches[i]]
+            batch = batches[i]
             if self.random_flip:
                 flips = rng.random(len(batch)) < 0.5
-                yield [(index, bool(f)) for index, f in zip(batch, flips, strict=True)]
+                yield [(int(index), bool(f)) for index, f in zip(batch, flips, strict=True)]
             else:
-                yield batch
+                yield [int(index) for index in batch]
 
 
 def batches_per_bucket(buckets: Sequence[Bucket], batch_size: int) -> dict[str, dict[str, int]]:

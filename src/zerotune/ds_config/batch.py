@@ -22,13 +22,27 @@ class Known:
     file: str | None = None  # the file that holds `key`, when it came from one
 
     def __post_init__(self) -> None:
-        if isinstance(self.value, bool) or not isinstance(self.value, int) or self.value < 1:
-            where = f" ({self.file})" if self.file else ""
-            raise ConfigError(self.key, f"must be a positive integer, got {self.value!r}{where}",
-                              self.change("1 or more" if self.file is None else "a whole number, or \"auto\""))
+        _positive_int(self.value, self.key, self.file)
+
+    @classmethod
+    def read(cls, value: object, origin: str, key: str, file: str | None = None) -> Known:
+        """A value as a DeepSpeed dict or the config states it (anything), refused unless a positive integer."""
+        return cls(_positive_int(value, key, file), origin, key, file)
 
     def change(self, value: int | str) -> str:
-        return f"{self.key}={value}" if self.file is None else f"set {self.key} to {value} in {self.file}"
+        return _change(self.key, self.file, value)
+
+
+def _positive_int(value: object, key: str, file: str | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        where = f" ({file})" if file else ""
+        raise ConfigError(key, f"must be a positive integer, got {value!r}{where}",
+                          _change(key, file, "1 or more" if file is None else "a whole number, or \"auto\""))
+    return value
+
+
+def _change(key: str, file: str | None, value: int | str) -> str:
+    return f"{key}={value}" if file is None else f"set {key} to {value} in {file}"
 
 
 @dataclass(frozen=True)
@@ -41,15 +55,12 @@ class Batch:
 def solve(micro: Known | None, accum: Known | None, total: Known | None, world: int,
           default_micro: Known, default_accum: Known) -> Batch:
     """Fill in what is missing; with fewer than two known, zerotune's defaults supply the rest."""
-    if total is not None and micro is None and accum is None:
-        accum = default_accum
-    if micro is None and (total is None or accum is None):
-        micro = default_micro
-    if accum is None and total is None:
-        accum = default_accum
     if total is None:
+        micro = default_micro if micro is None else micro
+        accum = default_accum if accum is None else accum
         return Batch(micro.value, accum.value, micro.value * accum.value * world)
     if micro is None:
+        accum = default_accum if accum is None else accum
         return Batch(_divide(total, accum, world, "train_micro_batch_size_per_gpu"), accum.value, total.value)
     if accum is None:
         return Batch(micro.value, _divide(total, micro, world, "gradient_accumulation_steps"), total.value)

@@ -42,10 +42,10 @@ def validate(ds: dict, platform: Platform, world_size: int = 1, client: dict | N
     if not platform.deepspeed_supported and stage >= 1:
         raise ConfigError("zero_stage", f"ZeRO stage {stage} needs DeepSpeed: {platform.deepspeed_reason}",
                           f"zero_stage=0 (plain accelerate here), or plan it for a CUDA card: {PLAN_FOR_A_CARD}")
-    micro = Known(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
-    accum = Known(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
+    micro = Known.read(ds.get("train_micro_batch_size_per_gpu"), "micro batch", "train.batch_size")
+    accum = Known.read(ds.get("gradient_accumulation_steps"), "accumulation", "train.grad_accum")
     total = ds.get("train_batch_size")
-    given = None if total is None else Known(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
+    given = None if total is None else Known.read(total, "train_batch_size", "train_batch_size", "the DeepSpeed dict")
     ds["train_batch_size"] = solve(micro, accum, given, world_size, micro, accum).total
     clip = ds.get("gradient_clipping", 0.0)
     if not isinstance(clip, (int, float)) or clip < 0:
@@ -109,7 +109,7 @@ def _check_scheduler(block: Any) -> None:
     from deepspeed.runtime import lr_schedules
 
     kind = block.get("type") if isinstance(block, dict) else None
-    if kind not in lr_schedules.VALID_LR_SCHEDULES:
+    if not isinstance(kind, str) or kind not in lr_schedules.VALID_LR_SCHEDULES:
         raise ConfigError("scheduler.type", f"DeepSpeed has no scheduler {kind!r}",
                           f"use one of: {', '.join(lr_schedules.VALID_LR_SCHEDULES)}")
     accepted = set(inspect.signature(getattr(lr_schedules, kind)).parameters) - {"self", "optimizer"}

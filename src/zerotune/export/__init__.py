@@ -105,10 +105,10 @@ def split_modules(weights: dict, names: tuple[str, ...]) -> dict[str, dict]:
     return parts
 
 
-def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict:
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict[str, str]:
     """Write the checkpoint's weights into `out`: the U-Net, or with an adapter the adapter (and with `merge`
     the U-Net with the adapter merged in); the same for the EMA when the run kept one, and for the trained text
-    encoders when it trained some."""
+    encoders when it trained some. Returns {what: its path}: the checkpoint, then each part written."""
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = read_meta(path)

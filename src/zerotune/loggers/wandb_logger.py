@@ -67,7 +67,7 @@ class WandbLogger(RunLogger):
             project=project,
             entity=entity,
             dir=run_dir,
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # wandb.init takes every mode its Settings does (known_modes); its signature names four
             config=config,
             name=name,
             group=group,

@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -13,7 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 from zerotune import files
 from zerotune.errors import ConfigError
 from zerotune.models import adapter, single_file
-from zerotune.models.weights import compare_shapes, read_folder, read_shapes, unet_folder
+from zerotune.models.weights import compare_shapes, found_unet_folder, read_folder, read_shapes, unet_folder
 from zerotune.schema import Adapter, Model
 
 
@@ -53,10 +54,11 @@ class ModelStats:
         return self.num_params - self.num_trainable
 
 
-def stats_from_json(data: dict) -> ModelStats:
+def stats_from_json(data: dict[str, Any]) -> ModelStats:
     """ModelStats from its JSON (lists back to tuples, the shapes' too)."""
-    return ModelStats(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()},
-                         "trainable_shapes": tuple(tuple(s) for s in data.get("trainable_shapes", ()))})
+    values: dict[str, Any] = {**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()},
+                              "trainable_shapes": tuple(tuple(s) for s in data.get("trainable_shapes", ()))}
+    return ModelStats(**values)
 
 
 def unet_config(model_cfg: Model) -> dict:
@@ -196,7 +198,7 @@ def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
         return partitioned.build(lambda: _from_config(model_cfg), zero_init,
                                  partitioned.FileWeights(weight_files), str(path))
     else:  # .bin weights: read_folder only looks for them
-        weights = partitioned.FileWeights(weight_files or _bin_files(unet_folder(path)))
+        weights = partitioned.FileWeights(weight_files or _bin_files(found_unet_folder(path)))
 
     def make_unet():
         # As from_pretrained and from_single_file build it: torch.nn.init's functions skipped, since the files

@@ -32,7 +32,7 @@ def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
 
 
 def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
-         encoders: dict[str, tuple[dict, dict]] | None = None) -> dict:
+         encoders: dict[str, tuple[dict, dict]] | None = None) -> dict[str, str]:
     """Write lora{suffix}/ (and with `merge` unet{suffix}/ + unet{suffix}.safetensors, and each trained encoder's
     folder); returns what was written. `encoders`: {name: (config, weights)} of the trained text encoders."""
     from diffusers import StableDiffusionXLPipeline

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerotune.errors import ConfigError
 from zerotune.models import adapter
 from zerotune.schema import Adapter, Model
+
+if TYPE_CHECKING:
+    from transformers import CLIPPreTrainedModel
 
 CHOICES: dict[str, tuple[str, ...]] = {"none": (), "te1": ("text_encoder",), "te2": ("text_encoder_2",),
                                        "both": ("text_encoder", "text_encoder_2")}
@@ -58,7 +62,7 @@ def group_lrs(model_cfg: Model, lr: float) -> list[float]:
     return [float(lr), *(float(getattr(model_cfg, LR_KEYS[n]) or lr) for n in trained(model_cfg))]
 
 
-def encoder_class(name: str) -> type:
+def encoder_class(name: str) -> type[CLIPPreTrainedModel]:
     """text_encoder_2 (SDXL's) carries the projection whose output is the pooled embedding."""
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 

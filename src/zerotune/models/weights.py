@@ -23,12 +23,18 @@ def unet_folder(path: Path) -> Path | None:
     return None
 
 
-def read_folder(path: Path) -> tuple[dict, list[Path]]:
-    """The U-Net's config.json and the safetensors files `from_pretrained` would read ([] for .bin weights,
-    which are only looked for)."""
+def found_unet_folder(path: Path) -> Path:
+    """`unet_folder`, refused where `path` holds none."""
     folder = unet_folder(path)
     if folder is None:
         raise ConfigError(KEY, f"{path} holds no diffusers U-Net (no config.json in it or in unet/)", FOLDER_FIX)
+    return folder
+
+
+def read_folder(path: Path) -> tuple[dict, list[Path]]:
+    """The U-Net's config.json and the safetensors files `from_pretrained` would read ([] for .bin weights,
+    which are only looked for)."""
+    folder = found_unet_folder(path)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -11,9 +11,10 @@ import math
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Figure + the Agg canvas directly, not pyplot: no global backend switch, no display needed.
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -24,6 +25,9 @@ from matplotlib.transforms import blended_transform_factory
 from zerotune.report.collect import sort_key
 from zerotune.rundir.status import Status
 
+if TYPE_CHECKING:
+    from matplotlib.typing import LineStyleType
+
 GPU_PNG = "gpu_memory_vs_resolution.png"
 TIME_PNG = "step_time_vs_resolution.png"
 HOST_PNG = "host_memory_by_stage.png"
@@ -32,7 +36,7 @@ HOST_PNG = "host_memory_by_stage.png"
 DID_NOT_FINISH = {Status.OOM: "OOM", Status.FAILED: str(Status.FAILED), Status.TIMEOUT: str(Status.TIMEOUT)}
 # An OOM job's label by the memory that ran out (collect.oom_kind): the host's is told apart.
 OOM_LABELS = {"host": "host OOM"}
-OFFLOAD_STYLE = {"none": "-", "cpu": "--", "nvme": ":"}
+OFFLOAD_STYLE: dict[str, LineStyleType] = {"none": "-", "cpu": "--", "nvme": ":"}
 # Keys that are an axis or a facet; every other swept key splits lines further.
 LAYOUT_KEYS = ("zero_stage", "offload", "resolution", "batch_size")
 MAX_COLS = 3
@@ -130,7 +134,7 @@ def plot_host_memory(rows: list[dict], path: Path) -> Plot:
         ax.set_xticks(range(len(stages)), [f"ZeRO-{s}" for s in stages])
         ax.set_title(f"resolution {res}, batch size {batch}")
         ax.set_ylabel("MiB")
-    handles = [Patch(color=f"C{j % 10}", label=f"offload {o}") for j, o in enumerate(offloads)]
+    handles: list[Artist] = [Patch(color=f"C{j % 10}", label=f"offload {o}") for j, o in enumerate(offloads)]
     handles.append(Line2D([], [], color="red", marker="X", linestyle="", label="did not finish"))
     fig.legend(handles=handles, loc="outside right upper", fontsize="small")
     if aggregated:

@@ -21,6 +21,8 @@ class Status(StrEnum):
     @classmethod
     def parse(cls, value: object) -> Status | None:
         """The member a summary's word names; None for no word, or one this version does not know."""
+        if not isinstance(value, str):
+            return None
         try:
             return cls(value)
         except ValueError:

@@ -6,7 +6,7 @@ import os
 import platform
 import socket
 from importlib import metadata
-from typing import Any
+from typing import Any, TypedDict
 
 from zerotune.units import MIB
 
@@ -48,11 +48,15 @@ def _usable_cpus() -> int | None:
         return os.cpu_count()
 
 
-def node_identity() -> dict[str, Any]:
-    """Where this worker runs: its node's index in the job (torch elastic's GROUP_RANK) and name (SLURM's node
-    name, else the host's: a SLURM cluster may run several nodes on one host)."""
-    return {"node_rank": int(os.environ.get("GROUP_RANK") or 0),
-            "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
+class NodeIdentity(TypedDict):
+    node_rank: int  # the node's index in the job (torch elastic's GROUP_RANK)
+    node: str       # SLURM's node name, else the host's: a SLURM cluster may run several nodes on one host
+
+
+def node_identity() -> NodeIdentity:
+    """Where this worker runs, as each rank's record in summary.json names it."""
+    return NodeIdentity(node_rank=int(os.environ.get("GROUP_RANK") or 0),
+                        node=os.environ.get("SLURMD_NODENAME") or socket.gethostname())
 
 
 def environment_info() -> dict[str, Any]:

@@ -6,7 +6,7 @@ journal, stops it there only when it is behind by more than both spreads (Spread
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from zerotune.rundir.status import Status
 from zerotune.schema import Trial
@@ -27,7 +27,22 @@ def rung_steps(min_steps: int, reduction_factor: int, max_steps: int) -> list[in
     return [*steps, max_steps]
 
 
-def make_pruner(trial: Trial):
+class PrunerSettings(Protocol):
+    """What a pruner is built from: a job's `trial` block, or the sweeper's TuneSettings (the same names)."""
+
+    @property
+    def pruner(self) -> str: ...
+    @property
+    def min_steps(self) -> int: ...
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def reduction_factor(self) -> int: ...
+    @property
+    def min_spread(self) -> float: ...
+
+
+def make_pruner(trial: PrunerSettings):
     """The pruner for these settings (the job rebuilds the sweeper's: a pruner is not stored in a study)."""
     import optuna
 

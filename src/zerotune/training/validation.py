@@ -47,6 +47,7 @@ from zerotune.rundir import SAMPLES, RunDir
 from zerotune.rundir.plan import Plan, mib_of
 from zerotune.sampling import make_sampler
 from zerotune.schema import Config
+from zerotune.telemetry.phases import MeasuredPhase, largest
 from zerotune.training import distributed
 from zerotune.training.sampling_weights import sampling_unet
 from zerotune.validation import ValidationPrompt, check_validation, enabled, weights_to_sample
@@ -334,7 +335,7 @@ def make_validator(cfg: Config, run_dir: RunDir, logger: RunLogger, device: torc
 
 
 def validation_record(validator: Validator | None, error: dict | None, plan: Plan | None,
-                      phases: Sequence[dict]) -> dict | None:
+                      phases: Sequence[MeasuredPhase]) -> dict | None:
     """summary.json's `validation` (`error`: make_validator's); None for a run without validation prompts."""
     if error is not None:
         return {"error": error, "passes": []}
@@ -343,29 +344,26 @@ def validation_record(validator: Validator | None, error: dict | None, plan: Pla
     return {**validator.summary(), "memory": phase_memory(plan, phases)}
 
 
-def phase_memory(plan: Plan | None, phases: Sequence[dict]) -> dict:
+def phase_memory(plan: Plan | None, phases: Sequence[MeasuredPhase]) -> dict:
     """The planner's sampling phase and the largest measured pass. On a CUDA device the allocator's reserved peak
     during the passes is what the planned reserved figure predicts; on a CPU there is no device figure (None,
     unmeasured), and the host RSS rise over the training steps' peak stands beside the terms the pass adds
     (the plan's sampling_pass_terms, plan/phases.py validation_pass_terms, predicted on any device)."""
     planned = next((p for p in plan.phases if p.phase == "sampling"), None) if plan else None
     added = plan.sampling_pass_terms if plan and "sampling_pass_terms" in plan else None
-    passes = [r for r in phases if r.get("phase") == "sampling"]
-    steps = [r for r in phases if r.get("phase") == "step"]
-    reserved = _largest(passes, "gpu_max_reserved_mib")
-    host, step_host = _largest(passes, "host_peak_rss_mib"), _largest(steps, "host_peak_rss_mib")
+    passes = [r for r in phases if r["phase"] == "sampling"]
+    steps = [r for r in phases if r["phase"] == "step"]
+    reserved = largest(r["gpu_max_reserved_mib"] for r in passes)
+    host = largest(r["host_peak_rss_mib"] for r in passes)
+    step_host = largest(r["host_peak_rss_mib"] for r in steps)
     planned_reserved: float | None = planned.reserved_mib if planned else None
     out = {"planned_reserved_mib": planned_reserved,
            "planned_pass_mib": mib_of(added) if added is not None else None,
            "planned_pass_terms": {t.term: t.mib for t in added or ()},
            "measured_gpu_max_reserved_mib": reserved,
-           "measured_gpu_max_allocated_mib": _largest(passes, "gpu_max_allocated_mib"),
+           "measured_gpu_max_allocated_mib": largest(r["gpu_max_allocated_mib"] for r in passes),
            "measured_host_peak_rss_mib": host, "steps_host_peak_rss_mib": step_host,
            "host_rss_rise_mib": host - step_host if host is not None and step_host is not None else None}
     out["gpu_measured_over_planned"] = reserved / planned_reserved if reserved is not None and planned_reserved else None
     return out
 
-
-def _largest(records: Sequence[dict], key: str) -> float | None:
-    known = [r[key] for r in records if r.get(key) is not None]
-    return max(known) if known else None

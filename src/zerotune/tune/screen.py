@@ -37,7 +37,8 @@ def screen(found: list[Candidate], workload: list[str], settle: Callable[[list[s
     from zerotune.plan.guard import job_gpu, job_plan
     from zerotune.preflight import check
 
-    out, runs = [], {}
+    out: list[Screened] = []
+    runs: dict[str, int] = {}  # a resolved config (_run_key): the first candidate that runs it
     for number, candidate in enumerate(found):
         overrides = [*workload, *candidate.overrides()]
         try:

@@ -79,4 +79,10 @@ def _check_positive(settings: TuneSettings, keys: tuple[str, ...], minimum: int)
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise ConfigError(f"hydra.sweeper.{key}", f"must be a whole number >= {minimum}, got {value!r}",
-                              f"hydra.sweeper.{key}={max(minimum, TuneSettings.__dataclass_fields__[key].default or 1)}")
+                              f"hydra.sweeper.{key}={max(minimum, _suggested(key))}")
+
+
+def _suggested(key: str) -> int:
+    """A field's default, as the value a refusal suggests: 1 where the default is None or 0."""
+    default = TuneSettings.__dataclass_fields__[key].default
+    return default if isinstance(default, int) and default else 1

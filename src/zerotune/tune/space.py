@@ -15,7 +15,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from zerotune.compose.overrides import as_typed
+from zerotune.compose.overrides import as_typed, typed_line
 from zerotune.errors import ConfigError
 
 KNOBS = ("zero_stage", "offload", "optimizer", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",
@@ -57,7 +57,7 @@ def read_command_line(arguments: list[str]) -> CommandLine:
     for o in OverridesParser.create().parse_overrides(arguments):
         key = o.get_key_element().lstrip("+~")
         if key == "train.grad_accum":
-            line.accumulation.append(o.input_line)  # read once, for the global batch; each trial gets its own
+            line.accumulation.append(typed_line(o))  # read once, for the global batch; each trial gets its own
         elif key in KNOBS:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
             line.values[key] = values
@@ -66,7 +66,7 @@ def read_command_line(arguments: list[str]) -> CommandLine:
                                    f"knobs ({', '.join(KNOBS)})",
                               f"give {key} one value, and run one tune per value")
         else:
-            line.workload.append(o.input_line)
+            line.workload.append(typed_line(o))
     return line
 
 

@@ -63,7 +63,7 @@ def run_trials(settings: TuneSettings, screened: list[Screened], workload: list[
     study = optuna.create_study(
         storage=storage, study_name=STUDY, direction="maximize", load_if_exists=False,
         sampler=optuna.samplers.GridSampler({"candidate": [s.number for s in kept]}, seed=settings.seed),
-        pruner=make_pruner(settings))  # TuneSettings carries the trial's pruner fields under the same names
+        pruner=make_pruner(settings))
     by_number = {s.number: s for s in kept}
     trials: list[Trial] = []
 

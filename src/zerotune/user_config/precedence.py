@@ -92,7 +92,7 @@ class UserConfig:
 def typed_keys(overrides: list[str]) -> dict[str, str]:
     """{key or group: the override as typed} for the command line's overrides, parsed by Hydra's own parser."""
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o])
-    return {o.key_or_group: o.input_line for o in parsed
+    return {o.key_or_group: str(o.input_line) for o in parsed  # Hydra's parser always sets input_line
             if not o.key_or_group.startswith("hydra") and not o.is_delete()}
 
 

@@ -86,7 +86,7 @@ def _offload(zero: dict, name: str) -> list[Setting]:
             raise ConfigError(f"zero_optimization.{block}.device", f"unknown offload device {dev!r} ({name})",
                               "use \"none\", \"cpu\" or \"nvme\"")
     where = f"{name}: zero_optimization.offload_*"
-    device = max(opt_dev, param_dev, key=DEVICE_DEPTH.get)  # the deepest tier decides what is measured
+    device = max(opt_dev, param_dev, key=DEVICE_DEPTH.__getitem__)  # the deepest tier decides what is measured
     out = [Setting("offload.device", device, where), Setting("offload.params", param_dev != "none", where)]
     paths = {b.get("nvme_path") for b in (opt or {}, param or {}) if b.get("device") == "nvme"}
     paths.discard(None)
