@@ -11,6 +11,7 @@ from zerotune.plan import gpus, render
 from zerotune.plan.command_line import platform_for
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.predict import predict
+from zerotune.rundir.plan import Phase, Plan
 
 
 def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overrides: tuple[str, ...] = ()):
@@ -24,23 +25,23 @@ def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overri
     return plan, phases
 
 
-def by_name(phases: list[dict]) -> dict[str, dict]:
-    return {p["phase"]: p for p in phases}
+def by_name(phases: list[Phase]) -> dict[str, Phase]:
+    return {p.phase: p for p in phases}
 
 
-def check_accounting(phases: list[dict]) -> None:
+def check_accounting(phases: list[Phase]) -> None:
     """Terms add up to each phase's own peak; reserved is the larger of it and what the phase before left; the
     run's peak is the largest reserved figure, and exactly one phase is marked as it."""
     for p in phases:
-        assert sum(t["mib"] for t in p["terms"]) == pytest.approx(p["peak_mib"], rel=1e-9), p["phase"]
-        if p["phase"] != "step":  # the step's terms are predict()'s, taken as given
-            assert all(t["note"] for t in p["terms"] if t["mib"]), p["phase"]  # each term says its source
-        assert p["reserved_mib"] == pytest.approx(max(p["carried_mib"], p["peak_mib"]))
-        assert p["source"]
-    assert phases[0]["carried_mib"] == 0
-    top = max(p["reserved_mib"] for p in phases)
-    assert [p["run_peak"] for p in phases].count(True) == 1
-    assert next(p for p in phases if p["run_peak"])["reserved_mib"] == top == run_peak(phases)["mib"]
+        assert sum(t.mib for t in p.terms) == pytest.approx(p.peak_mib, rel=1e-9), p.phase
+        if p.phase != "step":  # the step's terms are predict()'s, taken as given
+            assert all(t.note for t in p.terms if t.mib), p.phase  # each term says its source
+        assert p.reserved_mib == pytest.approx(max(p.carried_mib, p.peak_mib))
+        assert p.source
+    assert phases[0].carried_mib == 0
+    top = max(p.reserved_mib for p in phases)
+    assert [p.run_peak for p in phases].count(True) == 1
+    assert next(p for p in phases if p.run_peak).reserved_mib == top == run_peak(phases).reserved_mib
 
 
 @pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
@@ -50,17 +51,17 @@ def test_the_reference_rows_peak_while_loading_with_one_group(experiment):
     about three copies of the weights at once, above the step at both resolutions."""
     plan, phases = plan_with_phases(f"experiment={experiment}", "deepspeed.param_groups=1")
     check_accounting(phases)
-    assert [p["phase"] for p in phases] == ["loading", "step"]  # synthetic data, no evaluation, no checkpoint
+    assert [p.phase for p in phases] == ["loading", "step"]  # synthetic data, no evaluation, no checkpoint
     loading, step = by_name(phases)["loading"], by_name(phases)["step"]
-    terms = {t["term"]: t["mib"] for t in loading["terms"]}
+    terms = {t.term: t.mib for t in loading.terms}
     assert terms["flat_parameter_buffer"] == pytest.approx(4898.0)  # 2,567,463,684 x 2 B, rounded to 2 MiB
     assert terms["master_partition_clone"] == pytest.approx(4898.0)
     assert terms["unet_parameter_blocks"] > terms["flat_parameter_buffer"]  # one block per parameter: rounding
     assert "cublas_workspace" not in terms  # no matmul before the first step
-    assert step["peak_mib"] == pytest.approx(plan["gpu_peak_mib"]) and step["terms"] == plan["gpu_terms"]
-    assert run_peak(phases)["phase"] == "loading"
+    assert step.peak_mib == pytest.approx(plan.gpu_peak_mib) and step.terms == plan.gpu_terms
+    assert run_peak(phases).phase == "loading"
     # the trainer's empty_cache() after the engine's build: only the flat buffer (and the context) carry over
-    assert step["carried_mib"] == pytest.approx(terms["cuda_context"] + terms["flat_parameter_buffer"])
+    assert step.carried_mib == pytest.approx(terms["cuda_context"] + terms["flat_parameter_buffer"])
 
 
 @pytest.mark.parametrize("experiment", ["sdxl_4090_128_bs8", "sdxl_4090_1024_bs8"])
@@ -70,15 +71,15 @@ def test_sixteen_groups_bring_the_loading_peak_below_the_step(experiment):
     plan, phases = plan_with_phases(f"experiment={experiment}")
     check_accounting(phases)
     loading, step = by_name(phases)["loading"], by_name(phases)["step"]
-    terms = {t["term"]: t["mib"] for t in loading["terms"]}
+    terms = {t.term: t.mib for t in loading.terms}
     _, one = plan_with_phases(f"experiment={experiment}", "deepspeed.param_groups=1")
-    blocks = {t["term"]: t["mib"] for t in by_name(one)["loading"]["terms"]}["unet_parameter_blocks"]
+    blocks = {t.term: t.mib for t in by_name(one)["loading"].terms}["unet_parameter_blocks"]
     assert terms["unet_parameter_blocks"] == pytest.approx(blocks)  # the first group: every block still there
     # a sixteenth of the flat buffer and of the clone (each group rounded to 2 MiB)
     assert terms["flat_parameter_buffer"] == terms["master_partition_clone"] == pytest.approx(4898.0 / 16, abs=40)
-    assert "group 1 of 16" in next(t["note"] for t in loading["terms"] if t["term"] == "master_partition_clone")
-    assert loading["reserved_mib"] < step["peak_mib"] and run_peak(phases)["phase"] == "step"
-    assert step["carried_mib"] < step["peak_mib"]
+    assert "group 1 of 16" in next(t.note for t in loading.terms if t.term == "master_partition_clone")
+    assert loading.reserved_mib < step.peak_mib and run_peak(phases).phase == "step"
+    assert step.carried_mib < step.peak_mib
 
 
 def test_caching_appears_only_when_it_runs_on_the_gpu():
@@ -88,15 +89,15 @@ def test_caching_appears_only_when_it_runs_on_the_gpu():
     _, on_cpu = plan_with_phases(*base, phase_overrides=(*folder, "data.cache_device=cpu"))
     _, synthetic = plan_with_phases(*base)
     _, no_card = plan_with_phases(*base, card=None, phase_overrides=folder)  # auto: this CPU machine
-    assert [p["phase"] for p in on_gpu][:2] == ["caching", "loading"]
+    assert [p.phase for p in on_gpu][:2] == ["caching", "loading"]
     assert "caching" not in by_name(on_cpu) | by_name(synthetic) | by_name(no_card)
     check_accounting(on_gpu)
     caching = by_name(on_gpu)["caching"]
-    terms = {t["term"] for t in caching["terms"]}
+    terms = {t.term for t in caching.terms}
     assert {"cuda_context", "cublas_workspace", "vae_weights"} <= terms
-    assert "empty_cache" in caching["source"]
+    assert "empty_cache" in caching.source
     # release() empties the cache: loading starts from what is still alive (the context), not the encoders' pool
-    assert by_name(on_gpu)["loading"]["carried_mib"] < caching["reserved_mib"]
+    assert by_name(on_gpu)["loading"].carried_mib < caching.reserved_mib
 
 
 @pytest.mark.slow  # SDXL's VAE traced at 1024 px, 28 s cold; the caching phase itself is checked above
@@ -106,32 +107,32 @@ def test_sdxl_caching_at_1024_is_the_run_peak():
                                  phase_overrides=("data=folder", "data.path=/nonexistent"))
     check_accounting(phases)
     caching = by_name(phases)["caching"]
-    terms = {t["term"]: t for t in caching["terms"]}
-    assert 319.1 < terms["vae_weights"]["mib"] < 340  # 83,653,863 fp32 parameters, one block each (rounded)
-    assert "vae_encode_activations" in terms and "SDXL base 1.0" in terms["vae_weights"]["note"]
-    assert run_peak(phases)["phase"] == "caching"
+    terms = {t.term: t for t in caching.terms}
+    assert 319.1 < terms["vae_weights"].mib < 340  # 83,653,863 fp32 parameters, one block each (rounded)
+    assert "vae_encode_activations" in terms and "SDXL base 1.0" in terms["vae_weights"].note
+    assert run_peak(phases).phase == "caching"
 
 
 def test_zero3_holds_its_partitions_while_caching_and_gathers_for_sampling():
     _, phases = plan_with_phases("model=sdxl_tiny", "resolution=64", "train.batch_size=2", "zero_stage=3",
                                  "data=synthetic", phase_overrides=("data=folder", "data.path=/nonexistent"))
     check_accounting(phases)
-    assert "unet_partitions" in {t["term"] for t in by_name(phases)["caching"]["terms"]}
+    assert "unet_partitions" in {t.term for t in by_name(phases)["caching"].terms}
     # the engine's build replayed (zero3.loading): the flat partition buffer, and the build's freed blocks cached
-    assert {"params", "allocator_reserve"} <= {t["term"] for t in by_name(phases)["loading"]["terms"]}
+    assert {"params", "allocator_reserve"} <= {t.term for t in by_name(phases)["loading"].terms}
     _, digits = plan_with_phases("zero_stage=3")  # the default job: digits, evaluated, a final checkpoint
     check_accounting(digits)
-    assert [p["phase"] for p in digits] == ["loading", "step", "sampling", "export"]
-    assert "zero3_gather_one_module" in {t["term"] for t in by_name(digits)["sampling"]["terms"]}
+    assert [p.phase for p in digits] == ["loading", "step", "sampling", "export"]
+    assert "zero3_gather_one_module" in {t.term for t in by_name(digits)["sampling"].terms}
 
 
 def test_the_breakdown_and_the_builder_show_the_phases():
     plan, phases = plan_with_phases("experiment=sdxl_4090_128_bs8")
-    text = render.breakdown({**plan, "phases": phases})
+    text = render.breakdown(plan.adding(phases=phases))
     assert "the run's phases" in text and "<- the run's peak" in text and "flat_parameter_buffer" in text
-    without = {k: v for k, v in plan.items() if k != "phases"}
-    assert "the run's phases" not in render.breakdown(without)
-    marks = phase_marks({**plan, "phases": phases})
+    without = Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "phases"})
+    assert "phases" not in without and "the run's phases" not in render.breakdown(without)
+    marks = phase_marks(plan.adding(phases=phases))
     assert [m["phase"] for m in marks] == ["loading", "step"] and [m["run_peak"] for m in marks] == [False, True]
     assert phase_marks(without) == []
 
@@ -165,9 +166,9 @@ def test_lora_at_zero3_gathers_its_targets_before_caching():
     assert want > 0 and all(isinstance(m, torch.nn.Linear) for m in adapter.targeted_modules(unet, cfg.adapter))
     _, phases = plan_with_phases(*tiny, "adapter=lora", "zero_stage=3")
     check_accounting(phases)
-    assert [p["phase"] for p in phases][0] == "adapter_injection"
-    gathered = next(t for t in by_name(phases)["adapter_injection"]["terms"] if t["term"] == "adapter_targets_gathered")
-    assert gathered["mib"] * 2**20 == want * 2
+    assert [p.phase for p in phases][0] == "adapter_injection"
+    gathered = next(t for t in by_name(phases)["adapter_injection"].terms if t.term == "adapter_targets_gathered")
+    assert gathered.mib * 2**20 == want * 2
     for overrides in (("zero_stage=2", "adapter=lora"), ("zero_stage=3", "adapter=none")):
         _, phases = plan_with_phases(*tiny, *overrides)
         assert "adapter_injection" not in by_name(phases)
@@ -189,7 +190,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     plan, phases = plan_with_phases(*overrides, card="h100", phase_overrides=(PROMPTS,))
     check_accounting(phases)
     sampling = by_name(phases)["sampling"]
-    terms = {t["term"]: t["mib"] for t in sampling["terms"]}
+    terms = {t.term: t.mib for t in sampling.terms}
     # The VAE in bf16 and, at ZeRO-3 only, the U-Net gathered whole in bf16: one allocator block per parameter.
     cfg = compose_cfg(*overrides)
     vae = encoders._meta_models(encoder_archs.SDXL_TINY)["vae"]
@@ -199,7 +200,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
         numels = model_stats(cfg.model, cfg.adapter).param_numels
         assert terms["unet_gathered_for_sampling"] == allocator.reserved_bytes([n * 2 for n in numels]) / 2**20
     assert terms["sampling_activations"] > 0 and "64x64" in next(
-        t["note"] for t in sampling["terms"] if t["term"] == "sampling_activations")
+        t.note for t in sampling.terms if t.term == "sampling_activations")
     # Without prompts there is no sampling phase for a text model.
     assert "sampling" not in by_name(plan_with_phases(*overrides, card="h100")[1])
 

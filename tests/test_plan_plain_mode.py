@@ -35,8 +35,8 @@ from zerotune.plan.stage0 import (
     ddp_broadcast_bytes,
     plain_buffers,
 )
-from zerotune.plan.step_peak import moment_of
 from zerotune.platform import ANY_CUDA_GPU
+from zerotune.rundir.plan import PERSISTENT, Plan, mib_of
 
 PLAIN = ("deepspeed.enabled=false", "zero_stage=0")
 
@@ -51,7 +51,9 @@ def module_cache(tmp_path_factory):
 
 
 def _model(name: str):
-    return compose_cfg(f"model={name}", "data=synthetic").model
+    from zerotune.compose.settle import settle
+
+    return settle(compose_cfg(f"model={name}", "data=synthetic")).config.model
 
 
 def _held(prof) -> list[int]:
@@ -226,17 +228,17 @@ def test_the_plain_step_is_what_the_trainer_allocates(settings):
     real = _step_alloc(overrides)
     # a CPU plan: accelerate wraps even one process in DDP here, and the plan's buffers say so
     plan = predict(preflight(compose(overrides), 1, overrides=overrides), None, device="cpu")
-    held = sum(t["mib"] for t in plan["step_terms"] if moment_of(t) == "persistent") * 2**20
+    held = mib_of(t for t in plan.step_terms if t.held_in == PERSISTENT) * 2**20
     # What the step adds to what it holds throughout (activations, autocast's copies, gradients, the optimizer's
     # temporaries), against the same in the run; then what it holds throughout (the model states, DDP's buckets).
     # The profiler can miss one free made on gloo's thread, DDP's construction broadcast of the parameters: the
     # run's held figure then carries one flat copy of them for good, so it is checked from below and above.
-    ratio = (plan["step_peak_mib"] * 2**20 - held) / (real["peak_between_ops"] - real["held_at_start"])
-    assert 0.95 <= ratio <= 1.05, (plan["step_peak_moment"], ratio, held, real)
-    params = plan["trainable_params"] * 4
+    ratio = (plan.step_peak_mib * 2**20 - held) / (real["peak_between_ops"] - real["held_at_start"])
+    assert 0.95 <= ratio <= 1.05, (plan.step_peak_moment, ratio, held, real)
+    params = plan.trainable_params * 4
     assert held * 0.99 <= real["held_at_start"] <= held * 1.01 + params, (held, real)
     accumulating = any(s == "train.grad_accum=2" for s in settings)
-    assert (plan["step_peak_moment"] == ACCUMULATING) == accumulating
+    assert (plan.step_peak_moment == ACCUMULATING) == accumulating
 
 
 def _step_alloc(overrides: list[str]) -> dict:
@@ -253,15 +255,15 @@ def _step_alloc(overrides: list[str]) -> dict:
 # ------------------------------------------------------------------------------------------- on a card
 
 
-def _card_plan(*overrides: str) -> dict:
+def _card_plan(*overrides: str) -> Plan:
     cfg = compose_cfg("model=sdxl_tiny", "resolution=256", "train.batch_size=2", "optimizer=adamw8bit",
                       "precision=fp16", "data=synthetic", *PLAIN, *overrides)
     checked = preflight(cfg, overrides=list(overrides), platform=ANY_CUDA_GPU)
     return predict(checked, gpus.CATALOG["rtx4090"])
 
 
-def _terms(plan: dict) -> dict[tuple[str, str], float]:
-    return {(t["term"], t.get("moment", "persistent")): t["mib"] for t in plan["gpu_terms"]}
+def _terms(plan: Plan) -> dict[tuple[str, str], float]:
+    return {(t.term, t.held_in): t.mib for t in plan.gpu_terms}
 
 
 def test_on_a_card_the_plain_step_peaks_where_its_memory_is():
@@ -269,10 +271,10 @@ def test_on_a_card_the_plain_step_peaks_where_its_memory_is():
     backward), not the optimizer's step, and it moves with checkpointing and accumulation as the sources' do."""
     plain, checkpointed, accumulating = (_card_plan(*extra) for extra in (
         (), ("train.gradient_checkpointing=true",), ("train.grad_accum=2",)))
-    assert plain["step_peak_moment"] == checkpointed["step_peak_moment"] == "forward+backward"
-    assert accumulating["step_peak_moment"] == ACCUMULATING
-    assert checkpointed["step_peak_mib"] < plain["step_peak_mib"] < accumulating["step_peak_mib"]
-    terms, trained = _terms(accumulating), plain["trainable_params"] * 4 / 2**20
+    assert plain.step_peak_moment == checkpointed.step_peak_moment == "forward+backward"
+    assert accumulating.step_peak_moment == ACCUMULATING
+    assert checkpointed.step_peak_mib < plain.step_peak_mib < accumulating.step_peak_mib
+    terms, trained = _terms(accumulating), plain.trainable_params * 4 / 2**20
     assert terms[("deepspeed:accumulated_grads", ACCUMULATING)] == pytest.approx(trained)
     assert terms[("autocast_weight_copies", ACCUMULATING)] > 0
     # the step the planner predicted before, from a module cast to fp16: below the backward's fp32 gradients
@@ -292,9 +294,9 @@ def test_on_a_card_the_trace_takes_cudas_casts():
 
 def test_plain_loading_moves_the_fp32_module_and_builds_ddp_with_several_processes():
     one, two = (_card_plan(f"launch.num_processes={n}") for n in (1, 2))
-    loading = [{t["term"]: t["mib"] for t in p["phases"][0]["terms"]} for p in (one, two)]
-    assert loading[0]["unet_parameters"] >= one["trainable_params"] * 4 / 2**20
+    loading = [{t.term: t.mib for t in p.phases[0].terms} for p in (one, two)]
+    assert loading[0]["unet_parameters"] >= one.trainable_params * 4 / 2**20
     assert "ddp_gradient_buckets" not in loading[0]
-    assert loading[1]["ddp_gradient_buckets"] == pytest.approx(two["trainable_params"] * 4 / 2**20)
+    assert loading[1]["ddp_gradient_buckets"] == pytest.approx(two.trainable_params * 4 / 2**20)
     assert loading[1]["ddp_broadcast_buckets"] > 0
     assert _terms(two)[("deepspeed:ddp_gradient_buckets", "persistent")] == loading[1]["ddp_gradient_buckets"]

@@ -16,6 +16,7 @@ from zerotune.plan.allocator import CachingAllocator, block_size
 from zerotune.plan.command_line import platform_for
 from zerotune.plan.rules import Precision, StepShape, optimizer_temporaries
 from zerotune.plan.step_peak import step_peak
+from zerotune.rundir.plan import Plan, mib_of
 from zerotune.units import MIB
 
 CUDA = torch.device("cuda", 0)  # a device object: a device string would ask for the CUDA runtime
@@ -300,7 +301,7 @@ def test_foreach_adamw_adds_one_fp32_tensor_per_sub_group():
             optimizer.step()
         assert held == 2 * block_size(n * 4) + 512  # exp_avg, exp_avg_sq (+ `step`, a 0-d tensor)
         temporaries = optimizer_temporaries(StepShape(3, True, "torch.optim.AdamW", 2, 4, False, n, n, "cuda"), "cuda")
-        assert pool.sim.peak_allocated - held == block_size(sum(t["mib"] for t in temporaries) * MIB)
+        assert pool.sim.peak_allocated - held == block_size(mib_of(temporaries) * MIB)
 
 
 # ----------------------------------------------------------------------------------------------- the replay
@@ -310,9 +311,9 @@ def _checked(*overrides: str):
     ov = ["model=sdxl_tiny", "data=synthetic", "precision=bf16", "zero_stage=3", "resolution=64",
           "train.batch_size=2", "train.gradient_checkpointing=true", "evaluate.enabled=false",
           "checkpoint.final=false", *overrides]
-    cfg = compose_cfg(*ov)
     card = gpus.lookup("h100")
-    return cfg, preflight(cfg, overrides=ov, platform=platform_for(card)), card
+    checked = preflight(compose_cfg(*ov), overrides=ov, platform=platform_for(card))
+    return checked.config, checked, card
 
 
 @pytest.fixture()
@@ -338,7 +339,7 @@ def test_the_replayed_step_adds_up_to_its_reserved_peak(offload):
     terms = zero3_replay.step_terms(cfg, checked, card)
     peak, _ = step_peak(terms)
     assert peak * MIB == pytest.approx(max(s["reserved"] for s in steps), abs=1)
-    assert all(t["note"] for t in terms) and "allocator_reserve" in {t["term"] for t in terms}
+    assert all(t.note for t in terms) and "allocator_reserve" in {t.term for t in terms}
     assert zero3_replay.step_memory(cfg, checked, card) is found  # this process's cache
 
 
@@ -351,19 +352,19 @@ def test_the_trainer_empties_the_cache_after_the_build():
     # only whole free segments go back (this small build shares its segments with live blocks: none here)
     assert today["loading"]["end_reserved"] <= today["loading"]["reserved"] == before["loading"]["end_reserved"]
     assert today is not before and today["key"] != before["key"]
-    phase = zero3.loading(cfg, checked, card, {}, [])
-    assert phase["end_live_mib"] * MIB == pytest.approx(today["loading"]["end_reserved"])
+    phase = zero3.loading(cfg, checked, card, Plan(), [])
+    assert phase.end_live_mib * MIB == pytest.approx(today["loading"]["end_reserved"])
 
 
 @pytest.mark.usefixtures("cache")
 def test_the_loading_phase_is_the_replayed_engine_build():
     cfg, checked, card = _checked("offload=none")
-    phase = zero3.loading(cfg, checked, card, {}, [])
-    terms = {t["term"]: t["mib"] for t in phase["terms"]}
+    phase = zero3.loading(cfg, checked, card, Plan(), [])
+    terms = {t.term: t.mib for t in phase.terms}
     elements = sum(checked.model_stats.param_numels)
     assert terms["params"] == pytest.approx(block_size(2 * elements) / MIB, abs=2)  # one flat bf16 buffer
     assert terms["master_weights"] >= 4 * elements / MIB and terms["grads"] >= 2 * elements / MIB
-    assert phase["peak_mib"] == pytest.approx(zero3_replay.loading_memory(cfg, checked)["reserved"] / MIB)
+    assert phase.peak_mib == pytest.approx(zero3_replay.loading_memory(cfg, checked)["reserved"] / MIB)
 
 
 @pytest.mark.usefixtures("cache")
@@ -374,10 +375,10 @@ def test_a_card_plan_at_zero3_takes_its_step_from_the_replay():
     cfg, checked, card = _checked("offload=cpu")
     plan = predict(checked, card)
     replayed = zero3_replay.step_terms(cfg, checked, card)
-    assert {t["term"] for t in plan["gpu_terms"]} == {"cuda_context"} | {t["term"] for t in replayed}
-    assert plan["step_peak_mib"] == pytest.approx(CONTEXT[card.family]["bytes"] / MIB + step_peak(replayed)[0])
+    assert {t.term for t in plan.gpu_terms} == {"cuda_context"} | {t.term for t in replayed}
+    assert plan.step_peak_mib == pytest.approx(CONTEXT[card.family]["bytes"] / MIB + step_peak(replayed)[0])
     # no card named: nothing to replay for (no context, no workspace), the rules' sum stands
-    unknown = {t["term"] for t in predict(checked, None)["gpu_terms"]}
+    unknown = {t.term for t in predict(checked, None).gpu_terms}
     assert "allocator_rounding" in unknown and "allocator_reserve" not in unknown
 
 
