@@ -24,14 +24,28 @@ def test_workers_fork_from_the_template_only_for_this_process_and_only_while_it_
     socket_file = tmp_path / "template.sock"
     socket_file.touch()
     monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid()}:999")
-    assert warm.worker_args("BOOT", args) == ("-u", "-c", warm.STUB, str(socket_file), *args)
+    cold = ("-u", "-m", "zerotune.launch.bootstrap", *args)
+    assert warm.worker_args(args) == ("-u", "-m", "zerotune.launch.warm_stub", str(socket_file), *args)
     assert warm.template_pids() == {999}  # not one of a job's processes: its memory is not the trial's
     monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid() + 1}:999")
-    assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
+    assert warm.worker_args(args) == cold
     monkeypatch.setenv(warm.WARM_ENV, f"{tmp_path / 'gone.sock'}:{os.getpid()}:999")
-    assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
+    assert warm.worker_args(args) == cold
     monkeypatch.delenv(warm.WARM_ENV)
-    assert warm.worker_args("BOOT", args) == ("-u", "-c", "BOOT", *args)
+    assert warm.worker_args(args) == cold
+
+
+@pytest.mark.parametrize("module", ["zerotune.launch.bootstrap", "zerotune.launch.warm_stub"])
+def test_a_worker_whose_job_process_is_gone_ends_before_its_imports(tmp_path, module):
+    """Both first lines a worker can start from, as the launcher runs them (`python -m`), end at once where their
+    parent is not the job process that started them (here pid 1), before importing torch."""
+    stub_socket = [str(tmp_path / "none.sock")] if module.endswith("warm_stub") else []
+    done = subprocess.run([sys.executable, "-u", "-X", "importtime", "-m", module, *stub_socket, "1", "/run", "token"],
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0 and "the job process that started this worker is gone" in done.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "import time:" in line}
+    assert "zerotune.launch" in imported and "torch" not in imported and "zerotune.launch.worker" not in imported
 
 
 def _stub(path, parent: str = "1") -> subprocess.Popen:

@@ -1,5 +1,5 @@
-"""The worker's first lines: `python -c <BOOTSTRAP> <parent pid> <run dir> <gate token>`, started by torch's
-launcher.
+"""The worker's first lines: `python -u -m zerotune.launch.bootstrap <parent pid> <run dir> <gate token>`, started
+by torch's launcher.
 
 torch's launcher gives each worker a session of its own, so killing the job's process group misses
 the workers. They ask the kernel for SIGKILL when their parent dies (PR_SET_PDEATHSIG), and do it
@@ -12,22 +12,44 @@ ends its workers at once, wherever their imports are.
 
 Before all that, it holds the stop signals (zerotune/held_signals.py): SLURM signals the workers too, and one
 still importing would die of the signal's default action; held, it stops the worker where training begins.
+
+Standard library only until the guard: `-m` first imports the packages `zerotune` and `zerotune.launch`, whose
+__init__ files import nothing (3 ms more than `-c` here), and the package's heavy imports come after the guard
+(zerotune.held_signals, zerotune.launch.gate and zerotune.pause_hook are standard library only).
 """
 
-# `-c` rather than `-m zerotune...`, and the standard library only until the guard: the package's heavy imports
-# come after it (zerotune.held_signals, zerotune.launch.gate and zerotune.pause_hook are standard library only).
-BOOTSTRAP = (
-    "from zerotune.held_signals import hold; hold()\n"
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('zerotune worker: the job process that started this worker is gone')\n"
-    "from zerotune.console import worker_logging; worker_logging()\n"
-    "from zerotune.launch.gate import GateWatch\n"
-    "gate = GateWatch(sys.argv[2], sys.argv[3])\n"
-    "from zerotune.pause_hook import pause; pause('worker_imports')\n"
-    "from zerotune.launch.worker import main\n"
-    "from zerotune.exiting import exit_now\n"
-    "exit_now(main(sys.argv[2], gate))\n"
-)
+import sys
+
+MODULE = "zerotune.launch.bootstrap"  # what `python -m` runs (this file imports nothing more to say so)
+
+
+def main(argv: list[str]) -> None:
+    """`argv`: the job process's pid, the run folder, the gate's token."""
+    from zerotune.held_signals import hold
+
+    hold()
+    import ctypes
+    import os
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(argv[0]):
+        sys.exit("zerotune worker: the job process that started this worker is gone")
+    from zerotune.console import worker_logging
+
+    worker_logging()
+    from zerotune.launch.gate import GateWatch
+
+    gate = GateWatch(argv[1], argv[2])
+    from zerotune.pause_hook import pause
+
+    pause("worker_imports")
+    from zerotune.exiting import exit_now
+    from zerotune.launch.worker import main as train_worker
+
+    exit_now(train_worker(argv[1], gate))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -28,7 +28,6 @@ import psutil
 from zerotune import held_signals
 from zerotune.errors import ConfigError
 from zerotune.launch import warm
-from zerotune.launch.bootstrap import BOOTSTRAP
 from zerotune.launch.gate import Gate
 from zerotune.pause_hook import pause
 from zerotune.rundir.status import Status
@@ -114,7 +113,7 @@ class Launcher:
         self.timeout_s, self.gate = timeout_s, gate
         self._launch = elastic_launch(launch_config(launch, run_dir), sys.executable)
         # Forked from the sweep's warm template where one is up (launch/warm.py), else a fresh interpreter.
-        self._args = warm.worker_args(BOOTSTRAP, (str(os.getpid()), str(run_dir), gate.token))
+        self._args = warm.worker_args((str(os.getpid()), str(run_dir), gate.token))
         self._finished, self._timed_out = threading.Event(), threading.Event()
         self._host = HostWatch(skip_pids=warm.template_pids())
 

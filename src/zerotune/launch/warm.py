@@ -3,8 +3,8 @@
 A worker's start is mostly imports: torch, DeepSpeed, diffusers and the trainer take about 7 s here, paid
 again by every trial. The template is one process that imports them once, then forks each worker.
 
-torch's launcher still starts and watches every worker; what it starts is a stub (STUB: the standard library
-and zerotune.launch.warm_stub only), which hands the template its standard streams, environment, working
+torch's launcher still starts and watches every worker; what it starts is a stub (launch/warm_stub.py: the
+standard library only), which hands the template its standard streams, environment, working
 directory and arguments over a Unix socket, waits for the forked worker's exit status and exits with it. A stop
 signal the stub receives is passed on to the worker. A worker whose stub is gone (killed) is killed by the
 template, as a fresh worker dies with its launcher (PR_SET_PDEATHSIG); the template and its workers die with
@@ -32,20 +32,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zerotune.launch.bootstrap import MODULE as BOOTSTRAP
+
 log = logging.getLogger("zerotune")
 
 # "<socket>:<pid>:<template pid>": the template's socket, for the jobs the process <pid> launches itself (a job
 # submitted elsewhere, which may inherit the variable, starts its workers cold)
 WARM_ENV = "ZEROTUNE_WARM_WORKERS"
-STUB = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[2]):\n"
-    "    sys.exit('zerotune worker: the job process that started this worker is gone')\n"
-    "from zerotune.launch.warm_stub import run\n"
-    "run(sys.argv[1], sys.argv[2:])\n"
-)
+STUB = "zerotune.launch.warm_stub"  # run with -m
 POLL_S = 0.2
 
 
@@ -55,12 +49,12 @@ def _template() -> tuple[str, int] | None:
     return (parts[0], int(parts[2])) if len(parts) == 3 and parts[1] == str(os.getpid()) else None
 
 
-def worker_args(bootstrap: str, args: tuple[str, ...]) -> tuple[str, ...]:
+def worker_args(args: tuple[str, ...]) -> tuple[str, ...]:
     """The interpreter arguments of a worker: the stub where a template is up, else the usual bootstrap."""
     template = _template()
     if template is not None and Path(template[0]).exists():
-        return ("-u", "-c", STUB, template[0], *args)
-    return ("-u", "-c", bootstrap, *args)
+        return ("-u", "-m", STUB, template[0], *args)
+    return ("-u", "-m", BOOTSTRAP, *args)
 
 
 def template_pids() -> frozenset[int]:
