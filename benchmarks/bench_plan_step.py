@@ -18,6 +18,10 @@ import subprocess
 import sys
 from itertools import product
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerotune.rundir.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -45,7 +49,7 @@ def measured(config: tuple, cache: dict) -> dict:
     return cache[key]
 
 
-def predicted(config: tuple) -> dict:
+def predicted(config: tuple) -> Plan:
     """The planner's CPU prediction of the same job (the same overrides step_alloc.py composes)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.step_alloc import QUICK, RESOLUTION
@@ -61,9 +65,10 @@ def predicted(config: tuple) -> dict:
 
 def compare(config: tuple, cache: dict) -> dict:
     real, plan = measured(config, cache), predicted(config)
-    return {"config": config, "predicted": plan["step_peak_mib"] * MIB, "moment": plan["step_peak_moment"],
+    peak = float(plan.step_peak_mib or 0.0) * MIB
+    return {"config": config, "predicted": peak, "moment": plan.step_peak_moment,
             "measured": real["peak_between_ops"], "held": real["held_at_start"],
-            "ratio": plan["step_peak_mib"] * MIB / real["peak_between_ops"], "optimizer": real["optimizer_class"]}
+            "ratio": peak / real["peak_between_ops"], "optimizer": real["optimizer_class"]}
 
 
 def _cache(path: str | None) -> dict:

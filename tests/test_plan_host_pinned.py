@@ -12,6 +12,7 @@ from zerotune.plan.host import HEAP_KEPT, MMAP_THRESHOLD_MAX, cuda_only, heap_ke
 from zerotune.plan.pinned import PINNED_CACHE, PINNED_ROUNDING, pinned_block_bytes, rounding_bytes
 from zerotune.plan.rules import split_groups
 from zerotune.plan.zero12 import zero12_flat
+from zerotune.rundir.plan import Plan, Term
 from zerotune.units import MIB
 
 # ------------------------------------------------------------------------------------------- the rounding rule
@@ -125,7 +126,7 @@ def test_a_zero2_cpu_offload_plans_host_terms_hold_each_groups_pinned_blocks(gro
     cut = split_groups(list(stats.trainable_numels or stats.param_numels), checked.group_sizes())
     assert len(cut) == groups
     parts = [zero12_flat(g, 1, False, 2) for g in cut]  # one rank: each group's partition is its flat buffer
-    held = {t["term"]: t["mib"] * MIB for t in plan["host_terms"]}
+    held = {t.term: t.mib * MIB for t in plan.host_terms}
     for name, elem in (("offload_fp32_master", 4), ("offload_fp32_grad_partition", 4),
                        ("offload_bit16_param_partition", 2)):
         blocks = sum(pinned_block_bytes(p * elem) for p in parts)  # each group's tensor pinned on its own
@@ -137,10 +138,10 @@ def test_a_zero2_cpu_offload_plans_host_terms_hold_each_groups_pinned_blocks(gro
         held["deepspeed:offload_fp32_grad_partition" + PINNED_ROUNDING] == \
         pytest.approx(sum(pinned_block_bytes(p * 4) for p in parts))
     # the host figure is the worker's RSS: its process baseline beside the larger of its terms and its fp32 build
-    process = {t["term"]: t["mib"] * MIB for t in plan["host_process_terms"]["terms"]}
+    process = {t["term"]: t["mib"] * MIB for t in plan.host_process_terms["terms"]}
     terms = sum(v for k, v in held.items() if k != "model_load")
     assert process["rank_tensors"] == pytest.approx(max(terms, held["model_load"]), rel=1e-6)
-    assert plan["host_peak_mib"] * MIB == pytest.approx(process["process_baseline"] + process["rank_tensors"], rel=1e-6)
+    assert plan.host_peak_mib * MIB == pytest.approx(process["process_baseline"] + process["rank_tensors"], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- ZeRO-3 offload
@@ -166,8 +167,8 @@ def test_zero3_offload_rounds_its_pinned_buffers_and_keeps_zero_inits():
 # ------------------------------------------------------------------------------------------- where they count
 
 
-def terms(*pairs: tuple[str, float], moment: str | None = None) -> list[dict]:
-    return [{"term": name, "mib": mib, "note": "", **({"moment": moment} if moment else {})} for name, mib in pairs]
+def terms(*pairs: tuple[str, float], moment: str | None = None) -> list[Term]:
+    return [Term(name, mib, "", moment) for name, mib in pairs]
 
 
 CARD_HOST = terms(("master_weights", 100.0), ("deepspeed:offload_fp32_master" + PINNED_ROUNDING, 28.0),
@@ -177,23 +178,24 @@ CARD_HOST = terms(("master_weights", 100.0), ("deepspeed:offload_fp32_master" + 
 def test_the_terms_only_a_card_has_leave_a_cpu_accelerators_host():
     assert cuda_only("deepspeed:offload_fp32_master" + PINNED_ROUNDING) and cuda_only("deepspeed:" + HEAP_KEPT)
     assert cuda_only("zero_init_param_partitions" + PINNED_CACHE) and not cuda_only("deepspeed:offload_temp_grad_host")
-    plan = {"device": "cuda", "gpu_terms": terms(("cuda_context", 400.0), ("params", 10.0)), "host_terms": CARD_HOST}
+    plan = Plan.made(device="cuda", gpu_terms=terms(("cuda_context", 400.0), ("params", 10.0)), host_terms=CARD_HOST)
     assert rank_terms(plan, "cuda") == {"master_weights": 100.0, "deepspeed:offload_fp32_master" + PINNED_ROUNDING: 28.0,
                                         "deepspeed:" + HEAP_KEPT: 7.0}
     assert rank_terms(plan, "cpu") == {"params": 10.0, "master_weights": 100.0}
     # a CPU plan's step peak holds them too (predict.py pools the host terms): the process figure leaves them out
-    cpu = {"device": "cpu", "step_peak_mib": 135.0, "step_peak_moment": "persistent", "step_terms": CARD_HOST[:3],
-           "host_terms": terms(("model_load", 20.0))}
+    cpu = Plan.made(device="cpu", step_peak_mib=135.0, step_peak_moment="persistent", step_terms=CARD_HOST[:3],
+                    host_terms=terms(("model_load", 20.0)))
     assert process.rank_tensors_mib(cpu)[0] == 100.0
 
 
 def test_a_cards_host_figure_is_the_process_rss_of_its_ranks(monkeypatch):
     monkeypatch.setattr(process, "process_baseline_mib", lambda on_card=False: None if on_card else 500.0)
-    plan = {"device": "cuda", "host_peak_mib": 135.0, "host_terms": CARD_HOST}
-    marked = process.card_process_prediction(dict(plan), 2)
-    assert marked["host_peak_kind"] == process.PROCESS_RSS
-    assert marked["host_peak_mib"] == 2 * (500.0 + 135.0)  # the step's host terms, above the 120 MiB fp32 build
-    loading = process.card_process_prediction({**plan, "host_terms": terms(("model_load", 900.0))}, 1)
-    assert loading["host_peak_mib"] == 500.0 + 900.0
+    plan = Plan.made(device="cuda", host_peak_mib=135.0, host_terms=CARD_HOST)
+    marked = process.card_process_prediction(plan, 2)
+    assert marked.host_peak_kind == process.PROCESS_RSS
+    assert marked.host_peak_mib == 2 * (500.0 + 135.0)  # the step's host terms, above the 120 MiB fp32 build
+    assert plan.host_peak_mib == 135.0 and "host_peak_kind" not in plan  # a new plan: the one given is as it was
+    loading = process.card_process_prediction(plan.adding(host_terms=terms(("model_load", 900.0))), 1)
+    assert loading.host_peak_mib == 500.0 + 900.0
     monkeypatch.setattr(process, "process_baseline_mib", lambda on_card=False: None)  # unmeasured: the figure stays
-    assert process.card_process_prediction(dict(plan), 1)["host_peak_mib"] == 135.0
+    assert process.card_process_prediction(plan, 1).host_peak_mib == 135.0

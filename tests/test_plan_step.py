@@ -12,8 +12,9 @@ from benchmarks.bench_plan_step import compare, configs
 from tests.helpers.cli import compose_cfg, preflight
 from zerotune.plan import gpus
 from zerotune.plan.predict import predict
-from zerotune.plan.step_peak import MOMENTS, terms_at_peak
+from zerotune.plan.step_peak import MOMENTS
 from zerotune.platform import ANY_CUDA_GPU
+from zerotune.rundir.plan import Plan, at_peak, mib_of
 
 GRID = configs(["tiny", "sdxl_tiny"], [0, 1, 2, 3], ["none", "cpu"], ["fp32", "bf16"])
 QUICK = [("tiny", 0, "none", "bf16")]  # the stage-0 step transient the planner lacked; the rest under -m slow
@@ -35,15 +36,15 @@ def test_the_step_peak_matches_what_torch_allocates_across_the_grid(config):
     _check(config)
 
 
-def _plan(*overrides: str, device: str = "cuda") -> dict:
+def _plan(*overrides: str, device: str = "cuda") -> Plan:
     cfg = compose_cfg("model=sdxl", "resolution=1024", "train.batch_size=1", "precision=bf16", *overrides)
     gpu = gpus.CATALOG["rtx4090"] if device == "cuda" else None
     checked = preflight(cfg, overrides=list(overrides), platform=ANY_CUDA_GPU if gpu else None)
     return predict(checked, gpu, device=device)
 
 
-def _terms(plan: dict, key: str = "gpu_terms") -> dict[tuple[str, str], float]:
-    return {(t["term"], t.get("moment", "persistent")): t["mib"] for t in plan[key]}
+def _terms(plan: Plan, key: str = "gpu_terms") -> dict[tuple[str, str], float]:
+    return {(t.term, t.held_in): t.mib for t in getattr(plan, key)}
 
 
 def test_stage0_bf16_holds_fp32_gradient_copies_inside_the_step_on_cuda_and_on_this_cpu():
@@ -65,17 +66,17 @@ def test_stage0_bf16_holds_fp32_gradient_copies_inside_the_step_on_cuda_and_on_t
     assert terms[("step_fp32_grads", "step:update")] == pytest.approx(numel * 4 / mib)
     largest = preflight(compose_cfg("model=sdxl", "resolution=1024")).model_stats.largest_param_numel
     assert terms[("optimizer_temporaries", "step:update")] == pytest.approx(2 * largest * 4 / mib)
-    assert cpu["gpu_peak_mib"] is None and cpu["step_peak_moment"] == "step:update"
+    assert cpu.gpu_peak_mib is None and cpu.step_peak_moment == "step:update"
 
 
 def test_the_step_peak_is_what_it_holds_plus_its_largest_moment():
     plan = _plan("zero_stage=2", "offload=none")
-    at = {m: sum(t["mib"] for t in terms_at_peak(plan["gpu_terms"], m)) for m in MOMENTS}
-    assert plan["gpu_peak_mib"] == pytest.approx(max(at.values())) == pytest.approx(at[plan["step_peak_moment"]])
+    at = {m: mib_of(at_peak(plan.gpu_terms, m)) for m in MOMENTS}
+    assert plan.gpu_peak_mib == pytest.approx(max(at.values())) == pytest.approx(at[plan.step_peak_moment])
     # an activation peak and the optimizer's transients never coincide: the sum of all terms is more
-    assert sum(t["mib"] for t in plan["gpu_terms"]) > plan["gpu_peak_mib"]
+    assert mib_of(plan.gpu_terms) > plan.gpu_peak_mib
 
 
 def test_stage0_no_longer_ranks_below_stages_1_and_2():
     stage0, stage2 = _plan("zero_stage=0", "offload=none"), _plan("zero_stage=2", "offload=none")
-    assert stage0["gpu_peak_mib"] > stage2["gpu_peak_mib"]
+    assert stage0.gpu_peak_mib > stage2.gpu_peak_mib
