@@ -75,8 +75,8 @@ def test_the_plan_names_the_optimizer_and_its_source():
     from zerotune.plan import predict
 
     plan = predict.predict(checked, None, device="cpu")
-    terms = [t for t in plan["host_terms"] if t["term"] == "optimizer_states"]
-    assert terms and "transformers.Adafactor" in terms[0]["note"] and "optimization.py" in terms[0]["note"]
+    terms = [t for t in plan.host_terms if t.term == "optimizer_states"]
+    assert terms and "transformers.Adafactor" in terms[0].note and "optimization.py" in terms[0].note
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -175,14 +175,14 @@ def test_adafactors_step_copies_are_planned_where_it_steps():
     for offload, where in (("none", "gpu_terms"), ("cpu", "host_terms")):
         checked = preflight(compose_cfg("optimizer=adafactor", "zero_stage=2", f"offload={offload}"))
         plan = predict.predict(checked, lookup("rtx4090"))
-        temps = [t for t in plan[where] if t["term"] == "optimizer_temporaries"]
+        temps = [t for t in getattr(plan, where) if t.term == "optimizer_temporaries"]
         stats = checked.model_stats
         states = model_state_bytes(list(stats.param_numels), checked.ds_config, 1, 0, True, None,
                                    checked.client_optimizer, None, checked.group_sizes())
         assert len(states["step_groups"]) > 1  # deepspeed.param_groups: auto (16) at ZeRO-2, as the layout cuts them
-        assert temps and temps[0]["mib"] * 2**20 == pytest.approx(2 * max(states["step_groups"]) * 4), where
-    times = {t["term"]: t for t in plan["time_terms"]}
-    assert times["cpu_optimizer"]["seconds"] is None and "unmeasured" in times["cpu_optimizer"]["note"]
+        assert temps and temps[0].mib * 2**20 == pytest.approx(2 * max(states["step_groups"]) * 4), where
+    times = {t.term: t for t in plan.time_terms}
+    assert times["cpu_optimizer"].seconds is None and "unmeasured" in times["cpu_optimizer"].note
 
 
 def test_8bit_states_through_nvme_are_refused_and_the_fix_works(tmp_path):

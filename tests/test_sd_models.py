@@ -38,10 +38,10 @@ def test_the_planner_covers_both(name, size):
     checked = preflight(compose_cfg(f"model={name}", f"resolution={size}", "precision=bf16", "train.batch_size=1",
                                     "zero_stage=2", "optimizer=adamw8bit", "train.gradient_checkpointing=true"))
     plan = predict.predict(checked, lookup("rtx4090"))
-    terms = {t["term"]: t for t in plan["gpu_terms"]}
-    assert terms["activations"]["mib"] > 0 and "trace" in terms["activations"]["note"]
-    assert "Optimizer2State.init_state" in terms["optimizer_states"]["note"]
-    assert plan["run_peak_mib"] < 24 * 1024  # fits a 4090 (SD fine-tunes do: 8-bit states, checkpointing)
+    terms = {t.term: t for t in plan.gpu_terms}
+    assert terms["activations"].mib > 0 and "trace" in terms["activations"].note
+    assert "Optimizer2State.init_state" in terms["optimizer_states"].note
+    assert plan.run_peak_mib < 24 * 1024  # fits a 4090 (SD fine-tunes do: 8-bit states, checkpointing)
 
 
 def test_a_missing_component_names_the_ones_sd_needs(tmp_path):

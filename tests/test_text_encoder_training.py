@@ -95,12 +95,12 @@ def test_the_plan_counts_the_trained_encoder_in_every_term():
         return predict.predict(checked, lookup("rtx4090"))
 
     alone, both = plan("none"), plan("te1")
-    terms = {name: {t["term"]: t for t in p["gpu_terms"]} for name, p in (("alone", alone), ("both", both))}
-    assert "text encoders trained with the U-Net: text_encoder" in both["workload"]
-    assert terms["both"]["params"]["mib"] - terms["alone"]["params"]["mib"] == pytest.approx(TE1 * 2 / 2**20, abs=0.1)
-    assert terms["both"]["activations"]["mib"] > terms["alone"]["activations"]["mib"]
-    assert "Optimizer2State.init_state" in terms["both"]["optimizer_states"]["note"]
-    assert terms["both"]["optimizer_states"]["mib"] > terms["alone"]["optimizer_states"]["mib"]
+    terms = {name: {t.term: t for t in p.gpu_terms} for name, p in (("alone", alone), ("both", both))}
+    assert "text encoders trained with the U-Net: text_encoder" in both.workload
+    assert terms["both"]["params"].mib - terms["alone"]["params"].mib == pytest.approx(TE1 * 2 / 2**20, abs=0.1)
+    assert terms["both"]["activations"].mib > terms["alone"]["activations"].mib
+    assert "Optimizer2State.init_state" in terms["both"]["optimizer_states"].note
+    assert terms["both"]["optimizer_states"].mib > terms["alone"]["optimizer_states"].mib
 
 
 def test_resuming_another_choice_is_refused(tmp_path):
