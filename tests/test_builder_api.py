@@ -178,7 +178,7 @@ def test_the_fit_bar_adds_up_to_the_planners_peak(client):
     assert sum(s["mib"] for s in plan["bar"]) == pytest.approx(plan["gpu_peak_mib"], rel=1e-12)
     assert {s["segment"] for s in plan["bar"]} == set(form_segments())
     cfg = compose([])
-    expected = predict(preflight(cfg), form_gpu("rtx4090"))["gpu_peak_mib"]
+    expected = predict(preflight(cfg), form_gpu("rtx4090")).gpu_peak_mib
     assert plan["gpu_peak_mib"] == pytest.approx(expected)
 
 
@@ -473,7 +473,7 @@ def test_the_fit_answer_marks_the_runs_phases_when_the_plan_has_them(client, mon
         cfg = compose(overrides)
         checked = preflight(cfg)
         plan = predict(checked, gpu)
-        return {**plan, "phases": run_phases(checked.config, checked, gpu, plan)}
+        return plan.adding(phases=run_phases(checked.config, checked, gpu, plan))
 
     monkeypatch.setattr(fit_module, "plan_job", with_phases)
     plan = client.post("/api/fit", json={"choices": {}, "values": {}, "gpu": "rtx4090"}).json()
