@@ -28,6 +28,8 @@ from zerotune.plan.host import node_need_mib
 from zerotune.platform import Platform
 from zerotune.report import collect, plots
 from zerotune.report.budget import budget_answer
+from zerotune.rundir.plan import Plan as Prediction
+from zerotune.rundir.plan import Term
 from zerotune.rundir.run_summary import RunSummary
 from zerotune.schema.job import Plan
 from zerotune.telemetry.host import HostExit, HostMemory, HostSample, near_limit, read_host_memory
@@ -36,16 +38,17 @@ SDXL = ("model=sdxl", "data=synthetic", "resolution=128", "train.batch_size=1")
 TINY = ("evaluate.enabled=false", "scheduler=constant", "train.batch_size=8", "train.log_every=1")
 
 
-def _term(name: str, mib: float) -> dict:
-    return {"term": name, "mib": mib, "note": ""}
+def _term(name: str, mib: float) -> Term:
+    return Term(name, mib, "")
 
 
 # One rank on a CPU accelerator: 2,000 + 2,000 + 1,500 + 500 device MiB (the CUDA-only terms left out) beside a
 # 1,000 MiB EMA on the host = 7,000 MiB; the fp32 build (3,000 MiB) comes first and is smaller.
-PLAN = {"gpu_peak_mib": 6100.0, "trainable_params": 2_567_463_684, "frozen_params": 0,  # SDXL's U-Net
-        "gpu_terms": [_term("cuda_context", 400), _term("params", 2000), _term("grads", 2000),
-                      _term("optimizer_states", 1500), _term("activations", 500), _term("allocator_rounding", 100)],
-        "host_terms": [_term("ema", 1000), _term("model_load", 3000)]}
+PLAN = Prediction.made(gpu_peak_mib=6100.0, trainable_params=2_567_463_684, frozen_params=0,  # SDXL's U-Net
+                       gpu_terms=[_term("cuda_context", 400), _term("params", 2000), _term("grads", 2000),
+                                  _term("optimizer_states", 1500), _term("activations", 500),
+                                  _term("allocator_rounding", 100)],
+                       host_terms=[_term("ema", 1000), _term("model_load", 3000)])
 
 
 def _cfg(guard="refuse", ranks=1, host_mib=None, adapter="none"):
@@ -69,7 +72,7 @@ def cpu_host(monkeypatch):
 
 
 def _guarded(cfg, plan=PLAN):
-    plan = {**plan, "host_fit": planning.host_fit(cfg, plan)}
+    plan = plan.adding(host_fit=planning.host_fit(cfg, plan))
     return planning.guard(cfg, plan), plan
 
 
@@ -80,7 +83,7 @@ def test_a_cpu_rank_holds_its_device_terms_in_host_memory():
     assert node_need_mib(PLAN, 1, "cpu") == pytest.approx(7000)
     assert node_need_mib(PLAN, 3, "cpu") == pytest.approx(21000)     # every rank on the node holds its own
     assert node_need_mib(PLAN, 2, "cuda") == pytest.approx(6000)     # on a GPU the host holds the host terms
-    assert node_need_mib({"error": "planner failed"}, 1, "cpu") is None
+    assert node_need_mib(Prediction.made(error="planner failed"), 1, "cpu") is None
 
 
 def test_the_default_guard_refuses():
@@ -110,14 +113,14 @@ def test_warn_and_skip_act_as_on_cuda(cpu_host, caplog):
     assert _guarded(_cfg("warn"))[0] is None
     assert "predicted peak 7,000 MiB" in caplog.text and "plan.guard=warn" in caplog.text
     decision, plan = _guarded(_cfg("skip"))
-    assert decision == "predicted_oom" and plan["host_fit"]["fits"] is False
+    assert decision == "predicted_oom" and plan.host_fit["fits"] is False
 
 
 def test_a_prediction_that_fits_passes(cpu_host):
     cpu_host(7100)
     decision, plan = _guarded(_cfg("refuse"))
-    assert decision is None and plan["host_fit"]["fits"] is True
-    assert plan["host_fit"]["needed_mib"] == pytest.approx(7000) and plan["host_fit"]["available_mib"] == 7100
+    assert decision is None and plan.host_fit["fits"] is True
+    assert plan.host_fit["needed_mib"] == pytest.approx(7000) and plan.host_fit["available_mib"] == 7100
 
 
 def test_ranks_on_a_node_add_up(cpu_host):
@@ -144,7 +147,7 @@ def test_plan_host_mib_must_be_a_positive_number(bad):
 
 def test_no_figures_nothing_to_guard(cpu_host):
     cpu_host(1)
-    assert planning.guard(_cfg("refuse"), {"gpu_peak_mib": 10**9}) is None  # no host_fit: the planner failed
+    assert planning.guard(_cfg("refuse"), Prediction.made(gpu_peak_mib=10**9)) is None  # no host_fit: the planner failed
 
 
 def test_this_hosts_memory_is_read():
@@ -235,7 +238,7 @@ def _killed(samples, exitcode=-signal.SIGKILL, oom_kills=0, kernel_log=False) ->
                         exitcode=exitcode, host=HostExit(samples, oom_kills, kernel_log))
 
 
-SUMMARY = RunSummary(plan={"host_fit": {"needed_mib": 30000.0, "budget_mib": None}})
+SUMMARY = RunSummary(plan=Prediction.made(host_fit={"needed_mib": 30000.0, "budget_mib": None}))
 
 
 def test_a_sigkill_under_memory_pressure_is_a_host_oom():
