@@ -3,15 +3,17 @@ as it ran then, the loading's freed blocks under the step where the step's tenso
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from benchmarks.gpu.replan import as_run_before_the_build_emptied_the_cache
+from zerotune.rundir.plan import Phase, Plan, Term
 
 
-def answer(master_on_gpu: float, step_peak: float) -> dict:
-    loading = {"phase": "loading", "peak_mib": 25_000.0, "freed_at_end_mib": 9_980.0,
-               "terms": [{"term": "master_partition_clone", "mib": 4_898.0}]}
-    step = {"phase": "step", "peak_mib": step_peak}
-    return {"phases": [loading, step], "run_peak_mib": max(25_000.0, step_peak),
-            "gpu_terms": [{"term": "master_weights", "mib": master_on_gpu}]}
+def answer(master_on_gpu: float, step_peak: float) -> Plan:
+    loading = Phase("loading", 25_000.0, (Term("master_partition_clone", 4_898.0),), "", freed_at_end_mib=9_980.0)
+    step = Phase("step", step_peak, (), "")
+    return Plan.made(phases=[loading, step], run_peak_mib=max(25_000.0, step_peak),
+                     gpu_terms=[Term("master_weights", master_on_gpu)])
 
 
 def test_the_step_tensors_larger_than_every_freed_block_add_to_it():
@@ -28,5 +30,6 @@ def test_step_tensors_that_fit_the_freed_blocks_reuse_them():
 
 def test_a_plan_without_freed_blocks_is_its_own_run_peak():
     plan = answer(9_794.0, 55_000.0)
-    plan["phases"][0].pop("freed_at_end_mib")
-    assert as_run_before_the_build_emptied_the_cache(plan, 1) == plan["run_peak_mib"]
+    loading, step = plan.phases
+    plan = plan.adding(phases=[replace(loading, freed_at_end_mib=None), step])
+    assert as_run_before_the_build_emptied_the_cache(plan, 1) == plan.run_peak_mib

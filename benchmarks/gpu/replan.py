@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+from zerotune.rundir.plan import Plan, mib_of
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results" / "gpu"
 
@@ -33,7 +35,7 @@ def recorded_rows() -> list[tuple[str, str, dict]]:
     return rows
 
 
-def as_run_before_the_build_emptied_the_cache(answer: dict, groups: int) -> float:
+def as_run_before_the_build_emptied_the_cache(answer: Plan, groups: int) -> float:
     """The run's peak for a row recorded before zerotune emptied the CUDA cache after the engine's build (every row
     without a recorded `param_groups`): what ZeRO-1/2's loading freed (the parameters' own blocks and the
     partition's clone, the phase's `freed_at_end_mib`) stayed reserved under the step. The caching allocator
@@ -42,18 +44,25 @@ def as_run_before_the_build_emptied_the_cache(answer: dict, groups: int) -> floa
     larger than the largest freed block (the clone, in the run's dtype), so the two pools add. With offload those
     live on the host, the card's step tensors fit into the freed blocks, and the pool is the larger of the two.
     ZeRO-3's rows: zero3_kept_cache."""
-    phases = {p["phase"]: p for p in answer.get("phases", [])}
+    run_peak = _run_peak(answer)
+    phases = {p.phase: p for p in answer.phases}
     loading, step = phases.get("loading"), phases.get("step")
-    freed = (loading or {}).get("freed_at_end_mib")
-    if not freed or step is None:
-        return answer["run_peak_mib"]
-    clone = next((t["mib"] for t in loading["terms"] if t["term"] == "master_partition_clone"), 0.0)
-    master = sum(t["mib"] for t in answer["gpu_terms"] if t["term"] == "master_weights")
-    under_step = step["peak_mib"] + freed if master / groups > clone else max(step["peak_mib"], loading["peak_mib"])
-    return max(answer["run_peak_mib"], under_step)
+    freed = loading.freed_at_end_mib if loading else None
+    if not freed or loading is None or step is None:
+        return run_peak
+    clone = next((t.mib or 0.0 for t in loading.terms if t.term == "master_partition_clone"), 0.0)
+    master = mib_of(t for t in answer.gpu_terms if t.term == "master_weights")
+    under_step = step.peak_mib + freed if master / groups > clone else max(step.peak_mib, loading.peak_mib)
+    return max(run_peak, under_step)
 
 
-def zero3_kept_cache(answer: dict, overrides: list[str], card) -> float | None:
+def _run_peak(answer: Plan) -> float:
+    if answer.run_peak_mib is None:
+        raise ValueError(f"the plan has no run peak: {answer.error or 'no card named'}")
+    return answer.run_peak_mib
+
+
+def zero3_kept_cache(answer: Plan, overrides: list[str], card) -> float | None:
     """A ZeRO-3 row's run peak with the engine build's cache kept: the step replayed so (zero3_replay.step_terms,
     emptied=False) in place of the plan's step phase, the other phases as planned. None at other stages."""
     from zerotune.compose import compose
@@ -64,15 +73,14 @@ def zero3_kept_cache(answer: dict, overrides: list[str], card) -> float | None:
     from zerotune.plan.zero3_replay import step_terms
     from zerotune.preflight import check
 
-    cfg = compose(overrides)
-    checked = check(settle(cfg, overrides), platform_for(card))
+    checked = check(settle(compose(overrides), overrides), platform_for(card))
     if not checked.use_deepspeed or zero_stage(checked) != 3:
         return None
-    kept = step_terms(cfg, checked, card, emptied=False)
+    kept = step_terms(checked.config, checked, card, emptied=False)
     if kept is None:
         return None
-    context = sum(t["mib"] for t in answer["gpu_terms"] if t["term"] == "cuda_context")
-    others = [p["reserved_mib"] for p in answer.get("phases", []) if p["phase"] != "step"]
+    context = mib_of(t for t in answer.gpu_terms if t.term == "cuda_context")
+    others = [p.reserved_mib for p in answer.phases if p.phase != "step"]
     return max([context + step_peak(kept)[0], *others])
 
 
@@ -102,7 +110,7 @@ def main() -> int:
             overrides.append(f"deepspeed.param_groups={groups}")
         answer = plan_one(overrides, gpus.lookup(card))
         if "param_groups" in row:
-            today = answer["run_peak_mib"]
+            today = _run_peak(answer)
         else:  # the trainer did not empty the cache after the engine's build yet
             kept = zero3_kept_cache(answer, overrides, gpus.lookup(card))
             today = kept if kept is not None else as_run_before_the_build_emptied_the_cache(answer, groups)
@@ -110,7 +118,7 @@ def main() -> int:
         before = (row.get("predicted") or {}).get("run_peak_mib")
         recorded, recorded_ratio = (f"{before:,.0f}", f"{before / measured:.3f}") if before else ("unrecorded", "-")
         # the kit's rows run on one node: its ranks are the plan's world
-        host = process.card_process_prediction(answer, int(answer["world_size"]))["host_peak_mib"]
+        host = process.card_process_prediction(answer, int(answer.world_size or 1)).host_peak_mib
         print(f"| {folder} | {row['name']} | {card} | {recorded} | {today:,.0f} | {measured:,.0f} | "
               f"{recorded_ratio} | {today / measured:.3f} | "
               f"{host_cells(row, host)} |")
