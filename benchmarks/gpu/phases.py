@@ -177,14 +177,14 @@ def main(argv: list[str]) -> int:
 
 
 def predict(overrides: list[str]) -> dict | None:
-    """The planner's answer for this job on the card present: in this one-process run, zerotune's parent (which
-    records it in summary.json as plan.*) does not run."""
+    """The planner's answer for this job on the card present, as summary.json writes it: in this one-process run,
+    zerotune's parent (which records it in summary.json as plan.*) does not run."""
     from zerotune.errors import ConfigError
     from zerotune.plan.command_line import plan_one
     from zerotune.plan.guard import present_gpu
 
     try:
-        return plan_one(overrides, present_gpu())
+        return plan_one(overrides, present_gpu()).to_dict()
     except ConfigError as exc:
         print(f"phases: no plan: {exc}", file=sys.stderr)
         return None
