@@ -21,6 +21,7 @@ import tempfile
 import time
 
 from zerotune.compose import compose
+from zerotune.compose.settle import settle
 from zerotune.models import latent_shape
 
 CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32)), ("sdxl_tiny", (64, 128, 256)))
@@ -28,8 +29,10 @@ CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32))
 
 
 def model_cfg(name: str, size: int | None = None, adapter: str = "none"):
-    """The model's config and the adapter's (interpolations resolved against the whole config)."""
-    cfg = compose([f"model={name}", "data=synthetic", f"adapter={adapter}"] + ([f"resolution={size}"] if size else []))
+    """The model's config and the adapter's, as the job settles them (interpolations resolved against the whole
+    config)."""
+    overrides = [f"model={name}", "data=synthetic", f"adapter={adapter}"] + ([f"resolution={size}"] if size else [])
+    cfg = settle(compose(overrides), overrides).config
     return cfg.model, cfg.adapter
 
 

@@ -385,7 +385,7 @@ def test_an_fp16_file_on_a_machine_without_fp16_is_fixed_in_the_file_or_planned_
     from zerotune.plan import gpus
     from zerotune.plan.command_line import plan_one
 
-    assert plan_one(overrides, gpus.lookup("h100"))["gpu"]  # what `zerotune plan ... --gpu h100` runs
+    assert plan_one(overrides, gpus.lookup("h100")).gpu  # what `zerotune plan ... --gpu h100` runs
 
 
 def test_a_zero_file_where_deepspeed_is_missing_is_fixed_in_the_file(tmp_path):
