@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.cli import compose_cfg
+from zerotune.compose.settle import settle
 from zerotune.errors import ConfigError
 from zerotune.models import latent_shape, model_stats
 from zerotune.plan import activations
@@ -52,8 +53,13 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(activations, "_TRACES", {})
 
 
+def _settled(*overrides: str):
+    """The job's config as the planner takes it: composed and settled (compose/settle.py)."""
+    return settle(compose_cfg(*overrides)).config
+
+
 def _model(name: str):
-    return compose_cfg(f"model={name}", "data=synthetic").model
+    return _settled(f"model={name}", "data=synthetic").model
 
 
 @pytest.mark.parametrize("model,size,checkpointing", cases(CASES))
@@ -73,7 +79,7 @@ LORA_CASES = [("tiny", 16, False), ("sdxl_tiny", 128, False), ("sdxl_tiny", 128,
 
 @pytest.mark.parametrize("model,size,checkpointing", cases(LORA_CASES, "-lora"))
 def test_traced_activation_peak_is_the_real_steps_with_lora(model, size, checkpointing):
-    cfg = compose_cfg(f"model={model}", "data=synthetic", "adapter=lora")
+    cfg = _settled(f"model={model}", "data=synthetic", "adapter=lora")
     shape = latent_shape(cfg.model, size)
     traced = trace_step(cfg.model, shape, 2, "fp32", checkpointing, str(cfg.model.attention), cfg.adapter)
     real = measure_step_on_cpu(cfg.model, shape, 2, checkpointing, str(cfg.model.attention), adapter_cfg=cfg.adapter)
@@ -123,12 +129,12 @@ def test_every_setting_has_its_own_key():
     assert len(keys) == 1 + len(variants)
     assert activations.trace_key(_model("sdxl_tiny"), *base) not in keys
     # the adapter and each of its settings; adapter=none is full training's key
-    adapters = [compose_cfg("model=tiny", *extra).adapter for extra in (
+    adapters = [_settled("model=tiny", *extra).adapter for extra in (
         ["adapter=lora"], ["adapter=lora", "adapter.rank=4"], ["adapter=lora", "adapter.dropout=0.1"],
         ["adapter=lora", "adapter.target_modules=[conv1]"])]
     tuned = {activations.trace_key(cfg, *base, a) for a in adapters}
     assert len(tuned) == len(adapters) and not tuned & keys
-    assert activations.trace_key(cfg, *base, compose_cfg("model=tiny").adapter) == activations.trace_key(cfg, *base)
+    assert activations.trace_key(cfg, *base, _settled("model=tiny").adapter) == activations.trace_key(cfg, *base)
 
 
 def test_a_corrupt_cache_file_is_traced_again(private_cache):
