@@ -31,7 +31,7 @@ def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: 
             "model": cfg.model.name, "optimizer": optimizer, "client_optimizer": client_optimizer is not None,
             "adapter": _adapter(cfg),
             # which text encoders train with the U-Net: the engine module's keys are then prefixed (unet., ...)
-            "train_text_encoder": str(cfg.model.train_text_encoder),
+            "train_text_encoder": cfg.model.train_text_encoder,
             # The adapter's keys, for export to rebuild it (models/adapter.py reads them).
             "adapter_config": None if cfg.adapter.name == "none" else as_dict(cfg.adapter),
             "zerotune_version": __version__, **(groups.as_meta() if groups is not None else {})}
@@ -43,7 +43,7 @@ def _adapter(cfg: Config) -> str:
         return "none"
     targets = ",".join(str(m) for m in adapter.target_modules)
     described = f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
-    if str(cfg.model.train_text_encoder) != "none":  # the encoders' adapters too (absent before they trained)
+    if cfg.model.train_text_encoder != "none":  # the encoders' adapters too (absent before they trained)
         described += " text_encoder_targets=" + ",".join(str(m) for m in adapter.text_encoder_target_modules)
     return described
 

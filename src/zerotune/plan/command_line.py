@@ -47,7 +47,7 @@ BATCH_KEY = "train.batch_size"
 def micro_batch(cfg: Config, checked: ResolvedRun, overrides: list[str]) -> dict:
     """The micro batch the plan is for, and where its value came from: {"value", "source" (command line,
     experiment, default config, option or file), "from" (in words), "file"}."""
-    value = int(cfg.train.batch_size)
+    value = cfg.train.batch_size
     typed = typed_keys(list(overrides))
     origin = checked.config_sources.get("values", {}).get("train_micro_batch_size_per_gpu", "default")
     if origin == "command line":

@@ -69,16 +69,16 @@ def _carry(phases: list[Phase]) -> list[Phase]:
 def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase | None:
     """FrozenEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
-    device = str(cfg.data.cache_device)
+    device = cfg.data.cache_device
     if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
     found = encoder_archs.configs(cfg.model)
     if found is None:
         return None
     archs, where = found
-    size, batch = int(cfg.resolution.size), int(cfg.data.cache_batch_size)
+    size, batch = cfg.resolution.size, cfg.data.cache_batch_size
     images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
-    traced = encoders.trace_encoders(archs, (size, size), images, batch, int(cfg.model.text_seq_len))
+    traced = encoders.trace_encoders(archs, (size, size), images, batch, cfg.model.text_seq_len)
     weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
     resident = _zero3_resident(checked, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
@@ -165,7 +165,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
     archs, where = found
     prompts = check_validation(cfg)
     largest = max(prompts, key=lambda p: p.width * p.height)
-    scale, precision = int(cfg.model.vae_scale_factor), str(cfg.precision.name)
+    scale, precision = cfg.model.vae_scale_factor, cfg.precision.name
     hw = (largest.height // scale, largest.width // scale)
     traced = encoders.trace_sampling(archs, cfg.model, cfg.adapter, hw, precision)
     terms: list[Term] = []

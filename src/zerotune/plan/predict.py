@@ -29,7 +29,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
     cfg, ds, use_ds, stage = checked.config, checked.ds_config, checked.use_deepspeed, zero_stage(checked)
     world, precision = launch_world_size(cfg.launch), cfg.precision.name
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
-                       bool(cfg.train.gradient_checkpointing), str(cfg.model.attention), cfg.adapter)
+                       cfg.train.gradient_checkpointing, cfg.model.attention, cfg.adapter)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = checked.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
     states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
@@ -47,7 +47,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
                    host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups, device).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(checked, host_terms, stage, world)
-    per_node, nvme_terms = int(cfg.launch.num_processes), _state_terms(states, "nvme")
+    per_node, nvme_terms = cfg.launch.num_processes, _state_terms(states, "nvme")
     plan = Plan.made(workload=_workload(checked, world, stage, shape.offloaded), device=device,
                      trainable_params=checked.model_stats.num_trainable, frozen_params=checked.model_stats.num_frozen,
                      gpu=gpu.as_dict() if gpu else None, world_size=world, rank=0,

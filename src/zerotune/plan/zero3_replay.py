@@ -54,8 +54,8 @@ def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
 
     key = _replay_key(cfg, checked, "loading")
     if key not in _LOADINGS:
-        model = activations._meta_trained(cfg.model, cfg.precision.name, bool(cfg.train.gradient_checkpointing),
-                                          str(cfg.model.attention), cfg.adapter)
+        model = activations._meta_trained(cfg.model, cfg.precision.name, cfg.train.gradient_checkpointing,
+                                          cfg.model.attention, cfg.adapter)
         _LOADINGS[key], _ = _build(model, TaggedPool(), cfg, checked, emptied=True)
     return _LOADINGS[key]
 
@@ -213,8 +213,8 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
 
     ds = checked.ds_config
     trace = activations.trace_key(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]),
-                                  cfg.precision.name, bool(cfg.train.gradient_checkpointing),
-                                  str(cfg.model.attention), cfg.adapter)
+                                  cfg.precision.name, cfg.train.gradient_checkpointing,
+                                  cfg.model.attention, cfg.adapter)
     zero = zero_config(ds)
     # the ZeRO settings the replay reads, no more: a tune's candidates that differ elsewhere (overlap_comm, which
     # the replay's one stream does not model) share one replay
@@ -242,8 +242,8 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
     from zerotune.plan import activations
 
     start = time.perf_counter()
-    model = activations._meta_trained(cfg.model, cfg.precision.name, bool(cfg.train.gradient_checkpointing),
-                                      str(cfg.model.attention), cfg.adapter)
+    model = activations._meta_trained(cfg.model, cfg.precision.name, cfg.train.gradient_checkpointing,
+                                      cfg.model.attention, cfg.adapter)
     patches: list[Any] = [mock.patch.object(coordinator_module, "print_rank_0", lambda *a, **k: None),
                mock.patch.object(coordinator_module, "assert_ints_same_as_other_ranks", lambda *a, **k: None),
                mock.patch.object(coordinator_module, "get_accelerator", lambda: OneStreamAccelerator),

@@ -94,6 +94,8 @@ class RunSummary:
                 self.extra[key] = value  # a status word this version does not know, too: kept as written
             elif key == "plan" and isinstance(value, dict):  # as read from a file
                 self.plan = Plan.from_dict(value)
+            elif key == "plan" and value is not None and not isinstance(value, Plan):
+                self.extra[key] = value  # not a plan (a file another tool wrote): kept as written
             else:
                 setattr(self, key, status if key == "status" else value)
 

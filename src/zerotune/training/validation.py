@@ -84,7 +84,7 @@ class Validator:
         # With model.train_text_encoder, the prompts are encoded again at every pass, by the encoders as trained.
         trained = text_encoders.trained(cfg.model)
         texts = list(self.embeddings)
-        self.tokens = tokenize(self.paths, trained, texts, int(cfg.model.text_seq_len)) if trained and texts else {}
+        self.tokens = tokenize(self.paths, trained, texts, cfg.model.text_seq_len) if trained and texts else {}
         self._vae: Any = None
         self.passes: list[dict] = []
         self.last_step: int | None = None
@@ -166,7 +166,7 @@ class Validator:
 
     def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trained) -> Any:
         schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
-        scheduler = make_sampler(schedule, str(self.cfg.diffusion.prediction_type), pixel_space=False)
+        scheduler = make_sampler(schedule, self.cfg.diffusion.prediction_type, pixel_space=False)
         if self.cfg.model.conditioning == "text":  # SD 1.x / 2.x
             from diffusers import StableDiffusionPipeline
 
@@ -260,7 +260,7 @@ class Validator:
             return {}
         spec = DataSpec.from_config(self.cfg)
         cache = LatentCache(cache_dir(spec))
-        seq_len = int(self.cfg.model.text_seq_len)
+        seq_len = self.cfg.model.text_seq_len
         text_id = component_ids(self.paths, FileHasher(cache.root / "file_hashes.json"))["text"]
         keys = {t: LatentCache.text_key(t, text_id, seq_len) for t in texts}
         todo = [t for t in texts if not cache.has("text", keys[t])]
@@ -292,7 +292,7 @@ class Validator:
 
 
 def _encode_device(cfg: Config, device: torch.device) -> torch.device:
-    choice = str(cfg.data.cache_device) if cfg.data.name == "folder" else "auto"
+    choice = cfg.data.cache_device if cfg.data.name == "folder" else "auto"
     return device if choice == "auto" else torch.device(choice)
 
 

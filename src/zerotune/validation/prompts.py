@@ -126,7 +126,7 @@ def _default_size(cfg: Config) -> tuple[int, int]:
     """(width, height): validation.resolution, else the run's square resolution.size."""
     value = cfg.validation.resolution
     if value is None:
-        return int(cfg.resolution.size), int(cfg.resolution.size)
+        return cfg.resolution.size, cfg.resolution.size
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value, value
     if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 and all(
