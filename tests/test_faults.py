@@ -32,7 +32,7 @@ def workers_of(run_dir: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if any("zerotune.launch.worker" in part for part in cmd) and str(run_dir) in cmd:
+        if "zerotune.launch.bootstrap" in cmd and str(run_dir) in cmd:  # python -u -m zerotune.launch.bootstrap
             found.append(proc)
     return found
 

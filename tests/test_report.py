@@ -391,7 +391,7 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
 def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: Path, monkeypatch):
     """Short jobs do not each pay a rebuild: after one that took 0.3 s, the job ends within 15 s skip it (0.3 s
     is 2% of that); one after that rebuilds, and the sweep's end always does."""
-    from zerotune.report import callback as module
+    from zerotune.cli import sweep_report as module
 
     clock = [100.0]
     built: list[float] = []

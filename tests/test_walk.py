@@ -38,11 +38,12 @@ def test_layers_come_from_the_import_contract():
 def test_a_climb_is_a_call_from_a_lower_layer_to_a_higher_one():
     layers = walk.read_layers()
     assert walk.is_climb("zerotune.ops.build", "zerotune.launch.checks", layers)  # a callback up
-    assert not walk.is_climb("zerotune.launch.job", "zerotune.settle", layers)  # down
+    assert not walk.is_climb("zerotune.launch.job", "zerotune.compose.settle", layers)  # down
     assert not walk.is_climb("zerotune.training.run", "zerotune.plan.guard", layers)  # one layer
     assert not walk.is_climb("threading", "zerotune.launch.checks", layers)  # a caller outside the layers
-    stops = [stop("zerotune.launch.job", "zerotune.cli.main"), stop("zerotune.settle", "zerotune.launch.job"),
-             stop("zerotune.launch.checks", "zerotune.ops.build"), stop("zerotune.settle", "zerotune.launch.job")]
+    stops = [stop("zerotune.launch.job", "zerotune.cli.main"), stop("zerotune.compose.settle", "zerotune.launch.job"),
+             stop("zerotune.launch.checks", "zerotune.ops.build"),
+             stop("zerotune.compose.settle", "zerotune.launch.job")]
     assert walk.figures(stops, layers) == {"stops": 4, "rooms": 3, "returns": 1, "climbs": 1, "rises": 1}
 
 
