@@ -44,9 +44,17 @@ for root, dirs, fs in os.walk(PKG, followlinks=True):
             files[modname(Path(root) / f)] = Path(root) / f
 for p in (SRC / "hydra_plugins").rglob("*.py"):
     files[modname(p)] = p
+# names two merged sources both define: the one renamed here (module, name) -> new name; and its users outside
+CLASH_RENAMES = {("zerotune.plan.render", "micro_batch"): "micro_batch_lines"}
+USER_SUBS = [("tests/test_plan.py", "render.micro_batch(", "render.micro_batch_lines(")]
 mods = set(files)
 is_pkg = {m: files[m].name == "__init__.py" for m in files}
 texts = {m: files[m].read_text() for m in files}
+for (cm, cn), cnew in CLASH_RENAMES.items():
+    texts[cm] = re.sub(rf"(?<![\w.'\"]){cn}(?=\()", cnew, texts[cm])
+for rel, a, b in USER_SUBS:
+    if (ROOT / rel).exists():
+        (ROOT / rel).write_text((ROOT / rel).read_text().replace(a, b))
 trees = {m: ast.parse(texts[m]) for m in files}
 
 
@@ -305,12 +313,11 @@ def rewrite_py(text: str, self_new: str | None, label: str) -> str:
             if v in facade:
                 h, is_mod = home(facade[v], node.attr)
                 parent, last = h.rsplit(".", 1)
-                facade_imports[v].add((parent, last))
+                local = last if last not in stored else f"{parent.rsplit('.', 1)[-1]}_{last}"
+                facade_imports[v].add((parent, last if local == last else f"{last} as {local}"))
                 s = pos(offs, node.value.lineno, node.value.col_offset, lines)
                 e = pos(offs, node.value.end_lineno, node.value.end_col_offset, lines)
-                edits.append((s, e, last))
-                if last in all_names and last != v:
-                    note(f"{label}: {v}.{node.attr} -> {last}.{node.attr}, and {last} is also a local name")
+                edits.append((s, e, local))
                 continue
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
                 "setattr", "delattr") and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and \
@@ -318,10 +325,11 @@ def rewrite_py(text: str, self_new: str | None, label: str) -> str:
             v = node.args[0].id
             h, _ = home(facade[v], node.args[1].value)
             parent, last = h.rsplit(".", 1)
-            facade_imports[v].add((parent, last))
+            local = last if last not in stored else f"{parent.rsplit('.', 1)[-1]}_{last}"
+            facade_imports[v].add((parent, last if local == last else f"{last} as {local}"))
             a0 = node.args[0]
             edits.append((pos(offs, a0.lineno, a0.col_offset, lines),
-                          pos(offs, a0.end_lineno, a0.end_col_offset, lines), last))
+                          pos(offs, a0.end_lineno, a0.end_col_offset, lines), local))
             continue
     attr_value_ids = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     setattr_ids = {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and n.args and isinstance(
@@ -373,7 +381,8 @@ def rewrite_py(text: str, self_new: str | None, label: str) -> str:
         line_start = out_text.rfind("\n", 0, idx) + 1
         indent = re.match(r"\s*", out_text[line_start:idx]).group(0) if out_text[line_start:idx].strip() == "" \
             else ""
-        imps = sorted({x for v in facade_imports.values() for x in v if f"{x[0]}.{x[1]}" != self_new})
+        imps = sorted({x for v in facade_imports.values() for x in v
+                       if f"{x[0]}.{x[1].split(' ')[0]}" != self_new})
         txt = "\n".join(f"{indent if i else ''}from {p} import {lst}" for i, (p, lst) in enumerate(imps))
         out_text = out_text.replace(mk, txt, 1)
     out_text = re.sub(r"\n[ \t]*\n(?=[ \t]*\n)", "\n", out_text) if False else out_text
@@ -521,8 +530,17 @@ def merge(new: str, olds: list[str], rewritten: dict[str, str], moved_in: list[s
             out.append("from typing import TYPE_CHECKING\n")
         out.append("if TYPE_CHECKING:\n" + "\n".join("    " + s.replace("\n", "\n    ") for s in tcd) + "\n")
     text = "\n".join(out)
+    kept: set[str] = set()
     for b in bodies:
-        text += "\n\n" + b + "\n"
+        blines = b.split("\n")
+        keep = []
+        for ln in blines:
+            if re.match(r"^[A-Z_][A-Z0-9_]* = [^\n]+$", ln) and ln in kept:
+                continue
+            if re.match(r"^[A-Z_][A-Z0-9_]* = [^\n]+$", ln):
+                kept.add(ln)
+            keep.append(ln)
+        text += "\n\n" + "\n".join(keep) + "\n"
     # dedupe identical logger lines
     log_lines = re.findall(r"^(\w+ = logging\.getLogger\(__name__\))$", text, flags=re.M)
     for ln in set(log_lines):
@@ -572,6 +590,7 @@ def main() -> None:
         rest, seg = extract_function(rewritten[om], name)
         rewritten[om] = rest
         _, im, _, _ = split_module(rest)
+        im = [x for x in im if not x.startswith(f"from {nm} import") and "__future__" not in x]
         moved[nm].append((im, seg))
         note(f"moved {om}.{name} to {nm}: check its imports, and that {om} imports it back if it uses it")
     links = {m: files[m] for m in mods if any(part.is_symlink() for part in [files[m].parent])}
