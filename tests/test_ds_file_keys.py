@@ -13,9 +13,10 @@ import shlex
 import pytest
 
 from tests.helpers.cli import ROOT, compose_cfg, preflight, read_summary, run_cli
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.user_config import deepspeed_file, ds_keys
+from zerotune.config import deepspeed_file
+from zerotune.config import deepspeed_file as ds_keys
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.host.platform import ANY_CUDA_GPU, Platform
 
 CORPUS = ROOT / "tests" / "data" / "ds_configs"
 SECRET = "ZEROTUNEFAKEKEY"  # inside the fake private_key of gcp_service_account.json
@@ -337,7 +338,8 @@ def test_a_secret_file_stays_out_of_stderr_and_the_summary(tmp_path):
 
 
 def test_the_builders_import_refuses_a_secret_file_without_echoing_it(tmp_path, monkeypatch):
-    from zerotune.builder import importing, preview
+    from zerotune.builder import preview
+    from zerotune.builder import workspace as importing
 
     monkeypatch.setattr(importing, "imports_dir", lambda: tmp_path)
     with pytest.raises(ConfigError) as err:

@@ -46,7 +46,7 @@ def test_every_packaged_experiment_ships(names):
 
 def test_the_config_packages_and_the_hydra_plugin_ship(names):
     # importlib.resources and Hydra's pkg:// find the configs as packages
-    assert {"zerotune/conf/__init__.py", "zerotune/experiments/__init__.py",
+    assert {"zerotune/config/conf/__init__.py", "zerotune/config/experiments/__init__.py",
             "hydra_plugins/zerotune_user_configs/__init__.py"} <= names
 
 
@@ -65,7 +65,7 @@ def test_the_zerotune_command_is_the_entry_point(wheel, names):
     parser = configparser.ConfigParser()
     with zipfile.ZipFile(wheel) as zf:
         parser.read_string(zf.read(entry_points).decode())
-    assert dict(parser["console_scripts"]) == {"zerotune": "zerotune.command:main"}
+    assert dict(parser["console_scripts"]) == {"zerotune": "zerotune.cli.command:main"}
 
 
 def test_only_the_packages_ship_nothing_from_the_checkouts_results(names):

@@ -10,10 +10,9 @@ import pytest
 
 from benchmarks.bench_plan_step import compare, configs
 from tests.helpers.cli import compose_cfg, preflight
+from zerotune.host.platform import ANY_CUDA_GPU
 from zerotune.plan import gpus
-from zerotune.plan.predict import predict
-from zerotune.plan.step_peak import MOMENTS
-from zerotune.platform import ANY_CUDA_GPU
+from zerotune.plan.predict import MOMENTS, predict
 from zerotune.rundir.plan import Plan, at_peak, mib_of
 
 GRID = configs(["tiny", "sdxl_tiny"], [0, 1, 2, 3], ["none", "cpu"], ["fp32", "bf16"])

@@ -163,7 +163,7 @@ def node_task(cluster, job_id: str, node_rank: int) -> int | None:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"zerotune.slurm.task" in command and env.get("SLURM_NODEID") == str(node_rank):
+        if b"zerotune.job.slurm_task" in command and env.get("SLURM_NODEID") == str(node_rank):
             return pid
     return None
 

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotune.launch import node_failures
-from zerotune.launch.elastic import LaunchResult
+from zerotune.job import records as node_failures
+from zerotune.job import slurm_launcher as slurm_end
+from zerotune.job.elastic import LaunchResult
+from zerotune.job.slurm import ends_the_step
 from zerotune.report.collect import collect_runs
-from zerotune.rundir.run_summary import RunSummary
-from zerotune.slurm import job_end as slurm_end
-from zerotune.slurm.job import ends_the_step
+from zerotune.rundir.summary import RunSummary
 
 
 class FakeJob:

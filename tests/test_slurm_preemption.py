@@ -67,7 +67,7 @@ def await_next_attempt(cluster, job_id: str, restarts: int = 1, timeout: float =
 
 
 def exported(run_dir: Path, out: Path) -> dict:
-    proc = run_cli(str(run_dir), str(out), module="zerotune.export")
+    proc = run_cli(str(run_dir), str(out), module="zerotune.rundir.export")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "unet.safetensors"))
 
@@ -142,7 +142,7 @@ def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cl
 
 # ---------------------------------------------------------------- a stop signal at any moment of an attempt
 
-PAUSE_S = 8  # how long each attempt waits at the moment under test (zerotune/pause_hook.py): the signal lands there
+PAUSE_S = 8  # how long each attempt waits at the moment under test (zerotune/host/process.py): the signal lands there
 
 
 def paused_at(moment: str, folder: Path) -> dict:
@@ -170,7 +170,7 @@ def task_pids(cluster, restarts: int) -> list[int]:
             env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode().split("\0") if "=" in v)
         except OSError:
             continue
-        if (b"zerotune.slurm.task" in command and env.get("SLURM_CONF") == str(cluster.conf)
+        if (b"zerotune.job.slurm_task" in command and env.get("SLURM_CONF") == str(cluster.conf)
                 and int(env.get("SLURM_RESTART_COUNT") or 0) == restarts and catches(int(proc.name), signal.SIGUSR2)):
             found.append(int(proc.name))
     return found
@@ -278,8 +278,8 @@ def test_three_preemptions_in_a_row_as_each_attempt_starts_keep_the_job_and_its_
 def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from zerotune import checkpoints
-    from zerotune.slurm.job import continue_requeued
+    from zerotune.job.slurm import continue_requeued
+    from zerotune.rundir import checkpoints
 
     def cfg(path=None):
         return OmegaConf.create({"resume": {"path": path, "strict": False}, "checkpoint": {"dir": None}})
@@ -301,9 +301,8 @@ def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monke
 def test_submitits_requeue_is_called_after_the_save_on_its_signal_only(monkeypatch):
     import signal
 
-    from zerotune.rundir.run_summary import RunSummary
-    from zerotune.rundir.status import Status
-    from zerotune.slurm.job import requeue_if_preempted
+    from zerotune.job.slurm import requeue_if_preempted
+    from zerotune.rundir.summary import RunSummary, Status
 
     calls = []
 
@@ -367,7 +366,7 @@ def test_a_slurm_task_signalled_as_it_starts_requeues_its_job_once_recorded(tmp_
     env = {**cli_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "HELD_JOB_DIR": str(tmp_path),
            "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
            "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "localhost"}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "zerotune.slurm.task", str(folder)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "zerotune.job.slurm_task", str(folder)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (tmp_path / "importing").exists() or proc.poll() is not None, 60, "the job's import")
@@ -390,7 +389,7 @@ def test_an_attempt_that_left_no_record_gets_one_so_the_job_keeps_one_per_attemp
     """The fourth attempt of SLURM job 7 (three requeues) finds records of the first (its summary) and the second
     (killed before its summary: its config names the job), and of an earlier job in the same folder; the third
     attempt left nothing. It is recorded as lost, so the job's attempts are as many as SLURM's restarts."""
-    from zerotune.slurm.job import record_lost_attempts
+    from zerotune.job.slurm import record_lost_attempts
 
     def attempt(n: int, name: str, text: str) -> None:
         (tmp_path / "attempts" / str(n)).mkdir(parents=True)

@@ -11,7 +11,7 @@ import sys
 
 import psutil
 
-from zerotune.telemetry.memory import ProcessTree
+from zerotune.host.memory import ProcessTree
 
 MIB = 2**20
 

@@ -18,15 +18,15 @@ from tests.helpers.cli import ROOT, cli_env, read_losses, read_summary, run_cli
 PROBE = textwrap.dedent("""
     import json, sys, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.training import distributed
+    from zerotune.train import distributed
     distributed.ensure_single_process_env()
     import deepspeed
     from accelerate.utils import set_seed
-    from zerotune.loggers.base import NullLogger
+    from zerotune.rundir.loggers import NullLogger
     from zerotune.models import build_unet
     from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
-    from zerotune.training import trainer as trainer_module
+    from zerotune.train import trainer as trainer_module
 
     out, mode, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     overrides = ["zero_stage=3", "train.batch_size=4", "ema.enabled=true", "ema.warmup=false", "ema.decay=0.5",
@@ -101,7 +101,7 @@ def test_zero3_builds_partitioned_with_the_plain_init_losses_and_ema(tmp_path):
 LOAD = textwrap.dedent("""
     import sys, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.training import distributed
+    from zerotune.train import distributed
     distributed.ensure_single_process_env()
     import deepspeed
     from zerotune.models import build_unet

@@ -18,7 +18,7 @@ import sys
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
-from zerotune.launch.warm import import_worker_modules
+from zerotune.job.warm import import_worker_modules
 import torch
 # the template's imports (launch/warm.py serve); deepspeed_too: what it imports on a CPU-only torch as well
 import_worker_modules(setup_too=sys.argv[1] == "deepspeed_too")

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotune.compose import compose
+from zerotune.config.compose import compose
 
 if TYPE_CHECKING:
-    from zerotune.platform import Platform
-    from zerotune.resolved import ResolvedRun
+    from zerotune.host.platform import Platform
+    from zerotune.plan.resolve import ResolvedRun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +30,8 @@ def preflight(cfg, world_size: int | None = None, platform: Platform | None = No
               run_dir: str | Path | None = None) -> ResolvedRun:
     """A composed config settled and checked, as a job's command line does (cli/main.py, then the job's checks);
     `overrides`: those typed on the command line."""
-    from zerotune.compose.settle import settle
-    from zerotune.preflight import check
+    from zerotune.config.compose.settle import settle
+    from zerotune.plan.resolve import check
 
     return check(settle(cfg, overrides, world_size), platform, run_dir)
 

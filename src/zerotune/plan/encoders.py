@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerotune import files
-from zerotune.schema import Adapter, Model
+from zerotune.config import files
+from zerotune.config.schema import Adapter, Model
 
 if TYPE_CHECKING:  # step_tracker imports torch's MemTracker (~1 s): only where a trace runs
     from zerotune.plan.step_tracker import StepTracker
@@ -181,11 +181,10 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from torch.profiler import ProfilerActivity, profile
 
-    from zerotune.diffusion import noise_scheduler
+    from zerotune.config.schema import Diffusion
     from zerotune.models import build_unet, unet_config
+    from zerotune.models.diffusion import make_sampler, noise_scheduler
     from zerotune.plan.activations import _peaks
-    from zerotune.sampling import make_sampler
-    from zerotune.schema import Diffusion
 
     torch.manual_seed(0)
     unet = build_unet(model_cfg).eval()

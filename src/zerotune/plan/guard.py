@@ -7,20 +7,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from zerotune import config_search
-from zerotune.errors import ConfigError
+from zerotune.config import search as config_search
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import MIB, Config
+from zerotune.config.schema import Plan as PlanSettings
+from zerotune.host.platform import detect
+from zerotune.host.ram import read_host_memory
 from zerotune.plan import gpus
-from zerotune.plan.host import largest_share, node_need_mib
+from zerotune.plan.host_memory import PROCESS_RSS, largest_share, node_need_mib
 from zerotune.plan.predict import predict
-from zerotune.plan.process import PROCESS_RSS
-from zerotune.platform import detect
-from zerotune.resolved import ResolvedRun
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir.plan import Plan
-from zerotune.rundir.status import Status
-from zerotune.schema import Config
-from zerotune.schema.job import Plan as PlanSettings
-from zerotune.telemetry.host import read_host_memory
-from zerotune.units import MIB
+from zerotune.rundir.summary import Status
 
 log = logging.getLogger("zerotune")
 

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zerotune.models import encoder_archs
+from zerotune.config.schema import DTYPE_BYTES, MIB, Config
+from zerotune.data.prompts import check_validation, enabled
+from zerotune.models import text_encoders
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
+from zerotune.plan.model_states import rules_for
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import state_mib, term, zero_stage
-from zerotune.plan.stages import rules_for
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, mib_of
-from zerotune.schema import Config
-from zerotune.units import DTYPE_BYTES, MIB
-from zerotune.validation import check_validation, enabled
 
 _BASE = ("cuda_context", "cublas_workspace")
 
@@ -72,7 +71,7 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, bas
     device = cfg.data.cache_device
     if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
-    found = encoder_archs.configs(cfg.model)
+    found = text_encoders.configs(cfg.model)
     if found is None:
         return None
     archs, where = found
@@ -159,7 +158,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
     None without validation prompts, or when no architecture describes the VAE."""
     if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
         return None
-    found = encoder_archs.configs(cfg.model)
+    found = text_encoders.configs(cfg.model)
     if found is None:
         return None
     archs, where = found

@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zerotune.config.schema import DTYPE_BYTES, Config, launch_world_size
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -32,10 +34,7 @@ from zerotune.plan.rules import (
     states_record,
     term,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Phase, Plan, Term, mib_of
-from zerotune.schema import Config, launch_world_size
-from zerotune.units import DTYPE_BYTES
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     import torch

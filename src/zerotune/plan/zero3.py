@@ -14,9 +14,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from zerotune.config.schema import MIB, Config
 from zerotune.plan import zero3_replay
 from zerotune.plan.gpus import GPU
-from zerotune.plan.pinned import PINNED_CACHE, PINNED_ROUNDING, pinned_block_bytes, rounding_bytes, torch_pins
+from zerotune.plan.host_memory import (
+    PINNED_CACHE,
+    PINNED_ROUNDING,
+    pinned_block_bytes,
+    rounding_bytes,
+    torch_pins,
+)
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -36,10 +44,7 @@ from zerotune.plan.zero3_runtime import (
     stage3_sub_groups,
     sub_groups,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Phase, Plan, Term, mib_of
-from zerotune.schema import Config
-from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -5,5 +5,4 @@ knob's values. `space` builds the candidates, `screen` drops those the validator
 predicts will not fit, `study` runs the rest as short measured trials under Optuna's successive halving
 (training/rungs.py: each trial's job reports samples/s at each rung and may be stopped there), `report` writes
 a row per candidate and `winner` the fastest as an experiment file; `sweep` runs them in that order. For a card
-not present (`--gpu`), the candidates are ranked by the planner's time floor instead, and none runs.
-"""
+not present (`--gpu`), the candidates are ranked by the planner's time floor instead, and none runs."""

@@ -19,9 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zerotune.tune.pooled import pooled_figures, shape
-from zerotune.tune.screen import Screened, planned_peak_mib
-from zerotune.tune.study import Trial
+from zerotune.tune.space import Screened, planned_peak_mib
+from zerotune.tune.study import Trial, pooled_figures, shape
 
 
 @dataclass
