@@ -489,6 +489,8 @@ def merge(new: str, olds: list[str], rewritten: dict[str, str], moved_in: list[s
         doc, im, tc, rest = split_module(rewritten[o])
         if doc:
             docs.append(doc.strip())
+        if o.endswith(".__main__") and new.startswith("zerotune.cli."):
+            continue  # a `python -m zerotune.<command>` forwarder: `python -m zerotune <command>` stays
         if o in DISSOLVED:
             rest = re.sub(r"(?ms)^__all__\s*=.*?\]\n?", "", rest)
             if rest.strip():
@@ -547,6 +549,31 @@ def merge(new: str, olds: list[str], rewritten: dict[str, str], moved_in: list[s
         first = text.index(ln) + len(ln)
         text = text[:first] + text[first:].replace("\n" + ln + "\n", "\n")
     return text
+
+
+# `python -m` names of the forwarders that go (the command is `python -m zerotune <command>`), after the rewrite
+COMMANDS = {"report": "report", "rundir.export": "export", "cli.doctor": "doctor", "builder": "builder",
+            "plan.import_config": "import-config", "plan": "plan", "config.deepspeed_blocks": "ds-config"}
+POST_SUBS: list[tuple[str, str]] = []
+for mod, cmd in COMMANDS.items():
+    m_ = re.escape("zerotune." + mod)
+    POST_SUBS += [(rf'"-m", "{m_}"', f'"-m", "zerotune", "{cmd}"'),
+                  (rf'run_cli\((.*?)module="{m_}"', rf'run_cli("{cmd}", \1module="zerotune"'),
+                  (rf"-m {m_}(?![\w.])", f"-m zerotune {cmd}")]
+POST_SUBS += [(r"-m zerotune\.host(?![\w.])", "-m zerotune.host.ops"),
+              (r'"-m", "zerotune\.host"', '"-m", "zerotune.host.ops"'),
+              (r"(?<![\w/])zerotune/conf(?=[/\"' ])", "zerotune/config/conf"),
+              (r"(?<![\w/])zerotune/experiments(?=[/\"' ])", "zerotune/config/experiments")]
+
+
+def post_subs(paths: list[Path]) -> None:
+    for p in paths:
+        t = p.read_text()
+        n = t
+        for a, b in POST_SUBS:
+            n = re.sub(a, b, n)
+        if n != t:
+            p.write_text(n)
 
 
 # ---------------------------------------------------------------- the run
@@ -651,6 +678,9 @@ def main() -> None:
                 for x in d.iterdir():
                     subprocess.run(["rm", "-rf", str(x)])
                 d.rmdir()
+    post_subs([p for d in ("src", "tests", "benchmarks", "docs", "experiments", "scripts") if (ROOT / d).exists()
+               for p in (ROOT / d).rglob("*") if p.is_file() and not p.is_symlink() and p.suffix in (".py", ".md")
+               and not any(q.is_symlink() for q in p.parents)] + [ROOT / "Makefile", ROOT / "pyproject.toml"])
     # 4. pyproject: the contracts of the design
     py = (ROOT / "pyproject.toml").read_text()
     contracts = (HERE / "contracts.toml").read_text()
