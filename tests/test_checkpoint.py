@@ -37,7 +37,7 @@ def train_ok(tmp, *args):
 
 
 def exported(checkpoint, out) -> dict:
-    proc = run_cli(str(checkpoint), str(out), module="zerotune.rundir.export")
+    proc = run_cli("export", str(checkpoint), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "unet.safetensors"))
 

@@ -108,7 +108,7 @@ def test_validate_returns_copy():
 
 
 def test_ds_config_cli_prints_validated_json(tmp_path):
-    proc = run_cli("zero_stage=3", "offload=nvme", f"offload.path={tmp_path}", module="zerotune.config.deepspeed_blocks",
+    proc = run_cli("ds-config", "zero_stage=3", "offload=nvme", f"offload.path={tmp_path}", module="zerotune",
                    timeout=180)
     assert proc.returncode == 0, proc.stderr
     ds = json.loads(proc.stdout)

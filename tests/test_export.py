@@ -49,7 +49,7 @@ def test_zero3_export_matches_training_model(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "export"
-    proc = run_cli(str(tmp_path / "checkpoints"), str(out), module="zerotune.rundir.export")
+    proc = run_cli("export", str(tmp_path / "checkpoints"), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = torch.load(tmp_path / "probe.pt", weights_only=False)
     unet = UNet2DConditionModel.from_pretrained(out / "unet", local_files_only=True).eval()
@@ -72,5 +72,5 @@ def test_zero3_export_matches_training_model(tmp_path):
 
 
 def test_export_refuses_a_folder_without_checkpoints(tmp_path):
-    proc = run_cli(str(tmp_path), str(tmp_path / "out"), module="zerotune.rundir.export")
+    proc = run_cli("export", str(tmp_path), str(tmp_path / "out"), module="zerotune")
     assert proc.returncode != 0 and "not a complete checkpoint" in proc.stderr

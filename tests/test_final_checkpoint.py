@@ -1,5 +1,5 @@
 """A run that completes its steps ends with a checkpoint of its last step (checkpoint.final, on by default),
-so `python -m zerotune.rundir.export <run dir> <out>` works with no other flag."""
+so `python -m zerotune export <run dir> <out>` works with no other flag."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def train(run_dir, *args, expect: int = 0) -> dict:
 
 
 def export(run_dir, out) -> dict:
-    proc = run_cli(str(run_dir), str(out), module="zerotune.rundir.export")
+    proc = run_cli("export", str(run_dir), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = re.search(r"^\{$.*^\}$", proc.stdout, re.MULTILINE | re.DOTALL)  # after DeepSpeed's own lines
     assert answer, proc.stdout[-3000:]
@@ -94,7 +94,7 @@ def test_final_false_leaves_no_checkpoint(tmp_path):
     assert summary["status"] == "ok" and summary["steps"] == 2
     assert summary["checkpoint"]["saved"] == [] and summary["checkpoint"]["final"] is None
     assert not (run_dir / "checkpoints").exists(), "nothing saved, no folder"
-    proc = run_cli(str(run_dir), str(tmp_path / "out"), module="zerotune.rundir.export")
+    proc = run_cli("export", str(run_dir), str(tmp_path / "out"), module="zerotune")
     assert proc.returncode != 0 and "not a complete checkpoint" in proc.stderr
     assert "checkpoint.final=false" in proc.stderr, "the error says why the run left none"
 

@@ -40,7 +40,7 @@ def train(run_dir, steps: int, *args: str) -> dict:
 
 
 def export(run_dir, out, *flags: str) -> None:
-    proc = run_cli(str(run_dir), str(out), *flags, module="zerotune.rundir.export")
+    proc = run_cli("export", str(run_dir), str(out), *flags, module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -45,7 +45,7 @@ def test_a_damaged_entry_is_measured_again(cache):
 
 
 def test_the_job_parent_checks_and_plans_without_diffusers(cache, tmp_path):
-    """With the count cached (any earlier job, or `python -m zerotune.plan`), the parent's checks and plan import
+    """With the count cached (any earlier job, or `python -m zerotune plan`), the parent's checks and plan import
     neither diffusers nor peft: 2 s and 300 MiB a job start used to pay just to count parameters."""
     from tests.helpers.cli import preflight
     from zerotune.plan import guard

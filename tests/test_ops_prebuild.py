@@ -180,8 +180,8 @@ def test_the_gate_counts_the_workers_waiting_at_it(tmp_path):
 
 
 def test_setup_builds_the_cpu_ops_a_job_loads(built_offload_ops):
-    """`python -m zerotune.host`, which `make setup` runs: here the ops are built already, so it loads them."""
-    proc = subprocess.run([sys.executable, "-m", "zerotune.host"], cwd=ROOT, capture_output=True, text=True,
+    """`python -m zerotune.host.ops`, which `make setup` runs: here the ops are built already, so it loads them."""
+    proc = subprocess.run([sys.executable, "-m", "zerotune.host.ops"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**cli_env(), "TORCH_EXTENSIONS_DIR": str(built_offload_ops)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "deepspeed_shm_comm, cpu_adam ready" in proc.stdout

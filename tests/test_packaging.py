@@ -31,16 +31,16 @@ def shipped_as(checkout_files: list[str], prefix: str, package: str) -> dict[str
 
 def test_every_config_ships_with_its_content(wheel, names):
     yamls = [f for f in tracked_files("conf") if f.endswith(".yaml")]
-    expected = shipped_as(yamls, "conf", "zerotune/conf")
+    expected = shipped_as(yamls, "conf", "zerotune/config/conf")
     assert sorted(set(expected.values()) - names) == []
-    assert "zerotune/conf/config.yaml" in names and "zerotune/conf/hydra/launcher/slurm.yaml" in names
+    assert "zerotune/config/conf/config.yaml" in names and "zerotune/config/conf/hydra/launcher/slurm.yaml" in names
     with zipfile.ZipFile(wheel) as zf:  # the files the links point at, not stale copies
         assert all(zf.read(inside) == (ROOT / f).read_bytes() for f, inside in expected.items())
 
 
 def test_every_packaged_experiment_ships(names):
     yamls = [f for f in tracked_files("experiments/experiment") if f.endswith(".yaml")]
-    expected = shipped_as(yamls, "experiments/experiment", "zerotune/experiments/experiment")
+    expected = shipped_as(yamls, "experiments/experiment", "zerotune/config/experiments/experiment")
     assert sorted(set(expected.values()) - names) == []
 
 
@@ -72,4 +72,4 @@ def test_only_the_packages_ship_nothing_from_the_checkouts_results(names):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"zerotune", "hydra_plugins"}
     assert [n for n in names if "results/" in n and not n.startswith("zerotune/builder/")] == []
-    assert [n for n in names if n.startswith(("zerotune/experiments/results", "experiments/"))] == []
+    assert [n for n in names if n.startswith(("zerotune/config/experiments/results", "experiments/"))] == []

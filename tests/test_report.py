@@ -333,7 +333,7 @@ def test_budget_rejects_bad_input(gpu_sweep: Path):
 # ---------------------------------------------------------------- CLI
 
 def run_report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerotune.report", *args], cwd=ROOT, env=cli_env(),
+    return subprocess.run([sys.executable, "-m", "zerotune", "report", *args], cwd=ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=120)
 
 

@@ -67,7 +67,7 @@ def await_next_attempt(cluster, job_id: str, restarts: int = 1, timeout: float =
 
 
 def exported(run_dir: Path, out: Path) -> dict:
-    proc = run_cli(str(run_dir), str(out), module="zerotune.rundir.export")
+    proc = run_cli("export", str(run_dir), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "unet.safetensors"))
 

@@ -379,7 +379,7 @@ def test_import_config_prints_equivalent_overrides(name):
 def test_import_config_cli_saves_an_experiment_in_the_users_folder(tmp_path, monkeypatch):
     name = "imported_test_tmp"
     target = tmp_path / "zerotune" / "experiment" / f"{name}.yaml"  # ./zerotune/ of the folder it ran in
-    proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.plan.import_config",
+    proc = run_cli("import-config", str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune",
                    cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["zero_stage=1", "precision=bf16", "launch.nnodes=1", "launch.node_rank=0",

@@ -197,7 +197,7 @@ def test_planner_zero3_build_term_matches_the_measured_build_peak(tmp_path):
     memory the allocator keeps, not tensors); a fixed threshold measures what the build holds."""
     overrides = ["model=sdxl_tiny", "model.unet.block_out_channels=[320,640,640]", "zero_stage=3", "precision=fp32",
                  "launch.num_processes=2", "resolution=64"]
-    proc = run_cli("--json", *overrides, module="zerotune.plan")
+    proc = run_cli("plan", "--json", *overrides, module="zerotune")
     assert proc.returncode == 0, proc.stderr[-2000:]
     predicted = {t["term"]: t["mib"] for t in json.loads(proc.stdout)["host_terms"]}["model_load"]
     out, script = tmp_path / "grown", tmp_path / "build_peak.py"

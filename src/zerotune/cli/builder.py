@@ -12,7 +12,7 @@ The URL carries a token made at each start: every request needs it (the page kee
 server answers only requests addressed to this machine (localhost, 127.0.0.1, [::1], --host; with --host
 0.0.0.0 also this machine's names and any IP address); --allow-host adds a name, such as a DNS alias.
 
-`python -m zerotune.builder`: the config builder page (zerotune/cli/builder.py)."""
+`python -m zerotune builder`: the config builder page (zerotune/cli/builder.py)."""
 
 from __future__ import annotations
 
@@ -66,10 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

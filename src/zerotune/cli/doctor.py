@@ -11,7 +11,7 @@ Check what DeepSpeed training needs on this machine, one line per check, each pr
 
 Exit code 0 when nothing failed, 1 when a check failed, 2 for a config error in the overrides.
 
-`python -m zerotune.cli.doctor` is `zerotune doctor`."""
+`python -m zerotune doctor` is `zerotune doctor`."""
 
 from __future__ import annotations
 
@@ -88,10 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         checks = run_checks(cfg, args.overrides, offload_path, args.fix)
     print(as_json(checks) if args.json else as_text(checks))
     return exit_code(checks)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     zerotune ds-config zero_stage=3 offload=nvme offload.path=/tmp/x
     zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
 
-`python -m zerotune.config.deepspeed_blocks`: the preview command lives in zerotune.cli.ds_config (this name is kept
+`python -m zerotune ds-config`: the preview command lives in zerotune.cli.ds_config (this name is kept
 because users type it; the layering contract in pyproject.toml lists this one entry-point import)."""
 
 from __future__ import annotations
@@ -53,10 +53,6 @@ def print_sources(sources: dict) -> None:
     for acc in sources["accelerate_config"]:
         lines.append(f"accelerate config: {acc['path'] or acc['origin']} ({acc['how']})")
     print("\n".join(lines), file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

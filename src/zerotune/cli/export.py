@@ -1,13 +1,12 @@
-"""`zerotune export <checkpoint> <out>` (and `python -m zerotune.rundir.export`): the command; the work is
+"""`zerotune export <checkpoint> <out>` (and `python -m zerotune export`): the command; the work is
 zerotune/export/.
 
-`python -m zerotune.rundir.export` is `zerotune export`."""
+`python -m zerotune export` is `zerotune export`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from zerotune.rundir import export
 
@@ -23,7 +22,3 @@ def main(argv: list[str] | None = None) -> int:
     written = export.export(args.checkpoint, args.out, merge=args.merge)
     print(json.dumps(written, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""`zerotune import-config FILE [--save NAME]` (and `python -m zerotune.plan.import_config`): the command; the work
+"""`zerotune import-config FILE [--save NAME]` (and `python -m zerotune import-config`): the command; the work
 is zerotune/import_config/.
 
-`python -m zerotune.plan.import_config` is `zerotune import-config`."""
+`python -m zerotune import-config` is `zerotune import-config`."""
 
 from __future__ import annotations
 
@@ -41,7 +41,3 @@ def main(argv: list[str] | None = None) -> int:
         compose.write_experiment(target, import_config.experiment_yaml(args.file, overrides, differ))
         print(f"wrote {target}: zerotune train experiment={args.save}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,7 @@ before any GPU is rented or any job launched.
     zerotune plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090 --all
     zerotune plan zero_stage=3 offload=cpu --gpu-mib 12288 --json
 
-`python -m zerotune.plan`: the command lives in zerotune.cli.plan (this name is kept because users type
+`python -m zerotune plan`: the command lives in zerotune.cli.plan (this name is kept because users type
 it; the layering contract in pyproject.toml lists this one entry-point import)."""
 
 from __future__ import annotations
@@ -53,10 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(json.dumps(answer, indent=2) if args.json else command_line.ranking(answer))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""`python -m zerotune.report <sweep dir> [<more dirs>...] [--budget-mib N] [--metric gpu|host] [--out DIR]`
+"""`python -m zerotune report <sweep dir> [<more dirs>...] [--budget-mib N] [--metric gpu|host] [--out DIR]`
 [--where KEY=VALUE ...]: the command; the work is zerotune/report/.
 
-`python -m zerotune.report` is `zerotune report` (zerotune/cli/report.py)."""
+`python -m zerotune report` is `zerotune report` (zerotune/cli/report.py)."""
 
 from __future__ import annotations
 
@@ -67,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{plot.path.name}: {plot.note}")
     print(f"Wrote {report.csv_path}, {report.md_path} and {len(report.plots)} plots.")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

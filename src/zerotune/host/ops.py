@@ -8,7 +8,7 @@ A cold build starts once the workers wait at the job's gate (launch/gate.py): it
 and their imports would otherwise run beside it.
 A lock a killed build left in the cache is dealt with first (ops/locks.py): no job waits on one forever.
 
-`python -m zerotune.host`: build DeepSpeed's CPU ops into the torch extensions cache now, as `make setup` does, so
+`python -m zerotune.host.ops`: build DeepSpeed's CPU ops into the torch extensions cache now, as `make setup` does, so
 that the first job (and the first test) loads them instead of compiling them. What a ZeRO-2 job with CPU offload
 and DeepSpeed's AdamW loads: the shared-memory collectives every DeepSpeed job loads, and CPU Adam."""
 

@@ -112,7 +112,7 @@ def op_built() -> bool:
 def why_unmeasured() -> str:
     """Why cpu_adam_figure() is None."""
     if not op_built():
-        return ("DeepSpeed's CPU-Adam is not built on this host yet (minutes to build; `python -m zerotune.host` "
+        return ("DeepSpeed's CPU-Adam is not built on this host yet (minutes to build; `python -m zerotune.host.ops` "
                 "builds it, and so does the first job that offloads): the next plan times it")
     return "DeepSpeed's CPU-Adam could not be built or run here"
 
