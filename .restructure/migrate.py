@@ -563,6 +563,8 @@ for mod, cmd in COMMANDS.items():
 POST_SUBS += [(r"-m zerotune\.host(?![\w.])", "-m zerotune.host.ops"),
               (r'"-m", "zerotune\.host"', '"-m", "zerotune.host.ops"'),
               (r"(?<![\w/])zerotune/conf(?=[/\"' ])", "zerotune/config/conf"),
+              (r"src/zerotune/conf\b", "src/zerotune/config/conf"),
+              (r"src/zerotune/experiments/", "src/zerotune/config/experiments/"),
               (r"(?<![\w/])zerotune/experiments(?=[/\"' ])", "zerotune/config/experiments")]
 
 
@@ -678,7 +680,7 @@ def main() -> None:
                 for x in d.iterdir():
                     subprocess.run(["rm", "-rf", str(x)])
                 d.rmdir()
-    post_subs([p for d in ("src", "tests", "benchmarks", "docs", "experiments", "scripts") if (ROOT / d).exists()
+    post_subs([p for d in ("src", "tests", "benchmarks", "docs", "experiments", "scripts", "conf") if (ROOT / d).exists()
                for p in (ROOT / d).rglob("*") if p.is_file() and not p.is_symlink() and p.suffix in (".py", ".md")
                and not any(q.is_symlink() for q in p.parents)] + [ROOT / "Makefile", ROOT / "pyproject.toml"])
     # 4. pyproject: the contracts of the design

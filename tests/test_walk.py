@@ -26,23 +26,23 @@ def test_rooms_and_returns_of_a_sequence():
 
 def test_layers_come_from_the_import_contract():
     layers = walk.read_layers()
-    assert layers["command"] == 0
-    assert layers["training"] == layers["plan"] == layers["export"]  # `training | plan | export`: one layer
-    assert layers["launch"] < layers["training"] < layers["preflight"] < layers["units"]
+    assert layers["cli"] == 0
+    assert layers["builder"] == layers["tune"]  # `builder | tune`: one layer
+    assert layers["job"] < layers["train"] < layers["plan"] < layers["config"]
     assert walk.layer_of("zerotune.plan.guard", layers) == layers["plan"]
     assert walk.layer_of("zerotune.cli.command", layers) == 0
     assert walk.layer_of("hydra.main", layers) is None
-    assert walk.layer_of("zerotune.host.process", layers) is None  # outside the contract
+    assert walk.layer_of("zerotune.host.process", layers) == layers["models"] == 6
 
 
 def test_a_climb_is_a_call_from_a_lower_layer_to_a_higher_one():
     layers = walk.read_layers()
     assert walk.is_climb("zerotune.host.ops", "zerotune.job.parent", layers)  # a callback up
     assert not walk.is_climb("zerotune.job.parent", "zerotune.config.compose.settle", layers)  # down
-    assert not walk.is_climb("zerotune.train.run", "zerotune.plan.guard", layers)  # one layer
+    assert not walk.is_climb("zerotune.train.run", "zerotune.plan.guard", layers)  # down
     assert not walk.is_climb("threading", "zerotune.job.parent", layers)  # a caller outside the layers
     stops = [stop("zerotune.job.parent", "zerotune.cli.train"), stop("zerotune.config.compose.settle", "zerotune.job.parent"),
-             stop("zerotune.job.parent", "zerotune.host.ops"),
+             stop("zerotune.job.elastic", "zerotune.host.ops"),
              stop("zerotune.config.compose.settle", "zerotune.job.parent")]
     assert walk.figures(stops, layers) == {"stops": 4, "rooms": 3, "returns": 1, "climbs": 1, "rises": 1}
 
