@@ -564,6 +564,8 @@ POST_SUBS += [(r"-m zerotune\.host(?![\w.])", "-m zerotune.host.ops"),
               (r'"-m", "zerotune\.host"', '"-m", "zerotune.host.ops"'),
               (r"(?<![\w/])zerotune/conf(?=[/\"' ])", "zerotune/config/conf"),
               (r"src/zerotune/conf\b", "src/zerotune/config/conf"),
+              (r"\.\.\./zerotune/conf\b", ".../zerotune/config/conf"),
+              (r"\.\.\./zerotune/experiments\b", ".../zerotune/config/experiments"),
               (r"src/zerotune/experiments/", "src/zerotune/config/experiments/"),
               (r"(?<![\w/])zerotune/experiments(?=[/\"' ])", "zerotune/config/experiments")]
 
