@@ -7,7 +7,7 @@ run side by side; the job's first step no longer waits for the two in a row.
 
 The parent decides once, in a file named by a token that only this launch's workers know (so a rerun into
 the same run directory, or a second node sharing it, never reads another launch's decision):
-- `go`: the checks passed, config.yaml and launch.json are final; the workers load them and train;
+- `go`: the checks passed, config.yaml and job.json are final; the workers load them and train;
 - `abort` (a refused job) or `skip` (predicted to run out of GPU memory): each worker ends at once, with
   status 0 and nothing written, even in the middle of its imports; the parent reports the job.
 

@@ -26,7 +26,7 @@ METRICS = "metrics.jsonl"
 SAMPLES = "samples"
 ATTEMPTS = "attempts"
 # What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
-_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "launch.json", "resolved.json", "telemetry.png", "ranks")
+_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "job.json", "launch.json", "resolved.json", "telemetry.png", "ranks")
 
 
 class RunDir:
@@ -92,7 +92,8 @@ class RunDir:
             self._metrics = None
 
 
-SPEC_FILE = "launch.json"
+SPEC_FILE = "job.json"
+SPEC_FILE_BEFORE = "launch.json"          # the same spec, as run directories written before job.json name it
 MAX_NAME_LEN = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
 
@@ -110,7 +111,10 @@ class JobSpec:
 
     @classmethod
     def load(cls, run_dir: str | Path) -> JobSpec:
-        return cls(**json.loads((Path(run_dir) / SPEC_FILE).read_text()))
+        path = Path(run_dir) / SPEC_FILE
+        if not path.exists() and (Path(run_dir) / SPEC_FILE_BEFORE).exists():
+            path = Path(run_dir) / SPEC_FILE_BEFORE
+        return cls(**json.loads(path.read_text()))
 
 
 def run_name(overrides: list[str]) -> str:
