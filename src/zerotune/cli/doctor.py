@@ -9,9 +9,7 @@ Check what DeepSpeed training needs on this machine, one line per check, each pr
     zerotune doctor --offload-path /mnt/nvme/zerotune --json
     zerotune doctor zero_stage=3 offload=nvme offload.path=/mnt/nvme/zerotune
 
-Exit code 0 when nothing failed, 1 when a check failed, 2 for a config error in the overrides.
-
-`python -m zerotune doctor` is `zerotune doctor`."""
+Exit code 0 when nothing failed, 1 when a check failed, 2 for a config error in the overrides."""
 
 from __future__ import annotations
 

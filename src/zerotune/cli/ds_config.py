@@ -1,10 +1,7 @@
 """Print the validated DeepSpeed JSON for any composition, without training.
 
     zerotune ds-config zero_stage=3 offload=nvme offload.path=/tmp/x
-    zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
-
-`python -m zerotune ds-config`: the preview command lives in zerotune.cli.ds_config (this name is kept
-because users type it; the layering contract in pyproject.toml lists this one entry-point import)."""
+    zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4"""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """`zerotune export <checkpoint> <out>` (and `python -m zerotune export`): the command; the work is
-zerotune/export/.
-
-`python -m zerotune export` is `zerotune export`."""
+zerotune/export/."""
 
 from __future__ import annotations
 

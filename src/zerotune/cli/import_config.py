@@ -1,7 +1,5 @@
 """`zerotune import-config FILE [--save NAME]` (and `python -m zerotune import-config`): the command; the work
-is zerotune/import_config/.
-
-`python -m zerotune import-config` is `zerotune import-config`."""
+is zerotune/import_config/."""
 
 from __future__ import annotations
 

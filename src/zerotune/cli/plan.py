@@ -3,10 +3,7 @@ before any GPU is rented or any job launched.
 
     zerotune plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090
     zerotune plan model=sdxl resolution=1024 train.batch_size=8 --gpu rtx4090 --all
-    zerotune plan zero_stage=3 offload=cpu --gpu-mib 12288 --json
-
-`python -m zerotune plan`: the command lives in zerotune.cli.plan (this name is kept because users type
-it; the layering contract in pyproject.toml lists this one entry-point import)."""
+    zerotune plan zero_stage=3 offload=cpu --gpu-mib 12288 --json"""
 
 from __future__ import annotations
 
