@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      epilog=f"The job: python train.py {' '.join(SHORT_JOB)} [overrides]")
     parser.add_argument("overrides", nargs="*", help="more of the job's overrides (key=value)")
     parser.add_argument("--from", dest="entry", choices=("job", "cli"), default="job",
-                        help="start at run_job (default) or at the command's entry, cli/main.py's main")
+                        help="start at run_job (default) or at the command's entry, cli/train.py's main")
     parser.add_argument("--step", default=STEP, help=f"the training step's function, module:qualname ({STEP})")
     parser.add_argument("--every-call", action="store_true",
                         help="count every call; by default a call made again from the same line is read once")

@@ -1,6 +1,6 @@
 """Bad inputs that used to reach a worker (and a traceback there, 10-40 s in) stop in the job's parent's checks,
 in seconds: exit 2, one message naming the key and the fix, and no training. The workers, started beside the
-checks (launch/gate.py), are turned away at the gate, mid-import: they leave nothing behind."""
+checks (job/gate.py), are turned away at the gate, mid-import: they leave nothing behind."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The top-level keys of a user's DeepSpeed JSON: every key DeepSpeed reads has a decision (honoured, translated
-or refused, user_config/ds_keys.py), keys DeepSpeed ignores pass with a warning unless they ask for something,
+or refused, config/deepspeed_file.py), keys DeepSpeed ignores pass with a warning unless they ask for something,
 a misspelt key is an error naming the nearest known one, and every fix an error of a user's file gives works
 when applied: the run is then accepted."""
 

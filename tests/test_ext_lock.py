@@ -1,5 +1,5 @@
 """A lock a killed JIT build left in the torch extensions cache never makes a job wait forever
-(ops/locks.py, and ops/build.py before each op load): provably stale ones are removed with a warning,
+(host/ops_locks.py, and host/ops.py before each op load): provably stale ones are removed with a warning,
 live ones are waited on for a bounded time, undecided ones stop the job naming the file."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (ops/build.py): which
+"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (host/ops.py): which
 ops a run needs, what a failed build says, and a real job's record of the build."""
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def test_plan_command_json_has_the_per_rank_gpu_peak():
     plan = json.loads(proc.stdout)
     assert "batch 8x1" in plan["workload"]
     assert {t["term"]: t["mib"] for t in plan["gpu_terms"]}["deepspeed:ipg_bucket"] == pytest.approx(1000 * 4 / MIB)
-    # the step's peak: what it holds throughout plus its largest moment's terms (plan/step_peak.py)
+    # the step's peak: what it holds throughout plus its largest moment's terms (plan/predict.py)
     moments = {t.get("moment", "persistent") for t in plan["gpu_terms"]}
     at = {m: sum(t["mib"] for t in plan["gpu_terms"] if t.get("moment", "persistent") in ("persistent", m))
           for m in moments}

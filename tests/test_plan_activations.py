@@ -54,7 +54,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _settled(*overrides: str):
-    """The job's config as the planner takes it: composed and settled (compose/settle.py)."""
+    """The job's config as the planner takes it: composed and settled (config/compose/settle.py)."""
     return settle(compose_cfg(*overrides)).config
 
 

@@ -1,4 +1,4 @@
-"""The host terms of CPU offload at the sizes torch's pinned allocator gives them (plan/pinned.py), per parameter
+"""The host terms of CPU offload at the sizes torch's pinned allocator gives them (plan/host_memory.py), per parameter
 group; the heap glibc keeps of a module's host copies (host.py heap_kept_bytes); and a card's host figure as the
 process RSS the run measures (process.py card_process_prediction)."""
 

@@ -1,4 +1,4 @@
-"""A CPU run's host prediction as the processes' RSS (plan/process.py), and the report's host ratio, printed
+"""A CPU run's host prediction as the processes' RSS (plan/host_memory.py), and the report's host ratio, printed
 only where the prediction describes the measurement.
 
 The summaries built below are TEST FIXTURES: their numbers are made up, except where a test measures (the

@@ -1,4 +1,4 @@
-"""The planner's whole training step (plan/step_peak.py): what it holds throughout plus its largest moment,
+"""The planner's whole training step (plan/predict.py): what it holds throughout plus its largest moment,
 checked against what torch really allocates on this CPU for the same step through zerotune's own trainer
 (benchmarks/step_alloc.py); and the CUDA branches that differ from the CPU's, each where DeepSpeed and torch
 decide them. The whole grid (2 models x stages 0-3 x offload none/cpu x fp32/bf16) is slow; one

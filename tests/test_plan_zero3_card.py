@@ -345,7 +345,7 @@ def test_the_replayed_step_adds_up_to_its_reserved_peak(offload):
 
 @pytest.mark.usefixtures("cache")
 def test_the_trainer_empties_the_cache_after_the_build():
-    """training/trainer.py Trainer._prepare (d6e1446): the build's freed segments go back before the first step;
+    """train/trainer.py Trainer._prepare (d6e1446): the build's freed segments go back before the first step;
     emptied=False replays the trainer rows were recorded with, its cache kept."""
     cfg, checked, card = _checked("offload=none")
     today, before = (zero3_replay.step_memory(cfg, checked, card, emptied) for emptied in (True, False))

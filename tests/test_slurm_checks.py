@@ -1,5 +1,5 @@
 """hydra/launcher=slurm: the request is checked against the cluster before anything is submitted
-(slurm/cluster.py, slurm/request.py, slurm/precheck.py, cli/slurm_check.py). Parsing on scontrol's real output, the checks on a described
+(job/slurm_cluster.py, job/slurm_cluster.py, cli/callbacks.py, cli/callbacks.py). Parsing on scontrol's real output, the checks on a described
 cluster, and each refusal through the real CLI against the local two-node cluster (nothing submitted)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How a SLURM job's end is read and recorded, without a cluster: a job that ended without a result
-(slurm/job_end.py), srun's word on the task that ended first, and the node that failed first in a job of several
-(launch/node_failures.py). The real cluster runs them in tests/test_slurm.py (slow)."""
+(job/slurm_launcher.py), srun's word on the task that ended first, and the node that failed first in a job of several
+(job/records.py). The real cluster runs them in tests/test_slurm.py (slow)."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def preempt(cluster, job_id: str, restarts: int, how: str = "usr2") -> None:
 
 
 def task_pids(cluster, restarts: int) -> list[int]:
-    """This cluster's SLURM tasks of hydra/launcher=slurm (slurm/task.py) in the attempt after `restarts`
+    """This cluster's SLURM tasks of hydra/launcher=slurm (job/slurm_task.py) in the attempt after `restarts`
     requeues, that hold the stop signals already (their imports still going on)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -346,7 +346,7 @@ def test_a_stop_signal_while_the_job_process_imports_starts_no_worker_and_is_rec
 
 
 def test_a_slurm_task_signalled_as_it_starts_requeues_its_job_once_recorded(tmp_path):
-    """The command srun runs for hydra/launcher=slurm (slurm/task.py), on a submitit job of this machine: USR2
+    """The command srun runs for hydra/launcher=slurm (job/slurm_task.py), on a submitit job of this machine: USR2
     while it imports the job's code, and again once submitit's handler is installed. Neither ends it nor requeues
     the job there and then: the job reads the held signal, and only then submitit's handler runs `scontrol
     requeue` and exits as submitit does after a requeue (255)."""

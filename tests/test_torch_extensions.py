@@ -1,6 +1,6 @@
 """torch installed under a path with a space (a venv in "my proj/venv"): torch.utils.cpp_extension writes the
 `-L<torch>/lib` of an op's build.ninja unquoted, so the link fails; zerotune points it at a shell-safe link to
-that folder in the extensions cache (ops/torch_lib.py). Built here for real, with a tiny C++ library."""
+that folder in the extensions cache (host/ops_env.py). Built here for real, with a tiny C++ library."""
 
 from __future__ import annotations
 

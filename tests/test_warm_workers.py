@@ -1,4 +1,4 @@
-"""The warm template's choice of worker command, and its stub (launch/warm.py, warm_stub.py). The template
+"""The warm template's choice of worker command, and its stub (job/warm.py, warm_stub.py). The template
 serving real trials: the one end-to-end tune run (tests/test_tune_sweep.py)."""
 
 from __future__ import annotations

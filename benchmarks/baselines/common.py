@@ -16,7 +16,7 @@ from pathlib import Path
 
 from zerotune.host.timing import process_start_time
 
-WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's training/measure.py does
+WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's train/run.py does
 
 
 def parse_args(description: str) -> argparse.Namespace:

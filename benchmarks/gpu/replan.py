@@ -4,9 +4,9 @@ Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's ov
 nvidia-smi peak and its host peak RSS) and runs the planner on each row's own command line for the card it ran
 on. Runs on the CPU.
 
-The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: launch/job.py samples the job process's
+The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: job/parent.py samples the job process's
 descendants, the ranks), against the row's recorded `host_peak_mib` and today's process-RSS prediction for the
-card (plan/process.py card_process_prediction: this host's process baseline plus each rank's host terms).
+card (plan/host_memory.py card_process_prediction: this host's process baseline plus each rank's host terms).
 
     python benchmarks/gpu/replan.py          # a Markdown table: recorded prediction, today's, measured, ratios
 """

@@ -25,7 +25,7 @@ def is_current(folder: Path) -> bool:
 
 
 def build_offload_ops(root: Path) -> None:
-    """Build (or load) the offload=cpu ops into `root` as a job's parent does (ops/build.py), in a process of its
+    """Build (or load) the offload=cpu ops into `root` as a job's parent does (host/ops.py), in a process of its
     own: minutes on a fresh cache."""
     code = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
             f"from zerotune.host.ops import prebuild_ops\nprebuild_ops({ADAM_CPU_OFFLOAD!r}, True)")

@@ -28,7 +28,7 @@ def compose_cfg(*overrides: str):
 
 def preflight(cfg, world_size: int | None = None, platform: Platform | None = None, overrides: list[str] | tuple = (),
               run_dir: str | Path | None = None) -> ResolvedRun:
-    """A composed config settled and checked, as a job's command line does (cli/main.py, then the job's checks);
+    """A composed config settled and checked, as a job's command line does (cli/train.py, then the job's checks);
     `overrides`: those typed on the command line."""
     from zerotune.config.compose.settle import settle
     from zerotune.plan.resolve import check

@@ -20,11 +20,11 @@ out of summary.md (their summary.json are written): `zerotune report <sweep dir>
 A report problem is logged, never raised: it must not fail or stop the sweep.
 
 With hydra/launcher=slurm, the sweep's SLURM request is checked against the cluster before anything is
-submitted: the partition, nodes, GPUs, CPUs and memory per node, and the time limit (slurm/request.py,
-against what slurm/cluster.py reads from scontrol).
+submitted: the partition, nodes, GPUs, CPUs and memory per node, and the time limit (job/slurm_cluster.py,
+against what job/slurm_cluster.py reads from scontrol).
 Each refusal is a config error naming the `hydra.launcher.*` key, with a value that passes as the fix.
 
-The Hydra callback that runs it before the first job is submitted is cli/slurm_check.py.
+The Hydra callback that runs it before the first job is submitted is cli/callbacks.py.
 
 With hydra/launcher=slurm, the sweep's SLURM request is checked against the cluster before anything is
 submitted (zerotune/cli/callbacks.py). Each refusal is a config error naming the `hydra.launcher.*` key, with a

@@ -183,7 +183,7 @@ def _describe(c: Any) -> str:
     return f"{where} ({c.distributed_type or 'NO'}{', ' if fields else ''}{', '.join(fields)})"
 
 
-# The ops zerotune's own options load (ops/build.py), and what needs each.
+# The ops zerotune's own options load (host/ops.py), and what needs each.
 USED_FOR = {"cpu_adam": "offload=cpu|nvme with adam/adamw", "cpu_adagrad": "offload with optimizer=adagrad",
             "cpu_lion": "offload with optimizer=lion", "async_io": "offload=nvme", "pin_memory": "offload=nvme",
             "deepspeed_shm_comm": "several processes on the CPU accelerator"}

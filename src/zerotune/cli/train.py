@@ -151,7 +151,7 @@ def agree_across_ranks(args: list[str]) -> list[str]:
     hydra.run.dir (and hydra.sweep.dir) resolves to ONE folder on every rank. Ranks other than 0 then
     write nothing of Hydra's there: no `.hydra/` (hydra.output_subdir=null) and no log file
     (hydra/job_logging=stdout: their log goes to the launcher's console). Only rank 0 writes the
-    run's files (training/run.py) and talks to W&B.
+    run's files (train/run.py) and talks to W&B.
     """
     if not distributed.launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
         started = job_start_time(os.environ)  # `srun` started this process on each node of a SLURM job

@@ -3,7 +3,7 @@ value a file states is refused by the precedence rules ("the command line says .
 such an override is rewritten here into the edit of that file.
 
 What the user's files set and where each value came from (`UserConfig`), and how a key typed on the command
-line is found (`typed_keys`, `pinned_by`). The rules of who wins are compose/settle.py's, which applies them."""
+line is found (`typed_keys`, `pinned_by`). The rules of who wins are config/compose/settle.py's, which applies them."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The types of the keys that steer a job rather than the model it trains: checkpoints, resume, the
 planner, launching, fault injection, sweep reports and tune trials (the schema's other half: schema/__init__.py).
 
-The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml (compose/node.py).
+The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml (config/compose/settle.py).
 
 The YAML files stay the options users read and copy; these dataclasses say what each key may hold, so a
 wrong type (`train.batch_size=abc`) or an unknown key (`train.batchsize=4`, also with `+`) fails at
@@ -58,7 +58,7 @@ class Launch:
     slurm: Any = "auto"                  # auto | true | false
     run_id: str | None = None         # set inside SLURM jobs
     stop_grace_s: int = 120              # after a stop signal, how long workers get to finish their step and save
-    threads: Any = "auto"                # auto | N: torch intra-op threads per worker (training/threads.py)
+    threads: Any = "auto"                # auto | N: torch intra-op threads per worker (train/distributed.py)
 
 
 @dataclass(frozen=True)

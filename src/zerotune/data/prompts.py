@@ -9,7 +9,7 @@ A prompt file is one of:
 - `.json`: SimpleTuner's prompt library, {name: prompt}, or a list of prompts or of such objects.
 
 Validation prompts (the `validation` block of conf/config.yaml): what they are and whether a run's settings are
-sound, before any model exists. The passes themselves run in training (training/validation.py)."""
+sound, before any model exists. The passes themselves run in training (train/validation.py)."""
 
 from __future__ import annotations
 

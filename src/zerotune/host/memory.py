@@ -184,7 +184,7 @@ class ProcessTree:
     def __init__(self, root: int, include_root: bool = True, exclude_names: tuple[str, ...] = (),
                  skip_pids: frozenset[int] = frozenset()) -> None:
         self.root, self.include_root, self.exclude_names = root, include_root, tuple(exclude_names)
-        # not counted, though their children are: a warm template (launch/warm.py), whose forked workers are
+        # not counted, though their children are: a warm template (job/warm.py), whose forked workers are
         # the job's and count whole, as a fresh worker would
         self.skip_pids = skip_pids
         self._procs: dict[int, psutil.Process] = {}
@@ -383,7 +383,7 @@ class MemorySampler(Periodic):
         return 0.0, device  # no process of the tree holds a CUDA context (yet)
 
     def begin_window(self) -> None:
-        """Start a window of its own peak (a run's phase, telemetry/phases.py), with a sample at its start."""
+        """Start a window of its own peak (a run's phase, host/torch_memory.py), with a sample at its start."""
         with self._state_lock:
             self._window, self._window_open = None, True
         self.sample_now()

@@ -4,9 +4,9 @@ DeepSpeed compiles an op (cpu_adam, async_io, its CPU shm comm op, ...) the firs
 into the torch extensions cache. Left to the first worker, the compile (a C++ compiler at ~1 GiB per file)
 lands inside the job's memory sampler and start-up time: the first job of a sweep looked 5x costlier than
 identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
-A cold build starts once the workers wait at the job's gate (launch/gate.py): it takes every core for minutes,
+A cold build starts once the workers wait at the job's gate (job/gate.py): it takes every core for minutes,
 and their imports would otherwise run beside it.
-A lock a killed build left in the cache is dealt with first (ops/locks.py): no job waits on one forever.
+A lock a killed build left in the cache is dealt with first (host/ops_locks.py): no job waits on one forever.
 
 `python -m zerotune.host.ops`: build DeepSpeed's CPU ops into the torch extensions cache now, as `make setup` does, so
 that the first job (and the first test) loads them instead of compiling them. What a ZeRO-2 job with CPU offload

@@ -6,7 +6,7 @@ that has no handler yet, and a job process or worker is without one for seconds 
 tasks die of a signal is FAILED, never requeued, and leaves no record. So each entry point (a SLURM task's
 command, train.py, a worker's first line) calls `hold()` before its heavy imports: from then on a stop signal is
 only noted. The code that can act on it asks `received()`: the job process before it starts its workers
-(launch/elastic.py), a worker as its training begins (training/stop.py). A Python handler does not survive exec:
+(job/elastic.py), a worker as its training begins (train/distributed.py). A Python handler does not survive exec:
 every process holds its own.
 
 Standard library only, and nothing imported here may be heavy: it runs before the imports it protects.
@@ -35,7 +35,7 @@ at CUDA_HOME, bitsandbytes' optional kernels, accelerate's checkpoint steps that
 to the run's log file only, the job process's `main.log` and each rank's `logs/.../<rank>/stdout.log`. zerotune's
 own warnings (a DeepSpeed key ignored, a fallback taken, a figure unmeasured) stay on the console.
 
-Standard library only: a worker sets this up before its first heavy import (launch/bootstrap.py)."""
+Standard library only: a worker sets this up before its first heavy import (job/bootstrap.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Where a job's start-up time goes, from the command's start to the end of its fir
 
 The parent marks its phases up to starting the workers (composition and imports, the launch block and the
 checkpoint dir's lock, the launcher's imports). Its checks (the user's files, the DeepSpeed dict, the
-plan, DeepSpeed's ops) then run while the workers import (launch/gate.py): they are marked apart. Each
+plan, DeepSpeed's ops) then run while the workers import (job/gate.py): they are marked apart. Each
 worker marks its own phases (start and imports, waiting for the checks, setup, first step).
 summary.json's `startup` gives them all as seconds, so a slow start points at its phase. All marks are
 epoch seconds (time.time(), the clock of timing.process_start_time), so the processes' marks compare."""
@@ -161,7 +161,7 @@ def startup_view(parent: ParentMarks | None, worker: dict | None, checks: Marks 
     """summary.json's `startup`: the parent's phases, its checks (beside the workers' start), the worker's, and
     the total to the first step.
 
-    `worker`: rank 0's own marks (training/run.py): process_start, train_start, ready, first_step_end, and
+    `worker`: rank 0's own marks (train/run.py): process_start, train_start, ready, first_step_end, and
     gate_reached and gate_open when a zerotune parent started it.
     """
     view: dict = {}
@@ -171,7 +171,7 @@ def startup_view(parent: ParentMarks | None, worker: dict | None, checks: Marks 
         view["checks"] = checks.phases()
     if worker:
         view["worker"] = _worker_phases(parent.end() if parent is not None else worker["process_start"], worker)
-        # forked from a tune sweep's warm template (launch/warm.py), whose imports were paid once, before
+        # forked from a tune sweep's warm template (job/warm.py), whose imports were paid once, before
         view["worker_start"] = "warm template" if worker.get("forked_from_template") else "fresh interpreter"
         start = parent.start if parent is not None else worker["process_start"]
         view["to_first_step_s"] = _seconds(start, worker.get("first_step_end"))

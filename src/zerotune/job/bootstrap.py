@@ -7,7 +7,7 @@ before importing anything: a parent killed during a worker's multi-second import
 leave it alive, retrying its rendezvous forever. A parent that died before the request was made
 is caught by comparing the parent's pid with the one it was started by.
 
-Then it watches the job's gate (launch/gate.py) before its imports, so that a job the parent refuses
+Then it watches the job's gate (job/gate.py) before its imports, so that a job the parent refuses
 ends its workers at once, wherever their imports are.
 
 Before all that, it holds the stop signals (zerotune/host/process.py): SLURM signals the workers too, and one

@@ -3,7 +3,7 @@
 The launcher's agent watches the workers: when one dies it stops the others, so no peer is left
 hanging in a collective. A watchdog thread turns a job that outlives `timeout_s` into a recorded
 timeout by killing the worker tree, which the agent then reports as a failure. The workers wait at
-the job's gate (launch/gate.py) until the parent's checks let them train. The host's memory is watched
+the job's gate (job/gate.py) until the parent's checks let them train. The host's memory is watched
 while they run: a worker that dies of SIGKILL carries what the host had left just before (records.py
 tells the kernel's OOM killer from a person's kill).
 """
@@ -91,7 +91,7 @@ def launch_config(launch: Launch, run_dir: Path):
         # Each rank's stdout (its full log: every record, and what libraries print) to its file only; its stderr
         # (zerotune's lines, errors, tracebacks: console.py) to the file and the console.
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.OUT, tee=Std.ERR),
-        # The launcher passes these on to the workers (training/stop.py), which finish their step, save when
+        # The launcher passes these on to the workers (train/distributed.py), which finish their step, save when
         # checkpoint.on_signal is set, and record INTERRUPTED; after stop_grace_s it kills them.
         signals_to_handle=",".join(STOP_SIGNALS), shutdown_timeout=int(launch.stop_grace_s),
     )
@@ -110,7 +110,7 @@ class Launcher:
 
         self.timeout_s, self.gate = timeout_s, gate
         self._launch = elastic_launch(launch_config(launch, run_dir), sys.executable)
-        # Forked from the sweep's warm template where one is up (launch/warm.py), else a fresh interpreter.
+        # Forked from the sweep's warm template where one is up (job/warm.py), else a fresh interpreter.
         self._args = warm.worker_args((str(os.getpid()), str(run_dir), gate.token))
         self._finished, self._timed_out = threading.Event(), threading.Event()
         self._host = HostWatch(skip_pids=warm.template_pids())
@@ -142,7 +142,7 @@ class Launcher:
         finally:
             # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
             # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the
-            # job (held_signals.py), while it records itself and, under submitit, requeues (slurm/job.py).
+            # job (held_signals.py), while it records itself and, under submitit, requeues (job/slurm.py).
             for sig, handler in before.items():
                 signal.signal(sig, handler)
             self._host.stop()

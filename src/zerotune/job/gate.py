@@ -14,7 +14,7 @@ the same run directory, or a second node sharing it, never reads another launch'
 A worker at the gate says so (`<gate file>.arrived.<pid>`): a cold DeepSpeed op build, which takes every core
 for minutes, waits for the workers' imports to end rather than slowing them.
 
-Standard library only: a worker starts watching before it imports anything (launch/bootstrap.py).
+Standard library only: a worker starts watching before it imports anything (job/bootstrap.py).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class GateWatch:
 
     def __init__(self, run_dir: str | Path, token: str, forked: bool = False) -> None:
         self.path = gate_file(run_dir, token)
-        self.forked = forked  # forked from the sweep's warm template (launch/warm.py), not a fresh interpreter
+        self.forked = forked  # forked from the sweep's warm template (job/warm.py), not a fresh interpreter
         self.opened_at: float | None = None
         self._go = threading.Event()
         threading.Thread(target=self._watch, name="zerotune-gate", daemon=True).start()
@@ -99,7 +99,7 @@ class GateWatch:
     def wait_for_go(self) -> dict:
         """Block until the parent says go; the worker's marks: imports done (reached the gate), gate open."""
         reached = time.time()
-        self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (ops/build.py)
+        self.path.with_name(f"{self.path.name}.arrived.{os.getpid()}").touch()  # for a cold op build (host/ops.py)
         self._go.wait()
         return {"gate_reached": reached, "gate_open": max(self.opened_at or reached, reached),
                 "forked_from_template": self.forked}

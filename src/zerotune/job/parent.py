@@ -4,7 +4,7 @@ Whatever the workers do (finish, raise, run out of memory, hang, get killed), th
 summary.json ends with a status and the peak memory the job reached, and the process that
 runs the sweep carries on to the next job.
 
-A job's checks, run in a thread of the job's parent while its workers import (launch/gate.py).
+A job's checks, run in a thread of the job's parent while its workers import (job/gate.py).
 
 From the settled config (frozen before the workers started), everything that fails in seconds: the
 DeepSpeed dict, the checkpoint to resume, the weights to load, the plan (and its guard); the resolved run
@@ -39,11 +39,11 @@ log = logging.getLogger("zerotune")
 
 
 def run_job(settled: Settled, spec: JobSpec) -> RunSummary:
-    """The parent side of a job: its workers train (launch/worker.py); this process resolves, watches, records.
+    """The parent side of a job: its workers train (job/worker.py); this process resolves, watches, records.
 
     The config, settled at the command line (the user's files folded in), is written once; the workers start as
     soon as it is, and the checks that need DeepSpeed and the model run while they import: they train only if
-    the checks pass (launch/gate.py), reading the run the checks resolved (resolved.json)."""
+    the checks pass (job/gate.py), reading the run the checks resolved (resolved.json)."""
     marks = ParentMarks()
     marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
     run_dir = RunDir(spec.run_dir)

@@ -5,7 +5,7 @@ A job of several nodes that failed: which node and rank failed first, for node 0
 
 Node 0 writes the job's summary, but what it sees of a peer's death is its own rank's error (gloo's "Connection
 closed by peer", NCCL's watchdog timeout). Every other node records its own ranks' outcome in
-summary.node<k>.json beside it (launch/job.py), over the shared run folder; node 0 reads them and names the cause."""
+summary.node<k>.json beside it (job/parent.py), over the shared run folder; node 0 reads them and names the cause."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
         summary.status = Status.INTERRUPTED
         if summary.interrupted is None:
             summary.interrupted = {"signal": result.signal, "after_step": summary.steps}
-        summary.interrupted["job_signal"] = result.signal  # the job process's own (slurm/job.py requeues on it)
+        summary.interrupted["job_signal"] = result.signal  # the job process's own (job/slurm.py requeues on it)
     elif result.status != Status.OK and (summary.status is None or summary.status in LAUNCHER_OVERRIDES):
         # A worker's own OOM stays; a timeout, a death the worker could not record, or the kernel's OOM killer
         # is the launcher's to record.

@@ -180,8 +180,8 @@ def requeue_if_preempted(summary: RunSummary) -> None:
 
     Why here and not when the signal comes: submitit's handler requeues at once, and `scontrol requeue` has
     SLURM send SIGTERM, then SIGKILL after KillWait, to every process of the job, the workers in the middle of
-    their save included. So the job process holds the signal from its first line (slurm/task.py sets
-    submitit's handler aside), torch's agent passes it on to the workers while they run (launch/elastic.py), and
+    their save included. So the job process holds the signal from its first line (job/slurm_task.py sets
+    submitit's handler aside), torch's agent passes it on to the workers while they run (job/elastic.py), and
     submitit's handler is called only now, once the attempt is recorded. Only node 0's task requeues (submitit's
     handler does nothing on the others)."""
     name = (summary.interrupted or {}).get("job_signal")

@@ -1,8 +1,8 @@
 """What a SLURM cluster offers, as `scontrol` reports it: its partitions and each node's CPUs, memory and GPUs.
 It is the cluster's configuration, not its current load: a node that is down or busy now is still one of its
-partition's nodes. slurm/request.py checks a request against it.
+partition's nodes. job/slurm_cluster.py checks a request against it.
 
-The request hydra/launcher=slurm would make, against the cluster (slurm/cluster.py).
+The request hydra/launcher=slurm would make, against the cluster (job/slurm_cluster.py).
 
 A request sbatch cannot place (an unknown partition, more nodes, GPUs, CPUs or memory than the partition's nodes
 have, a time limit above the partition's) is otherwise answered only by sbatch itself, or by a job that pends for

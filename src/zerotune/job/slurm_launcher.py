@@ -92,7 +92,7 @@ def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: li
     `restarts`: SLURM's count of the job's requeues. A summary an earlier attempt wrote (the last one ended before
     writing its own) stays that attempt's record, in attempts/<n>/, like any earlier attempt's. `ended_first`: srun's
     line on the task that ended first (`first_task_end`): the error names its node, unless SLURM ended the job
-    itself (cancelled, timed out) or the job's own record names a node that failed (launch/node_failures.py)."""
+    itself (cancelled, timed out) or the job's own record names a node that failed (job/records.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary.read_if_whole(run_dir)
     if summary is not None and not _last_attempts(summary, job_id, restarts):
@@ -162,7 +162,7 @@ _EXIT_CODE = re.compile(r"^Exited with exit code (\d+)$")
 _SIGNALS = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
 
 # The job's stderr is appended to by each attempt of a requeued job. SLURM writes nothing there as an attempt
-# starts, so the batch script does (slurm/launcher.py), before its srun: the lines after it are that attempt's.
+# starts, so the batch script does (job/slurm_launcher.py), before its srun: the lines after it are that attempt's.
 ATTEMPT_LINE = 'zerotune: SLURM job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}: the step starts'
 _ATTEMPT = re.compile(r"^zerotune: SLURM job \S+, restart (\d+): the step starts$")
 

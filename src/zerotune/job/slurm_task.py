@@ -5,7 +5,7 @@ SLURM signals a job's tasks whenever it pre-empts it, however young the attempt:
 only after its imports and the job's unpickling (Hydra, zerotune), seconds in which the signal's default action
 would end the task, unrecorded, and the job FAILED instead of requeued. Held (zerotune/host/process.py), the
 signal waits for the job process: it does not start its workers, or stops them, records the attempt, and only
-then calls submitit's handler, which requeues the job (slurm/job.py requeue_if_preempted).
+then calls submitit's handler, which requeues the job (job/slurm.py requeue_if_preempted).
 """
 
 from zerotune.host import process

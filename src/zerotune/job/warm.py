@@ -3,7 +3,7 @@
 A worker's start is mostly imports: torch, DeepSpeed, diffusers and the trainer take about 7 s here, paid
 again by every trial. The template is one process that imports them once, then forks each worker.
 
-torch's launcher still starts and watches every worker; what it starts is a stub (launch/warm_stub.py: the
+torch's launcher still starts and watches every worker; what it starts is a stub (job/warm_stub.py: the
 standard library only), which hands the template its standard streams, environment, working
 directory and arguments over a Unix socket, waits for the forked worker's exit status and exits with it. A stop
 signal the stub receives is passed on to the worker. A worker whose stub is gone (killed) is killed by the
@@ -284,7 +284,7 @@ def _reap(running: dict, exits: dict[int, int]) -> None:
 def _become_worker(server: socket.socket, conn: socket.socket, running: dict, request: dict,
                    fds: list[int]) -> None:
     """In the forked child: the stub's streams, environment, directory and arguments, then the worker's own
-    first lines after the imports (launch/bootstrap.py)."""
+    first lines after the imports (job/bootstrap.py)."""
     code = 1
     try:
         if sys.platform.startswith("linux"):

@@ -1,4 +1,4 @@
-"""The process torch's launcher starts for a worker forked from the warm template (launch/warm.py),
+"""The process torch's launcher starts for a worker forked from the warm template (job/warm.py),
 `python -u -m zerotune.job.warm_stub <socket> <parent pid> <run dir> <gate token>`: it asks the template for
 the worker, passes stop signals on to it, and exits with the worker's status. Where the template does not answer,
 it becomes a cold worker itself (the usual bootstrap, by exec).

@@ -1,4 +1,4 @@
-"""One training process of a job, started by the launcher through launch/bootstrap.py.
+"""One training process of a job, started by the launcher through job/bootstrap.py.
 
 It imports while the parent checks the job, waits at the job's gate, then reads the run the parent
 resolved (resolved.json: every rank trains the same thing, in the same folder, and none resolves it again)

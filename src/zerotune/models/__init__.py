@@ -168,7 +168,7 @@ def build_unet(model_cfg: Model, zero_init=None):
     original-layout single-file checkpoint) or from its config.
 
     `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
-    as it is built and the weights are loaded into the partitions (models/partitioned.py)."""
+    as it is built and the weights are loaded into the partitions (models/weights.py)."""
     pretrained = model_cfg.pretrained
     if zero_init is not None:
         unet = _build_partitioned(model_cfg, zero_init, Path(str(pretrained)).expanduser() if pretrained else None)

@@ -44,7 +44,7 @@ def diffusion_loss(unet, x0: torch.Tensor, cond: dict, sched: DDPMScheduler, gen
     `min_snr_gamma`, each sample's MSE weighted by min_snr_weights.
 
     Noise and timesteps are drawn on the CPU from `generator`, so runs are reproducible on any device,
-    unless given (drawn for the global batch and sliced per rank: see training/distributed.py).
+    unless given (drawn for the global batch and sliced per rank: see train/distributed.py).
     """
     n = x0.shape[0]
     if noise is None:

@@ -312,7 +312,7 @@ def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, a
 
 def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
     """One micro batch as the trainer hands it to diffusion_loss: float tensors in the training dtype
-    (Trainer._to_device), the conditioning of the model's kind (data/synthetic.py's shapes)."""
+    (Trainer._to_device), the conditioning of the model's kind (data/sources.py's shapes)."""
     unet = unet_config(model_cfg)
     x0 = torch.randn(batch, *latent_shape, dtype=dtype)
     drawn = {"x0": x0, "noise": torch.randn_like(x0), "timesteps": torch.randint(0, 1000, (batch,))}

@@ -132,7 +132,7 @@ def _device(plan: Plan) -> list[str]:
 
 
 def _host(plan: Plan) -> list[str]:
-    """The host terms; on a CPU plan, the processes' RSS it predicts (plan/process.py) and how."""
+    """The host terms; on a CPU plan, the processes' RSS it predicts (plan/host_memory.py) and how."""
     process = plan.host_process_terms
     if not process:
         return _terms(plan.host_terms)

@@ -61,7 +61,7 @@ def check_plan_keys(plan: PlanSettings) -> None:
 def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
-    # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
+    # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/host_memory.py).
     cfg, device = checked.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
         plan = predict(checked, gpu, device=device)
@@ -76,7 +76,7 @@ def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
 def host_fit(cfg: Config, plan: Plan) -> dict[str, Any]:
     """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
     accelerator, ranks = detect().device_type, cfg.launch.num_processes
-    # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
+    # A CPU plan's host figure is the node's whole process RSS (imports included: plan/host_memory.py), not its tensors.
     need = plan.host_peak_mib if plan.host_peak_kind == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
     memory, budget = read_host_memory(), cfg.plan.host_mib
     room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))

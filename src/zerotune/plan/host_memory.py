@@ -20,8 +20,8 @@ glibc's heap keeps after they move to the card (`heap_kept_bytes`).
 What a CPU run's processes hold, as the job's memory sampler measures it: their resident set (RSS).
 
 On a CPU accelerator the device's memory is host memory, and a run's summary records the peak RSS of the job's
-process tree (summary.json `memory.host_peak_rss_mib`, launch/records.py merge_job_view). That tree is the
-job's workers alone: launch/job.py samples with `MemorySampler(include_root=False)`, so the job process itself
+process tree (summary.json `memory.host_peak_rss_mib`, job/records.py merge_job_view). That tree is the
+job's workers alone: job/parent.py samples with `MemorySampler(include_root=False)`, so the job process itself
 (Hydra, the checks, torch's elastic agent, which runs in it) is left out; the workers are its direct children
 (torch's launcher, start method spawn) and start no processes of their own (data.num_workers is 0). So:
 
@@ -35,7 +35,7 @@ job's workers alone: launch/job.py samples with `MemorySampler(include_root=Fals
   U-Net at load time (host.py's MODEL_LOAD), whichever is larger, as host.py's node_need_mib takes it;
 - the parent: 0, since the sampled tree leaves the job process out (PARENT_BASELINE_MIB).
 
-A run on a card is measured the same way (launch/job.py's sampler; the kit's `host_peak_rss_mib`), and
+A run on a card is measured the same way (job/parent.py's sampler; the kit's `host_peak_rss_mib`), and
 `card_process_prediction` predicts it the same way from a card's plan: each rank's host terms alone (host.py's
 rank terms on a CUDA accelerator: offloaded states, DeepSpeed's pinned buffers at torch's pinned block sizes, what
 glibc's heap keeps of the module's host copies) or its fp32 build, whichever is larger, on top of the process
@@ -157,7 +157,7 @@ def largest_share(plan: Plan, accelerator: str) -> tuple[float, float]:
 
 PROCESS_RSS = "process_rss"   # plan["host_peak_kind"]: the host figure predicts the job tree's peak RSS
 CACHE_FILE = "process_baseline_v2.json"
-# What a worker imports before it builds the model (launch/bootstrap.py, launch/worker.py, training/run.py),
+# What a worker imports before it builds the model (job/bootstrap.py, job/worker.py, train/run.py),
 # and torch's inductor, which it loads while DeepSpeed builds its engine (in a worker's sys.modules after its
 # first step; of the ~2,000 modules loaded then, the only one that adds tens of MiB: 43 MiB on this host).
 WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.job.worker",
@@ -165,7 +165,7 @@ WORKER_IMPORTS = ("torch", "deepspeed", "accelerate", "diffusers", "zerotune.job
 _VERSIONED = ("deepspeed", "accelerate", "diffusers")
 MEASURE_TIMEOUT_S = 300
 # The job process's share of the measured tree: 0, because the job's sampler leaves it out
-# (launch/job.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process).
+# (job/parent.py: MemorySampler(include_root=False); torch's elastic agent runs inside the job process).
 PARENT_BASELINE_MIB = 0.0
 # A card's worker, before it builds the model, has made CUDA's context (the driver's host allocations) and, at
 # its first matmul, loaded cuBLAS: pages a CPU-only host's baseline cannot have.

@@ -4,7 +4,7 @@
 Per-rank bytes of the model states (parameters, gradients, fp32 master weights, optimizer states) a run
 will hold, predicted from the parameter sizes and the validated DeepSpeed dict, with no weights built.
 
-The keys are the ones `training/partition.py::partition_bytes` reads from the live engine after step 1. The
+The keys are the ones `train/engine.py::partition_bytes` reads from the live engine after step 1. The
 rules are DeepSpeed 0.19.8's own, padding included, each with the rest of its stage's rules (stage0.py,
 zero12.py, zero3.py); DeepSpeed's own buffers on top of these are buffers.py's.
 

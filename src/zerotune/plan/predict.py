@@ -333,7 +333,7 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
 def _host_peak(checked: ResolvedRun, terms: list[Term], stage: int, world: int) -> tuple[float, Term]:
     """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
     each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
-    (training/backend.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
+    (train/engine.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
     until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
     stats, precision = checked.model_stats, checked.config.precision.name
     if stage == 3:

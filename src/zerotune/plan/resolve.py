@@ -14,7 +14,7 @@ or the number set in `deepspeed.*`.
 
 The user's DeepSpeed dict over the generated one: the file's blocks are taken whole.
 
-Preflight: from a settled config (compose/settle.py) to a resolved run (zerotune/plan/resolve.py). Every bad configuration stops
+Preflight: from a settled config (config/compose/settle.py) to a resolved run (zerotune/plan/resolve.py). Every bad configuration stops
 here, before any model exists."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def ddp_wraps(world: int, device: str) -> bool:
     """Whether accelerate wraps the module in DistributedDataParallel (accelerate/accelerator.py prepare_model): on
     CUDA when the state is multi-device (`multi_device`: distributed_type MULTI_GPU and num_processes > 1); on a CPU
     whenever LOCAL_RANK is set (state.py _prepare_backend: MULTI_CPU, `distributed_type == MULTI_CPU` wraps at any
-    process count), which zerotune's environment always sets (training/distributed.py ensure_single_process_env)."""
+    process count), which zerotune's environment always sets (train/distributed.py ensure_single_process_env)."""
     return world > 1 or device == "cpu"
 
 

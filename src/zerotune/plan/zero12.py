@@ -289,7 +289,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base
        then casts it to the fp32 master (on the card; on the host under offload) and frees the clone.
     At step 4 the pool holds the frozen blocks, the blocks of groups i.. (group i's freed but reserved), the flat
     buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. At its
-    end, the trainer empties the cache (training/trainer.py Trainer._prepare): only what is alive carries over."""
+    end, the trainer empties the cache (train/trainer.py Trainer._prepare): only what is alive carries over."""
     prec = precision_of(checked.ds_config)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = split_groups(train, checked.group_sizes())

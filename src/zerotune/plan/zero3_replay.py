@@ -61,7 +61,7 @@ def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
 
 def _build(model, pool: TaggedPool, cfg: Config, checked: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
     """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
-    reserved after it (training/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
+    reserved after it (train/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
     engine, since commit d6e1446; `emptied` False: the trainer before), and the optimizer's sub-groups."""
 
     ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
@@ -265,7 +265,7 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
 
 def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str, emptied: bool = True) -> dict:
     """The engine's build, then REPLAY_STEPS training steps, on `model` (fake tensors, under FakeTensorMode).
-    `emptied`: the trainer empties the cache between the two (training/trainer.py Trainer._prepare, since commit
+    `emptied`: the trainer empties the cache between the two (train/trainer.py Trainer._prepare, since commit
     d6e1446); False replays the trainer the H100 grid ran, which did not."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as status
@@ -295,7 +295,7 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
     states: dict[int, list[int]] = {}
     with mode, torch.enable_grad():
         pool.phase = "forward"
-        if cublas:  # the first matmul's workspace, then cuBLASLt's (plan/context.py)
+        if cublas:  # the first matmul's workspace, then cuBLASLt's (plan/allocator.py)
             pool.malloc(cublas - MIB, "cublas_workspace")
             pool.malloc(MIB, "cublas_workspace")
         for _ in range(REPLAY_STEPS):

@@ -34,7 +34,7 @@ PLAN_ERROR = "plan_error"
 PREDICTED_FOR = {"gpu_peak_process_mib": "plan_gpu_peak_mib", "host_peak_rss_mib": "plan_host_peak_mib",
                  "nvme_peak_mib": "plan_nvme_mib"}
 PLAN_TIME_KEY = "plan_time_floor_s"
-# What the plan's host figure predicts (summary.json plan.host_peak_kind). Only "process_rss" (plan/process.py:
+# What the plan's host figure predicts (summary.json plan.host_peak_kind). Only "process_rss" (plan/host_memory.py:
 # a CPU run's processes, interpreter and imports included) describes the measured host peak, the job tree's
 # RSS; any other host figure (a GPU plan's pinned buffers and offloaded states) gets no host ratio.
 PLAN_HOST_KIND = "plan_host_peak_kind"
@@ -105,7 +105,7 @@ PARAM_COUNT_KEYS = ("trainable_params", "frozen_params")
 # steps, loss_first, loss_last, wall_time_s, plus every name in MEMORY_KEYS, PERF_KEYS and PARAM_COUNT_KEYS,
 # and the prediction's plan_* keys and plan_error (plan_columns.py) -- all None when absent.
 
-# A report row's status where a job has no readable summary.json: a row's, not a run's (rundir/status.py).
+# A report row's status where a job has no readable summary.json: a row's, not a run's (rundir/summary.py).
 MISSING, RUNNING = "missing", "running"
 # A job directory without summary.json that changed this recently is taken for a job still running.
 RUNNING_WINDOW_S = 300.0

@@ -12,7 +12,7 @@ One checkpoint, `<checkpoint.dir>/step-NNNNNNN/`:
     COMPLETE                  written last: every file's size and sha256 (manifest.py); a folder
                               without it is ignored
 
-Saves are written into `.tmp-step-NNNNNNN-<job>/` and renamed when whole (checkpoints/store.py).
+Saves are written into `.tmp-step-NNNNNNN-<job>/` and renamed when whole (rundir/checkpoint_io.py).
 
 COMPLETE, the marker written last into a checkpoint: the size and sha256 of every file in it.
 

@@ -48,7 +48,7 @@ class Status(StrEnum):
 
 # A job that ended as it was asked to: its command exits 0.
 SUCCEEDED = frozenset({Status.OK, Status.PLANNED, Status.PRUNED})
-# Ends that the launcher records over the workers' own word (launch/records.py).
+# Ends that the launcher records over the workers' own word (job/records.py).
 LAUNCHER_OVERRIDES = frozenset({Status.OK, Status.FAILED})
 # A multi-node SLURM job that ended so: node 0's task exits non-zero, so srun ends the other nodes' tasks.
 ENDS_THE_STEP = frozenset({Status.FAILED, Status.OOM, Status.TIMEOUT})
@@ -66,7 +66,7 @@ class NotAnObject(ValueError):
 
 
 def node_summary_name(node_rank: int) -> str:
-    """The summary a node other than 0 writes beside node 0's summary.json (launch/node_failures.py reads it)."""
+    """The summary a node other than 0 writes beside node 0's summary.json (job/records.py reads it)."""
     return SUMMARY if node_rank == 0 else f"summary.node{node_rank}.json"
 
 
@@ -78,7 +78,7 @@ class RunSummary:
     experiment: JsonDict | None = None      # the experiment's name and its reference figures
     previous_attempts: list[str] | None = None
     checkpoint_dir: str | None = None
-    slurm: JsonDict | None = None           # the SLURM job and attempt (slurm/job.py slurm_record)
+    slurm: JsonDict | None = None           # the SLURM job and attempt (job/slurm.py slurm_record)
     error: JsonDict | None = None           # type, message; key for a ConfigError; failed_rank, log_tail, ...
     config_sources: JsonDict | None = None
     config_warnings: list[str] | None = None

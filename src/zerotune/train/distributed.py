@@ -206,7 +206,7 @@ class StopSignals:
         self._previous: dict = {}
 
     def __enter__(self) -> StopSignals:
-        # One that came while the worker imported, held since its first line (launch/bootstrap.py), stops it too.
+        # One that came while the worker imported, held since its first line (job/bootstrap.py), stops it too.
         self.received = received()
         if self.received is not None:
             log.warning("%s received before training began: stopping at the first step", self.received)

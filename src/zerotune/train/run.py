@@ -98,7 +98,7 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
     A stop signal ends training after the current step, with the summary's status INTERRUPTED.
     """
     start = time.time()
-    # telemetry/startup.py; `startup`: when this worker reached the job's gate and when it opened (launch/gate.py)
+    # host/timing.py; `startup`: when this worker reached the job's gate and when it opened (job/gate.py)
     marks = {"process_start": process_start_time(), **(startup or {}), "train_start": start}
     distributed.ensure_single_process_env()
     cfg, rank = run.config, distributed.rank()
@@ -249,7 +249,7 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
         # Imported when evaluating only: it brings scikit-learn's classifier.
         from zerotune.train.evaluate import evaluate_digits
 
-        telemetry.phases.begin("sampling")  # the run's sampling phase (telemetry/phases.py): summary's memory.phases
+        telemetry.phases.begin("sampling")  # the run's sampling phase (host/torch_memory.py): summary's memory.phases
         quality = evaluate_digits(trainer, cfg, run_dir)
         telemetry.phases.end()
         if quality is not None:

@@ -1,5 +1,5 @@
 """The spread of a rung's figure: how far a trial's samples/s over its timed steps could be from its run's own
-rate, by the steps' jitter alone (training/rungs.py reports it; training/halving.py compares by it).
+rate, by the steps' jitter alone (train/rungs.py reports it; train/rungs.py compares by it).
 
 Successive halving's rungs, shared by the sweeper (which creates the study) and each trial's job (which
 reports to it). A trial's job reports samples/s over its timed steps (after `warmup_steps`) at each rung, with
@@ -7,7 +7,7 @@ that figure's spread; the pruner, reading every trial's figure and spread at tha
 journal, stops it there only when it is behind by more than both spreads (SpreadHalvingPruner).
 
 The pruner of `hydra.sweeper.pruner=successive_halving`: successive halving that stops a trial only when it
-is behind by more than the spread of the figures compared (training/spread.py measures them)."""
+is behind by more than the spread of the figures compared (train/rungs.py measures them)."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def step_hook(debug: Debug, rank: int) -> Callable[[int], None] | None:
 
 class Trainer:
     def __init__(self, run: ResolvedRun, run_dir: RunDir, logger: RunLogger, phases=None):
-        """`phases`: the run's PhaseTimeline (telemetry/phases.py), told when data=folder's caching starts."""
+        """`phases`: the run's PhaseTimeline (host/torch_memory.py), told when data=folder's caching starts."""
         self.run, self.run_dir, self.logger = run, run_dir, logger
         self.cfg = cfg = run.config
         self._phases = phases
@@ -364,7 +364,7 @@ class Trainer:
         self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def fit(self, telemetry, stop) -> dict:
-        """Train for train.max_steps, or until a stop signal (`stop`: training/stop.py); returns progress()."""
+        """Train for train.max_steps, or until a stop signal (`stop`: train/distributed.py); returns progress()."""
         max_steps, every = self.cfg.train.max_steps, self.cfg.train.log_every
         progress = Progress(max_steps, enabled=self.accelerator.is_main_process, every=every)
         inject_faults = step_hook(self.cfg.debug, self.rank)  # None unless debug.* is set
@@ -405,7 +405,7 @@ class Trainer:
         return self.progress()
 
     def _validate(self, then_train: bool = True) -> None:
-        """A validation pass, timed as the run's sampling phase (telemetry/phases.py) between training steps."""
+        """A validation pass, timed as the run's sampling phase (host/torch_memory.py) between training steps."""
         assert self.validator is not None
         if self._phases is not None:
             self._phases.begin("sampling")

@@ -145,7 +145,7 @@ PROMPTS_FILE = "prompts.json"
 class Trained(Protocol):
     """What a pass samples with (the Trainer): its engine and the U-Net inside, its EMA and noise schedule."""
     unet: Any                    # DeepSpeed's engine, or accelerate's wrapped module
-    ema: Any                     # training/ema.py HostEMA, or None
+    ema: Any                     # train/engine.py HostEMA, or None
     noise_schedule: Any          # the training DDPMScheduler
     run: ResolvedRun
 

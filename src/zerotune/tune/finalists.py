@@ -106,7 +106,7 @@ def run_to_run_spread(finalists: list[Finalist]) -> float | None:
 
 
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
-    """The fastest complete trials by pooled figure (tune/pooled.py), at most `limit`: the best, the runner-up
+    """The fastest complete trials by pooled figure (tune/study.py), at most `limit`: the best, the runner-up
     (so that the winner's lead is measured in pairs too), then the next fastest whose figure could reach the
     best's (figure x (1 + spread) >= best x (1 - its spread), each spread its last rung's, floored by
     min_spread), then, where room is left, those within twice the spreads: two trials run minutes apart, and

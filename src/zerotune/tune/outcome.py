@@ -107,7 +107,7 @@ def markdown(outcome: Outcome, rows: list[dict]) -> str:
              f"- candidates: {len(rows)} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
              f"- wall time: {outcome.wall_s:.1f} s", "", answer(outcome), "", smallest_peak(rows), "",
              *paired_table(outcome.verdict),
-             "Pooled: a complete trial's samples/s with its neighbours' (tune/pooled.py), which picks the finalists.",
+             "Pooled: a complete trial's samples/s with its neighbours' (tune/study.py), which picks the finalists.",
              "", "| # | config | accum | status | timed steps | samples/s | pooled | rungs (steps:samples/s) | "
              "GPU peak MiB | host peak MiB | planned peak MiB | why |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -50,7 +50,7 @@ class TuneSettings:
     pair_steps: int = 12                 # timed steps of each of those runs
     extra_rounds: int = 2                # more rounds for a close call (finalists.Comparison.close): 0 for none
     drop_by_plan: bool = True            # false: what the planner predicts won't fit (or needlessly checkpoints) runs too
-    warm_workers: bool = True            # trials' workers forked from one process that imported once (launch/warm.py)
+    warm_workers: bool = True            # trials' workers forked from one process that imported once (job/warm.py)
     space: dict[str, Any] = field(default_factory=dict)
 
     def trial_overrides(self) -> list[str]:

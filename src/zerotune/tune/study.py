@@ -48,7 +48,7 @@ class Trial:
     rungs: dict[int, float]          # timed steps -> samples/s reported there
     row: dict                        # the job's report row (report/collect.py)
     wall_s: float
-    spread: float = ONE_STEP_SPREAD  # the relative spread of its figure at its last rung (training/rungs.py)
+    spread: float = ONE_STEP_SPREAD  # the relative spread of its figure at its last rung (train/rungs.py)
 
     @property
     def complete(self) -> bool:

@@ -38,7 +38,7 @@ WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
 def tune_sweep(settings: TuneSettings, arguments: list[str], settle: Callable[[list[str]], Settled],
                launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
     started = time.perf_counter()
-    # The workers' template imports while the candidates are screened (launch/warm.py); on a card too, where
+    # The workers' template imports while the candidates are screened (job/warm.py); on a card too, where
     # its imports leave CUDA's driver alone. None for a card not present: no trial runs.
     warm_log = sweep_dir / "warm_template.log"
     with warm.template(warm_log, enabled=settings.warm_workers and not settings.gpu) as template:

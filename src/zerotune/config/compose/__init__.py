@@ -44,7 +44,7 @@ _HYDRA_STATE = threading.Lock()
 
 @dataclass(frozen=True)
 class Composed:
-    """A config as Hydra composed it, before the user's files are folded in (compose/settle.py): what the config
+    """A config as Hydra composed it, before the user's files are folded in (config/compose/settle.py): what the config
     builder's page shows and edits. Hydra's tree stays inside; readers get plain values."""
 
     node: DictConfig
@@ -62,7 +62,7 @@ class Composed:
         return OmegaConf.to_yaml(self.node)
 
     def settled(self, typed: list[str]) -> Settled:
-        """This config as it will run (compose/settle.py); `typed`: the overrides as the user typed them."""
+        """This config as it will run (config/compose/settle.py); `typed`: the overrides as the user typed them."""
         from zerotune.config.compose.settle import settle
 
         return settle(self.node, typed)
@@ -178,7 +178,7 @@ def is_multirun(args: list[str]) -> bool:
 def check_command_line(args: list[str]) -> None:
     """Every job the command line describes composes: each value of a sweep (`-m zero_stage=1,2,3`) is
     tried once, the other sweeps at their first value, before the first job starts. A single run is
-    composed once, by Hydra (cli/main.py turns its errors into config errors). Hydra options and hydra.*
+    composed once, by Hydra (cli/train.py turns its errors into config errors). Hydra options and hydra.*
     overrides are Hydra's."""
     overrides = [a for a in args if "=" in a and not a.startswith("-") and not _key(a).startswith("hydra")]
     check_added_keys(overrides)
