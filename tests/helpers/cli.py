@@ -17,6 +17,7 @@ from zerotune.compose import compose
 if TYPE_CHECKING:
     from zerotune.platform import Platform
     from zerotune.resolved import ResolvedRun
+    from zerotune.schema import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,6 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def compose_cfg(*overrides: str):
     """The config train.py would compose from these overrides (a ConfigError where it would exit 2)."""
     return compose(list(overrides))
+
+
+def config_of(*overrides: str) -> Config:
+    """The config train.py would compose from these overrides, typed as every function past the command line takes
+    it (not settled: the user's files are not read)."""
+    from zerotune.compose.node import to_config
+
+    return to_config(compose(list(overrides)))
 
 
 def preflight(cfg, world_size: int | None = None, platform: Platform | None = None, overrides: list[str] | tuple = (),
