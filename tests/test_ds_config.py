@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, preflight, run_cli
+from tests.helpers.cli import compose_cfg, config_of, preflight, run_cli
 from zerotune.host.platform import detect
 from zerotune.models import ModelStats
 from zerotune.plan.deepspeed import DEFAULT_PARAM_BUFFER, build, param_buffer_size, validate
@@ -68,7 +68,7 @@ def test_optimizer_and_scheduler_blocks():
 def test_nvme_buffer_fits_largest_parameter():
     assert param_buffer_size(10) == DEFAULT_PARAM_BUFFER
     assert param_buffer_size(123_456_789) == 124_000_000
-    cfg = compose_cfg("zero_stage=3", "offload=nvme", "offload.path=/tmp")
+    cfg = config_of("zero_stage=3", "offload=nvme", "offload.path=/tmp")
     ds = build(cfg, 1, ModelStats(num_params=10**9, largest_param_numel=150_000_001))
     assert ds["zero_optimization"]["offload_param"]["buffer_size"] == 151_000_000
 
@@ -118,12 +118,12 @@ def test_ds_config_cli_prints_validated_json(tmp_path):
 
 def test_auto_buckets_are_capped_at_model_size():
     small = ModelStats(num_params=2_202_305, largest_param_numel=10)
-    zero = build(compose_cfg("zero_stage=2"), 1, small)["zero_optimization"]
+    zero = build(config_of("zero_stage=2"), 1, small)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 3_000_000 and zero["allgather_bucket_size"] == 3_000_000
     big = ModelStats(num_params=2_567_463_684, largest_param_numel=10)
-    zero = build(compose_cfg("zero_stage=3"), 1, big)["zero_optimization"]
+    zero = build(config_of("zero_stage=3"), 1, big)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 500_000_000 and zero["stage3_prefetch_bucket_size"] == 50_000_000
-    zero = build(compose_cfg("zero_stage=2", "deepspeed.reduce_bucket_size=12345"), 1, big)["zero_optimization"]
+    zero = build(config_of("zero_stage=2", "deepspeed.reduce_bucket_size=12345"), 1, big)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 12345
 
 

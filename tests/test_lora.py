@@ -14,7 +14,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.cli import ROOT, call_main, cli_env, compose_cfg, preflight, read_summary, run_cli
+from tests.helpers.cli import (
+    ROOT,
+    call_main,
+    cli_env,
+    compose_cfg,
+    config_of,
+    preflight,
+    read_summary,
+    run_cli,
+)
 from zerotune import models
 from zerotune.cli.export import main as export_main
 from zerotune.config.errors import ConfigError
@@ -98,7 +107,7 @@ def check_export(run_dir, out, base) -> None:
 
 
 def test_only_the_adapter_is_trainable():
-    cfg = compose_cfg("adapter=lora")
+    cfg = config_of("adapter=lora")
     unet = adapter.add_adapter(models.build_unet(cfg.model), cfg.adapter)
     trained = [n for n, p in unet.named_parameters() if p.requires_grad]
     assert trained and all(adapter.is_adapter_weight(n) for n in trained)
@@ -245,7 +254,7 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
 
 
 def test_meta_records_the_adapter_config():
-    cfg = compose_cfg("adapter=lora", "adapter.rank=4")
+    cfg = config_of("adapter=lora", "adapter.rank=4")
     meta = resume.current_meta(cfg, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, True, 1)
     assert meta["adapter_config"]["rank"] == 4 and meta["adapter"].startswith("lora rank=4")
     assert OmegaConf.create(meta["adapter_config"]).target_modules == ["conv1", "conv2"]

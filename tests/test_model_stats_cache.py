@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import compose_cfg, config_of
 from zerotune import models
 
 
@@ -19,7 +19,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_a_cached_count_equals_a_measured_one(cache):
-    cfg = compose_cfg("adapter=lora")
+    cfg = config_of("adapter=lora")
     measured = models.model_stats(cfg.model, cfg.adapter)
     (entry,) = cache.glob("stats-*.json")
     assert models.model_stats(cfg.model, cfg.adapter) == measured
@@ -29,7 +29,7 @@ def test_a_cached_count_equals_a_measured_one(cache):
 
 
 def test_each_architecture_and_adapter_has_its_own_entry(cache):
-    full, lora, wider = (compose_cfg(*o) for o in ((), ("adapter=lora",), ("model=sdxl_tiny",)))
+    full, lora, wider = (config_of(*o) for o in ((), ("adapter=lora",), ("model=sdxl_tiny",)))
     counts = {models.model_stats(c.model, c.adapter) for c in (full, lora, wider)}
     assert len(counts) == 3 and len(list(cache.glob("stats-*.json"))) == 3
 

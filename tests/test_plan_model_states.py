@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
-from tests.helpers.cli import ROOT, compose_cfg
+from tests.helpers.cli import ROOT, config_of
 from zerotune.models import _from_config, model_stats
 from zerotune.plan.model_states import (
     buffer_terms,
@@ -197,7 +197,7 @@ def test_buffers_follow_the_optimizers_parameters():
 def test_the_meta_build_counts_the_adapter():
     from accelerate import init_empty_weights
 
-    cfg = compose_cfg("model=sdxl_tiny", "adapter=lora", "adapter.rank=4")
+    cfg = config_of("model=sdxl_tiny", "adapter=lora", "adapter.rank=4")
     numels, trained = param_numels(cfg.model, cfg.adapter)
     stats = model_stats(cfg.model)
     assert sum(numels) == stats.num_params + sum(trained) and list(stats.param_numels) == param_numels(cfg.model)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, preflight
+from tests.helpers.cli import compose_cfg, config_of, preflight
 from zerotune.builder.preview import phase_marks
 from zerotune.plan import command_line, gpus
 from zerotune.plan.command_line import platform_for
@@ -21,7 +21,7 @@ def plan_with_phases(*overrides: str, card: str | None = "rtx4090", phase_overri
     cfg = compose_cfg(*overrides)
     checked = preflight(cfg, overrides=list(overrides), platform=platform_for(gpu))
     plan = predict(checked, gpu)
-    phases = run_phases(compose_cfg(*overrides, *phase_overrides), checked, gpu, plan)
+    phases = run_phases(config_of(*overrides, *phase_overrides), checked, gpu, plan)
     return plan, phases
 
 
@@ -159,7 +159,7 @@ def test_lora_at_zero3_gathers_its_targets_before_caching():
     from zerotune.models import adapter, build_unet
 
     tiny = ("model=sdxl_tiny", "resolution.size=64", "train.batch_size=2", "precision=bf16")
-    cfg = compose_cfg(*tiny, "adapter=lora")
+    cfg = config_of(*tiny, "adapter=lora")
     with init_empty_weights():
         unet = build_unet(cfg.model)
         want = sum(p.numel() for m in adapter.targeted_modules(unet, cfg.adapter) for p in m.parameters(recurse=False))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
+from tests.helpers.cli import compose_cfg, config_of, preflight, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
 from tests.helpers.pipelines import draw, pipeline
 from zerotune.config.errors import ConfigError
@@ -33,8 +33,8 @@ def test_the_trained_encoders_are_counted_as_the_engine_holds_them(choice, extra
 def test_lora_on_the_encoders_trains_their_adapters_only():
     from zerotune.models import model_stats
 
-    cfg = compose_cfg("model=sd15", "model.train_text_encoder=te1", "adapter=lora")
-    unet_only = model_stats(compose_cfg("model=sd15", "adapter=lora").model, cfg.adapter)
+    cfg = config_of("model=sd15", "model.train_text_encoder=te1", "adapter=lora")
+    unet_only = model_stats(config_of("model=sd15", "adapter=lora").model, cfg.adapter)
     stats = model_stats(cfg.model, cfg.adapter)
     # rank 16 on q, k, v and out of CLIP-L's 12 layers: 4 projections x (768 x 16 + 16 x 768) x 12
     assert stats.num_trainable - unet_only.num_trainable == 4 * 2 * 768 * 16 * 12

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from zerotune.config.compose import compose
 
 if TYPE_CHECKING:
+    from zerotune.config.schema import Config
     from zerotune.host.platform import Platform
     from zerotune.plan.resolve import ResolvedRun
 
@@ -24,6 +25,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def compose_cfg(*overrides: str):
     """The config train.py would compose from these overrides (a ConfigError where it would exit 2)."""
     return compose(list(overrides))
+
+
+def config_of(*overrides: str) -> Config:
+    """The config train.py would compose from these overrides, typed as every function past the command line takes
+    it (not settled: the user's files are not read)."""
+    from zerotune.config.compose.settle import to_config
+
+    return to_config(compose(list(overrides)))
 
 
 def preflight(cfg, world_size: int | None = None, platform: Platform | None = None, overrides: list[str] | tuple = (),

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass(frozen=True)
@@ -337,8 +337,11 @@ def launch_world_size(launch: Launch) -> int:
 
 
 def as_dict(block: Any) -> dict[str, Any]:
-    """A config block (one of the frozen dataclasses above, or the whole Config) as a plain dict."""
-    return dataclasses.asdict(block)
+    """A config block (one of the frozen dataclasses above, or the whole Config) as a plain dict; a block still in
+    OmegaConf's form, as composed and not yet settled, is converted the same way (values resolved)."""
+    if dataclasses.is_dataclass(block) and not isinstance(block, type):
+        return dataclasses.asdict(block)
+    return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
 
 
 def describe(key: str) -> tuple[bool, str | None, Any]:
