@@ -161,7 +161,7 @@ def optimizer_file(step_folder: Path) -> Path:
 
 def test_manifest_names_truncated_missing_and_altered_files(two_checkpoints, tmp_path):
     folder = copy_of(two_checkpoints, tmp_path) / "checkpoints" / "step-0000004"
-    assert checkpoints.manifest.problems(folder) == []
+    assert checkpoints.problems(folder) == []
     record = json.loads((folder / checkpoints.COMPLETE).read_text())
     assert record["step"] == 4 and "meta.json" in record["files"]
     optim = optimizer_file(folder)
@@ -170,7 +170,7 @@ def test_manifest_names_truncated_missing_and_altered_files(two_checkpoints, tmp
     optim.write_bytes(bytes(data))
     (folder / "meta.json").write_text('{"step": 4, "zero')          # truncated
     (folder / "config.json").unlink()
-    found = "\n".join(checkpoints.manifest.problems(folder))
+    found = "\n".join(checkpoints.problems(folder))
     assert "sha256 differs" in found and "meta.json: 17 bytes" in found and "config.json: missing" in found
 
 
@@ -211,7 +211,7 @@ def test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first(tmp_p
     first = start_cli("train.max_steps=100000", "checkpoint.every_n_steps=1000", "checkpoint.on_signal=true",
                       f"checkpoint.dir={shared}", f"hydra.run.dir={run_dir}")
     try:
-        wait_for(lambda: (shared / resume.lock.OWNER_FILE).is_file(), what="the first job's lock")
+        wait_for(lambda: (shared / resume.OWNER_FILE).is_file(), what="the first job's lock")
         proc = run_cli(*SHORT, "train.max_steps=2", "checkpoint.every_n_steps=1", f"checkpoint.dir={shared}",
                        f"hydra.run.dir={tmp_path / 'b'}")
         assert proc.returncode == 2
@@ -227,7 +227,7 @@ def test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first(tmp_p
 
 def test_the_lock_goes_with_a_killed_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from zerotune.rundir.checkpoints import CheckpointDirLock\n"
+        "import sys, time; from zerotune.rundir.resume import CheckpointDirLock\n"
         f"held = CheckpointDirLock({str(tmp_path)!r}, 'holder-run').acquire(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env())
     assert holder.stdout.readline().strip() == "held"
@@ -237,7 +237,7 @@ def test_the_lock_goes_with_a_killed_holder(tmp_path):
     holder.kill()
     holder.wait()
     with resume.CheckpointDirLock(tmp_path, "me"):
-        assert json.loads((tmp_path / resume.lock.OWNER_FILE).read_text())["run_dir"] == "me"
+        assert json.loads((tmp_path / resume.OWNER_FILE).read_text())["run_dir"] == "me"
 
 
 def test_temporary_folders_are_private_to_a_job(tmp_path):

@@ -54,7 +54,7 @@ def assert_final_of_last_step(run_dir, summary: dict, written: dict) -> None:
     assert written["checkpoint"] == str(final)
     assert checkpoints.read_meta(final)["step"] == STEPS
     assert (run_dir / "checkpoints" / checkpoints.LATEST).read_text().strip() == final.name
-    assert checkpoints.manifest.problems(final) == []
+    assert checkpoints.problems(final) == []
     ema = torch.load(final / checkpoints.EMA_FILE, weights_only=True)
     assert ema["updates"] == STEPS, "the live copy was taken after the last step"
 

@@ -1,24 +1,27 @@
-"""The training objective: DDPM forward noising and the noise- (or v-) prediction loss.
-
-How a batch conditions the U-Net, per model kind, and how the condition is dropped for guidance.
-
-Class-conditional sampling with classifier-free guidance for U-Nets trained with a DDPM schedule."""
+"""Diffusion: the training objective (DDPM forward noising and the noise- or v-prediction loss), how a batch
+conditions the U-Net per model kind and how the condition is dropped for guidance, and class-conditional sampling
+with classifier-free guidance. diffusers is imported where a schedule is made: the job's planner reads the
+conditioning rules here without it."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 
 from zerotune.config.schema import Diffusion
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 
 
 def noise_scheduler(diff: Diffusion) -> DDPMScheduler:
     """The training schedule. `rescale_betas_zero_snr` is diffusers' own rescaling (Lin et al. 2023, Algorithm 1):
     the last timestep's signal-to-noise ratio becomes exactly 0."""
+    from diffusers import DDPMScheduler
+
     return DDPMScheduler(num_train_timesteps=int(diff.num_train_timesteps), beta_schedule=str(diff.beta_schedule),
                          beta_start=float(diff.beta_start), beta_end=float(diff.beta_end),
                          prediction_type=str(diff.prediction_type),
@@ -115,6 +118,8 @@ def make_sampler(
     # Lin et al. 2023: with zero terminal SNR, sampling must start at the last timestep (trailing spacing). A
     # keyword: from_config drops the keys the training schedule holds at their defaults (`_use_default_values`).
     spacing = {"timestep_spacing": "trailing"} if config.get("rescale_betas_zero_snr") else {}
+    from diffusers import DPMSolverMultistepScheduler
+
     return DPMSolverMultistepScheduler.from_config(
         config,
         **spacing,
