@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml $(TORCH_CHOICE)
 	@# the stack, and its U-Net needs only torch and einops.
 	$(PIP) install -q --no-deps stable-diffusion-sdkit==2.1.5
 	@# DeepSpeed's CPU ops (CPU Adam, the shared-memory collectives), compiled once now rather than by the first job.
-	$(PY) -m zerotune.ops || echo "DeepSpeed's CPU ops were not built now: the first job that needs them builds them"
+	$(PY) -m zerotune.host.ops || echo "DeepSpeed's CPU ops were not built now: the first job that needs them builds them"
 	@$(PY) -c "import torch; b = f'CUDA {torch.version.cuda} build' if torch.version.cuda else 'CPU-only build'; \
 		print(f'torch {torch.__version__} ({b}); the venv: $$(du -sh $(VENV) | cut -f1)')"
 	touch $(STAMP)

@@ -1,6 +1,6 @@
 """How fast the builder page answers: from a field changed in the browser to its preview rendered (command
 line, composed config, validated DeepSpeed JSON), and to the planner's figure for a card. Debian's Chromium,
-headless, driven by Playwright, against `python -m zerotune.builder` as a user starts it.
+headless, driven by Playwright, against `python -m zerotune builder` as a user starts it.
 
 Target: a preview renders in <= 1 s after a field changes, with the planner's traces cached. Each change
 waits out the page's 120 ms input debounce, which is counted: it is what a user waits.
@@ -37,7 +37,7 @@ CHANGES = [("select", 'select[name="zero_stage"]', "3"), ("select", 'select[name
 def start_server() -> tuple[subprocess.Popen, str]:
     """The builder with an empty trace cache, so that each first prediction is a real trace."""
     env = {**os.environ, "ZEROTUNE_CACHE_DIR": tempfile.mkdtemp(prefix="zerotune-bench-builder-")}
-    proc = subprocess.Popen([sys.executable, "-m", "zerotune.builder", "--port", "0"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "zerotune", "builder", "--port", "0"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         found = re.search(r"http://127\.0\.0\.1:\d+/\?token=[\w-]+", line)

@@ -6,7 +6,7 @@ on the model's lora_targets), for --steps steps from random weights (values do n
 with a checkpoint at the last step, under the default ZeRO-2, fp32, one process. Per run it reads
 summary.json (trainable_params, perf.step_time_median_s: the median over the steps after the first 5) and
 measures the saved checkpoint folder (bytes of every file, and its model-states and optimizer-states files),
-then exports the checkpoint (python -m zerotune.export) and measures what a user ships: unet.safetensors for
+then exports the checkpoint (python -m zerotune export) and measures what a user ships: unet.safetensors for
 full training, lora/pytorch_lora_weights.safetensors for LoRA. With --repeats N the runs alternate
 (full, lora, full, lora, ...) so that load from other processes hits both alike; the step time is the median
 of the runs' medians (the lowest is printed too: on a shared machine, the run least slowed by other
@@ -59,7 +59,7 @@ def measure(run_dir: Path, setup: str, adapter: str, steps: int) -> dict:
         raise SystemExit(f"{run_dir}: {summary['status']} {summary.get('error')}")
     ckpt = Path(summary["checkpoint"]["last_complete"])
     files = {f.name: f.stat().st_size for f in (ckpt / "pytorch_model").iterdir()}
-    run([sys.executable, "-m", "zerotune.export", str(ckpt), str(run_dir / "export")])
+    run([sys.executable, "-m", "zerotune", "export", str(ckpt), str(run_dir / "export")])
     shipped = run_dir / "export" / ("unet.safetensors" if adapter == "full" else "lora/pytorch_lora_weights.safetensors")
     return {"setup": setup, "adapter": adapter, "num_params": summary["num_params"],
             "trainable_params": summary["trainable_params"], "step_time_median_s": summary["perf"]["step_time_median_s"],
@@ -79,7 +79,7 @@ def merged(runs: list[dict]) -> dict:
 
 
 def sdxl_counts(rank: int) -> dict:
-    from zerotune.compose import compose
+    from zerotune.config.compose import compose
     from zerotune.models import model_stats
 
     full = model_stats(compose(["model=sdxl", "data=synthetic"]).model)

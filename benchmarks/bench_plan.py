@@ -31,7 +31,7 @@ def timed(cmd: list[str], cache: str) -> tuple[float, subprocess.CompletedProces
 
 
 def one_job(cache: str) -> None:
-    cmd = [sys.executable, "-m", "zerotune.plan", "experiment=sdxl_4090_1024_bs8", "--gpu", "rtx4090", "--json"]
+    cmd = [sys.executable, "-m", "zerotune", "plan", "experiment=sdxl_4090_1024_bs8", "--gpu", "rtx4090", "--json"]
     cold, proc = timed(cmd, cache)
     warm, _ = timed(cmd, cache)
     plan = json.loads(proc.stdout)

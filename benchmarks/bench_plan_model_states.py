@@ -101,9 +101,9 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
     """What the planner predicts for every rank of that job, from a meta-device build (with the adapter)
     and preflight's dict."""
     from tests.helpers.cli import compose_cfg
-    from zerotune.compose.settle import settle
+    from zerotune.config.compose.settle import settle
     from zerotune.plan.model_states import model_state_bytes, param_numels
-    from zerotune.preflight import check
+    from zerotune.plan.resolve import check
 
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)

@@ -53,10 +53,10 @@ def predicted(config: tuple) -> Plan:
     """The planner's CPU prediction of the same job (the same overrides step_alloc.py composes)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.step_alloc import QUICK, RESOLUTION
-    from zerotune.compose import compose
-    from zerotune.compose.settle import settle
+    from zerotune.config.compose import compose
+    from zerotune.config.compose.settle import settle
     from zerotune.plan.predict import predict
-    from zerotune.preflight import check
+    from zerotune.plan.resolve import check
 
     overrides = [*QUICK, f"resolution={RESOLUTION[config[0]]}", *_args(config)]
     cfg = compose(overrides)

@@ -20,8 +20,8 @@ import os
 import tempfile
 import time
 
-from zerotune.compose import compose
-from zerotune.compose.settle import settle
+from zerotune.config.compose import compose
+from zerotune.config.compose.settle import settle
 from zerotune.models import latent_shape
 
 CASES = [(model, size, checkpointing) for model, sizes in (("tiny", (8, 16, 32)), ("sdxl_tiny", (64, 128, 256)))

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from zerotune.telemetry.memory import DEFAULT_INTERVAL_S, MemorySampler
+from zerotune.host.memory import DEFAULT_INTERVAL_S, MemorySampler
 
 
 def torch_workload(threads: int) -> Callable[[int], None]:

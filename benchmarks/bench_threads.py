@@ -5,7 +5,7 @@
 Each cell is one zerotune job (the default tiny U-Net, ZeRO-2, fp32, batch 64) with `launch.threads=T`;
 "busy core" runs a pure-Python spinning process beside it, the way a second tenant would. Printed: the
 median step time (s) per cell, and which thread count was fastest per row. This is what launch.threads=auto
-(training/threads.py) is checked against.
+(train/distributed.py) is checked against.
 """
 
 from __future__ import annotations

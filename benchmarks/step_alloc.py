@@ -32,13 +32,13 @@ def measure(overrides: list[str]) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from zerotune.compose import compose
-    from zerotune.compose.settle import settle
-    from zerotune.loggers.base import NullLogger
-    from zerotune.preflight import check
+    from zerotune.config.compose import compose
+    from zerotune.config.compose.settle import settle
+    from zerotune.plan.resolve import check
     from zerotune.rundir import RunDir
-    from zerotune.training import distributed
-    from zerotune.training.trainer import Trainer
+    from zerotune.rundir.loggers import NullLogger
+    from zerotune.train import distributed
+    from zerotune.train.trainer import Trainer
 
     cfg = compose(overrides)
     distributed.ensure_single_process_env()

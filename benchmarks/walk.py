@@ -1,7 +1,7 @@
 """How long is the way through the code from a job's entry to its training step?
 
-The walk follows the config from `zerotune.launch.job.run_job` (or, with `--from cli`, from the command's entry
-`zerotune.cli.main.main`) through every call of zerotune's own code that passes it on, or an object made from it:
+The walk follows the config from `zerotune.job.parent.run_job` (or, with `--from cli`, from the command's entry
+`zerotune.cli.train.main`) through every call of zerotune's own code that passes it on, or an object made from it:
 
 - a stop is such a call (a function of `zerotune` or `hydra_plugins.zerotune*`, one of whose arguments, `self`
   included, is the config or was made from it, or holds such an object one level down);
@@ -22,8 +22,8 @@ tracer starts where they are called. What a stop returns, and the object an `__i
 the config; so are the fields and attributes of such objects (two levels down, when a stop returns).
 
 The walk printed is the parent's stops until the worker reached its step, then the worker's, from
-`zerotune.launch.worker.main` (its config is the run directory the parent wrote) to the first call of the
-training step (`zerotune.training.trainer:Trainer.train_step`). The stops of the parent's other threads (its
+`zerotune.job.worker.main` (its config is the run directory the parent wrote) to the first call of the
+training step (`zerotune.train.trainer:Trainer.train_step`). The stops of the parent's other threads (its
 checks) are read where the thread was started.
 
     python benchmarks/walk.py [--list] [--json PATH] [--from job|cli] [overrides ...]
@@ -53,20 +53,20 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_JOB = ("train.max_steps=1", "evaluate.enabled=false", "checkpoint.final=false")
-STEP = "zerotune.training.trainer:Trainer.train_step"
+STEP = "zerotune.train.trainer:Trainer.train_step"
 
 # Where each walk starts: the function the tracer wraps, and the parameters of functions whose arguments are the
 # config (the roots). Under `--from cli` the config is first the command line (sys.argv), then what Hydra
 # composed from it and hands to the task function.
 ENTRIES: dict[str, tuple[str, str]] = {
-    "job": ("zerotune.launch.job", "run_job"),
-    "cli": ("zerotune.cli.main", "main"),
-    "worker": ("zerotune.launch.worker", "main"),
+    "job": ("zerotune.job.parent", "run_job"),
+    "cli": ("zerotune.cli.train", "main"),
+    "worker": ("zerotune.job.worker", "main"),
 }
 ROOTS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("zerotune.launch.job", "run_job"): ("cfg", "spec"),
-    ("zerotune.cli.main", "_hydra_main"): ("cfg",),
-    ("zerotune.launch.worker", "main"): ("run_dir",),
+    ("zerotune.job.parent", "run_job"): ("cfg", "spec"),
+    ("zerotune.cli.train", "_hydra_main"): ("cfg",),
+    ("zerotune.job.worker", "main"): ("run_dir",),
 }
 OWN = ("zerotune.", "hydra_plugins.zerotune")
 # Frames between a call and its caller that nobody reads as a step of the way: a `with` statement's
@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      epilog=f"The job: python train.py {' '.join(SHORT_JOB)} [overrides]")
     parser.add_argument("overrides", nargs="*", help="more of the job's overrides (key=value)")
     parser.add_argument("--from", dest="entry", choices=("job", "cli"), default="job",
-                        help="start at run_job (default) or at the command's entry, cli/main.py's main")
+                        help="start at run_job (default) or at the command's entry, cli/train.py's main")
     parser.add_argument("--step", default=STEP, help=f"the training step's function, module:qualname ({STEP})")
     parser.add_argument("--every-call", action="store_true",
                         help="count every call; by default a call made again from the same line is read once")

@@ -1,1 +1,1 @@
-"""zerotune's packaged configs: Hydra reads this folder as pkg://zerotune.conf (src/zerotune/conf links here)."""
+"""zerotune's packaged configs: Hydra reads this folder as pkg://zerotune.config.conf (src/zerotune/config/conf links here)."""

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 def isolated_accelerate_config(tmp_path_factory, monkeypatch):
     """accelerate.config_file=auto reads accelerate's default location: point it (and HF_HOME, for the CLI
     subprocesses) at an empty folder, so a developer's own ~/.cache/huggingface config never leaks in."""
-    from zerotune.user_config import accelerate_config
+    from zerotune.config import accelerate_file as accelerate_config
 
     home = tmp_path_factory.mktemp("hf_home")
     monkeypatch.setenv("HF_HOME", str(home))
@@ -53,7 +53,7 @@ def isolated_accelerate_config(tmp_path_factory, monkeypatch):
 def packaged_configs_only(monkeypatch):
     """No user config folder unless a test makes one: a command's --config-dir choice (kept for the process,
     and passed on as $ZEROTUNE_CONFIG_DIR) ends with the test that made it."""
-    from zerotune import config_search
+    from zerotune.config import search as config_search
 
     monkeypatch.setattr(config_search, "_chosen", None)
     monkeypatch.setenv(config_search.CONFIG_DIR_ENV, "")  # empty is unset; restored (removed) afterwards
@@ -129,7 +129,7 @@ def built_offload_ops():
     by an earlier job, or here, once (a fresh clone's cache is empty: minutes, which its offload runs pay anyway).
     For tests that work on a copy of the built ops, which would otherwise have nothing to copy."""
     from tests.helpers.built_ops import OFFLOAD_CPU_OPS, build_offload_ops, is_current
-    from zerotune.ops.torch_lib import extensions_root
+    from zerotune.host.ops_env import extensions_root
 
     root = extensions_root()
     if not all(is_current(root / op) for op in OFFLOAD_CPU_OPS):

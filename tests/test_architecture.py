@@ -41,7 +41,7 @@ def test_src_passes_the_type_checker():
 def test_the_type_checker_catches_a_config_read_as_a_dict(tmp_path):
     """Not vacuous: a block of the resolved config read with DictConfig's .get is an error."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from zerotune.schema import Config\n\n\ndef seed(cfg: Config) -> int:\n"
+    bad.write_text("from zerotune.config.schema import Config\n\n\ndef seed(cfg: Config) -> int:\n"
                    "    return cfg.train.get('seed')\n")
     proc = type_check(ROOT, str(bad))
     assert proc.returncode != 0 and '"Train" has no attribute "get"' in proc.stdout, proc.stdout
@@ -58,9 +58,9 @@ def test_an_upward_import_breaks_the_contract(tmp_path):
     copy = tmp_path / "src"
     shutil.copytree(ROOT / "src" / "zerotune", copy / "zerotune", ignore=shutil.ignore_patterns("__pycache__"))
     models = copy / "zerotune" / "models" / "__init__.py"
-    models.write_text(models.read_text() + "\nimport zerotune.launch.job  # noqa\n")
+    models.write_text(models.read_text() + "\nimport zerotune.job.parent  # noqa\n")
     proc = lint_imports(copy)
-    assert proc.returncode != 0 and "zerotune.models -> zerotune.launch.job" in proc.stdout
+    assert proc.returncode != 0 and "zerotune.models -> zerotune.job.parent" in proc.stdout
 
 
 # Every strongly connected set of src/'s modules (Tarjan's), from grimp's graph: imports inside functions and
@@ -121,9 +121,9 @@ def test_an_import_cycle_is_found(tmp_path):
     """The check is not vacuous: an import inside a function that closes a loop is reported."""
     copy = tmp_path / "src"
     shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    errors = copy / "zerotune" / "errors.py"
-    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import zerotune.launch.job  # noqa\n")
-    assert any("zerotune.errors" in group and "zerotune.launch.job" in group for group in import_cycles(copy))
+    errors = copy / "zerotune" / "config" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import zerotune.job.parent  # noqa\n")
+    assert any("zerotune.config.errors" in group and "zerotune.job.parent" in group for group in import_cycles(copy))
 
 
 def _functions(tree: ast.AST):

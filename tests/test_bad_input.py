@@ -1,6 +1,6 @@
 """Bad inputs that used to reach a worker (and a traceback there, 10-40 s in) stop in the job's parent's checks,
 in seconds: exit 2, one message naming the key and the fix, and no training. The workers, started beside the
-checks (launch/gate.py), are turned away at the gate, mid-import: they leave nothing behind."""
+checks (job/gate.py), are turned away at the gate, mid-import: they leave nothing behind."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from safetensors.torch import save_file
 
 from tests.helpers.cli import compose_cfg, preflight, run_cli
 from tests.helpers.fixes import check_fix
-from zerotune.config_search import packaged_conf
-from zerotune.data.footprint import GIB, check_fits_memory
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.config.search import packaged_conf
+from zerotune.data import GIB, check_fits_memory
 from zerotune.data.spec import DataSpec
-from zerotune.ds_config.offload import check_nvme_path
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.loggers import check_logger
 from zerotune.models import build_unet, check_pretrained, downsample_factor
+from zerotune.plan.deepspeed import check_nvme_path
+from zerotune.rundir.loggers import check_logger
 
 FAST = ("train.max_steps=2", "evaluate.enabled=false")
 
@@ -292,16 +292,16 @@ def test_cli_override_hydra_cannot_read(tmp_path, sweep):
 
 
 def test_a_single_runs_composition_errors_are_raised_until_its_task_starts(monkeypatch):
-    from zerotune.cli import main
+    from zerotune.cli import train
 
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    with main._composition_errors_raised():
+    with train._composition_errors_raised():
         assert os.environ["HYDRA_FULL_ERROR"] == "1"  # Hydra raises what it cannot compose, for _main to report
-        main._task_started()
+        train._task_started()
         assert "HYDRA_FULL_ERROR" not in os.environ  # the job's own failures are Hydra's to report; no worker sees it
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # the user's own setting is left alone
-    with main._composition_errors_raised():
-        main._task_started()
+    with train._composition_errors_raised():
+        train._task_started()
     assert os.environ["HYDRA_FULL_ERROR"] == "1"
 
 

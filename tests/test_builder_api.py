@@ -17,13 +17,15 @@ from fastapi.testclient import TestClient
 from tests.helpers.browser import start_builder, stop_builder
 from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, packaged_configs, run_in, with_multirun_readme
 from tests.helpers.cli import cli_env, preflight, run_cli
-from zerotune import config_search
+from zerotune.builder import access, form, preview
 from zerotune.builder import app as builder_app
-from zerotune.builder import experiments, form, paths, preview
+from zerotune.builder import workspace as experiments
 from zerotune.cli import builder as server
-from zerotune.compose import compose, parse_typed
+from zerotune.config import search
+from zerotune.config.compose import compose
+from zerotune.config.compose.overrides import parse_typed
+from zerotune.host.platform import Platform
 from zerotune.plan.predict import predict
-from zerotune.platform import Platform
 
 TOKEN = "builder-api-test-token"
 PACKAGED_EXPERIMENT = "sdxl_4090_128_bs8"
@@ -74,7 +76,7 @@ def _preview(client, choices=None, values=None, extra=None) -> dict:
 
 def test_the_page_lists_every_group_option_and_knob_from_conf(client):
     html = client.get("/").text
-    for group, options in config_search.current().group_options().items():
+    for group, options in search.current().group_options().items():
         if group in form.HIDDEN_GROUPS:
             assert f'name="{group}"' not in html
             continue
@@ -183,7 +185,7 @@ def test_the_fit_bar_adds_up_to_the_planners_peak(client):
 
 
 def form_segments():
-    from zerotune.builder.fit import CATEGORIES
+    from zerotune.builder.preview import CATEGORIES
     return CATEGORIES
 
 
@@ -241,7 +243,7 @@ def test_save_then_load_an_experiment_and_zerotune_train_runs_it(client, experim
 
 def test_started_where_no_folder_is_yet_the_first_save_makes_it_and_is_found_there(client, experiment_name,
                                                                                    workdir):
-    config_search.choose_and_warn(None)  # as `zerotune builder` starts, with no --config-dir and no ./zerotune/ yet
+    search.choose_and_warn(None)  # as `zerotune builder` starts, with no --config-dir and no ./zerotune/ yet
     saved = client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name})
     assert saved.status_code == 200, saved.text  # its check composes experiment=<name> from the new folder
     assert saved.json()["path"] == str(user_experiments(workdir) / f"{experiment_name}.yaml")
@@ -254,7 +256,7 @@ def test_started_where_no_folder_is_yet_the_first_save_makes_it_and_is_found_the
 def test_a_config_folder_that_is_not_one_stops_the_server_before_it_serves(workdir, monkeypatch, capsys, how):
     missing = str(workdir / "no_such_folder")
     if how == "env":
-        monkeypatch.setenv(config_search.CONFIG_DIR_ENV, missing)
+        monkeypatch.setenv(search.CONFIG_DIR_ENV, missing)
     assert server.main(["--port", "0", *(["--config-dir", missing] if how == "--config-dir" else [])]) == 2
     assert "no_such_folder is not a folder" in capsys.readouterr().err
 
@@ -262,7 +264,7 @@ def test_a_config_folder_that_is_not_one_stops_the_server_before_it_serves(workd
 def test_with_a_chosen_config_dir_experiments_are_saved_and_found_there(client, experiment_name, workdir,
                                                                         tmp_path_factory):
     mine = tmp_path_factory.mktemp("my_configs")
-    config_search.choose(mine)  # what `zerotune builder --config-dir <mine>` does at start
+    search.choose(mine)  # what `zerotune builder --config-dir <mine>` does at start
     page = client.get("/").text
     assert f'id="experiments-folder">{mine / "experiment"}<' in page and f'id="user-folder">{mine}<' in page
     saved = client.post("/api/experiment", json={**SAVED_STATE, "name": experiment_name})
@@ -275,7 +277,7 @@ def test_with_a_chosen_config_dir_experiments_are_saved_and_found_there(client, 
     loaded = client.get("/api/experiment", params={"name": experiment_name}).json()
     assert loaded["choices"]["zero_stage"] == "3" and loaded["values"]["train.max_steps"] == 7
     elsewhere = tmp_path_factory.mktemp("elsewhere")  # the command names the folder: it runs from anywhere
-    shown = run_shown(command, "--cfg", "job", cwd=elsewhere, env={config_search.CONFIG_DIR_ENV: ""})
+    shown = run_shown(command, "--cfg", "job", cwd=elsewhere, env={search.CONFIG_DIR_ENV: ""})
     assert shown.returncode == 0, shown.stderr
     assert "stage: 3" in shown.stdout and "reduce_bucket_size: 1000000" in shown.stdout
 
@@ -376,7 +378,7 @@ def test_a_pasted_deepspeed_json_becomes_overrides(client, workdir):
     assert {"zero_stage=3", "offload=cpu", "precision=bf16", "train.batch_size=4", "train.grad_accum=2"} <= set(
         imported["overrides"]), imported["overrides"]
     assert imported["choices"]["zero_stage"] == "3" and imported["values"]["train.batch_size"] == 4
-    assert Path(imported["file"]).parent == paths.imports_dir() == workdir / "outputs" / "builder-imports"
+    assert Path(imported["file"]).parent == access.imports_dir() == workdir / "outputs" / "builder-imports"
 
 
 def test_a_pasted_accelerate_yaml_becomes_overrides(client):
@@ -466,7 +468,7 @@ def test_concurrent_requests_each_compose_alone(client, experiment_name):
 
 def test_the_fit_answer_marks_the_runs_phases_when_the_plan_has_them(client, monkeypatch):
     """The bar gets one mark per phase (plan/phases.py) when the plan carries them."""
-    from zerotune.builder import fit as fit_module
+    from zerotune.builder import preview as fit_module
     from zerotune.plan.phases import run_phases
 
     def with_phases(overrides, gpu):

@@ -17,12 +17,17 @@ from playwright.sync_api import expect, sync_playwright
 from tests.helpers.browser import launch, start_builder, stop_builder
 from tests.helpers.builder_workdir import PACKAGED_EXPERIMENTS, run_in, snapshot, with_multirun_readme
 from tests.helpers.cli import ROOT, cli_env
-from zerotune.builder import allowed, preview
 from zerotune.builder import app as builder_app
+from zerotune.builder import form, preview
 from zerotune.builder.access import allowed_hosts, cookie_name
-from zerotune.compose import compose, parse_typed
-from zerotune.compose.interpolation import PURE_RESOLVERS, check_pure_interpolations, resolvers_in
-from zerotune.errors import ConfigError
+from zerotune.config.compose import compose
+from zerotune.config.compose.overrides import (
+    PURE_RESOLVERS,
+    check_pure_interpolations,
+    parse_typed,
+    resolvers_in,
+)
+from zerotune.config.errors import ConfigError
 
 TOKEN = "builder-security-test-token"
 PORT = 8765
@@ -376,7 +381,7 @@ def test_a_folder_that_could_be_outside_outputs_and_multirun_is_refused(client, 
                                   "data.repeats={cats: 2}", "experiment=sdxl_4090_128_bs8", "~train.seed",
                                   "hydra.run.dir=outputs/x", "hydra.sweep.subdir=a/b"])
 def test_configuration_and_the_folders_are_allowed(line):
-    assert allowed.refusal(line) is None
+    assert form.refusal(line) is None
 
 
 HAND_WRITTEN = """# @package _global_

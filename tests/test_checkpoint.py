@@ -14,10 +14,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
-from zerotune import checkpoints
-from zerotune.checkpoints.store import cleanup
-from zerotune.checkpoints.swap import clean_stale_swap
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
+from zerotune.rundir import checkpoints, resume
+from zerotune.rundir.checkpoint_io import clean_stale_swap, cleanup
 
 QUICK = ["train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2",
@@ -38,7 +37,7 @@ def train_ok(tmp, *args):
 
 
 def exported(checkpoint, out) -> dict:
-    proc = run_cli(str(checkpoint), str(out), module="zerotune.export")
+    proc = run_cli("export", str(checkpoint), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "unet.safetensors"))
 
@@ -101,10 +100,10 @@ def test_conversion_choice(tmp_path, saved, now, mode):
     base = {"offload": "none", "optimizer": "AdamW", "world_size": 1}
     if mode is ConfigError:
         with pytest.raises(ConfigError) as err:
-            checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
+            resume.conversion_mode(tmp_path, {**base, **saved}, {**base, **now})
         assert "zerotune export" in err.value.fix
     else:
-        assert checkpoints.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
+        assert resume.conversion_mode(tmp_path, {**base, **saved}, {**base, **now}) == mode
 
 
 def test_stale_swap_removed_only_inside_offload_root(tmp_path):
@@ -129,13 +128,13 @@ def test_stale_swap_removed_only_inside_offload_root(tmp_path):
 def test_the_lock_removes_the_run_dirs_checkpoints_folder_when_nothing_was_saved_there(tmp_path):
     run = tmp_path / "run"
     own, named = run / "checkpoints", tmp_path / "named"
-    with checkpoints.CheckpointDirLock(own, run):
+    with resume.CheckpointDirLock(own, run):
         assert (own / ".zerotune.lock").is_file()
     assert not own.exists(), "a job that saved nothing leaves no checkpoints/ in its run dir"
-    with checkpoints.CheckpointDirLock(own, run):
+    with resume.CheckpointDirLock(own, run):
         fake_checkpoint(own, 2)
     assert [p.name for p in checkpoints.list_complete(own)] == ["step-0000002"]
-    with checkpoints.CheckpointDirLock(named, run):
+    with resume.CheckpointDirLock(named, run):
         pass
     assert named.is_dir(), "a checkpoint.dir the user named stays"
 

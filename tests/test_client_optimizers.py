@@ -14,14 +14,13 @@ import torch
 
 import benchmarks.bench_plan_model_states as bench
 from tests.helpers.cli import compose_cfg, preflight
-from zerotune.checkpoints.decide import conversion_mode, current_meta, decide_resume
-from zerotune.ds_config import optimizers
-from zerotune.errors import ConfigError
+from zerotune.config import deepspeed_blocks as optimizers
+from zerotune.config.errors import ConfigError
 from zerotune.plan.model_states import model_state_bytes
 from zerotune.plan.rules import Precision, client_kind, optimizer_state
 from zerotune.plan.zero12 import zero12_flat
-from zerotune.training.backend import client_optimizer
-from zerotune.training.partition import _state_bytes
+from zerotune.rundir.resume import conversion_mode, current_meta, decide_resume
+from zerotune.train.engine import _state_bytes, client_optimizer
 from zerotune.tune.space import read_command_line
 
 # a linear weight, a 3x3 conv kernel, a bias, one tensor past bitsandbytes' 8-bit threshold and one below it

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import compose_cfg, run_cli
-from zerotune.cli import run_dir
-from zerotune.cli.run_dir import check_run_dir
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.cli import callbacks
+from zerotune.cli.callbacks import check_run_dir
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
 
 PLAN_ONLY = "plan.only=true"  # composes, checks, plans and writes the run's records, without training
 
@@ -102,7 +102,7 @@ def test_a_full_disk_is_refused_naming_the_free_space(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage
     full = tmp_path.absolute()
-    monkeypatch.setattr(run_dir.shutil, "disk_usage",
+    monkeypatch.setattr(callbacks.shutil, "disk_usage",
                         lambda p: usage(1 << 30, 1 << 30, 1024) if Path(p) == full else real(p))
     with pytest.raises(ConfigError) as err:
         check_run_dir("hydra.run.dir", str(tmp_path / "run"))
@@ -136,12 +136,12 @@ def test_hydra_full_error_other_than_1_still_gets_zerotunes_config_error(value, 
 
 
 def test_the_users_hydra_full_error_is_put_back_for_the_job(monkeypatch):
-    from zerotune.cli import main
+    from zerotune.cli import train
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    with main._composition_errors_raised():
+    with train._composition_errors_raised():
         assert os.environ["HYDRA_FULL_ERROR"] == "1"  # Hydra reads only "1" as set
-        main._task_started()
+        train._task_started()
         assert os.environ["HYDRA_FULL_ERROR"] == "0"  # the job and its workers see the user's own value
     assert os.environ["HYDRA_FULL_ERROR"] == "0"
 

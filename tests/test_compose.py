@@ -6,9 +6,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import compose_cfg, run_cli
-from zerotune.compose.overrides import normalize_overrides, take_config_dir
-from zerotune.config_search import ConfigSearch
-from zerotune.errors import ConfigError
+from zerotune.config.compose.overrides import normalize_overrides, take_config_dir
+from zerotune.config.errors import ConfigError
+from zerotune.config.search import ConfigSearch
 
 PACKAGED = ConfigSearch()  # the packaged configs alone
 GROUPS = PACKAGED.group_options()

@@ -9,11 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import call_main, run_cli
-from zerotune import config_search
 from zerotune.cli.doctor import main as doctor_main
-from zerotune.compose import compose
-from zerotune.doctor.files import configs_check
-from zerotune.errors import ConfigError
+from zerotune.cli.doctor_checks import configs_check
+from zerotune.config import search as config_search
+from zerotune.config.compose import compose
+from zerotune.config.errors import ConfigError
 
 MINE = """# @package _global_
 defaults:
@@ -52,7 +52,7 @@ def test_the_working_directorys_zerotune_folder_adds_an_experiment_and_an_option
 def test_a_user_option_of_a_packaged_name_is_used_with_a_warning_naming_both(tmp_path, monkeypatch, caplog):
     user_folder(tmp_path / "zerotune", lr=0.5, shadow=True)
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="zerotune.config_search"):
+    with caplog.at_level(logging.WARNING, logger="zerotune.config.search"):
         search = config_search.choose_and_warn(None)
     assert compose(["optimizer=adamw", "data=synthetic"]).optimizer.lr == 0.5
     packaged = config_search.packaged_conf() / "optimizer" / "adamw.yaml"
@@ -92,7 +92,7 @@ def test_the_run_records_where_its_configs_came_from(tmp_path, monkeypatch):
     assert configs["user_folder"] == {"path": str((tmp_path / "zerotune").resolve()),
                                       "how": "found in the working directory"}
     assert configs["search_path"][0] == f"file://{(tmp_path / 'zerotune').resolve()}"
-    assert configs["search_path"][1:] == ["pkg://zerotune.conf", "pkg://zerotune.experiments"]
+    assert configs["search_path"][1:] == ["pkg://zerotune.config.conf", "pkg://zerotune.config.experiments"]
 
 
 def test_config_dir_on_the_command_line_from_another_folder(tmp_path):
@@ -112,8 +112,8 @@ def test_hydras_search_path_shows_the_users_folder_first(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [line for line in proc.stdout.splitlines() if "://" in line]
     order = [row.split("|")[2].strip() for row in rows]
-    assert order[:4] == ["pkg://hydra.conf", f"file://{(tmp_path / 'zerotune').resolve()}", "pkg://zerotune.conf",
-                         "pkg://zerotune.experiments"]
+    assert order[:4] == ["pkg://hydra.conf", f"file://{(tmp_path / 'zerotune').resolve()}", "pkg://zerotune.config.conf",
+                         "pkg://zerotune.config.experiments"]
     assert "zerotune user folder (found in the working directory)" in rows[1]
 
 
@@ -138,7 +138,7 @@ def test_doctor_prints_the_search_path(tmp_path, monkeypatch):
     checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert checks["configs"]["status"] == "OK"
     assert checks["configs"]["details"]["folders"][0] == str((tmp_path / "zerotune").resolve())
-    assert checks["configs"]["details"]["search_path"][1:] == ["pkg://zerotune.conf", "pkg://zerotune.experiments"]
+    assert checks["configs"]["details"]["search_path"][1:] == ["pkg://zerotune.config.conf", "pkg://zerotune.config.experiments"]
 
 
 def test_an_experiment_without_its_package_line_names_the_file_and_the_line_to_add(tmp_path, monkeypatch):

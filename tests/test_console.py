@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import run_cli
-from zerotune import console
+from zerotune.host import process
 
 # A line of zerotune's own logger, in the job process or a rank's (torch's launcher prefixes a rank's lines).
 OWN_LINE = re.compile(r"^(\[default_role\d+\]:)?\[[\d :,-]+\]\[(zerotune|hydra_plugins)(\.[\w.]+)?\]\[(INFO|WARNING|ERROR)\] - ")
@@ -25,7 +25,7 @@ def root_streams():
     before = (root.handlers[:], root.level)
     root.handlers.clear()
     shown, logged = io.StringIO(), io.StringIO()
-    console.split_console_and_log(shown, logged)
+    process.split_console_and_log(shown, logged)
     yield shown, logged
     root.handlers[:], root.level = before
     logging.captureWarnings(False)

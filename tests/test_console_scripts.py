@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env, stop_process
-from zerotune.command import COMMANDS
+from zerotune.cli.command import COMMANDS
 
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 ZEROTUNE = Path(sys.executable).parent / "zerotune"
@@ -25,7 +25,7 @@ def zerotune(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 
 def test_the_one_script_is_zerotune_and_its_commands_are_the_ones_tested_here():
-    assert SCRIPTS == {"zerotune": "zerotune.command:main"}
+    assert SCRIPTS == {"zerotune": "zerotune.cli.command:main"}
     assert set(COMMANDS) == {"train", "tune", "plan", "ds-config", "import-config", "export", "report", "doctor",
                              "builder"}
 

@@ -1,4 +1,4 @@
-"""py-cpuinfo's answer is asked once per CPU (zerotune/ops/cpu_info.py): DeepSpeed's op builders and CPU-Adam ask
+"""py-cpuinfo's answer is asked once per CPU (zerotune/host/ops_env.py): DeepSpeed's op builders and CPU-Adam ask
 it at every op load, and py-cpuinfo starts a new interpreter for each question (1.2 s of CPU here)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import cpuinfo
 import pytest
 
-from zerotune.ops import cpu_info
+from zerotune.host import ops_env
 
 CPUINFO = """processor\t: {n}
 vendor_id\t: GenuineIntel
@@ -29,11 +29,11 @@ def proc_file(tmp_path: Path, name: str, mhz: str = "2900.000", bogo: str = "580
 
 
 def test_the_identity_ignores_what_changes_while_the_host_runs(tmp_path):
-    base = cpu_info.cpu_identity(proc_file(tmp_path, "a"))
+    base = ops_env.cpu_identity(proc_file(tmp_path, "a"))
     assert base is not None
-    assert cpu_info.cpu_identity(proc_file(tmp_path, "b", mhz="1200.118", bogo="5799.98")) == base
-    assert cpu_info.cpu_identity(proc_file(tmp_path, "c", extra="avx512f")) != base  # another SIMD width
-    assert cpu_info.cpu_identity(tmp_path / "absent") is None
+    assert ops_env.cpu_identity(proc_file(tmp_path, "b", mhz="1200.118", bogo="5799.98")) == base
+    assert ops_env.cpu_identity(proc_file(tmp_path, "c", extra="avx512f")) != base  # another SIMD width
+    assert ops_env.cpu_identity(tmp_path / "absent") is None
 
 
 @pytest.fixture
@@ -47,35 +47,35 @@ def counted(monkeypatch, tmp_path):
 
     monkeypatch.setenv("ZEROTUNE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpuinfo, "get_cpu_info", ask)  # restored afterwards, over what remember_cpu_info put there
-    cpu_info.cached_cpu_info.cache_clear()
+    ops_env.cached_cpu_info.cache_clear()
     yield calls
-    cpu_info.cached_cpu_info.cache_clear()
+    ops_env.cached_cpu_info.cache_clear()
 
 
 def test_the_cpu_is_asked_once_then_read_from_the_cache(counted, tmp_path):
-    cpu_info.remember_cpu_info()
-    cpu_info.remember_cpu_info()  # a second call does not wrap the wrapper
+    ops_env.remember_cpu_info()
+    ops_env.remember_cpu_info()  # a second call does not wrap the wrapper
     first = cpuinfo.get_cpu_info()
     first["flags"].append("edited by a caller")
     assert cpuinfo.get_cpu_info()["flags"] == ["avx2", "fma"] and len(counted) == 1
-    assert (tmp_path / "cache" / "ops" / cpu_info.CACHE_FILE).exists()
+    assert (tmp_path / "cache" / "ops" / ops_env.CACHE_FILE).exists()
 
-    cpu_info.cached_cpu_info.cache_clear()  # as a new process starts: the file answers
+    ops_env.cached_cpu_info.cache_clear()  # as a new process starts: the file answers
     assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(counted) == 1
 
 
 def test_an_unreadable_cache_is_asked_again(counted, tmp_path):
-    file = tmp_path / "cache" / "ops" / cpu_info.CACHE_FILE
+    file = tmp_path / "cache" / "ops" / ops_env.CACHE_FILE
     file.parent.mkdir(parents=True)
     file.write_text('{"truncated": ')
-    cpu_info.remember_cpu_info()
+    ops_env.remember_cpu_info()
     assert cpuinfo.get_cpu_info()["flags"] == ["avx2", "fma"] and len(counted) == 1
 
 
 def test_deepspeeds_builders_read_the_cached_answer(counted):
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
 
-    cpu_info.remember_cpu_info()
+    ops_env.remember_cpu_info()
     builder = CPUAdamBuilder()
     assert builder.cpu_arch() == "-march=native" and builder.simd_width() == "-D__AVX256__"  # avx2 in the flags
     assert len(counted) == 1  # two builder questions, one answer

@@ -58,7 +58,7 @@ def test_a_plan_does_not_build_cpu_adam_and_says_how_to(tmp_path: Path, monkeypa
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # an empty cache: nothing built
     monkeypatch.setattr(cpu_optimizer, "time_step", lambda n, repeats=5: pytest.fail("timed (and built) the op"))
     assert not cpu_optimizer.op_built() and cpu_optimizer.cpu_adam_figure() is None
-    assert "python -m zerotune.ops" in cpu_optimizer.why_unmeasured()
+    assert "python -m zerotune.host.ops" in cpu_optimizer.why_unmeasured()
     (tmp_path / "plan").mkdir()
     (tmp_path / "plan" / cpu_optimizer.CACHE_FILE).write_text(
         json.dumps({cpu_optimizer.host_key(): {"s_per_param": 7e-10, "params": 10**12}}))

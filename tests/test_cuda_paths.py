@@ -68,7 +68,7 @@ def test_checkpoint_resume_and_export_on_the_card(tmp_path):
     assert [c["step"] for c in summary["checkpoint"]["saved"]] == [4]
     assert len(read_losses(resumed)) == 2  # steps 3 and 4 only
     out = tmp_path / "export"
-    proc = run_cli(str(resumed / "checkpoints"), str(out), module="zerotune.export")
+    proc = run_cli("export", str(resumed / "checkpoints"), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights = load_file(str(out / "unet.safetensors"))
     assert weights and all(t.device.type == "cpu" for t in weights.values())

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg, run_cli
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.data import build_dataset, check_data
-from zerotune.data.digits import DigitsDataset
+from zerotune.data.sources import DigitsDataset
 from zerotune.data.spec import DataSpec
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.quality import DigitClassifier, border_brightness, inverted_fraction
+from zerotune.train.evaluate import DigitClassifier, border_brightness, inverted_fraction
 
 
 def test_inverted_digits_are_the_normal_ones_with_ink_and_paper_swapped():

@@ -8,11 +8,10 @@ import torch
 from PIL import Image
 
 from tests.helpers.cli import compose_cfg
-from zerotune.data.digits import DigitsDataset, split_indices
+from zerotune.data.sources import DigitsDataset, split_indices
 from zerotune.models import build_unet
-from zerotune.models.conditioning import NULL_CLASS, unet_kwargs
-from zerotune.quality import DigitClassifier, save_grid
-from zerotune.sampling import sample_images
+from zerotune.models.diffusion import NULL_CLASS, sample_images, unet_kwargs
+from zerotune.train.evaluate import DigitClassifier, save_grid
 
 SIZE = 8  # the default job trains on the digits at their own 8x8
 

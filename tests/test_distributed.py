@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_losses, read_summary, run_cli
-from zerotune.training.distributed import free_port
+from zerotune.train.distributed import free_port
 
 QUICK = ["train.max_steps=2", "train.log_every=1", "evaluate.enabled=false", "scheduler=constant"]
 
@@ -92,7 +92,7 @@ def only_run_dir(cwd: Path) -> Path:
 @pytest.mark.parametrize(("nodelist", "first"), [("gpu01", "gpu01"), ("gpu[07-08],login1", "gpu07"),
                                                 ("n[098-101]", "n098"), ("rack[1-2]-n[1-2]", "rack1-n1")])
 def test_slurm_master_is_the_first_host_of_the_node_list(nodelist, first, monkeypatch):
-    from zerotune.slurm.job import launch_from_slurm
+    from zerotune.job.slurm import launch_from_slurm
 
     for key, value in {"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": "2",
                        "SLURM_NODEID": "0"}.items():
@@ -101,7 +101,7 @@ def test_slurm_master_is_the_first_host_of_the_node_list(nodelist, first, monkey
 
 
 def test_slurm_env_maps_to_the_launch_block(monkeypatch):
-    from zerotune.slurm.job import PORT_BASE, PORT_SPAN, in_slurm_job, launch_from_slurm
+    from zerotune.job.slurm import PORT_BASE, PORT_SPAN, in_slurm_job, launch_from_slurm
 
     env = {"SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4", "SUBMITIT_EXECUTOR": "slurm"}
@@ -129,7 +129,7 @@ def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
     from omegaconf import OmegaConf
 
     from tests.helpers.slurm import sbatch_script, submission
-    with initialize_config_module("zerotune.conf", version_base="1.3"):
+    with initialize_config_module("zerotune.config.conf", version_base="1.3"):
         cfg = compose(config_name="config", return_hydra_config=True,
                       overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4",
                                  "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=90"])
@@ -151,8 +151,8 @@ def test_slurm_launcher_composes_and_submits_the_right_sbatch(tmp_path):
 
 
 def test_launch_block_is_checked():
-    from zerotune.errors import ConfigError
-    from zerotune.launch.elastic import check_launch, launch_config
+    from zerotune.config.errors import ConfigError
+    from zerotune.job.elastic import check_launch, launch_config
 
     cfg = compose_cfg("launch.nnodes=2")
     with pytest.raises(ConfigError, match="one port they all know"):
@@ -169,7 +169,7 @@ def test_launch_block_is_checked():
 
 def test_global_batch_draws_slice_the_same_samples():
     """Rank r of N draws exactly rows [r·B, (r+1)·B) of what one process with batch N·B draws."""
-    from zerotune.training.distributed import global_batch_draws
+    from zerotune.train.distributed import global_batch_draws
 
     def draws(world, rank, batch):
         gen = torch.Generator().manual_seed(11)
@@ -194,7 +194,7 @@ def test_pinned_clock_gives_every_rank_one_run_dir():
 
     import hydra.core.utils as hydra_utils
 
-    from zerotune.cli.main import pin_hydra_clock
+    from zerotune.cli.train import pin_hydra_clock
 
     saved = hydra_utils.datetime
     try:
@@ -210,9 +210,9 @@ def test_pinned_clock_gives_every_rank_one_run_dir():
 
 
 def test_root_cause_of_a_failed_rank_leads_the_error(tmp_path):
-    from zerotune.launch.elastic import LaunchResult
-    from zerotune.launch.job import merge_job_view
-    from zerotune.rundir.run_summary import RunSummary
+    from zerotune.job.elastic import LaunchResult
+    from zerotune.job.records import merge_job_view
+    from zerotune.rundir.summary import RunSummary
 
     (tmp_path / "logs" / "x" / "attempt_0" / "1").mkdir(parents=True)
     (tmp_path / "logs" / "x" / "attempt_0" / "1" / "stderr.log").write_text("boom on rank 1\n")
@@ -366,7 +366,7 @@ def test_launch_config_fits_an_older_torch(monkeypatch):
 
     import torch.distributed.launcher.api as api
 
-    from zerotune.launch.elastic import launch_config
+    from zerotune.job.elastic import launch_config
 
     fields = [(f.name, f.type, f) for f in dataclasses.fields(api.LaunchConfig) if f.name != "shutdown_timeout"]
     older = dataclasses.make_dataclass("LaunchConfig", fields)

@@ -1,4 +1,4 @@
-"""`zerotune doctor` (`python -m zerotune.doctor`) on this machine: each line states the truth of the machine, and
+"""`zerotune doctor` (`python -m zerotune doctor`) on this machine: each line states the truth of the machine, and
 each problem comes with its fix. The machine as it is, through the command run as users run it; each case, through
 its main() in this process."""
 
@@ -22,7 +22,7 @@ NAMES = ["configs", "platform", "build tools", "ops", "libaio", "offload path", 
 
 
 def doctor_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerotune.doctor", *args], cwd=ROOT, env={**cli_env(), **(env or {})},
+    return subprocess.run([sys.executable, "-m", "zerotune", "doctor", *args], cwd=ROOT, env={**cli_env(), **(env or {})},
                           capture_output=True, text=True, timeout=180)
 
 

@@ -7,12 +7,10 @@ import json
 import pytest
 
 from tests.helpers.cli import compose_cfg, config_of, preflight, run_cli
-from zerotune.ds_config.builder import build
-from zerotune.ds_config.offload import DEFAULT_PARAM_BUFFER, param_buffer_size
-from zerotune.ds_config.validator import validate
+from zerotune.host.platform import detect
 from zerotune.models import ModelStats
-from zerotune.platform import detect
-from zerotune.user_config.merge import merge
+from zerotune.plan.deepspeed import DEFAULT_PARAM_BUFFER, build, param_buffer_size, validate
+from zerotune.plan.resolve import merge
 
 PLATFORM = detect()
 PRECISIONS = [p for p in ("fp32", "bf16", "fp16") if PLATFORM.supports(p)]
@@ -110,7 +108,7 @@ def test_validate_returns_copy():
 
 
 def test_ds_config_cli_prints_validated_json(tmp_path):
-    proc = run_cli("zero_stage=3", "offload=nvme", f"offload.path={tmp_path}", module="zerotune.ds_config",
+    proc = run_cli("ds-config", "zero_stage=3", "offload=nvme", f"offload.path={tmp_path}", module="zerotune",
                    timeout=180)
     assert proc.returncode == 0, proc.stderr
     ds = json.loads(proc.stdout)

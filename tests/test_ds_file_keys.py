@@ -1,5 +1,5 @@
 """The top-level keys of a user's DeepSpeed JSON: every key DeepSpeed reads has a decision (honoured, translated
-or refused, user_config/ds_keys.py), keys DeepSpeed ignores pass with a warning unless they ask for something,
+or refused, config/deepspeed_file.py), keys DeepSpeed ignores pass with a warning unless they ask for something,
 a misspelt key is an error naming the nearest known one, and every fix an error of a user's file gives works
 when applied: the run is then accepted."""
 
@@ -13,9 +13,10 @@ import shlex
 import pytest
 
 from tests.helpers.cli import ROOT, compose_cfg, preflight, read_summary, run_cli
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.platform import ANY_CUDA_GPU, Platform
-from zerotune.user_config import deepspeed_file, ds_keys
+from zerotune.config import deepspeed_file
+from zerotune.config import deepspeed_file as ds_keys
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.host.platform import ANY_CUDA_GPU, Platform
 
 CORPUS = ROOT / "tests" / "data" / "ds_configs"
 SECRET = "ZEROTUNEFAKEKEY"  # inside the fake private_key of gcp_service_account.json
@@ -337,7 +338,8 @@ def test_a_secret_file_stays_out_of_stderr_and_the_summary(tmp_path):
 
 
 def test_the_builders_import_refuses_a_secret_file_without_echoing_it(tmp_path, monkeypatch):
-    from zerotune.builder import importing, preview
+    from zerotune.builder import preview
+    from zerotune.builder import workspace as importing
 
     monkeypatch.setattr(importing, "imports_dir", lambda: tmp_path)
     with pytest.raises(ConfigError) as err:

@@ -8,11 +8,11 @@ import textwrap
 
 import pytest
 
-from zerotune.exiting import exit_status
+from zerotune.host.process import exit_status
 
 
 def run(body: str) -> subprocess.CompletedProcess:
-    code = "import atexit, sys, threading, time\nfrom zerotune.exiting import exit_now\n" + textwrap.dedent(body)
+    code = "import atexit, sys, threading, time\nfrom zerotune.host.process import exit_now\n" + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
@@ -69,7 +69,7 @@ def test_the_teardown_is_skipped():
 def test_a_profiler_still_gets_its_output(tmp_path):
     """Under `python -m cProfile -o`, exit_now exits normally: the profile is written after the script returns."""
     script = tmp_path / "prog.py"
-    script.write_text("from zerotune.exiting import exit_now\nexit_now(0)\n")
+    script.write_text("from zerotune.host.process import exit_now\nexit_now(0)\n")
     out = tmp_path / "prof.out"
     done = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(out), str(script)], capture_output=True,
                           text=True, timeout=60)

@@ -17,12 +17,12 @@ from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
 TRAIN_AND_PROBE = textwrap.dedent("""
     import sys, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.training import distributed
+    from zerotune.train import distributed
     distributed.ensure_single_process_env()
-    from zerotune.loggers.base import NullLogger
+    from zerotune.rundir.loggers import NullLogger
     from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
-    from zerotune.training.trainer import Trainer
+    from zerotune.train.trainer import Trainer
 
     out = sys.argv[1]
     cfg = compose_cfg("zero_stage=3", "train.batch_size=4", "ema.enabled=true", "train.max_steps=2",
@@ -49,7 +49,7 @@ def test_zero3_export_matches_training_model(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "export"
-    proc = run_cli(str(tmp_path / "checkpoints"), str(out), module="zerotune.export")
+    proc = run_cli("export", str(tmp_path / "checkpoints"), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = torch.load(tmp_path / "probe.pt", weights_only=False)
     unet = UNet2DConditionModel.from_pretrained(out / "unet", local_files_only=True).eval()
@@ -72,5 +72,5 @@ def test_zero3_export_matches_training_model(tmp_path):
 
 
 def test_export_refuses_a_folder_without_checkpoints(tmp_path):
-    proc = run_cli(str(tmp_path), str(tmp_path / "out"), module="zerotune.export")
+    proc = run_cli("export", str(tmp_path), str(tmp_path / "out"), module="zerotune")
     assert proc.returncode != 0 and "not a complete checkpoint" in proc.stderr

@@ -1,5 +1,5 @@
 """A lock a killed JIT build left in the torch extensions cache never makes a job wait forever
-(ops/locks.py, and ops/build.py before each op load): provably stale ones are removed with a warning,
+(host/ops_locks.py, and host/ops.py before each op load): provably stale ones are removed with a warning,
 live ones are waited on for a bounded time, undecided ones stop the job naming the file."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch.utils.file_baton import FileBaton
 
 from tests.helpers.built_ops import ADAM_CPU_OFFLOAD, OFFLOAD_CPU_OPS, is_current
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli
-from zerotune.ops import build as ops
-from zerotune.ops import locks as ext_lock
+from zerotune.host import ops
+from zerotune.host import ops_locks as ext_lock
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_a_real_prebuild_is_not_stuck_on_a_stale_lock(tmp_path, built_offload_op
     copy_built_ops(built_offload_ops, root, OFFLOAD_CPU_OPS)
     lock = plant(root, "cpu_adam")
     code = ("import json, logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
-            "from zerotune.ops.build import prebuild_ops\n"
+            "from zerotune.host.ops import prebuild_ops\n"
             f"print(json.dumps(prebuild_ops({ADAM_CPU_OFFLOAD!r}, True)))")
     # A stuck load waits on the lock forever, so the timeout is the check; no wall-time bound (shared machines).
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=400,

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env, read_summary, run_cli, wait_for
-from zerotune import checkpoints
+from zerotune.rundir import checkpoints, resume
 
 SHORT = ["evaluate.enabled=false", "scheduler=constant", "train.batch_size=8", "train.log_every=1"]
 
@@ -32,7 +32,7 @@ def workers_of(run_dir: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if "zerotune.launch.bootstrap" in cmd and str(run_dir) in cmd:  # python -u -m zerotune.launch.bootstrap
+        if "zerotune.job.bootstrap" in cmd and str(run_dir) in cmd:  # python -u -m zerotune.job.bootstrap
             found.append(proc)
     return found
 
@@ -130,7 +130,7 @@ class _FakeAccelerator:
 
 
 def test_disk_full_during_save_unit(tmp_path):
-    from zerotune.checkpoints.store import SaveRequest, save
+    from zerotune.rundir.checkpoint_io import SaveRequest, save
 
     request = SaveRequest(root=tmp_path / "ck", step=3, meta={}, position_state={}, unet=None, job="j")
     with pytest.raises(checkpoints.CheckpointSpaceError) as err:
@@ -161,7 +161,7 @@ def optimizer_file(step_folder: Path) -> Path:
 
 def test_manifest_names_truncated_missing_and_altered_files(two_checkpoints, tmp_path):
     folder = copy_of(two_checkpoints, tmp_path) / "checkpoints" / "step-0000004"
-    assert checkpoints.manifest.problems(folder) == []
+    assert checkpoints.problems(folder) == []
     record = json.loads((folder / checkpoints.COMPLETE).read_text())
     assert record["step"] == 4 and "meta.json" in record["files"]
     optim = optimizer_file(folder)
@@ -170,7 +170,7 @@ def test_manifest_names_truncated_missing_and_altered_files(two_checkpoints, tmp
     optim.write_bytes(bytes(data))
     (folder / "meta.json").write_text('{"step": 4, "zero')          # truncated
     (folder / "config.json").unlink()
-    found = "\n".join(checkpoints.manifest.problems(folder))
+    found = "\n".join(checkpoints.problems(folder))
     assert "sha256 differs" in found and "meta.json: 17 bytes" in found and "config.json: missing" in found
 
 
@@ -211,7 +211,7 @@ def test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first(tmp_p
     first = start_cli("train.max_steps=100000", "checkpoint.every_n_steps=1000", "checkpoint.on_signal=true",
                       f"checkpoint.dir={shared}", f"hydra.run.dir={run_dir}")
     try:
-        wait_for(lambda: (shared / checkpoints.lock.OWNER_FILE).is_file(), what="the first job's lock")
+        wait_for(lambda: (shared / resume.OWNER_FILE).is_file(), what="the first job's lock")
         proc = run_cli(*SHORT, "train.max_steps=2", "checkpoint.every_n_steps=1", f"checkpoint.dir={shared}",
                        f"hydra.run.dir={tmp_path / 'b'}")
         assert proc.returncode == 2
@@ -227,17 +227,17 @@ def test_a_second_job_on_a_busy_checkpoint_dir_is_refused_naming_the_first(tmp_p
 
 def test_the_lock_goes_with_a_killed_holder(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from zerotune.checkpoints import CheckpointDirLock\n"
+        "import sys, time; from zerotune.rundir.resume import CheckpointDirLock\n"
         f"held = CheckpointDirLock({str(tmp_path)!r}, 'holder-run').acquire(); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, env=cli_env())
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(Exception) as err:
-        checkpoints.CheckpointDirLock(tmp_path, "me").acquire()
+        resume.CheckpointDirLock(tmp_path, "me").acquire()
     assert "holder-run" in str(err.value)
     holder.kill()
     holder.wait()
-    with checkpoints.CheckpointDirLock(tmp_path, "me"):
-        assert json.loads((tmp_path / checkpoints.lock.OWNER_FILE).read_text())["run_dir"] == "me"
+    with resume.CheckpointDirLock(tmp_path, "me"):
+        assert json.loads((tmp_path / resume.OWNER_FILE).read_text())["run_dir"] == "me"
 
 
 def test_temporary_folders_are_private_to_a_job(tmp_path):
@@ -313,7 +313,7 @@ SUBMITIT_LIKE = """
 import signal, sys
 # What submitit does in the job process on SLURM's pre-emption signal (USR2): requeue, then sys.exit(-1).
 signal.signal(signal.SIGUSR2, lambda signum, frame: sys.exit(-1))
-from zerotune.cli.main import main
+from zerotune.cli.train import main
 sys.argv = ["train.py", *sys.argv[1:]]
 main()
 """

@@ -1,5 +1,5 @@
 """A run that completes its steps ends with a checkpoint of its last step (checkpoint.final, on by default),
-so `python -m zerotune.export <run dir> <out>` works with no other flag."""
+so `python -m zerotune export <run dir> <out>` works with no other flag."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from tests.conftest import DEFAULT_JOB_STEPS
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
-from zerotune import checkpoints
-from zerotune.checkpoints.store import cleanup
-from zerotune.export import find_checkpoint
+from zerotune.rundir import checkpoints, resume
+from zerotune.rundir.checkpoint_io import cleanup
+from zerotune.rundir.export import find_checkpoint
 
 SHORT = ["train.batch_size=8", "evaluate.enabled=false"]
 LIVE_COPY = ["ema.enabled=true", "ema.decay=0"]  # as the default job run's (tests/conftest.py)
@@ -29,7 +29,7 @@ def train(run_dir, *args, expect: int = 0) -> dict:
 
 
 def export(run_dir, out) -> dict:
-    proc = run_cli(str(run_dir), str(out), module="zerotune.export")
+    proc = run_cli("export", str(run_dir), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     answer = re.search(r"^\{$.*^\}$", proc.stdout, re.MULTILINE | re.DOTALL)  # after DeepSpeed's own lines
     assert answer, proc.stdout[-3000:]
@@ -54,7 +54,7 @@ def assert_final_of_last_step(run_dir, summary: dict, written: dict) -> None:
     assert written["checkpoint"] == str(final)
     assert checkpoints.read_meta(final)["step"] == STEPS
     assert (run_dir / "checkpoints" / checkpoints.LATEST).read_text().strip() == final.name
-    assert checkpoints.manifest.problems(final) == []
+    assert checkpoints.problems(final) == []
     ema = torch.load(final / checkpoints.EMA_FILE, weights_only=True)
     assert ema["updates"] == STEPS, "the live copy was taken after the last step"
 
@@ -94,7 +94,7 @@ def test_final_false_leaves_no_checkpoint(tmp_path):
     assert summary["status"] == "ok" and summary["steps"] == 2
     assert summary["checkpoint"]["saved"] == [] and summary["checkpoint"]["final"] is None
     assert not (run_dir / "checkpoints").exists(), "nothing saved, no folder"
-    proc = run_cli(str(run_dir), str(tmp_path / "out"), module="zerotune.export")
+    proc = run_cli("export", str(run_dir), str(tmp_path / "out"), module="zerotune")
     assert proc.returncode != 0 and "not a complete checkpoint" in proc.stderr
     assert "checkpoint.final=false" in proc.stderr, "the error says why the run left none"
 
@@ -166,7 +166,7 @@ def test_measuring_experiments_turn_the_final_checkpoint_off(experiment):
 
 def test_a_sweep_of_a_measuring_experiment_takes_no_checkpoint_lock(tmp_path):
     cfg = compose_cfg("experiment=stage_resolution_batch_cpu")
-    with checkpoints.job_lock(cfg.checkpoint, tmp_path):
+    with resume.job_lock(cfg.checkpoint, tmp_path):
         assert not (tmp_path / "checkpoints").exists()
-    with checkpoints.job_lock(compose_cfg().checkpoint, tmp_path):
+    with resume.job_lock(compose_cfg().checkpoint, tmp_path):
         assert (tmp_path / "checkpoints" / ".zerotune.lock").exists()

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.cli import compose_cfg, preflight
 from tests.helpers.fixes import alternatives, applied, check_fix
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 
 @pytest.mark.parametrize(("fix", "expected"), [

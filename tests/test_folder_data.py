@@ -22,15 +22,13 @@ from tests.helpers.folder_fixtures import (
     make_folder,
 )
 from tests.helpers.tiny_components import save_vae
+from zerotune.config.errors import ConfigError
 from zerotune.data import build_loader, check_data
-from zerotune.data.buckets import closest_bucket, make_buckets, place
+from zerotune.data.buckets import BucketBatchSampler, closest_bucket, make_buckets, place
 from zerotune.data.components import FrozenEncoders
-from zerotune.data.folder import scan_folder
-from zerotune.data.images import crop_pixels, open_rgb
 from zerotune.data.prepare import prepare_folder_data
-from zerotune.data.sampler import BucketBatchSampler
+from zerotune.data.sources import crop_pixels, open_rgb, scan_folder
 from zerotune.data.spec import DataSpec
-from zerotune.errors import ConfigError
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import ROOT, cli_env
-from zerotune import config_search
+from zerotune.config import search
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import parts  # noqa: E402
@@ -35,7 +35,7 @@ def dry_run(tmp_path_factory):
     out, work = tmp / "out", tmp / "work"
     # as the suite's autouse fixtures do for each test: no accelerate config or user config folder leaks in
     env = {**cli_env(), "OUT": str(out), "GPU_KIT_WORK": str(work), "PYTHON": sys.executable,
-           "HF_HOME": str(tmp / "hf_home"), config_search.CONFIG_DIR_ENV: ""}
+           "HF_HOME": str(tmp / "hf_home"), search.CONFIG_DIR_ENV: ""}
     for name in [n for n in env if n.startswith("ACCELERATE_")]:
         del env[name]
     proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "all", "--dry-run"], cwd=ROOT, env=env,

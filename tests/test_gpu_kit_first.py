@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env
-from zerotune import config_search
+from zerotune.config import search
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import estimates  # noqa: E402
@@ -37,7 +37,7 @@ GPU_FIGURES = ("gpu_peak_process_mib", "gpu_peak_device_mib", "gpu_peak_allocate
 def kit_env(tmp: Path, **extra: str) -> dict:
     """As the suite's autouse fixtures do for each test: no accelerate config or user config folder leaks in."""
     env = {**cli_env(), "OUT": str(tmp / "out"), "GPU_KIT_WORK": str(tmp / "work"), "PYTHON": sys.executable,
-           "HF_HOME": str(tmp / "hf_home"), config_search.CONFIG_DIR_ENV: "", **extra}
+           "HF_HOME": str(tmp / "hf_home"), search.CONFIG_DIR_ENV: "", **extra}
     for name in [n for n in env if n.startswith(("ACCELERATE_", "ZEROTUNE_GPU_KIT_"))]:
         if name not in extra:
             del env[name]

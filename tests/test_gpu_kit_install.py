@@ -30,8 +30,8 @@ IMPORTS = ["deepspeed", "diffusers", "hydra", "omegaconf", "antlr4", "pydantic",
            "importlib_metadata", "annotated_types", "typing_inspection", "optuna", "sqlalchemy", "alembic", "mako",
            "colorlog", "zerotune"]
 # what the kit's parts import on the card: the trainer, planner, folder data, export, and the benchmark scripts
-ALSO = ["zerotune.cli.main", "zerotune.training.run", "zerotune.cli.plan", "zerotune.data.components",
-        "zerotune.export", "deepspeed.ops.adam", "diffusers.models.autoencoders", "hydra_plugins.zerotune_user_configs"]
+ALSO = ["zerotune.cli.train", "zerotune.train.run", "zerotune.cli.plan", "zerotune.data.components",
+        "zerotune.rundir.export", "deepspeed.ops.adam", "diffusers.models.autoencoders", "hydra_plugins.zerotune_user_configs"]
 
 
 def norm(name: str) -> str:

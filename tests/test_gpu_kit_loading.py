@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env
-from zerotune import config_search
+from zerotune.config import search
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import estimates  # noqa: E402
@@ -171,7 +171,7 @@ def test_run_sh_lists_the_loading_part():
 @pytest.mark.slow  # every row on sdxl_tiny, 75 to 140 s on 2 cores
 def test_the_dry_run_runs_every_row_and_writes_the_tables(tmp_path):
     env = {**cli_env(), "OUT": str(tmp_path / "out"), "GPU_KIT_WORK": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "HF_HOME": str(tmp_path / "hf_home"), config_search.CONFIG_DIR_ENV: ""}
+           "PYTHON": sys.executable, "HF_HOME": str(tmp_path / "hf_home"), search.CONFIG_DIR_ENV: ""}
     for name in [n for n in env if n.startswith(("ACCELERATE_", "ZEROTUNE_GPU_KIT_"))]:
         del env[name]
     proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "loading", "--dry-run"], cwd=ROOT, env=env,

@@ -20,19 +20,19 @@ from omegaconf import OmegaConf
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, read_summary, run_cli
 from tests.helpers.fixes import check_fix
 from tests.test_faults import steps_logged, wait_for, workers_of
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.launch.elastic import LaunchResult
-from zerotune.launch.records import host_oom_error
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.config.schema import Plan
+from zerotune.host.platform import Platform
+from zerotune.host.ram import HostExit, HostMemory, HostSample, near_limit, read_host_memory
+from zerotune.job.elastic import LaunchResult
+from zerotune.job.records import host_oom_error
 from zerotune.plan import guard as planning
-from zerotune.plan.host import node_need_mib
-from zerotune.platform import Platform
+from zerotune.plan.host_memory import node_need_mib
 from zerotune.report import collect, plots
 from zerotune.report.budget import budget_answer
 from zerotune.rundir.plan import Plan as Prediction
 from zerotune.rundir.plan import Term
-from zerotune.rundir.run_summary import RunSummary
-from zerotune.schema.job import Plan
-from zerotune.telemetry.host import HostExit, HostMemory, HostSample, near_limit, read_host_memory
+from zerotune.rundir.summary import RunSummary
 
 SDXL = ("model=sdxl", "data=synthetic", "resolution=128", "train.batch_size=1")
 TINY = ("evaluate.enabled=false", "scheduler=constant", "train.batch_size=8", "train.log_every=1")

@@ -11,7 +11,7 @@ QUICK = ["train.max_steps=3", "train.batch_size=8", "train.log_every=1", "evalua
 
 def test_oom_is_recorded_as_oom(tmp_path):
     proc = run_cli(*QUICK, "debug.oom_at_step=2", f"hydra.run.dir={tmp_path}")
-    assert proc.returncode == 1  # a broken job's exit, whatever broke it (a failure's too: cli/main.py)
+    assert proc.returncode == 1  # a broken job's exit, whatever broke it (a failure's too: cli/train.py)
     summary = read_summary(tmp_path)
     assert summary["status"] == "oom" and summary["error"]["type"] == "OutOfMemoryError"
 

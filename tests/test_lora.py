@@ -24,12 +24,13 @@ from tests.helpers.cli import (
     read_summary,
     run_cli,
 )
-from zerotune import checkpoints, models
-from zerotune.checkpoints.convert import full_state
-from zerotune.checkpoints.decide import decide_resume
+from zerotune import models
 from zerotune.cli.export import main as export_main
-from zerotune.errors import ConfigError
-from zerotune.models import adapter, lora_export
+from zerotune.config.errors import ConfigError
+from zerotune.models import adapter
+from zerotune.rundir import checkpoints, export, resume
+from zerotune.rundir.checkpoint_io import full_state
+from zerotune.rundir.resume import decide_resume
 
 QUICK = ["adapter=lora", "train.batch_size=4", "train.log_every=1", "evaluate.enabled=false", "scheduler=warmup",
          "scheduler.warmup_steps=2", "precision=fp32"]
@@ -80,7 +81,7 @@ def check_export(run_dir, out, base) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     path = checkpoints.find(run_dir)
     weights = {k: v.float() for k, v in full_state(path, with_optimizer=False)[0].items()}
-    engine = lora_export.build(checkpoints.unet_config(path), checkpoints.read_meta(path)["adapter_config"], weights)
+    engine = export.build(checkpoints.unet_config(path), checkpoints.read_meta(path)["adapter_config"], weights)
     fresh = UNet2DConditionModel.from_pretrained(base)
     fresh.load_lora_adapter(str(out / "lora"), prefix="unet", weight_name=WEIGHTS)
     merged = UNet2DConditionModel.from_pretrained(out / "unet")
@@ -254,6 +255,6 @@ def test_kill_9_then_resume_continues_exactly(tmp_path):
 
 def test_meta_records_the_adapter_config():
     cfg = config_of("adapter=lora", "adapter.rank=4")
-    meta = checkpoints.current_meta(cfg, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, True, 1)
+    meta = resume.current_meta(cfg, {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, True, 1)
     assert meta["adapter_config"]["rank"] == 4 and meta["adapter"].startswith("lora rank=4")
     assert OmegaConf.create(meta["adapter_config"]).target_modules == ["conv1", "conv2"]

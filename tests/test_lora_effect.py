@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg, read_summary, run_cli
-from zerotune.diffusion import noise_scheduler
 from zerotune.models import latent_shape
-from zerotune.quality import DigitClassifier, inverted_fraction
-from zerotune.sampling import sample_images
+from zerotune.models.diffusion import noise_scheduler, sample_images
+from zerotune.train.evaluate import DigitClassifier, inverted_fraction
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +40,7 @@ def train(run_dir, steps: int, *args: str) -> dict:
 
 
 def export(run_dir, out, *flags: str) -> None:
-    proc = run_cli(str(run_dir), str(out), *flags, module="zerotune.export")
+    proc = run_cli("export", str(run_dir), str(out), *flags, module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.fixes import check_fix
-from zerotune.diffusion import diffusion_loss, min_snr_weights, noise_scheduler
-from zerotune.errors import ConfigError
-from zerotune.sampling import make_sampler
-from zerotune.training.distributed import global_batch_draws
+from zerotune.config.errors import ConfigError
+from zerotune.models.diffusion import diffusion_loss, make_sampler, min_snr_weights, noise_scheduler
+from zerotune.train.distributed import global_batch_draws
 
 SHAPE = (64, 4, 8, 8)
 

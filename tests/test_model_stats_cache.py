@@ -45,13 +45,13 @@ def test_a_damaged_entry_is_measured_again(cache):
 
 
 def test_the_job_parent_checks_and_plans_without_diffusers(cache, tmp_path):
-    """With the count cached (any earlier job, or `python -m zerotune.plan`), the parent's checks and plan import
+    """With the count cached (any earlier job, or `python -m zerotune plan`), the parent's checks and plan import
     neither diffusers nor peft: 2 s and 300 MiB a job start used to pay just to count parameters."""
     from tests.helpers.cli import preflight
-    from zerotune.plan import guard as planning
+    from zerotune.plan import guard
 
     cfg = compose_cfg("adapter=lora")
-    planning.job_plan(checked := preflight(cfg), planning.job_gpu(cfg))  # counts and traces, cached
+    guard.job_plan(checked := preflight(cfg), guard.job_gpu(cfg))  # counts and traces, cached
     assert checked.model_stats.num_trainable < checked.model_stats.num_params
     code = """
 import sys

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.helpers.cli import compose_cfg
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 from zerotune.models import build_unet, latent_shape, model_stats
 
 SDXL_UNET_PARAMS = 2_567_463_684

@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (ops/build.py): which
+"""DeepSpeed's JIT ops are built by the job's parent, before its memory sampler starts (host/ops.py): which
 ops a run needs, what a failed build says, and a real job's record of the build."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from tests.helpers.cli import ROOT, cli_env, compose_cfg, preflight, read_summary, run_cli
-from zerotune.errors import ConfigError
-from zerotune.launch.gate import Gate, GateWatch
-from zerotune.ops import build as ops
+from zerotune.config.errors import ConfigError
+from zerotune.host import ops
+from zerotune.job.gate import Gate, GateWatch
 
 SHM = "ShareMemCommBuilder"
 
@@ -80,7 +80,7 @@ def test_a_real_failed_compile_raises(tmp_path):
     """No working compiler (CXX=false) and an empty cache: the first op DeepSpeed would JIT-build fails
     here, loudly, before any worker starts."""
     env = {**cli_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "false"}
-    code = ("from zerotune.ops.build import prebuild_ops\n"
+    code = ("from zerotune.host.ops import prebuild_ops\n"
             "prebuild_ops({'zero_optimization': {'stage': 2, 'offload_optimizer': {'device': 'cpu'}},"
             " 'optimizer': {'type': 'AdamW', 'params': {}}}, True)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -180,8 +180,8 @@ def test_the_gate_counts_the_workers_waiting_at_it(tmp_path):
 
 
 def test_setup_builds_the_cpu_ops_a_job_loads(built_offload_ops):
-    """`python -m zerotune.ops`, which `make setup` runs: here the ops are built already, so it loads them."""
-    proc = subprocess.run([sys.executable, "-m", "zerotune.ops"], cwd=ROOT, capture_output=True, text=True,
+    """`python -m zerotune.host.ops`, which `make setup` runs: here the ops are built already, so it loads them."""
+    proc = subprocess.run([sys.executable, "-m", "zerotune.host.ops"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**cli_env(), "TORCH_EXTENSIONS_DIR": str(built_offload_ops)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "deepspeed_shm_comm, cpu_adam ready" in proc.stdout

@@ -31,22 +31,22 @@ def shipped_as(checkout_files: list[str], prefix: str, package: str) -> dict[str
 
 def test_every_config_ships_with_its_content(wheel, names):
     yamls = [f for f in tracked_files("conf") if f.endswith(".yaml")]
-    expected = shipped_as(yamls, "conf", "zerotune/conf")
+    expected = shipped_as(yamls, "conf", "zerotune/config/conf")
     assert sorted(set(expected.values()) - names) == []
-    assert "zerotune/conf/config.yaml" in names and "zerotune/conf/hydra/launcher/slurm.yaml" in names
+    assert "zerotune/config/conf/config.yaml" in names and "zerotune/config/conf/hydra/launcher/slurm.yaml" in names
     with zipfile.ZipFile(wheel) as zf:  # the files the links point at, not stale copies
         assert all(zf.read(inside) == (ROOT / f).read_bytes() for f, inside in expected.items())
 
 
 def test_every_packaged_experiment_ships(names):
     yamls = [f for f in tracked_files("experiments/experiment") if f.endswith(".yaml")]
-    expected = shipped_as(yamls, "experiments/experiment", "zerotune/experiments/experiment")
+    expected = shipped_as(yamls, "experiments/experiment", "zerotune/config/experiments/experiment")
     assert sorted(set(expected.values()) - names) == []
 
 
 def test_the_config_packages_and_the_hydra_plugin_ship(names):
     # importlib.resources and Hydra's pkg:// find the configs as packages
-    assert {"zerotune/conf/__init__.py", "zerotune/experiments/__init__.py",
+    assert {"zerotune/config/conf/__init__.py", "zerotune/config/experiments/__init__.py",
             "hydra_plugins/zerotune_user_configs/__init__.py"} <= names
 
 
@@ -65,11 +65,11 @@ def test_the_zerotune_command_is_the_entry_point(wheel, names):
     parser = configparser.ConfigParser()
     with zipfile.ZipFile(wheel) as zf:
         parser.read_string(zf.read(entry_points).decode())
-    assert dict(parser["console_scripts"]) == {"zerotune": "zerotune.command:main"}
+    assert dict(parser["console_scripts"]) == {"zerotune": "zerotune.cli.command:main"}
 
 
 def test_only_the_packages_ship_nothing_from_the_checkouts_results(names):
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"zerotune", "hydra_plugins"}
     assert [n for n in names if "results/" in n and not n.startswith("zerotune/builder/")] == []
-    assert [n for n in names if n.startswith(("zerotune/experiments/results", "experiments/"))] == []
+    assert [n for n in names if n.startswith(("zerotune/config/experiments/results", "experiments/"))] == []

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.helpers.cli import compose_cfg, read_losses, run_cli
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 from zerotune.models.param_groups import AUTO_ZERO12, ParamGroups, count, layout
 
 # ----------------------------------------------------------------------------------------------- the cut
@@ -140,8 +140,8 @@ def test_a_checkpoint_resumes_with_its_own_groups_and_another_count_is_refused_w
 def test_auto_resumes_a_checkpoint_from_before_the_groups_with_one(tmp_path):
     """A ZeRO-2 checkpoint whose meta.json predates deepspeed.param_groups held one group: auto keeps it."""
     from tests.helpers.cli import preflight
-    from zerotune.checkpoints import manifest
-    from zerotune.checkpoints.layout import COMPLETE
+    from zerotune.rundir import checkpoints
+    from zerotune.rundir.checkpoints import COMPLETE
 
     first = tmp_path / "first"
     proc = run_cli("zero_stage=2", "train.max_steps=2", "train.batch_size=8", "evaluate.enabled=false",
@@ -154,6 +154,6 @@ def test_auto_resumes_a_checkpoint_from_before_the_groups_with_one(tmp_path):
         meta.pop(key)
     meta_file.write_text(json.dumps(meta))
     # as that version saved it: its manifest (COMPLETE) lists the meta.json it wrote
-    (checkpoint / COMPLETE).write_text(manifest.dumps(manifest.build(checkpoint, 2)))
+    (checkpoint / COMPLETE).write_text(checkpoints.dumps(checkpoints.build(checkpoint, 2)))
     run = preflight(compose_cfg("zero_stage=2", f"resume={checkpoint}"), world_size=1, run_dir=tmp_path / "next")
     assert run.param_groups is not None and run.param_groups.count == 1 and run.resume is not None

@@ -11,8 +11,9 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import call_main, read_summary, run_cli
 from zerotune.cli.plan import main as plan_main
-from zerotune.errors import ConfigError
-from zerotune.plan import allocator, gpus, recommend, render
+from zerotune.config.errors import ConfigError
+from zerotune.plan import allocator, command_line, gpus
+from zerotune.plan import gpus as recommend
 from zerotune.plan import guard as planning
 from zerotune.rundir.plan import Plan
 
@@ -88,7 +89,7 @@ def test_the_lowest_stage_that_fits_is_recommended_and_why():
     assert answer["smallest"] == {"option": "zero_stage=3 offload=cpu gradient_checkpointing=false",
                                   "peak_mib": 9_000, "time_floor_s": 0.1}
     assert "smallest peak: zero_stage=3 offload=cpu gradient_checkpointing=false (9,000 MiB, time floor 0.100 " \
-        "s/step)" in render.ranking({"micro_batch": None, **answer})
+        "s/step)" in command_line.ranking({"micro_batch": None, **answer})
 
 
 def test_nothing_fits_says_so_with_the_smallest():
@@ -174,7 +175,7 @@ def test_plan_command_json_has_the_per_rank_gpu_peak():
     plan = json.loads(proc.stdout)
     assert "batch 8x1" in plan["workload"]
     assert {t["term"]: t["mib"] for t in plan["gpu_terms"]}["deepspeed:ipg_bucket"] == pytest.approx(1000 * 4 / MIB)
-    # the step's peak: what it holds throughout plus its largest moment's terms (plan/step_peak.py)
+    # the step's peak: what it holds throughout plus its largest moment's terms (plan/predict.py)
     moments = {t.get("moment", "persistent") for t in plan["gpu_terms"]}
     at = {m: sum(t["mib"] for t in plan["gpu_terms"] if t.get("moment", "persistent") in ("persistent", m))
           for m in moments}
@@ -284,14 +285,14 @@ def test_the_plan_says_which_micro_batch_it_planned_and_where_it_came_from(own_e
 
 
 def test_the_plan_text_names_the_micro_batch_and_how_to_plan_another():
-    from zerotune.plan import render
+    from zerotune.plan import command_line
 
     default = {"value": 64, "source": "default config", "from": "the default config's data=digits (d.yaml)"}
     typed = {"value": 8, "source": "command line", "from": "the command line: train.batch_size=8"}
     ranked = {"micro_batch": default, "options": [], "recommended": {"option": None, "why": "no GPU named"}}
-    assert render.ranking(ranked).splitlines()[0] == (
+    assert command_line.ranking(ranked).splitlines()[0] == (
         "micro batch: 64 per rank, from the default config's data=digits (d.yaml); train.batch_size=N plans another")
-    assert render.micro_batch(typed) == ["micro batch: 8 per rank, from the command line: train.batch_size=8"]
+    assert command_line.micro_batch_lines(typed) == ["micro batch: 8 per rank, from the command line: train.batch_size=8"]
 
 
 def test_the_readmes_plan_example_plans_the_batch_it_names():

@@ -9,12 +9,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.helpers.cli import compose_cfg
-from zerotune.compose.settle import settle
-from zerotune.errors import ConfigError
+from zerotune.config.compose.settle import settle
+from zerotune.config.errors import ConfigError
 from zerotune.models import latent_shape, model_stats
 from zerotune.plan import activations
 from zerotune.plan.activations import measure_step_on_cpu, trace_step
-from zerotune.plan.flops import FLOP_FORMULAS
+from zerotune.plan.step_tracker import FLOP_FORMULAS
 
 aten = torch.ops.aten
 
@@ -54,7 +54,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def _settled(*overrides: str):
-    """The job's config as the planner takes it: composed and settled (compose/settle.py)."""
+    """The job's config as the planner takes it: composed and settled (config/compose/settle.py)."""
     return settle(compose_cfg(*overrides)).config
 
 

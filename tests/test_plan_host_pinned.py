@@ -1,4 +1,4 @@
-"""The host terms of CPU offload at the sizes torch's pinned allocator gives them (plan/pinned.py), per parameter
+"""The host terms of CPU offload at the sizes torch's pinned allocator gives them (plan/host_memory.py), per parameter
 group; the heap glibc keeps of a module's host copies (host.py heap_kept_bytes); and a card's host figure as the
 process RSS the run measures (process.py card_process_prediction)."""
 
@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import pytest
 
-from zerotune.plan import process
-from zerotune.plan.buffers import buffer_terms, host_buffer_bytes
-from zerotune.plan.host import HEAP_KEPT, MMAP_THRESHOLD_MAX, cuda_only, heap_kept_bytes, rank_terms
-from zerotune.plan.pinned import PINNED_CACHE, PINNED_ROUNDING, pinned_block_bytes, rounding_bytes
+from zerotune.config.schema import MIB
+from zerotune.plan import host_memory as process
+from zerotune.plan.host_memory import (
+    HEAP_KEPT,
+    MMAP_THRESHOLD_MAX,
+    PINNED_CACHE,
+    PINNED_ROUNDING,
+    cuda_only,
+    heap_kept_bytes,
+    pinned_block_bytes,
+    rank_terms,
+    rounding_bytes,
+)
+from zerotune.plan.model_states import buffer_terms, host_buffer_bytes
 from zerotune.plan.rules import split_groups
 from zerotune.plan.zero12 import zero12_flat
 from zerotune.rundir.plan import Plan, Term
-from zerotune.units import MIB
 
 # ------------------------------------------------------------------------------------------- the rounding rule
 
@@ -114,7 +123,7 @@ def test_the_engines_cast_leaves_its_copies_in_the_heap_below_zero3():
 @pytest.mark.parametrize("groups", [1, 3])
 def test_a_zero2_cpu_offload_plans_host_terms_hold_each_groups_pinned_blocks(groups):
     from tests.helpers.cli import preflight
-    from zerotune.compose import compose
+    from zerotune.config.compose import compose
     from zerotune.plan import gpus
     from zerotune.plan.command_line import plan_one, platform_for
 

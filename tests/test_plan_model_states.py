@@ -19,8 +19,13 @@ import pytest
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
 from tests.helpers.cli import ROOT, config_of
 from zerotune.models import _from_config, model_stats
-from zerotune.plan.buffers import buffer_terms, gpu_buffer_bytes, host_buffer_bytes
-from zerotune.plan.model_states import model_state_bytes, param_numels
+from zerotune.plan.model_states import (
+    buffer_terms,
+    gpu_buffer_bytes,
+    host_buffer_bytes,
+    model_state_bytes,
+    param_numels,
+)
 from zerotune.plan.zero3_runtime import stage3_partition_numel, stage3_sub_groups
 from zerotune.plan.zero12 import zero12_flat
 

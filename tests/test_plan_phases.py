@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.cli import compose_cfg, config_of, preflight
-from zerotune.builder.fit import phase_marks
-from zerotune.plan import gpus, render
+from zerotune.builder.preview import phase_marks
+from zerotune.plan import command_line, gpus
 from zerotune.plan.command_line import platform_for
 from zerotune.plan.phases import run_peak, run_phases
 from zerotune.plan.predict import predict
@@ -128,10 +128,10 @@ def test_zero3_holds_its_partitions_while_caching_and_gathers_for_sampling():
 
 def test_the_breakdown_and_the_builder_show_the_phases():
     plan, phases = plan_with_phases("experiment=sdxl_4090_128_bs8")
-    text = render.breakdown(plan.adding(phases=phases))
+    text = command_line.breakdown(plan.adding(phases=phases))
     assert "the run's phases" in text and "<- the run's peak" in text and "flat_parameter_buffer" in text
     without = Plan.from_dict({k: v for k, v in plan.to_dict().items() if k != "phases"})
-    assert "phases" not in without and "the run's phases" not in render.breakdown(without)
+    assert "phases" not in without and "the run's phases" not in command_line.breakdown(without)
     marks = phase_marks(plan.adding(phases=phases))
     assert [m["phase"] for m in marks] == ["loading", "step"] and [m["run_peak"] for m in marks] == [False, True]
     assert phase_marks(without) == []
@@ -181,7 +181,7 @@ PROMPTS = 'validation.prompts=["a photo of a dog"]'
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
-    from zerotune.models import encoder_archs, model_stats
+    from zerotune.models import model_stats, text_encoders
     from zerotune.plan import allocator, encoders
 
     (tmp_path / "vae").mkdir()  # no config.json: the built-in sdxl_tiny architectures describe the components
@@ -193,7 +193,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     terms = {t.term: t.mib for t in sampling.terms}
     # The VAE in bf16 and, at ZeRO-3 only, the U-Net gathered whole in bf16: one allocator block per parameter.
     cfg = compose_cfg(*overrides)
-    vae = encoders._meta_models(encoder_archs.SDXL_TINY)["vae"]
+    vae = encoders._meta_models(text_encoders.SDXL_TINY)["vae"]
     assert terms["vae_weights"] == allocator.reserved_bytes([p.numel() * 2 for p in vae.parameters()]) / 2**20
     assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
     if stage == 3:
@@ -208,11 +208,11 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
 @pytest.mark.parametrize("size", [64, 256])
 def test_the_sampling_trace_matches_the_pass_run_on_this_cpu(size):
     """trace_sampling (fake tensors) against the same pipeline call run for real here, through torch.profiler."""
-    from zerotune.models import encoder_archs
+    from zerotune.models import text_encoders
     from zerotune.plan import encoders
 
     cfg = compose_cfg("model=sdxl_tiny")
-    archs, _ = encoder_archs.configs(cfg.model)
+    archs, _ = text_encoders.configs(cfg.model)
     hw = (size // 4, size // 4)
     traced = encoders.trace_sampling(archs, cfg.model, None, hw, "fp32")
     predicted = max(traced["unet_peak"], traced["vae_decode_peak"])

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from tests.helpers.cli import compose_cfg, preflight
+from zerotune.host.platform import ANY_CUDA_GPU
 from zerotune.models import latent_shape
-from zerotune.plan import activations, buffers, gpus, stage0
+from zerotune.plan import activations, gpus, model_states, stage0
 from zerotune.plan.activations import measure_step_on_cpu, trace_step
 from zerotune.plan.predict import predict
 from zerotune.plan.stage0 import (
@@ -35,7 +36,6 @@ from zerotune.plan.stage0 import (
     ddp_broadcast_bytes,
     plain_buffers,
 )
-from zerotune.platform import ANY_CUDA_GPU
 from zerotune.rundir.plan import PERSISTENT, Plan, mib_of
 
 PLAIN = ("deepspeed.enabled=false", "zero_stage=0")
@@ -51,7 +51,7 @@ def module_cache(tmp_path_factory):
 
 
 def _model(name: str):
-    from zerotune.compose.settle import settle
+    from zerotune.config.compose.settle import settle
 
     return settle(compose_cfg(f"model={name}", "data=synthetic")).config.model
 
@@ -204,7 +204,7 @@ def test_ddp_wraps_the_module_with_several_processes_or_on_a_cpu():
     assert not plain_buffers({}, [3], 1) and not plain_buffers({}, [3], 1, "cuda")
     assert [t.term for t in plain_buffers({}, [3], 1, "cpu")] == ["ddp_gradient_buckets"]
     assert [t.term for t in plain_buffers({}, [3], 2)] == ["ddp_gradient_buckets"]
-    assert buffers.gpu_buffer_bytes({}, [3, 5], 2, use_deepspeed=False, trainable_numels=[5]) == \
+    assert model_states.gpu_buffer_bytes({}, [3, 5], 2, use_deepspeed=False, trainable_numels=[5]) == \
         {"ddp_gradient_buckets": 20}
 
 
@@ -222,7 +222,7 @@ STEPS = [pytest.param(("model=tiny", "resolution=16", "train.grad_accum=2"), id=
 @pytest.mark.parametrize("settings", STEPS)
 def test_the_plain_step_is_what_the_trainer_allocates(settings):
     from benchmarks.step_alloc import QUICK
-    from zerotune.compose import compose
+    from zerotune.config.compose import compose
 
     overrides = [*QUICK, *settings, *PLAIN, "precision=bf16"]
     real = _step_alloc(overrides)

@@ -1,4 +1,4 @@
-"""A CPU run's host prediction as the processes' RSS (plan/process.py), and the report's host ratio, printed
+"""A CPU run's host prediction as the processes' RSS (plan/host_memory.py), and the report's host ratio, printed
 only where the prediction describes the measurement.
 
 The summaries built below are TEST FIXTURES: their numbers are made up, except where a test measures (the
@@ -17,10 +17,9 @@ import torch
 from tests.helpers.cli import run_cli
 from tests.test_report import read_csv, write_job
 from tests.test_report_plan import plan, with_plan
-from zerotune.plan import process
-from zerotune.report import collect_runs
+from zerotune.plan import host_memory as process
 from zerotune.report.build import build_report
-from zerotune.report.plan_columns import HOST_RATIO
+from zerotune.report.collect import HOST_RATIO, collect_runs
 from zerotune.report.table import value
 from zerotune.rundir.plan import Plan, Term
 
@@ -35,7 +34,7 @@ def test_the_import_baseline_is_measured_cached_and_keyed(tmp_path: Path, monkey
     assert f"python{platform.python_version()}" in key and f"torch{torch.__version__}" in key
     stored = json.loads((tmp_path / "plan" / process.CACHE_FILE).read_text())
     assert stored[key]["rss_mib"] == baseline and stored[key]["hwm_mib"] >= baseline
-    assert "zerotune.training.trainer" in stored[key]["modules"]
+    assert "zerotune.train.trainer" in stored[key]["modules"]
     with monkeypatch.context() as patched:  # another import list is another figure
         patched.setattr(process, "WORKER_IMPORTS", ("torch",))
         assert process.baseline_key() != key

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from zerotune.config.schema import MIB
 from zerotune.rundir.plan import Plan, Term
-from zerotune.units import MIB
 
 PLAN = {
     "workload": "model=tiny ...", "device": "cuda", "trainable_params": 10, "gpu": {"name": "l4", "memory_mib": 23034},

@@ -1,4 +1,4 @@
-"""The planner's whole training step (plan/step_peak.py): what it holds throughout plus its largest moment,
+"""The planner's whole training step (plan/predict.py): what it holds throughout plus its largest moment,
 checked against what torch really allocates on this CPU for the same step through zerotune's own trainer
 (benchmarks/step_alloc.py); and the CUDA branches that differ from the CPU's, each where DeepSpeed and torch
 decide them. The whole grid (2 models x stages 0-3 x offload none/cpu x fp32/bf16) is slow; one
@@ -10,10 +10,9 @@ import pytest
 
 from benchmarks.bench_plan_step import compare, configs
 from tests.helpers.cli import compose_cfg, preflight
+from zerotune.host.platform import ANY_CUDA_GPU
 from zerotune.plan import gpus
-from zerotune.plan.predict import predict
-from zerotune.plan.step_peak import MOMENTS
-from zerotune.platform import ANY_CUDA_GPU
+from zerotune.plan.predict import MOMENTS, predict
 from zerotune.rundir.plan import Plan, at_peak, mib_of
 
 GRID = configs(["tiny", "sdxl_tiny"], [0, 1, 2, 3], ["none", "cpu"], ["fp32", "bf16"])

@@ -11,13 +11,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.helpers.cli import compose_cfg, preflight
+from zerotune.config.schema import MIB
 from zerotune.plan import allocator, gpus, zero3, zero3_replay, zero3_runtime
 from zerotune.plan.allocator import CachingAllocator, block_size
 from zerotune.plan.command_line import platform_for
+from zerotune.plan.predict import step_peak
 from zerotune.plan.rules import Precision, StepShape, optimizer_temporaries
-from zerotune.plan.step_peak import step_peak
 from zerotune.rundir.plan import Plan, mib_of
-from zerotune.units import MIB
 
 CUDA = torch.device("cuda", 0)  # a device object: a device string would ask for the CUDA runtime
 
@@ -345,7 +345,7 @@ def test_the_replayed_step_adds_up_to_its_reserved_peak(offload):
 
 @pytest.mark.usefixtures("cache")
 def test_the_trainer_empties_the_cache_after_the_build():
-    """training/trainer.py Trainer._prepare (d6e1446): the build's freed segments go back before the first step;
+    """train/trainer.py Trainer._prepare (d6e1446): the build's freed segments go back before the first step;
     emptied=False replays the trainer rows were recorded with, its cache kept."""
     cfg, checked, card = _checked("offload=none")
     today, before = (zero3_replay.step_memory(cfg, checked, card, emptied) for emptied in (True, False))
@@ -369,7 +369,7 @@ def test_the_loading_phase_is_the_replayed_engine_build():
 
 @pytest.mark.usefixtures("cache")
 def test_a_card_plan_at_zero3_takes_its_step_from_the_replay():
-    from zerotune.plan.context import CONTEXT
+    from zerotune.plan.allocator import CONTEXT
     from zerotune.plan.predict import predict
 
     cfg, checked, card = _checked("offload=cpu")

@@ -22,11 +22,11 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from tests.helpers.cli import call_main, cli_env
+from zerotune.cli.callbacks import SweepReportCallback
 from zerotune.cli.report import main as report_main
-from zerotune.cli.sweep_report import SweepReportCallback
-from zerotune.report import budget_answer, cheapest_fit, collect_runs, swept_keys
+from zerotune.report.budget import budget_answer, cheapest_fit
 from zerotune.report.build import build_report
-from zerotune.report.collect import NoRunsError
+from zerotune.report.collect import NoRunsError, collect_runs, swept_keys
 from zerotune.report.plots import GPU_PNG, HOST_PNG, TIME_PNG
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -333,7 +333,7 @@ def test_budget_rejects_bad_input(gpu_sweep: Path):
 # ---------------------------------------------------------------- CLI
 
 def run_report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerotune.report", *args], cwd=ROOT, env=cli_env(),
+    return subprocess.run([sys.executable, "-m", "zerotune", "report", *args], cwd=ROOT, env=cli_env(),
                           capture_output=True, text=True, timeout=120)
 
 
@@ -374,7 +374,7 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     (broken / "0" / "summary.json").write_text("{ not json")
     (broken / "1").mkdir()
     (broken / "1" / "summary.json").write_text("[1, 2]")
-    with caplog.at_level(logging.INFO, logger="zerotune.cli.sweep_report"):
+    with caplog.at_level(logging.INFO, logger="zerotune.cli.callbacks"):
         callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "empty")}}}))
         callback.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}}))
         callback.on_multirun_end(OmegaConf.create({"no_hydra_node": 1}))
@@ -391,7 +391,7 @@ def test_callback_never_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture)
 def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: Path, monkeypatch):
     """Short jobs do not each pay a rebuild: after one that took 0.3 s, the job ends within 15 s skip it (0.3 s
     is 2% of that); one after that rebuilds, and the sweep's end always does."""
-    from zerotune.cli import sweep_report as module
+    from zerotune.cli import callbacks
 
     clock = [100.0]
     built: list[float] = []
@@ -402,7 +402,7 @@ def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: 
         return build_report(*args, **kwargs)
 
     monkeypatch.setattr("zerotune.report.build.build_report", timed_build)
-    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(callbacks.time, "monotonic", lambda: clock[0])
     from hydra.core.utils import JobStatus
     from hydra.types import RunMode
 
@@ -411,7 +411,7 @@ def test_callback_refreshes_at_job_ends_within_its_share_of_the_time(gpu_sweep: 
     for advance in (0.0, 4.0, 4.0, 4.0, 4.0):  # five job ends, 4 s apart
         clock[0] += advance
         callback.on_job_end(cfg)
-    assert module.REFRESH_SHARE == 0.02
+    assert callbacks.REFRESH_SHARE == 0.02
     assert built == [100.0, 116.3]  # the first; then the first end 15 s (0.3 / 2%) after the first rebuild
     clock[0] += 1.0
     callback.on_job_end(cfg, SimpleNamespace(status=JobStatus.FAILED))  # Hydra ends the sweep after this one
@@ -463,7 +463,7 @@ hydra:
     dir: sweeps/${now:%H-%M-%S-%f}
   callbacks:
     sweep_report:
-      _target_: zerotune.cli.sweep_report.SweepReportCallback
+      _target_: zerotune.cli.callbacks.SweepReportCallback
 """
 
 

@@ -11,8 +11,9 @@ import json
 from pathlib import Path
 
 from tests.test_report import read_csv, write_job
-from zerotune.report import budget_answer, collect_runs, swept_keys
+from zerotune.report.budget import budget_answer
 from zerotune.report.build import build_report
+from zerotune.report.collect import collect_runs, swept_keys
 
 
 def adapter_job(sweep: Path, num: int, *, adapter: str | None, counts: tuple[int, int] | None = None,

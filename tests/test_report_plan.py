@@ -14,8 +14,9 @@ import pytest
 
 from tests.test_report import read_csv, write_job
 from zerotune.cli.report import main as report_main
-from zerotune.report import budget_answer, cheapest_fit, collect_runs
+from zerotune.report.budget import budget_answer, cheapest_fit
 from zerotune.report.build import build_report
+from zerotune.report.collect import collect_runs
 
 
 def plan(gpu: float | None = 5000.0, host: float | None = 4000.0, nvme: float | None = 0.0,

@@ -10,9 +10,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import compose_cfg, preflight
-from zerotune import schema
-from zerotune.compose.node import to_config
-from zerotune.resolved import RESOLVED_FILE, ResolvedRun
+from zerotune.config import schema
+from zerotune.config.compose.settle import to_config
+from zerotune.plan.resolve import RESOLVED_FILE, ResolvedRun
 from zerotune.rundir import CONFIG, RunDir
 
 

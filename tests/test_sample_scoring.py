@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from tests.helpers.cli import read_summary, run_cli
-from zerotune.quality import DigitClassifier, load_samples, save_grid
+from zerotune.train.evaluate import DigitClassifier, load_samples, save_grid
 
 
 def rescored(run_dir) -> tuple[dict, float, dict[str, float]]:

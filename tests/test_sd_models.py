@@ -11,7 +11,7 @@ import pytest
 from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
 from tests.helpers.pipelines import draw, exported_pipeline
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 # the diffusers unet/ folders of runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-2-1
 PUBLISHED = {"sd15": 859_520_964, "sd21": 865_910_724}

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.cli import compose_cfg, run_cli
 from tests.helpers.original_layout import original_layout, original_unet, write_checkpoint
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 from zerotune.models import build_unet, check_pretrained
 
 

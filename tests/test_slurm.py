@@ -157,13 +157,13 @@ def job_processes(cluster, job_id: str) -> dict[int, dict[str, str]]:
 
 
 def node_task(cluster, job_id: str, node_rank: int) -> int | None:
-    """The pid of the job process of node `node_rank`: the task srun started there (slurm/task.py), not a rank."""
+    """The pid of the job process of node `node_rank`: the task srun started there (job/slurm_task.py), not a rank."""
     for pid, env in job_processes(cluster, job_id).items():
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"zerotune.slurm.task" in command and env.get("SLURM_NODEID") == str(node_rank):
+        if b"zerotune.job.slurm_task" in command and env.get("SLURM_NODEID") == str(node_rank):
             return pid
     return None
 

@@ -1,5 +1,5 @@
 """hydra/launcher=slurm: the request is checked against the cluster before anything is submitted
-(slurm/cluster.py, slurm/request.py, slurm/precheck.py, cli/slurm_check.py). Parsing on scontrol's real output, the checks on a described
+(job/slurm_cluster.py, job/slurm_cluster.py, cli/callbacks.py, cli/callbacks.py). Parsing on scontrol's real output, the checks on a described
 cluster, and each refusal through the real CLI against the local two-node cluster (nothing submitted)."""
 
 from __future__ import annotations
@@ -11,24 +11,27 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import open_dict
 
-import zerotune.compose  # noqa: F401 (registers the schema config.yaml names)
+import zerotune.config.compose  # noqa: F401 (registers the schema config.yaml names)
 from tests.helpers.cli import run_cli
-from zerotune import config_search
-from zerotune.cli.slurm_check import check_slurm_sweep, sweep_jobs
-from zerotune.compose.settle import settle
-from zerotune.errors import ConfigError
-from zerotune.slurm import precheck as slurm_check
-from zerotune.slurm.cluster import (
+from zerotune.cli import callbacks
+from zerotune.cli.callbacks import check_slurm_sweep, sweep_jobs
+from zerotune.config import search
+from zerotune.config.compose.settle import settle
+from zerotune.config.errors import ConfigError
+from zerotune.job.slurm_cluster import (
     Cluster,
+    JobTime,
     Node,
     Partition,
+    Request,
+    check_request,
+    check_time_to_checkpoint,
     parse_gres,
     parse_nodes,
     parse_partitions,
     parse_records,
     parse_time_min,
 )
-from zerotune.slurm.request import JobTime, Request, check_request, check_time_to_checkpoint
 
 # `scontrol --all show partition -o` and `scontrol show node -o` on scripts/slurm_local.sh's cluster (slurm-wlm 22.05).
 PARTITION_OUT = (
@@ -156,10 +159,10 @@ def test_time_fix_within_the_partitions_limit():
 
 def test_gres_card():
     nodes = {n.name: n for n in CLUSTER.nodes}
-    assert slurm_check.gres_card([nodes["a1"], nodes["h1"]]).name == "h100"  # the fastest: a lower bound for all
-    assert slurm_check.gres_card([replace(nodes["a1"], gpu_types=("nvidia_h100_80gb_hbm3",))]).name == "h100"
-    assert slurm_check.gres_card([replace(nodes["a1"], gpu_types=("l40",))]) is None  # not an l4
-    assert slurm_check.gres_card([replace(nodes["a1"], gpu_types=())]) is None
+    assert callbacks.gres_card([nodes["a1"], nodes["h1"]]).name == "h100"  # the fastest: a lower bound for all
+    assert callbacks.gres_card([replace(nodes["a1"], gpu_types=("nvidia_h100_80gb_hbm3",))]).name == "h100"
+    assert callbacks.gres_card([replace(nodes["a1"], gpu_types=("l40",))]) is None  # not an l4
+    assert callbacks.gres_card([replace(nodes["a1"], gpu_types=())]) is None
 
 
 def _sweep_config(overrides: list[str], task_line: list[str] | None = None):
@@ -177,12 +180,12 @@ def test_the_planners_floor_per_job():
     cluster = Cluster((Partition("gpu", True, "UP", 2880, None),),
                       tuple(Node(f"g{i}", ("gpu",), 64, 512_000, 8, ("h100",)) for i in range(2)))
     task = ["precision=bf16", "train.max_steps=1000000000", "train.batch_size=64"]
-    with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
+    with initialize_config_module(search.PACKAGED_CONF, version_base="1.3"):
         cfg = _sweep_config(["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.timeout_min=10",
                              *task, "zero_stage='1'"], [*task, "zero_stage='1','2'", "checkpoint.on_signal=false,true"])
-        req = slurm_check.request_of(cfg.hydra.launcher)
+        req = callbacks.request_of(cfg.hydra.launcher)
         settle_job = lambda o: settle(compose("config", overrides=o), o)  # noqa: E731
-        jobs = slurm_check.job_times(sweep_jobs(cfg), settle_job, cluster, check_request(cluster, req), req)
+        jobs = callbacks.job_times(sweep_jobs(cfg), settle_job, cluster, check_request(cluster, req), req)
     assert [j.label.split()[-2:] for j in jobs] == [["zero_stage='1'", "checkpoint.on_signal=False"],
                                                     ["zero_stage='1'", "checkpoint.on_signal=True"],
                                                     ["zero_stage='2'", "checkpoint.on_signal=False"],
@@ -230,7 +233,7 @@ def test_refused_before_submission(slurm_cluster, tmp_path, bad, key, fix):
     assert not (tmp_path / "multirun").exists()  # nothing written
     # The fix, applied, passes the same check against the same cluster.
     fixed = dict(re.findall(r"(hydra\.launcher\.\w+)=(\S+)", done.stderr.split("  fix: ")[1].split(" (")[0]))
-    with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
+    with initialize_config_module(search.PACKAGED_CONF, version_base="1.3"):
         cfg = _sweep_config([f"{k}={v}" for k, v in {**overrides, **fixed}.items() if k.startswith("hydra")])
     assert check_slurm_sweep(cfg, env=slurm_cluster.env()).name == "debug"
 
@@ -246,11 +249,11 @@ def test_no_cluster_here(tmp_path):
 
 
 def test_other_launchers_are_not_checked():
-    assert not slurm_check.is_slurm({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"})
-    assert slurm_check.is_slurm({"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"})
+    assert not callbacks.is_slurm({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"})
+    assert callbacks.is_slurm({"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"})
 
 
 def test_counts_below_one():
     with pytest.raises(ConfigError, match="must be at least 1, got 0") as refused:
-        slurm_check.request_of({"nodes": 0})
+        callbacks.request_of({"nodes": 0})
     assert refused.value.key == "hydra.launcher.nodes" and refused.value.fix == "hydra.launcher.nodes=1"

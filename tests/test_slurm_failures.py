@@ -1,6 +1,6 @@
 """How a SLURM job's end is read and recorded, without a cluster: a job that ended without a result
-(slurm/job_end.py), srun's word on the task that ended first, and the node that failed first in a job of several
-(launch/node_failures.py). The real cluster runs them in tests/test_slurm.py (slow)."""
+(job/slurm_launcher.py), srun's word on the task that ended first, and the node that failed first in a job of several
+(job/records.py). The real cluster runs them in tests/test_slurm.py (slow)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotune.launch import node_failures
-from zerotune.launch.elastic import LaunchResult
+from zerotune.job import records as node_failures
+from zerotune.job import slurm_launcher as slurm_end
+from zerotune.job.elastic import LaunchResult
+from zerotune.job.slurm import ends_the_step
 from zerotune.report.collect import collect_runs
-from zerotune.rundir.run_summary import RunSummary
-from zerotune.slurm import job_end as slurm_end
-from zerotune.slurm.job import ends_the_step
+from zerotune.rundir.summary import RunSummary
 
 
 class FakeJob:

@@ -67,7 +67,7 @@ def await_next_attempt(cluster, job_id: str, restarts: int = 1, timeout: float =
 
 
 def exported(run_dir: Path, out: Path) -> dict:
-    proc = run_cli(str(run_dir), str(out), module="zerotune.export")
+    proc = run_cli("export", str(run_dir), str(out), module="zerotune")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return load_file(str(out / "unet.safetensors"))
 
@@ -142,7 +142,7 @@ def test_a_preempted_job_saves_is_requeued_and_ends_as_if_never_stopped(slurm_cl
 
 # ---------------------------------------------------------------- a stop signal at any moment of an attempt
 
-PAUSE_S = 8  # how long each attempt waits at the moment under test (zerotune/pause_hook.py): the signal lands there
+PAUSE_S = 8  # how long each attempt waits at the moment under test (zerotune/host/process.py): the signal lands there
 
 
 def paused_at(moment: str, folder: Path) -> dict:
@@ -161,7 +161,7 @@ def preempt(cluster, job_id: str, restarts: int, how: str = "usr2") -> None:
 
 
 def task_pids(cluster, restarts: int) -> list[int]:
-    """This cluster's SLURM tasks of hydra/launcher=slurm (slurm/task.py) in the attempt after `restarts`
+    """This cluster's SLURM tasks of hydra/launcher=slurm (job/slurm_task.py) in the attempt after `restarts`
     requeues, that hold the stop signals already (their imports still going on)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -170,7 +170,7 @@ def task_pids(cluster, restarts: int) -> list[int]:
             env = dict(v.split("=", 1) for v in (proc / "environ").read_bytes().decode().split("\0") if "=" in v)
         except OSError:
             continue
-        if (b"zerotune.slurm.task" in command and env.get("SLURM_CONF") == str(cluster.conf)
+        if (b"zerotune.job.slurm_task" in command and env.get("SLURM_CONF") == str(cluster.conf)
                 and int(env.get("SLURM_RESTART_COUNT") or 0) == restarts and catches(int(proc.name), signal.SIGUSR2)):
             found.append(int(proc.name))
     return found
@@ -278,8 +278,8 @@ def test_three_preemptions_in_a_row_as_each_attempt_starts_keep_the_job_and_its_
 def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monkeypatch):
     from omegaconf import OmegaConf
 
-    from zerotune import checkpoints
-    from zerotune.slurm.job import continue_requeued
+    from zerotune.job.slurm import continue_requeued
+    from zerotune.rundir import checkpoints
 
     def cfg(path=None):
         return OmegaConf.create({"resume": {"path": path, "strict": False}, "checkpoint": {"dir": None}})
@@ -301,9 +301,8 @@ def test_a_requeued_attempt_continues_its_jobs_newest_checkpoint(tmp_path, monke
 def test_submitits_requeue_is_called_after_the_save_on_its_signal_only(monkeypatch):
     import signal
 
-    from zerotune.rundir.run_summary import RunSummary
-    from zerotune.rundir.status import Status
-    from zerotune.slurm.job import requeue_if_preempted
+    from zerotune.job.slurm import requeue_if_preempted
+    from zerotune.rundir.summary import RunSummary, Status
 
     calls = []
 
@@ -347,7 +346,7 @@ def test_a_stop_signal_while_the_job_process_imports_starts_no_worker_and_is_rec
 
 
 def test_a_slurm_task_signalled_as_it_starts_requeues_its_job_once_recorded(tmp_path):
-    """The command srun runs for hydra/launcher=slurm (slurm/task.py), on a submitit job of this machine: USR2
+    """The command srun runs for hydra/launcher=slurm (job/slurm_task.py), on a submitit job of this machine: USR2
     while it imports the job's code, and again once submitit's handler is installed. Neither ends it nor requeues
     the job there and then: the job reads the held signal, and only then submitit's handler runs `scontrol
     requeue` and exits as submitit does after a requeue (255)."""
@@ -367,7 +366,7 @@ def test_a_slurm_task_signalled_as_it_starts_requeues_its_job_once_recorded(tmp_
     env = {**cli_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "HELD_JOB_DIR": str(tmp_path),
            "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "42", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
            "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "localhost"}
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "zerotune.slurm.task", str(folder)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "zerotune.job.slurm_task", str(folder)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (tmp_path / "importing").exists() or proc.poll() is not None, 60, "the job's import")
@@ -390,7 +389,7 @@ def test_an_attempt_that_left_no_record_gets_one_so_the_job_keeps_one_per_attemp
     """The fourth attempt of SLURM job 7 (three requeues) finds records of the first (its summary) and the second
     (killed before its summary: its config names the job), and of an earlier job in the same folder; the third
     attempt left nothing. It is recorded as lost, so the job's attempts are as many as SLURM's restarts."""
-    from zerotune.slurm.job import record_lost_attempts
+    from zerotune.job.slurm import record_lost_attempts
 
     def attempt(n: int, name: str, text: str) -> None:
         (tmp_path / "attempts" / str(n)).mkdir(parents=True)

@@ -14,12 +14,11 @@ import numpy as np
 import psutil
 import pytest
 
-from zerotune.telemetry import memory
-from zerotune.telemetry.env import environment_info
-from zerotune.telemetry.memory import MemorySampler
-from zerotune.telemetry.plot import plot_run
-from zerotune.telemetry.timing import StepTimer, process_start_time
-from zerotune.telemetry.torch_memory import pinned_memory_mib, torch_cuda_memory_stats
+from zerotune.host import memory
+from zerotune.host.memory import MemorySampler
+from zerotune.host.platform import environment_info
+from zerotune.host.timing import StepTimer, process_start_time
+from zerotune.host.torch_memory import pinned_memory_mib, plot_run, torch_cuda_memory_stats
 
 MIB = 1 << 20
 TOL = 0.15  # RSS also moves with allocator/interpreter noise of a few MiB
@@ -151,12 +150,12 @@ def test_the_environment_names_torchs_build_whatever_its_metadata_says(monkeypat
     """PyPI's CUDA build says 2.13.0 in its metadata and 2.13.0+cu130 itself; the CPU wheel says 2.13.0+cpu in
     both. The record names the build."""
     torch = pytest.importorskip("torch")
-    from zerotune.telemetry import env
+    from zerotune.host import platform
 
-    real = env.metadata.version
-    monkeypatch.setattr(env.metadata, "version", lambda dist: metadata_version if dist == "torch" else real(dist))
+    real = platform.metadata.version
+    monkeypatch.setattr(platform.metadata, "version", lambda dist: metadata_version if dist == "torch" else real(dist))
     monkeypatch.setattr(torch, "__version__", build)
-    assert env.environment_info()["torch"] == build
+    assert platform.environment_info()["torch"] == build
 
 
 def test_torch_stats_none_without_cuda():
@@ -396,7 +395,7 @@ def test_plot_run_writes_png(tmp_path, with_gpu):
 
 # ------------------------------------------------------------------ start-up phases
 def test_startup_view_splits_the_time_to_the_first_step(monkeypatch):
-    from zerotune.telemetry import startup
+    from zerotune.host import timing as startup
 
     clock = iter([101.0, 101.5, 102.5, 103.0, 103.4, 103.4, 104.9])
     monkeypatch.setattr(startup.time, "time", lambda: next(clock))
@@ -431,7 +430,7 @@ def test_startup_view_splits_the_time_to_the_first_step(monkeypatch):
 
 
 def test_a_sweeps_later_jobs_start_when_the_sweep_reaches_them(monkeypatch):
-    from zerotune.telemetry import startup
+    from zerotune.host import timing as startup
 
     monkeypatch.setattr(startup, "_jobs_in_this_process", 0)
     first = startup.ParentMarks()
@@ -441,8 +440,8 @@ def test_a_sweeps_later_jobs_start_when_the_sweep_reaches_them(monkeypatch):
 
 
 def test_perf_startup_leaves_out_the_wait_at_the_gate():
-    from zerotune.telemetry.startup import gate_wait_s
-    from zerotune.training.measure import RunTelemetry
+    from zerotune.host.timing import gate_wait_s
+    from zerotune.train.run import RunTelemetry
 
     assert gate_wait_s({"gate_reached": 10.0, "gate_open": 80.5}) == 70.5  # a cold op build the worker waited on
     assert gate_wait_s({"gate_reached": 10.0}) == 0.0 and gate_wait_s({}) == 0.0  # no gate (torchrun & co.)

@@ -14,7 +14,7 @@ import torch
 from tests.helpers.cli import compose_cfg, config_of, preflight, read_summary, run_cli
 from tests.helpers.folder_fixtures import make_folder
 from tests.helpers.pipelines import draw, pipeline
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 # Published text encoders: CLIP ViT-L/14's text model (SDXL's text_encoder, SD 1.5's) and OpenCLIP ViT-bigG/14's
 # with its projection (SDXL's text_encoder_2): the parameter counts of their model.safetensors.
@@ -104,7 +104,7 @@ def test_the_plan_counts_the_trained_encoder_in_every_term():
 
 
 def test_resuming_another_choice_is_refused(tmp_path):
-    from zerotune.checkpoints import current_meta, decide_resume
+    from zerotune.rundir.resume import current_meta, decide_resume
 
     cfg = compose_cfg("model=sdxl_tiny", "model.train_text_encoder=te1", "resolution.size=64", "data=synthetic")
     run = preflight(cfg)
@@ -152,7 +152,7 @@ def _train(parts: dict, case: str, run_dir: Path, *extra: str) -> Path:
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from zerotune.checkpoints.convert import full_state
+    from zerotune.rundir.checkpoint_io import full_state
 
     weights, _, _ = full_state(checkpoint, with_optimizer=False)
     return weights
@@ -168,7 +168,7 @@ def test_trained_resumed_and_exported(case, parts, tmp_path):
     assert summary["status"] == "ok" and summary["data"]["text_conditioning"]["text_encoder"] == "tokens (trained)"
     # the planner's model states are the engine's, one flat partition per parameter group (U-Net, each encoder)
     from zerotune.plan.model_states import model_state_bytes
-    from zerotune.resolved import ResolvedRun, resolved_file
+    from zerotune.plan.resolve import ResolvedRun, resolved_file
 
     run = ResolvedRun.from_json(json.loads((straight / resolved_file(0)).read_text()))
     stats = run.model_stats
@@ -197,7 +197,7 @@ def test_trained_resumed_and_exported(case, parts, tmp_path):
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    from zerotune.export import export
+    from zerotune.rundir.export import export
 
     out = tmp_path / "out"
     written = export(straight, out)

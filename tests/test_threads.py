@@ -7,8 +7,8 @@ import os
 import pytest
 
 from tests.helpers.cli import compose_cfg, run_cli
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.training.threads import apply_threads, available_cores, choose_threads
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.train.distributed import apply_threads, available_cores, choose_threads
 
 
 @pytest.mark.parametrize(("cores", "workers", "expected"), [(2, 1, 2), (2, 2, 1), (16, 3, 5), (1, 4, 1)])

@@ -1,6 +1,6 @@
 """torch installed under a path with a space (a venv in "my proj/venv"): torch.utils.cpp_extension writes the
 `-L<torch>/lib` of an op's build.ninja unquoted, so the link fails; zerotune points it at a shell-safe link to
-that folder in the extensions cache (ops/torch_lib.py). Built here for real, with a tiny C++ library."""
+that folder in the extensions cache (host/ops_env.py). Built here for real, with a tiny C++ library."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from zerotune.errors import ConfigError
-from zerotune.ops import torch_lib as torch_extensions
+from zerotune.config.errors import ConfigError
+from zerotune.host import ops_env
 
 SOURCE = 'extern "C" int zerotune_probe() { return 42; }\n'
 
@@ -24,7 +24,7 @@ def spaced_lib(tmp_path, monkeypatch) -> Path:
     """torch's library folder as a venv under "my proj" would have it: the same files, a path with a space."""
     lib = tmp_path / "my proj" / "torch" / "lib"
     lib.parent.mkdir(parents=True)
-    lib.symlink_to(torch_extensions.torch_lib(), target_is_directory=True)
+    lib.symlink_to(ops_env.torch_lib(), target_is_directory=True)
     monkeypatch.setattr(cpp_extension, "TORCH_LIB_PATH", str(lib))  # what torch there computes for itself
     return lib
 
@@ -50,10 +50,10 @@ def test_a_spaced_torch_lib_fails_to_link_as_is_and_links_through_the_cache(spac
 
     root = tmp_path / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(root))
-    link = torch_extensions.link_torch_lib(str(spaced_lib))
-    assert link is not None and Path(link).parent == root and torch_extensions.shell_safe(link)
-    assert Path(link).resolve() == Path(torch_extensions.torch_lib()).resolve()
-    assert torch_extensions.link_torch_lib(str(spaced_lib)) == link  # the next process finds it made
+    link = ops_env.link_torch_lib(str(spaced_lib))
+    assert link is not None and Path(link).parent == root and ops_env.shell_safe(link)
+    assert Path(link).resolve() == Path(ops_env.torch_lib()).resolve()
+    assert ops_env.link_torch_lib(str(spaced_lib)) == link  # the next process finds it made
 
     library = build("zerotune_probe_linked", tmp_path)
     assert f"-L{link}" in link_flags("zerotune_probe_linked", tmp_path)
@@ -62,31 +62,31 @@ def test_a_spaced_torch_lib_fails_to_link_as_is_and_links_through_the_cache(spac
 
 def test_a_link_left_pointing_elsewhere_is_replaced(spaced_lib, tmp_path):
     root = tmp_path / "torch_extensions"
-    link = Path(torch_extensions.link_torch_lib(str(spaced_lib), root))
+    link = Path(ops_env.link_torch_lib(str(spaced_lib), root))
     link.unlink()
     link.symlink_to(tmp_path)
-    assert torch_extensions.link_torch_lib(str(spaced_lib), root) == str(link)
-    assert link.resolve() == Path(torch_extensions.torch_lib()).resolve()
+    assert ops_env.link_torch_lib(str(spaced_lib), root) == str(link)
+    assert link.resolve() == Path(ops_env.torch_lib()).resolve()
     assert [p.name for p in root.iterdir()] == [link.name]  # nothing of the swap left beside it
 
 
 def test_a_torch_lib_without_spaces_is_left_as_torch_has_it(tmp_path):
     before = cpp_extension.TORCH_LIB_PATH
-    assert torch_extensions.link_torch_lib(str(tmp_path / "venv" / "torch" / "lib"), tmp_path / "cache") is None
+    assert ops_env.link_torch_lib(str(tmp_path / "venv" / "torch" / "lib"), tmp_path / "cache") is None
     assert cpp_extension.TORCH_LIB_PATH == before and not (tmp_path / "cache").exists()
-    assert torch_extensions.shell_safe("/home/jürgen/über/venv/torch/lib")  # letters of any script are safe
+    assert ops_env.shell_safe("/home/jürgen/über/venv/torch/lib")  # letters of any script are safe
 
 
 def test_a_cache_with_a_space_too_is_refused_with_a_fix_that_works(spaced_lib, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext cache"))
     with pytest.raises(ConfigError) as refused:
-        torch_extensions.link_torch_lib(str(spaced_lib))
+        ops_env.link_torch_lib(str(spaced_lib))
     assert refused.value.key == "TORCH_EXTENSIONS_DIR" and "ext cache" in refused.value.problem
     assert not (tmp_path / "ext cache").exists()
 
     name, value = re.search(r"export (\w+)=(\S+)$", refused.value.fix).groups()
     monkeypatch.setenv(name, value)  # the fix, as given
-    link = torch_extensions.link_torch_lib(str(spaced_lib))
+    link = ops_env.link_torch_lib(str(spaced_lib))
     assert link is not None and Path(link).parent == tmp_path / "home" / ".cache" / "torch_extensions"
-    assert os.path.samefile(link, torch_extensions.torch_lib())
+    assert os.path.samefile(link, ops_env.torch_lib())

@@ -1,4 +1,4 @@
-"""The job's host peak sums its processes' RSS (telemetry/memory.py ProcessTree): a child that has not exec'd
+"""The job's host peak sums its processes' RSS (host/memory.py ProcessTree): a child that has not exec'd
 yet (a subprocess between fork and exec, a fork that never execs) shares its parent's pages and must not
 count them again; a child running a program of its own counts in full."""
 
@@ -11,7 +11,7 @@ import sys
 
 import psutil
 
-from zerotune.telemetry.memory import ProcessTree
+from zerotune.host.memory import ProcessTree
 
 MIB = 2**20
 

@@ -10,13 +10,25 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.cli import compose_cfg
-from zerotune.compose.settle import Settled, settle
-from zerotune.errors import ConfigError
-from zerotune.training.rungs import TrialRungs, journal, rung_steps
-from zerotune.tune.report import Outcome, markdown, smallest_peak
-from zerotune.tune.screen import INVALID, KEPT, NO_FIT, SAME, SLOWER, Screened, screen
-from zerotune.tune.settings import TuneSettings, read_settings
-from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
+from zerotune.config.compose.settle import Settled, settle
+from zerotune.config.errors import ConfigError
+from zerotune.train.rungs import TrialRungs, journal, rung_steps
+from zerotune.tune.outcome import Outcome, markdown, smallest_peak
+from zerotune.tune.space import (
+    INVALID,
+    KEPT,
+    NO_FIT,
+    SAME,
+    SLOWER,
+    Candidate,
+    Screened,
+    TuneSettings,
+    candidates,
+    knob_values,
+    read_command_line,
+    read_settings,
+    screen,
+)
 from zerotune.tune.study import JOURNAL, run_trials
 
 SPACE = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "cpu"], "train.batch_size": "auto",
@@ -178,7 +190,7 @@ def test_the_study_stops_slow_trials_at_a_rung_and_scores_a_failure_worst(tmp_pa
 
 
 def test_zerotune_tune_is_a_tune_sweep():
-    from zerotune.command import tune_arguments
+    from zerotune.cli.command import tune_arguments
 
     assert tune_arguments(["model=sdxl", "--gpu", "h100", "-m"]) == \
         ["-m", "hydra/sweeper=tune", "model=sdxl", "hydra.sweeper.gpu=h100"]
@@ -194,15 +206,15 @@ def test_the_screen_composes_each_candidate_as_hydra_does_whole():
     from omegaconf import OmegaConf, open_dict
 
     from hydra_plugins.zerotune_tune import TuneSweeper
-    from zerotune import config_search
-    from zerotune.compose.overrides import normalize_overrides
+    from zerotune.config import search
+    from zerotune.config.compose.overrides import normalize_overrides
 
     workload = ["model=sdxl_tiny", "data=synthetic", "resolution=64", "optimizer.lr=3e-5", "train.seed=7"]
     line = read_command_line([*workload, "zero_stage=0,2,3", "offload=none,cpu", "launch.num_processes=1,2"])
     found, _ = candidates(knob_values(line, SPACE, gpus=0), global_batch=32, nnodes=1, batch_space="auto")
     chosen = found[::13]  # group choices and value knobs vary across these
     assert len({(c.knobs["zero_stage"], c.knobs["offload"]) for c in chosen}) >= 4
-    with initialize_config_module(config_search.PACKAGED_CONF, version_base="1.3"):
+    with initialize_config_module(search.PACKAGED_CONF, version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
         sweeper = TuneSweeper()
         sweeper.hydra_context = SimpleNamespace(config_loader=loader)
@@ -210,7 +222,7 @@ def test_the_screen_composes_each_candidate_as_hydra_does_whole():
         for candidate in chosen:
             overrides = [*line.workload, *candidate.overrides()]
             whole = loader.load_configuration(config_name="config", run_mode=RunMode.MULTIRUN,
-                                              overrides=normalize_overrides(overrides, config_search.current()))
+                                              overrides=normalize_overrides(overrides, search.current()))
             with open_dict(whole):
                 del whole["hydra"]
             cached = sweeper._compose(overrides)

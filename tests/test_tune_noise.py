@@ -13,17 +13,12 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from zerotune.training.halving import SpreadHalvingPruner
-from zerotune.training.rungs import TrialRungs
-from zerotune.training.spread import SPREAD_ATTR, rate_spread
+from zerotune.train.rungs import SPREAD_ATTR, SpreadHalvingPruner, TrialRungs, rate_spread
 from zerotune.tune import finalists
 from zerotune.tune.finalists import Finalist, decide
-from zerotune.tune.pooled import pooled_figures
-from zerotune.tune.report import Outcome, markdown
-from zerotune.tune.screen import KEPT, Screened
-from zerotune.tune.settings import TuneSettings, read_settings
-from zerotune.tune.space import Candidate
-from zerotune.tune.study import Trial, run_trials
+from zerotune.tune.outcome import Outcome, markdown
+from zerotune.tune.space import KEPT, Candidate, Screened, TuneSettings, read_settings
+from zerotune.tune.study import Trial, pooled_figures, run_trials
 from zerotune.tune.sweep import remeasure
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -118,7 +113,7 @@ def test_a_real_win_is_a_win_with_its_ratio(tmp_path):
 
 
 def test_the_tuned_file_says_how_sure(tmp_path, monkeypatch):
-    from zerotune.tune.winner import save_winner
+    from zerotune.tune.outcome import save_winner
 
     monkeypatch.chdir(tmp_path)
     screened = kept("0", "2", peaks={"0": 1200.0, "2": 900.0})
@@ -194,7 +189,7 @@ def test_finalists_are_those_within_the_spread_of_the_best():
                                              ({"extra_rounds": "2"}, "hydra.sweeper.extra_rounds"),
                                              ({"finalists": 0}, "hydra.sweeper.finalists")])
 def test_bad_noise_settings_name_their_key_and_the_fix_works(params, key):
-    from zerotune.errors import ConfigError
+    from zerotune.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         read_settings(params)
@@ -264,7 +259,7 @@ def test_a_clear_lead_is_a_win_though_one_round_came_close():
 
 
 def paired_table_text(verdict) -> str:
-    from zerotune.tune.report import paired_table
+    from zerotune.tune.outcome import paired_table
 
     return "\n".join(paired_table(verdict))
 

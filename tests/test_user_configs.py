@@ -20,11 +20,11 @@ from tests.helpers.cli import ROOT, call_main, compose_cfg, preflight, read_summ
 from tests.helpers.ds_corpus import CORPUS, EXPECTED, QUICK, file_override
 from zerotune.cli.ds_config import main as ds_config_main
 from zerotune.cli.import_config import main as import_config_main
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.ops.build import needed_ops
-from zerotune.platform import Platform
+from zerotune.config import accelerate_file
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.host.ops import needed_ops
+from zerotune.host.platform import Platform
 from zerotune.rundir.summary import key_choices
-from zerotune.user_config import accelerate_config
 
 SIMULATED_CUDA = Platform("cuda", True, "", bf16=True, fp16=True)
 # The CPU run in the default suite: LLaMA-Factory's stage-3 offload file (DeepSpeed's CPU Adam, and keys DeepSpeed
@@ -271,7 +271,7 @@ def test_ds_config_cli_says_where_each_value_came_from():
 
 
 def test_accelerate_default_location_is_read_and_reported(isolated_accelerate_config):
-    default = accelerate_config.default_location()
+    default = accelerate_file.default_location()
     default.parent.mkdir(parents=True, exist_ok=True)
     default.write_text((CORPUS / "accelerate_reference.yaml").read_text())
     cfg = compose_cfg()
@@ -288,7 +288,7 @@ def test_the_default_location_is_accelerates_own(env, tmp_path):
     """zerotune computes accelerate's default config path without importing accelerate (which imports torch):
     the same path accelerate's own module gives, in a process of its own (it computes it at import)."""
     code = ("import json\nfrom accelerate.commands.config.config_args import default_config_file\n"
-            "from zerotune.user_config.accelerate_config import default_location\n"
+            "from zerotune.config.accelerate_file import default_location\n"
             "print(json.dumps([default_config_file, str(default_location())]))")
     clean = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "XDG_CACHE_HOME")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -314,7 +314,7 @@ def test_accelerate_launch_environment_is_folded_in_and_hidden_from_accelerate(m
 
     with pytest.raises(ValueError, match="will be ignored"):  # what killed the worker before
         DeepSpeedPlugin(hf_ds_config=dict(checked.ds_config))
-    with accelerate_config.absorbed_launch_environment():
+    with accelerate_file.absorbed_launch_environment():
         DeepSpeedPlugin(hf_ds_config=dict(checked.ds_config))
     assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"]  # restored afterwards
     with pytest.raises(ConfigError) as err:  # the command line may not contradict the launcher
@@ -367,7 +367,7 @@ def test_accelerate_launch_with_the_reference_yaml_trains(tmp_path):
 
 @pytest.mark.parametrize("name", ["accelerate_reference.yaml", "dse_onecycle_bf16.json", "legacy_cpu_offload.json"])
 def test_import_config_prints_equivalent_overrides(name):
-    from zerotune.import_config import overrides_for
+    from zerotune.plan.import_config import overrides_for
 
     overrides, file_needed_for = overrides_for(CORPUS / name)
     via_file = preflight(compose_cfg(*file_override(name)), platform=SIMULATED_CUDA).ds_config
@@ -379,7 +379,7 @@ def test_import_config_prints_equivalent_overrides(name):
 def test_import_config_cli_saves_an_experiment_in_the_users_folder(tmp_path, monkeypatch):
     name = "imported_test_tmp"
     target = tmp_path / "zerotune" / "experiment" / f"{name}.yaml"  # ./zerotune/ of the folder it ran in
-    proc = run_cli(str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune.import_config",
+    proc = run_cli("import-config", str(CORPUS / "accelerate_reference.yaml"), "--save", name, module="zerotune",
                    cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["zero_stage=1", "precision=bf16", "launch.nnodes=1", "launch.node_rank=0",

@@ -10,8 +10,8 @@ import pytest
 from tests.helpers.cli import call_main, compose_cfg, preflight, read_summary, run_cli
 from tests.helpers.fixes import check_fix
 from zerotune.cli.ds_config import main as ds_config_main
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError
-from zerotune.platform import Platform, detect
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
+from zerotune.host.platform import Platform, detect
 
 
 def plan_error(*overrides: str, platform: Platform | None = None) -> ConfigError:
@@ -232,7 +232,7 @@ def test_default_warmup_is_fitted_to_a_short_run(steps, warmup, kind):
     ("zero_stag=2", "zero_stag", "zero_stage=2"),
 ])
 def test_typed_schema_stops_bad_keys_and_types_at_composition(override, key, fix, tmp_path):
-    """The schema (src/zerotune/schema.py) refuses these before Hydra runs: one message, exit 2, no run dir."""
+    """The schema (src/zerotune/config/schema.py) refuses these before Hydra runs: one message, exit 2, no run dir."""
     proc = run_cli(override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == CONFIG_ERROR_EXIT
     assert f"config error at `{key}`" in proc.stderr and f"fix: {fix}" in proc.stderr

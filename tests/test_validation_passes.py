@@ -216,12 +216,12 @@ def test_a_pass_that_runs_out_of_memory_is_recorded_or_under_strict_raised(stric
     import torch
 
     from tests.helpers.cli import compose_cfg
-    from zerotune.diffusion import noise_scheduler
-    from zerotune.loggers.base import NullLogger
+    from zerotune.data.prompts import check_validation
     from zerotune.models import build_unet
+    from zerotune.models.diffusion import noise_scheduler
     from zerotune.rundir import RunDir
-    from zerotune.training.validation import ValidationFailed, Validator
-    from zerotune.validation import check_validation
+    from zerotune.rundir.loggers import NullLogger
+    from zerotune.train.validation import ValidationFailed, Validator
 
     cfg = compose_cfg("model=sdxl_tiny", "data=synthetic", f"model.components={tiny_sdxl_components}",
                       f"data.cache_dir={tmp_path / 'cache'}", "resolution.size=64", *_validation(),

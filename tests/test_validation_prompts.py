@@ -10,10 +10,10 @@ import pytest
 from tests.helpers.cli import compose_cfg, preflight
 from tests.helpers.folder_fixtures import make_folder
 from tests.test_validation import plan_error
-from zerotune.errors import ConfigError
-from zerotune.loggers.base import NullLogger
-from zerotune.schema import Validation
-from zerotune.validation.prompts import check_validation, load_prompts, weights_to_sample
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Validation
+from zerotune.data.prompts import check_validation, load_prompts, weights_to_sample
+from zerotune.rundir.loggers import NullLogger
 
 
 def prompts_of(path, **settings):
@@ -134,7 +134,7 @@ def test_a_prompt_file_gone_after_the_checks_turns_validation_off_unless_strict(
     import torch
 
     from zerotune.rundir import RunDir
-    from zerotune.training.validation import make_validator
+    from zerotune.train.validation import make_validator
 
     file = tmp_path / "gone.txt"
 

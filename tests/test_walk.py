@@ -26,24 +26,24 @@ def test_rooms_and_returns_of_a_sequence():
 
 def test_layers_come_from_the_import_contract():
     layers = walk.read_layers()
-    assert layers["command"] == 0
-    assert layers["training"] == layers["plan"] == layers["export"]  # `training | plan | export`: one layer
-    assert layers["launch"] < layers["training"] < layers["preflight"] < layers["units"]
+    assert layers["cli"] == 0
+    assert layers["builder"] == layers["tune"]  # `builder | tune`: one layer
+    assert layers["job"] < layers["train"] < layers["plan"] < layers["config"]
     assert walk.layer_of("zerotune.plan.guard", layers) == layers["plan"]
-    assert walk.layer_of("zerotune.command", layers) == 0
+    assert walk.layer_of("zerotune.cli.command", layers) == 0
     assert walk.layer_of("hydra.main", layers) is None
-    assert walk.layer_of("zerotune.pause_hook", layers) is None  # outside the contract
+    assert walk.layer_of("zerotune.host.process", layers) == layers["models"] == 6
 
 
 def test_a_climb_is_a_call_from_a_lower_layer_to_a_higher_one():
     layers = walk.read_layers()
-    assert walk.is_climb("zerotune.ops.build", "zerotune.launch.checks", layers)  # a callback up
-    assert not walk.is_climb("zerotune.launch.job", "zerotune.compose.settle", layers)  # down
-    assert not walk.is_climb("zerotune.training.run", "zerotune.plan.guard", layers)  # one layer
-    assert not walk.is_climb("threading", "zerotune.launch.checks", layers)  # a caller outside the layers
-    stops = [stop("zerotune.launch.job", "zerotune.cli.main"), stop("zerotune.compose.settle", "zerotune.launch.job"),
-             stop("zerotune.launch.checks", "zerotune.ops.build"),
-             stop("zerotune.compose.settle", "zerotune.launch.job")]
+    assert walk.is_climb("zerotune.host.ops", "zerotune.job.parent", layers)  # a callback up
+    assert not walk.is_climb("zerotune.job.parent", "zerotune.config.compose.settle", layers)  # down
+    assert not walk.is_climb("zerotune.train.run", "zerotune.plan.guard", layers)  # down
+    assert not walk.is_climb("threading", "zerotune.job.parent", layers)  # a caller outside the layers
+    stops = [stop("zerotune.job.parent", "zerotune.cli.train"), stop("zerotune.config.compose.settle", "zerotune.job.parent"),
+             stop("zerotune.job.elastic", "zerotune.host.ops"),
+             stop("zerotune.config.compose.settle", "zerotune.job.parent")]
     assert walk.figures(stops, layers) == {"stops": 4, "rooms": 3, "returns": 1, "climbs": 1, "rises": 1}
 
 
@@ -61,7 +61,7 @@ def test_a_thread_is_read_where_it_was_started():
 
 
 def test_the_tracer_follows_the_config_and_what_is_made_from_it(tmp_path):
-    from zerotune.rundir.spec import JobSpec, run_name
+    from zerotune.rundir import JobSpec, run_name
 
     tracer = walk.Tracer("job", walk.STEP, tmp_path)
     spec = JobSpec(run_dir=str(tmp_path), overrides=["zero_stage=2"])
@@ -76,7 +76,7 @@ def test_the_tracer_follows_the_config_and_what_is_made_from_it(tmp_path):
     functions = [s["function"] for s in tracer.stops]
     assert functions[:2] == ["JobSpec.save", "write_json_atomic"]
     assert "run_name" not in functions and "__init__" not in functions
-    assert {s["module"] for s in tracer.stops} <= {"zerotune.rundir.spec", "zerotune.files"}
+    assert {s["module"] for s in tracer.stops} <= {"zerotune.rundir", "zerotune.config.files"}
 
 
 def test_help():
@@ -92,9 +92,9 @@ def test_the_walk_of_the_default_job_reaches_its_training_step(tmp_path, capsys)
     stops = figures["stops"]
     assert figures["reached_step"]
     step_module, step_function = walk.STEP.split(":")
-    assert (stops[0]["module"], stops[0]["function"]) == ("zerotune.launch.job", "run_job")
+    assert (stops[0]["module"], stops[0]["function"]) == ("zerotune.job.parent", "run_job")
     assert (stops[-1]["module"], stops[-1]["function"]) == (step_module, step_function)
-    assert any((s["module"], s["function"]) == ("zerotune.launch.worker", "main") for s in stops)
+    assert any((s["module"], s["function"]) == ("zerotune.job.worker", "main") for s in stops)
     assert all(s["module"].startswith(walk.OWN) for s in stops)
     assert figures["parent"]["stops"] + figures["worker"]["stops"] == figures["total"]["stops"] == len(stops)
 

@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from zerotune.loggers.base import NullLogger, RunLogger
-from zerotune.rundir.spec import run_name
+from zerotune.rundir import run_name
+from zerotune.rundir.loggers import NullLogger, RunLogger
 
 wandb = pytest.importorskip("wandb")
 
 from tests.helpers.wandb_records import find_offline_run, read_offline_run  # noqa: E402
-from zerotune.loggers.wandb_logger import WandbLogger  # noqa: E402
+from zerotune.rundir.loggers import WandbLogger  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_long_run_names_are_cut_but_distinct():
 
 def test_only_rank_0_with_logger_wandb_talks_to_wandb(tmp_path):
     from tests.helpers.cli import compose_cfg
-    from zerotune.loggers import make_logger
+    from zerotune.rundir.loggers import make_logger
 
     run = tmp_path / "run"
     run.mkdir()

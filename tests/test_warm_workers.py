@@ -1,4 +1,4 @@
-"""The warm template's choice of worker command, and its stub (launch/warm.py, warm_stub.py). The template
+"""The warm template's choice of worker command, and its stub (job/warm.py, warm_stub.py). The template
 serving real trials: the one end-to-end tune run (tests/test_tune_sweep.py)."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from tests.helpers.cli import ROOT
 def test_workers_fork_from_the_template_only_for_this_process_and_only_while_it_is_up(tmp_path, monkeypatch):
     """A job this process launches uses the template's socket; one whose process merely inherited the variable
     (a job submitted elsewhere), or that finds no socket, starts its worker cold."""
-    from zerotune.launch import warm
+    from zerotune.job import warm
 
     args = ("123", "/run", "token")
     socket_file = tmp_path / "template.sock"
     socket_file.touch()
     monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid()}:999")
-    cold = ("-u", "-m", "zerotune.launch.bootstrap", *args)
-    assert warm.worker_args(args) == ("-u", "-m", "zerotune.launch.warm_stub", str(socket_file), *args)
+    cold = ("-u", "-m", "zerotune.job.bootstrap", *args)
+    assert warm.worker_args(args) == ("-u", "-m", "zerotune.job.warm_stub", str(socket_file), *args)
     assert warm.template_pids() == {999}  # not one of a job's processes: its memory is not the trial's
     monkeypatch.setenv(warm.WARM_ENV, f"{socket_file}:{os.getpid() + 1}:999")
     assert warm.worker_args(args) == cold
@@ -35,7 +35,7 @@ def test_workers_fork_from_the_template_only_for_this_process_and_only_while_it_
     assert warm.worker_args(args) == cold
 
 
-@pytest.mark.parametrize("module", ["zerotune.launch.bootstrap", "zerotune.launch.warm_stub"])
+@pytest.mark.parametrize("module", ["zerotune.job.bootstrap", "zerotune.job.warm_stub"])
 def test_a_worker_whose_job_process_is_gone_ends_before_its_imports(tmp_path, module):
     """Both first lines a worker can start from, as the launcher runs them (`python -m`), end at once where their
     parent is not the job process that started them (here pid 1), before importing torch."""
@@ -45,11 +45,11 @@ def test_a_worker_whose_job_process_is_gone_ends_before_its_imports(tmp_path, mo
                           timeout=60)
     assert done.returncode != 0 and "the job process that started this worker is gone" in done.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "import time:" in line}
-    assert "zerotune.launch" in imported and "torch" not in imported and "zerotune.launch.worker" not in imported
+    assert "zerotune.job" in imported and "torch" not in imported and "zerotune.job.worker" not in imported
 
 
 def _stub(path, parent: str = "1") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import sys; from zerotune.launch.warm_stub import run; "
+    return subprocess.Popen([sys.executable, "-c", "import sys; from zerotune.job.warm_stub import run; "
                              "run(sys.argv[1], sys.argv[2:])", str(path), parent, "/run", "token"],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, stderr=subprocess.PIPE, text=True)
 
@@ -90,7 +90,7 @@ def test_the_template_asks_a_forked_child_whether_cuda_is_still_usable(monkeypat
     a throwaway child and serves only where it is not marked (no card here: torch's answers are stood in)."""
     import torch
 
-    from zerotune.launch import warm
+    from zerotune.job import warm
 
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
@@ -113,8 +113,8 @@ def test_a_cuda_build_without_a_gpu_is_a_cpu_host(monkeypatch, compiled, nvml_co
 
     import torch
 
-    from zerotune import platform
-    from zerotune.launch import warm
+    from zerotune.host import platform
+    from zerotune.job import warm
 
     monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: compiled)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: nvml_count)
@@ -122,7 +122,7 @@ def test_a_cuda_build_without_a_gpu_is_a_cpu_host(monkeypatch, compiled, nvml_co
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert platform.cuda_device_present() is present
     assert warm._cuda_poisons_fork() is present
-    importlib.import_module("zerotune.launch.worker")  # the worker's own imports, before they are watched
+    importlib.import_module("zerotune.job.worker")  # the worker's own imports, before they are watched
     imported: list[str] = []
     monkeypatch.setattr(importlib, "import_module", imported.append)
     warm.import_worker_modules()
@@ -132,7 +132,7 @@ def test_a_cuda_build_without_a_gpu_is_a_cpu_host(monkeypatch, compiled, nvml_co
 def test_the_template_starts_with_nvml_answering_whether_cuda_is_there(monkeypatch, tmp_path):
     """Without it, the imports' torch.cuda.is_available() starts CUDA's driver and no forked worker can use the
     card (measured on an H200: experiments/results/gpu/h200-2026-11-27)."""
-    from zerotune.launch import warm
+    from zerotune.job import warm
 
     started: dict = {}
 
@@ -162,7 +162,7 @@ def test_the_template_imports_what_a_trials_setup_would_and_runs_no_thread_after
     trial's setup would otherwise import again (0.3 s a trial); none of it may leave a Python thread running,
     or the template would not fork (trials would start cold)."""
     code = ("import sys, threading\n"
-            "from zerotune.launch.warm import import_worker_modules\n"
+            "from zerotune.job.warm import import_worker_modules\n"
             "import_worker_modules()\n"
             "print(sorted(m for m in ('deepspeed', 'optuna', 'torch.utils.cpp_extension') if m in sys.modules),"
             " threading.active_count())\n")

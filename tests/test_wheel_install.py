@@ -113,7 +113,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_every_command_runs_from_an_emp
         package = Path(where.stdout.splitlines()[0]).parent
         assert package.is_relative_to(venv) and str(ROOT) not in where.stdout, where.stdout
         plugin = package.parent / "hydra_plugins" / "zerotune_user_configs"
-        assert (package / "conf" / "config.yaml").is_file() and (plugin / "__init__.py").is_file()
+        assert (package / "config" / "conf" / "config.yaml").is_file() and (plugin / "__init__.py").is_file()
         before = {"zerotune": package_files(package), "plugin": package_files(plugin)}
         assert list(work.iterdir()) == []
 

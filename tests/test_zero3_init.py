@@ -18,15 +18,15 @@ from tests.helpers.cli import ROOT, cli_env, read_losses, read_summary, run_cli
 PROBE = textwrap.dedent("""
     import json, sys, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.training import distributed
+    from zerotune.train import distributed
     distributed.ensure_single_process_env()
     import deepspeed
     from accelerate.utils import set_seed
-    from zerotune.loggers.base import NullLogger
+    from zerotune.rundir.loggers import NullLogger
     from zerotune.models import build_unet
     from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
-    from zerotune.training import trainer as trainer_module
+    from zerotune.train import trainer as trainer_module
 
     out, mode, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     overrides = ["zero_stage=3", "train.batch_size=4", "ema.enabled=true", "ema.warmup=false", "ema.decay=0.5",
@@ -101,7 +101,7 @@ def test_zero3_builds_partitioned_with_the_plain_init_losses_and_ema(tmp_path):
 LOAD = textwrap.dedent("""
     import sys, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.training import distributed
+    from zerotune.train import distributed
     distributed.ensure_single_process_env()
     import deepspeed
     from zerotune.models import build_unet
@@ -197,7 +197,7 @@ def test_planner_zero3_build_term_matches_the_measured_build_peak(tmp_path):
     memory the allocator keeps, not tensors); a fixed threshold measures what the build holds."""
     overrides = ["model=sdxl_tiny", "model.unet.block_out_channels=[320,640,640]", "zero_stage=3", "precision=fp32",
                  "launch.num_processes=2", "resolution=64"]
-    proc = run_cli("--json", *overrides, module="zerotune.plan")
+    proc = run_cli("plan", "--json", *overrides, module="zerotune")
     assert proc.returncode == 0, proc.stderr[-2000:]
     predicted = {t["term"]: t["mib"] for t in json.loads(proc.stdout)["host_terms"]}["model_load"]
     out, script = tmp_path / "grown", tmp_path / "build_peak.py"

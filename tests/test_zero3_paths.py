@@ -11,8 +11,8 @@ import torch
 
 from tests.helpers.cli import call_main, read_summary, run_cli
 from tests.test_lora import check_export, losses, pretrained, train_ok  # noqa: F401  (pretrained: a fixture)
-from zerotune import checkpoints
 from zerotune.cli.export import main as export_main
+from zerotune.rundir import checkpoints
 
 # The evaluation pass, as small as it gets: two samples per class, two sampler steps.
 EVALUATE = ["evaluate.enabled=true", "evaluate.per_class=2", "evaluate.steps=2"]

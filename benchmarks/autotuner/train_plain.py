@@ -18,12 +18,11 @@ import time
 import deepspeed
 import torch
 
-from zerotune.compose import compose
+from zerotune.config.compose import compose
 from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
-from zerotune.diffusion import diffusion_loss, noise_scheduler
 from zerotune.models import build_unet
-from zerotune.models.conditioning import unet_kwargs
+from zerotune.models.diffusion import diffusion_loss, noise_scheduler, unet_kwargs
 
 OVERRIDES = ["model=sdxl_tiny", "data=synthetic", "resolution=64"]
 

@@ -14,9 +14,9 @@ import statistics
 import time
 from pathlib import Path
 
-from zerotune.telemetry.timing import process_start_time
+from zerotune.host.timing import process_start_time
 
-WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's training/measure.py does
+WARMUP_STEPS = 5  # left out of the step-time median, as zerotune's train/run.py does
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -43,8 +43,8 @@ def build_work(cfg, micro_batch: int):
 
     from zerotune.data import build_loader
     from zerotune.data.spec import DataSpec
-    from zerotune.diffusion import noise_scheduler
     from zerotune.models import build_unet
+    from zerotune.models.diffusion import noise_scheduler
 
     seed = int(cfg.train.seed)
     set_seed(seed)
@@ -61,15 +61,15 @@ def loss_of(unet, batch: dict, cfg, schedule, generator, rank: int, world: int):
     """The diffusion loss of one micro batch, with this rank's slice of the global batch's draws."""
     device, dtype = next(unet.parameters()).device, next(unet.parameters()).dtype
     batch = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.items()}
-    from zerotune.diffusion import diffusion_loss
-    from zerotune.models import conditioning
-    from zerotune.training.distributed import global_batch_draws
+    from zerotune.models import diffusion
+    from zerotune.models.diffusion import diffusion_loss
+    from zerotune.train.distributed import global_batch_draws
 
     kind, p = cfg.model.conditioning, float(cfg.diffusion.cond_dropout)
     draws = global_batch_draws(generator, tuple(batch["x0"].shape), rank, world,
                                schedule.config.num_train_timesteps, p)
-    cond = conditioning.drop_condition(kind, batch, p, generator, uniform=draws["uniform"])
-    return diffusion_loss(unet, batch["x0"], conditioning.unet_kwargs(kind, cond), schedule, generator, dtype,
+    cond = diffusion.drop_condition(kind, batch, p, generator, uniform=draws["uniform"])
+    return diffusion_loss(unet, batch["x0"], diffusion.unet_kwargs(kind, cond), schedule, generator, dtype,
                           noise=draws["noise"], timesteps=draws["timesteps"])
 
 

@@ -117,7 +117,7 @@ def ops_report() -> list[dict]:
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     from deepspeed.ops.op_builder.builder import probe_is_compatible
 
-    from zerotune.ops.build import is_cached
+    from zerotune.host.ops import is_cached
 
     return [{"op": name, "compatible": bool(probe_is_compatible(builder, False)), "built": is_cached(name)}
             for name, builder in sorted(ALL_OPS.items())]
@@ -128,8 +128,8 @@ def cpu_adam_build(dry_run: bool, build: bool) -> dict:
     loads a cached one: a cold build takes minutes on 2 cores. `build=False` only says whether it is cached."""
     from deepspeed.accelerator import get_accelerator
 
-    from zerotune.ops.build import is_cached
-    from zerotune.ops.torch_lib import extensions_root
+    from zerotune.host.ops import is_cached
+    from zerotune.host.ops_env import extensions_root
 
     builder = get_accelerator().create_op_builder("CPUAdamBuilder")
     cache, was_cached = extensions_root(), is_cached(builder.name)

@@ -1,4 +1,4 @@
-"""Can `zerotune tune`'s warm workers run on a card? (launch/warm.py)
+"""Can `zerotune tune`'s warm workers run on a card? (job/warm.py)
 
 The template imports what every worker imports, then forks one worker per trial. A forked child can use CUDA only
 if its parent never initialised the CUDA driver. This imports exactly what the template imports, in a fresh
@@ -18,9 +18,9 @@ import sys
 CASE = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
-from zerotune.launch.warm import import_worker_modules
+from zerotune.job.warm import import_worker_modules
 import torch
-# the template's imports (launch/warm.py serve); deepspeed_too: what it imports on a CPU-only torch as well
+# the template's imports (job/warm.py serve); deepspeed_too: what it imports on a CPU-only torch as well
 import_worker_modules(setup_too=sys.argv[1] == "deepspeed_too")
 imports_s = time.perf_counter() - t0
 maps = open("/proc/self/maps").read()

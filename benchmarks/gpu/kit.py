@@ -178,8 +178,8 @@ def later_call(record: dict, left: Callable[[dict], bool]) -> str | None:
 def compose_row(row: rows.Row) -> tuple[DictConfig | None, str | None]:
     """The row's config as the card runs it (its steps, its offload), else the error's first line: a typo shows
     in a dry run."""
-    from zerotune.compose import compose
-    from zerotune.errors import ConfigError
+    from zerotune.config.compose import compose
+    from zerotune.config.errors import ConfigError
 
     try:
         return compose([*row.overrides, *rows.COMMON]), None
@@ -191,7 +191,7 @@ class CpuAdam:
     """DeepSpeed's CPU-Adam JIT build, planned once: on the first piece that builds it, while it is not cached."""
 
     def __init__(self, dry_run: bool):
-        from zerotune.ops.build import is_cached
+        from zerotune.host.ops import is_cached
 
         # a dry run plans for the card's first call: a bare machine, nothing built
         self.pending = dry_run or not is_cached("cpu_adam")

@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     one_rank_world()
     # zerotune's train ends the process through exiting.exit_now, which runs the atexit handlers first
     atexit.register(write_result, run_dir, sampler, marks, {"keep_reserved": bool(args.keep_reserved), "plan": plan})
-    from zerotune.command import main as zerotune
+    from zerotune.cli.command import main as zerotune
 
     try:
         zerotune(["train", *overrides])
@@ -179,7 +179,7 @@ def main(argv: list[str]) -> int:
 def predict(overrides: list[str]) -> dict | None:
     """The planner's answer for this job on the card present, as summary.json writes it: in this one-process run,
     zerotune's parent (which records it in summary.json as plan.*) does not run."""
-    from zerotune.errors import ConfigError
+    from zerotune.config.errors import ConfigError
     from zerotune.plan.command_line import plan_one
     from zerotune.plan.guard import present_gpu
 

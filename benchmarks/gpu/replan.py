@@ -4,9 +4,9 @@ Reads every `*.json` the kit wrote under experiments/results/gpu/ (each row's ov
 nvidia-smi peak and its host peak RSS) and runs the planner on each row's own command line for the card it ran
 on. Runs on the CPU.
 
-The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: launch/job.py samples the job process's
+The host columns: the job's workers' peak RSS (`host_peak_rss_mib`: job/parent.py samples the job process's
 descendants, the ranks), against the row's recorded `host_peak_mib` and today's process-RSS prediction for the
-card (plan/process.py card_process_prediction: this host's process baseline plus each rank's host terms).
+card (plan/host_memory.py card_process_prediction: this host's process baseline plus each rank's host terms).
 
     python benchmarks/gpu/replan.py          # a Markdown table: recorded prediction, today's, measured, ratios
 """
@@ -65,13 +65,13 @@ def _run_peak(answer: Plan) -> float:
 def zero3_kept_cache(answer: Plan, overrides: list[str], card) -> float | None:
     """A ZeRO-3 row's run peak with the engine build's cache kept: the step replayed so (zero3_replay.step_terms,
     emptied=False) in place of the plan's step phase, the other phases as planned. None at other stages."""
-    from zerotune.compose import compose
-    from zerotune.compose.settle import settle
+    from zerotune.config.compose import compose
+    from zerotune.config.compose.settle import settle
     from zerotune.plan.command_line import platform_for
+    from zerotune.plan.predict import step_peak
+    from zerotune.plan.resolve import check
     from zerotune.plan.rules import zero_stage
-    from zerotune.plan.step_peak import step_peak
     from zerotune.plan.zero3_replay import step_terms
-    from zerotune.preflight import check
 
     checked = check(settle(compose(overrides), overrides), platform_for(card))
     if not checked.use_deepspeed or zero_stage(checked) != 3:
@@ -95,7 +95,7 @@ def host_cells(row: dict, today: float) -> str:
 
 
 def main() -> int:
-    from zerotune.plan import gpus, process
+    from zerotune.plan import gpus, host_memory
     from zerotune.plan.command_line import plan_one
 
     print("| folder | row | card | recorded prediction MiB | today's MiB | nvidia-smi peak MiB | recorded / measured | "
@@ -118,7 +118,7 @@ def main() -> int:
         before = (row.get("predicted") or {}).get("run_peak_mib")
         recorded, recorded_ratio = (f"{before:,.0f}", f"{before / measured:.3f}") if before else ("unrecorded", "-")
         # the kit's rows run on one node: its ranks are the plan's world
-        host = process.card_process_prediction(answer, int(answer.world_size or 1)).host_peak_mib
+        host = host_memory.card_process_prediction(answer, int(answer.world_size or 1)).host_peak_mib
         print(f"| {folder} | {row['name']} | {card} | {recorded} | {today:,.0f} | {measured:,.0f} | "
               f"{recorded_ratio} | {today / measured:.3f} | "
               f"{host_cells(row, host)} |")

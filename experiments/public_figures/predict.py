@@ -118,7 +118,7 @@ ROWS = [
         ("experiment=sdxl_4090_1024_bs8",), RTX4090),
     Row("12b", "the same guide: \"At 128x128 image size on a batch size of 8, training consumes as little as "
         "9237MiB of VRAM\"", "as 12a at 128 px", 9_237, "measured", ("experiment=sdxl_4090_128_bs8",), RTX4090,
-        why="today's trainer empties the cache after the engine's build (training/trainer.py Trainer._prepare), so "
+        why="today's trainer empties the cache after the engine's build (train/trainer.py Trainer._prepare), so "
             "the planner's peak is the step: at 128 px little more than the bf16 weights (4,897 MiB), DeepSpeed's "
             "reduce bucket and gradient-norm copy and 107 MiB of activations. Not explained: the reference, a training "
             "step of 2023's DeepSpeed, read 2.5 GB more; the GPU kit's H100 run of this row, made before that "

@@ -1,7 +1,7 @@
-"""`python -m zerotune <command> ...` is `zerotune <command> ...` (zerotune/command.py)."""
+"""`python -m zerotune <command> ...` is `zerotune <command> ...` (zerotune/cli/command.py)."""
 
 import sys
 
-from zerotune.command import main
+from zerotune.cli.command import main
 
 sys.exit(main())

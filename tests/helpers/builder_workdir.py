@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotune import config_search
+from zerotune.config import search as config_search
 
 PACKAGED_EXPERIMENTS = config_search.packaged_folder(config_search.PACKAGED_EXPERIMENTS) / "experiment"
 

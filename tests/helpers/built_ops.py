@@ -25,10 +25,10 @@ def is_current(folder: Path) -> bool:
 
 
 def build_offload_ops(root: Path) -> None:
-    """Build (or load) the offload=cpu ops into `root` as a job's parent does (ops/build.py), in a process of its
+    """Build (or load) the offload=cpu ops into `root` as a job's parent does (host/ops.py), in a process of its
     own: minutes on a fresh cache."""
     code = ("import logging\nlogging.basicConfig(level=logging.INFO)\n"
-            f"from zerotune.ops.build import prebuild_ops\nprebuild_ops({ADAM_CPU_OFFLOAD!r}, True)")
+            f"from zerotune.host.ops import prebuild_ops\nprebuild_ops({ADAM_CPU_OFFLOAD!r}, True)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           env={**cli_env(), "TORCH_EXTENSIONS_DIR": str(root)})
     assert proc.returncode == 0, proc.stderr[-3000:]

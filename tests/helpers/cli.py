@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotune.compose import compose
+from zerotune.config.compose import compose
 
 if TYPE_CHECKING:
-    from zerotune.platform import Platform
-    from zerotune.resolved import ResolvedRun
-    from zerotune.schema import Config
+    from zerotune.config.schema import Config
+    from zerotune.host.platform import Platform
+    from zerotune.plan.resolve import ResolvedRun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,17 +30,17 @@ def compose_cfg(*overrides: str):
 def config_of(*overrides: str) -> Config:
     """The config train.py would compose from these overrides, typed as every function past the command line takes
     it (not settled: the user's files are not read)."""
-    from zerotune.compose.node import to_config
+    from zerotune.config.compose.settle import to_config
 
     return to_config(compose(list(overrides)))
 
 
 def preflight(cfg, world_size: int | None = None, platform: Platform | None = None, overrides: list[str] | tuple = (),
               run_dir: str | Path | None = None) -> ResolvedRun:
-    """A composed config settled and checked, as a job's command line does (cli/main.py, then the job's checks);
+    """A composed config settled and checked, as a job's command line does (cli/train.py, then the job's checks);
     `overrides`: those typed on the command line."""
-    from zerotune.compose.settle import settle
-    from zerotune.preflight import check
+    from zerotune.config.compose.settle import settle
+    from zerotune.plan.resolve import check
 
     return check(settle(cfg, overrides, world_size), platform, run_dir)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 _ALTERNATIVES = re.compile(r",? or |; or |, else ")
 # key=value, where value is a bracketed list or a run of characters that ends the token in prose.

@@ -17,14 +17,13 @@ if os.environ.get("HELD_JOB_DIR"):
 def held_job(folder: str) -> str:
     """Says it runs, waits for the test's word (`go`), then does what a job process does once its attempt is
     recorded: submitit's requeue, on the signal it held."""
-    from zerotune import held_signals
-    from zerotune.rundir.run_summary import RunSummary
-    from zerotune.rundir.status import Status
-    from zerotune.slurm.job import requeue_if_preempted
+    from zerotune.host import process
+    from zerotune.job.slurm import requeue_if_preempted
+    from zerotune.rundir.summary import RunSummary, Status
 
     Path(folder, "running").touch()
     while not Path(folder, "go").exists():
         time.sleep(0.05)
-    Path(folder, "recorded").write_text(str(held_signals.received()))
-    requeue_if_preempted(RunSummary(status=Status.INTERRUPTED, interrupted={"job_signal": held_signals.received()}))
+    Path(folder, "recorded").write_text(str(process.received()))
+    requeue_if_preempted(RunSummary(status=Status.INTERRUPTED, interrupted={"job_signal": process.received()}))
     return "not requeued"

@@ -14,7 +14,7 @@ def exported_pipeline(run: Path, parts: Path, out: Path) -> Any:
     text encoder (SDXL), else in StableDiffusionPipeline (SD 1.x / 2.x)."""
     from diffusers import UNet2DConditionModel
 
-    from zerotune.export import export
+    from zerotune.rundir.export import export
 
     export(run, out)
     return pipeline(parts, UNet2DConditionModel.from_pretrained(out / "unet"))

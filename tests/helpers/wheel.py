@@ -19,7 +19,7 @@ def tracked_files(under: str = ".") -> list[str]:
 
 
 def copy_tracked(dest: Path) -> Path:
-    """The tracked files copied to `dest`; links stay links, so src/zerotune/conf still points at conf/."""
+    """The tracked files copied to `dest`; links stay links, so src/zerotune/config/conf still points at conf/."""
     for relative in tracked_files():
         source = ROOT / relative
         if not source.is_symlink() and not source.exists():  # deleted in the working tree, not yet committed

@@ -2,11 +2,11 @@
 launcher and config, with three changes.
 
 - `srun_args`, submitit's, which the plugin's config does not expose (slurm.yaml sets --kill-on-bad-exit=1).
-- The task srun starts on each node is submitit's, through zerotune/slurm/task.py: a stop signal that
+- The task srun starts on each node is submitit's, through zerotune/job/slurm_task.py: a stop signal that
   comes while it starts (a pre-emption soon after a requeue) is held for the job, not the death of the task;
   and the batch script's shell ignores the pre-emption signal.
 - How a job's end is awaited. The plugin's `launch` ends in `[j.results()[0] for j in jobs]`: that waits forever
-  on a job that ended without a result where there is no `sacct` (zerotune/slurm/job_end.py), and the first
+  on a job that ended without a result where there is no `sacct` (zerotune/job/slurm_launcher.py), and the first
   job that failed raises, which ends the sweep. Here each job is waited on until it wrote its result or left
   SLURM's queue; one that ended without a result (cancelled, killed, its node lost) is recorded in its run
   folder's summary.json with SLURM's state, and the sweep goes on to the next.
@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn
 from omegaconf import open_dict
 
-log = logging.getLogger("zerotune.slurm.launcher")
+log = logging.getLogger("zerotune.job.slurm_launcher")
 
 try:
     from hydra_plugins.hydra_submitit_launcher import submitit_launcher
@@ -36,7 +36,7 @@ except ImportError:  # pip install 'zerotune[slurm]'
     submitit_launcher = None
 
 if submitit_launcher is not None:
-    from zerotune.slurm import launcher as zerotune_launcher
+    from zerotune.job import slurm_launcher
 
     @dataclass
     class ZerotuneSlurmConf(SlurmQueueConf):
@@ -48,12 +48,12 @@ if submitit_launcher is not None:
 
     class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """hydra-submitit-launcher's, each job waited on until it wrote its result or left SLURM's queue
-        (zerotune/slurm/launcher.py)."""
+        (zerotune/job/slurm_launcher.py)."""
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-            jobs = zerotune_launcher.submitted(lambda: super(SlurmLauncher, self).launch(job_overrides,
+            jobs = slurm_launcher.submitted(lambda: super(SlurmLauncher, self).launch(job_overrides,
                                                                                          initial_job_idx))
-            return [zerotune_launcher.outcome(job, list(overrides), partial(self._job_run_dir, list(overrides), i))
+            return [slurm_launcher.outcome(job, list(overrides), partial(self._job_run_dir, list(overrides), i))
                     for i, (job, overrides) in enumerate(zip(jobs, job_overrides, strict=True), initial_job_idx)]
 
         def _job_run_dir(self, overrides: list[str], idx: int) -> Path:

@@ -17,7 +17,7 @@ from hydra.types import HydraContext, RunMode, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 if TYPE_CHECKING:
-    from zerotune.compose.settle import Settled
+    from zerotune.config.compose.settle import Settled
 
 
 class TuneSweeper(Sweeper):
@@ -37,8 +37,8 @@ class TuneSweeper(Sweeper):
             hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        from zerotune.errors import ConfigError, exit_config_error
-        from zerotune.tune.settings import read_settings
+        from zerotune.config.errors import ConfigError, exit_config_error
+        from zerotune.tune.space import read_settings
         from zerotune.tune.sweep import tune_sweep
 
         assert self.config is not None, "Hydra calls setup before sweep"
@@ -54,7 +54,7 @@ class TuneSweeper(Sweeper):
 
     def _settle(self, overrides: list[str]) -> "Settled":
         """The job's config as it will run (the user's files folded in), for the screen and the trials' batch."""
-        from zerotune.compose.settle import settle
+        from zerotune.config.compose.settle import settle
 
         return settle(self._compose(overrides), overrides)
 
@@ -68,12 +68,12 @@ class TuneSweeper(Sweeper):
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        from zerotune import config_search
-        from zerotune.compose import check_resolves
-        from zerotune.compose.overrides import normalize_overrides, typed_line
+        from zerotune.config import search
+        from zerotune.config.compose import check_resolves
+        from zerotune.config.compose.overrides import normalize_overrides, typed_line
 
         assert self.config is not None and self.hydra_context is not None, "Hydra calls setup before sweep"
-        args = normalize_overrides(list(overrides), config_search.current())
+        args = normalize_overrides(list(overrides), search.current())
         loader = self.hydra_context.config_loader
         assert isinstance(loader, ConfigLoaderImpl)  # Hydra's one loader: its repository knows the groups
         # Hydra's own split (defaults_list.Overrides): a group's key, unless its value is a dict, picks a config
@@ -95,11 +95,11 @@ class TuneSweeper(Sweeper):
         return cfg
 
     def _launch(self, overrides: list[str], job: int) -> Path:
-        from zerotune import config_search
-        from zerotune.compose.overrides import normalize_overrides
+        from zerotune.config import search
+        from zerotune.config.compose.overrides import normalize_overrides
 
         assert self.launcher is not None, "Hydra calls setup before sweep"
-        args = normalize_overrides(list(overrides), config_search.current())
+        args = normalize_overrides(list(overrides), search.current())
         returned: JobReturn = self.launcher.launch([args], initial_job_idx=job)[0]
         assert returned.hydra_cfg is not None, "a launcher returns each job's Hydra config"
         return Path(returned.hydra_cfg.hydra.runtime.output_dir)

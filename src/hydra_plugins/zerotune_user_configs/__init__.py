@@ -14,12 +14,12 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 class ZerotuneUserConfigs(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
-        from zerotune import config_search
+        from zerotune.config import search
 
-        main = SearchPathQuery(provider="main", path=f"pkg://{config_search.PACKAGED_CONF}")
+        main = SearchPathQuery(provider="main", path=f"pkg://{search.PACKAGED_CONF}")
         if not any(entry.provider == main.provider and entry.path == main.path for entry in search_path.get_path()):
             return
-        search_path.append("zerotune experiments", f"pkg://{config_search.PACKAGED_EXPERIMENTS}", anchor=main)
-        user = config_search.current().user
+        search_path.append("zerotune experiments", f"pkg://{search.PACKAGED_EXPERIMENTS}", anchor=main)
+        user = search.current().user
         if user is not None:
             search_path.prepend(f"zerotune user folder ({user.how})", f"file://{user.path}", anchor=main)

@@ -1,4 +1,12 @@
-"""Who may use the page. A web page the user visits can point its own domain at 127.0.0.1 (DNS rebinding)
+"""What the page may read and write: the working directory's multirun/ and outputs/ (where Hydra puts runs)
+and the user's experiment folder (config_search), nothing else. Every path a request names is resolved
+(symlinks included) and must stay inside one of them; so must the run and sweep folders an experiment saved
+from the page names (allowed.py).
+
+The page's error answer, and a JSON answer sent straight from ASGI middleware (the size limit, the access
+checks), before the app runs.
+
+Who may use the page. A web page the user visits can point its own domain at 127.0.0.1 (DNS rebinding)
 and so talk to the server as its own origin, or send a form to it from elsewhere: every request must name
 this machine in its Host, a request that changes anything must come from the page itself (Origin,
 Sec-Fetch-Site), and every request but the page's static files must carry the token printed with the URL
@@ -7,14 +15,64 @@ Sec-Fetch-Site), and every request but the page's static files must carry the to
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import re
 import secrets
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from zerotune.builder.replies import error_body, send_json
+from zerotune.config.errors import ConfigError
+
+RESULT_ROOTS = ("multirun", "outputs")
+PICK_A_SWEEP = "pick a sweep from the list, e.g. multirun/<date>/<time>"
+
+
+def project() -> Path:
+    """The working directory: `zerotune train` run here writes its outputs/ and multirun/ here."""
+    return Path.cwd()
+
+
+def imports_dir() -> Path:
+    return project() / "outputs" / "builder-imports"
+
+
+def inside_results(relative: str, key: str = "folder", fix: str = PICK_A_SWEEP) -> Path:
+    """`relative` (as the page shows it, e.g. multirun/2026-11-25/10-00-00) inside multirun/ or outputs/."""
+    if not isinstance(relative, str) or not relative or "\x00" in relative or Path(relative).is_absolute():
+        raise ConfigError(key, f"{relative!r} is not a folder under {' or '.join(RESULT_ROOTS)}/", fix)
+    path = (project() / relative).resolve()
+    for root in RESULT_ROOTS:
+        base = (project() / root).resolve()
+        if path == base or base in path.parents:
+            return path
+    raise ConfigError(key, f"{relative!r} is outside the project's {' and '.join(RESULT_ROOTS)} folders", fix)
+
+
+def inside_sweep(relative: str, key: str, fix: str) -> None:
+    """A job's folder named relative to its sweep's (hydra.sweep.subdir): it may not climb out of it."""
+    if "\x00" in relative or Path(relative).is_absolute() or Path(os.path.normpath(relative)).parts[:1] == ("..",):
+        raise ConfigError(key, f"{relative!r} is not a folder inside the sweep's folder", fix)
+
+
+def shown(path: Path) -> str:
+    """A path as the page shows it: relative to the project."""
+    return str(path.resolve().relative_to(project().resolve()))
+
+
+def error_body(key: str, problem: str, fix: str, field: str | None = None) -> dict:
+    return {"error": {"key": key, "problem": problem, "fix": fix, "field": field}}
+
+
+async def send_json(send, status: int, data: dict) -> None:
+    body = json.dumps(data).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
@@ -170,4 +228,3 @@ def _is_address(name: str) -> bool:
     except ValueError:
         return False
     return True
-

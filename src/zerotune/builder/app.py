@@ -1,4 +1,6 @@
-"""The builder page's web app (FastAPI + Jinja2): the page, and the JSON calls behind its panels."""
+"""Requests over 1 MiB are refused (413) before the app reads them.
+
+The builder page's web app (FastAPI + Jinja2): the page, and the JSON calls behind its panels."""
 
 from __future__ import annotations
 
@@ -13,16 +15,65 @@ from fastapi.templating import Jinja2Templates
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, Field
 
-from zerotune import config_search
-from zerotune.builder import experiments, fit, form, importing, preview, results
-from zerotune.builder.access import AccessGuard, AllowedHosts, allowed_hosts, cookie_name
-from zerotune.builder.limits import BodyLimit
-from zerotune.builder.replies import error_body
-from zerotune.compose import as_config_error
-from zerotune.compose.experiment_file import experiment_names
-from zerotune.errors import ConfigError
+from zerotune.builder import form, preview, workspace
+from zerotune.builder import preview as fit
+from zerotune.builder.access import (
+    AccessGuard,
+    AllowedHosts,
+    allowed_hosts,
+    cookie_name,
+    error_body,
+    send_json,
+)
+from zerotune.config import search as config_search
+from zerotune.config.compose import as_config_error, experiment_names
+from zerotune.config.errors import ConfigError
+from zerotune.host.platform import detect
 from zerotune.plan import gpus
-from zerotune.platform import detect
+
+MAX_BODY = 1 << 20
+
+
+class BodyLimit:
+    """ASGI middleware. Starlette and uvicorn have no body-size limit of their own: this counts the bytes a
+    request declares (Content-Length) and those it sends (chunked), and answers 413 past MAX_BODY."""
+
+    def __init__(self, app, max_body: int = MAX_BODY):
+        self.app, self.max_body = app, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            return await _too_large(send, self.max_body)
+        seen, refused = 0, False
+
+        async def counted():
+            # Past the limit: answer 413 here, and tell the app the client left (the framework would turn
+            # an exception raised while it reads the body into its own 400).
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                refused = True
+                await _too_large(send, self.max_body)
+                return {"type": "http.disconnect"}
+            return message
+
+        async def unless_refused(message):
+            if not refused:
+                await send(message)
+
+        await self.app(scope, counted, unless_refused)
+
+
+async def _too_large(send, limit: int) -> None:
+    await send_json(send, 413, error_body("request", f"the request is over {limit // (1 << 20)} MiB",
+                                          "paste a smaller file (a DeepSpeed JSON is a few KiB)"))
+
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -73,32 +124,32 @@ def api_experiments():
 
 @api.get("/experiment")
 def api_load(name: str):
-    return experiments.load(name)
+    return workspace.load(name)
 
 
 @api.post("/experiment")
 def api_save(req: SaveRequest):
-    return experiments.save(req.name, req.choices, req.values, req.extra, req.overwrite)
+    return workspace.save(req.name, req.choices, req.values, req.extra, req.overwrite)
 
 
 @api.post("/import")
 def api_import(req: ImportRequest):
-    return importing.import_text(req.text)
+    return workspace.import_text(req.text)
 
 
 @api.get("/sweeps")
 def api_sweeps():
-    return {"sweeps": results.sweeps()}
+    return {"sweeps": workspace.sweeps()}
 
 
 @api.get("/sweep")
 def api_sweep(folder: str, budget_mib: float | None = None):
-    return results.open_sweep(folder, budget_mib)
+    return workspace.open_sweep(folder, budget_mib)
 
 
 @api.get("/file")
 def api_file(path: str):
-    return FileResponse(results.served_file(path))
+    return FileResponse(workspace.served_file(path))
 
 
 def create_app(*, token: str | None, hosts: AllowedHosts | None = None):
@@ -138,8 +189,8 @@ def _errors(app: FastAPI) -> None:
     def config_error(_: Request, exc: ConfigError):
         return JSONResponse({"error": preview.error_entry(exc)}, status_code=400)
 
-    @app.exception_handler(experiments.ExperimentExists)
-    def exists(_: Request, exc: experiments.ExperimentExists):
+    @app.exception_handler(workspace.ExperimentExists)
+    def exists(_: Request, exc: workspace.ExperimentExists):
         return JSONResponse({**error_body("name", str(exc), "confirm, or choose another name", field="name"),
                              "exists": True}, status_code=409)
 

@@ -1,20 +1,28 @@
 """The live preview: the command line, the composed config and the validated DeepSpeed JSON for a filled
 form, with the validator's error (the same one `zerotune train` stops with) placed at the form field its
-key names."""
+key names.
+
+Will it fit: the planner's prediction for the page (per-rank GPU peak as a stacked bar by kind of
+memory, host and NVMe peaks, the time floor), and "find the cheapest that fits" (the planner's --all
+ranking), whose recommendation the page puts back into its form."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
-from zerotune import config_search
 from zerotune.builder import form
-from zerotune.compose import composed
-from zerotune.errors import ConfigError
-from zerotune.preflight import check
-from zerotune.user_config.precedence import DS_KEY_SOURCES
+from zerotune.config import search
+from zerotune.config.compose import composed
+from zerotune.config.errors import ConfigError
+from zerotune.config.precedence import DS_KEY_SOURCES
+from zerotune.plan import gpus
+from zerotune.plan.command_line import plan_all, plan_one
+from zerotune.plan.resolve import check
+from zerotune.rundir.plan import Plan, Term
 
 # DeepSpeed's batch keys, by the zerotune key that sets each.
 _BATCH_KEYS = {"train_micro_batch_size_per_gpu": "train.batch_size", "train_batch_size": "train.batch_size",
@@ -41,7 +49,7 @@ def preview(choices: dict[str, str], values: dict[str, Any], extra: Sequence[str
 def command_line(overrides: list[str]) -> str:
     """`zerotune train ...`, run from the page's working directory. A folder named by --config-dir is named
     again: the command would not find its options and experiments otherwise."""
-    user = config_search.current().user
+    user = search.current().user
     folder = ["--config-dir", shlex.quote(str(user.path))] if user and user.how == "--config-dir" else []
     return " ".join(["zerotune", "train", *folder, *(shell_word(o) for o in overrides)])
 
@@ -75,3 +83,79 @@ def field_for(key: str) -> str | None:
             if name.split(".")[0] in groups:
                 return name.split(".")[0]
     return None
+
+
+# One trace at a time: a cold SDXL trace takes every core for seconds; previews meanwhile go on.
+TRACE_LOCK = threading.Lock()
+# The bar's segments, in stacking order, and which planner terms each holds.
+CATEGORIES = {
+    "context": ("cuda_context", "cublas_workspace"),
+    "parameters": ("params", "params_persistent", "allocator_rounding"),
+    "gradients and buckets": ("grads", "step_fp32_grads", "step_flat_grad_partition", "step_fp32_grad_sub_group"),
+    "optimizer states": ("master_weights", "optimizer_states", "optimizer_temporaries"),
+    "activations": ("activations", "activations_and_grads"),
+}
+
+
+def card(name: str | None, mib: Any) -> gpus.GPU | None:
+    """The card picked on the page: a catalog name, or typed MiB (with no throughput figures)."""
+    try:
+        memory = None if mib in (None, "") else int(str(mib).strip())
+    except ValueError:
+        memory = mib  # gpus.lookup names the key and the fix
+    return gpus.lookup(name or None, memory, key="gpu")
+
+
+def plan_job(overrides: list[str], gpu: gpus.GPU | None) -> Plan:
+    return plan_one(overrides, gpu, trace_lock=TRACE_LOCK)
+
+
+def fit(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
+        gpu_mib: Any) -> dict:
+    gpu = card(gpu_name, gpu_mib)
+    overrides = form.overrides(choices, values, extra)
+    plan = plan_job(overrides, gpu)
+    # the bar is the step at its largest moment: what it holds throughout and that moment's own terms
+    return {**plan.to_dict(), "bar": bar(plan.terms_at_peak()), "phase_marks": phase_marks(plan)}
+
+
+def phase_marks(plan: Plan) -> list[dict]:
+    """One mark per phase of the run on the bar, when the plan has them (plan/phases.py): what nvidia-smi shows
+    during it (reserved_mib) and whether it is the run's peak; [] without phases."""
+    return [{"phase": p.phase, "mib": p.reserved_mib, "own_peak_mib": p.peak_mib, "run_peak": p.run_peak}
+            for p in plan.phases]
+
+
+def cheapest(choices: dict[str, str], values: dict[str, Any], extra: list[str], gpu_name: str | None,
+             gpu_mib: Any) -> dict:
+    """The --all ranking for this workload; `form` is the recommendation as the page's form (None: nothing fits)."""
+    gpu = card(gpu_name, gpu_mib)
+    stripped = {k: v for k, v in values.items() if k != "train.gradient_checkpointing"}
+    overrides = [o for o in form.overrides(choices, stripped, extra) if o.split("=")[0] not in ("zero_stage", "offload")]
+    answer = plan_all(overrides, gpu, plan_job)
+    best = next((o for o in answer["options"] if o["fits"]), None)
+    answer["form"] = None if best is None else {
+        "choices": {**choices, "zero_stage": str(best["zero_stage"]), "offload": best["offload"]},
+        "values": {**values, "train.gradient_checkpointing": best["gradient_checkpointing"]}}
+    return answer
+
+
+class BarSegment(TypedDict):
+    """One segment of the page's memory bar: its planner terms and their sum."""
+
+    segment: str
+    mib: float
+    terms: list[str]
+
+
+def bar(terms: list[Term]) -> list[BarSegment]:
+    """The GPU terms summed per segment; a DeepSpeed buffer counts with the gradients and buckets."""
+    segments = {name: BarSegment(segment=name, mib=0.0, terms=[]) for name in CATEGORIES}
+    for term in terms:
+        name = next((seg for seg, members in CATEGORIES.items() if term.term in members),
+                    "gradients and buckets" if term.term.startswith("deepspeed:") else None)
+        if name is None:
+            raise KeyError(f"planner term {term.term!r} has no segment in the builder's bar")
+        segments[name]["mib"] += term.mib or 0.0
+        segments[name]["terms"].append(term.term)
+    return list(segments.values())

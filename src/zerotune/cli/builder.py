@@ -11,7 +11,8 @@ writes them.
 The URL carries a token made at each start: every request needs it (the page keeps it in a cookie). The
 server answers only requests addressed to this machine (localhost, 127.0.0.1, [::1], --host; with --host
 0.0.0.0 also this machine's names and any IP address); --allow-host adds a name, such as a DNS alias.
-"""
+
+`python -m zerotune builder`: the config builder page (zerotune/cli/builder.py)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ import sys
 
 import uvicorn
 
-from zerotune import config_search
 from zerotune.builder.access import allowed_hosts, new_token
 from zerotune.builder.app import create_app
-from zerotune.errors import ConfigError, report_config_error
+from zerotune.config import search
+from zerotune.config.errors import ConfigError, report_config_error
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="another name of this machine the page may be opened by (repeatable)")
-    config_search.add_config_dir_option(parser)  # the page saves experiments in its experiment/ folder
+    search.add_config_dir_option(parser)  # the page saves experiments in its experiment/ folder
     parser.add_argument("--no-token", action="store_true",
                         help="serve without the token: any program or web page that reaches the port can use it")
     args = parser.parse_args(argv)
     try:
-        config_search.choose_and_warn(args.config_dir)
+        search.choose_and_warn(args.config_dir)
     except ConfigError as exc:
         return report_config_error(exc)
     # Bound here, not by uvicorn, so that the URL printed carries the real port when --port 0 is given.

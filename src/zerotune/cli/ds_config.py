@@ -1,8 +1,7 @@
 """Print the validated DeepSpeed JSON for any composition, without training.
 
     zerotune ds-config zero_stage=3 offload=nvme offload.path=/tmp/x
-    zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4
-"""
+    zerotune ds-config --world-size 8 zero_stage=2 offload=cpu train.batch_size=4"""
 
 from __future__ import annotations
 
@@ -11,10 +10,10 @@ import contextlib
 import json
 import sys
 
-from zerotune import config_search
-from zerotune.compose import compose_settled
-from zerotune.errors import ConfigError, report_config_error
-from zerotune.preflight import check
+from zerotune.config import search
+from zerotune.config.compose import compose_settled
+from zerotune.config.errors import ConfigError, report_config_error
+from zerotune.plan.resolve import check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,14 +21,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes the run would use (default: launch.num_processes x launch.nnodes)")
-    config_search.add_config_dir_option(parser)
+    search.add_config_dir_option(parser)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for zerotune train")
     args = parser.parse_intermixed_args(argv)
     # DeepSpeed logs to stdout; keep stdout for the JSON alone, so it can be piped to a file.
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError("--world-size", f"must be 1 or more, got {args.world_size}", "--world-size 8")
-        config_search.choose_and_warn(args.config_dir)
+        search.choose_and_warn(args.config_dir)
         settled = compose_settled(args.overrides, world_size=args.world_size)
         with contextlib.redirect_stdout(sys.stderr):
             checked = check(settled)

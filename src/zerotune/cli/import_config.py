@@ -1,4 +1,4 @@
-"""`zerotune import-config FILE [--save NAME]` (and `python -m zerotune.import_config`): the command; the work
+"""`zerotune import-config FILE [--save NAME]` (and `python -m zerotune import-config`): the command; the work
 is zerotune/import_config/."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import contextlib
 import sys
 from pathlib import Path
 
-from zerotune import config_search, import_config
-from zerotune.compose import experiment_file
-from zerotune.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
+from zerotune.config import compose, search
+from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError, report_config_error
+from zerotune.plan import import_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", metavar="NAME", help="also write ./zerotune/experiment/NAME.yaml "
                         "(in --config-dir's folder, when given), which `zerotune train experiment=NAME` runs")
     parser.add_argument("--force", action="store_true", help="overwrite an existing experiment file")
-    config_search.add_config_dir_option(parser)
+    search.add_config_dir_option(parser)
     args = parser.parse_args(argv)
     try:
-        config_search.choose_and_warn(args.config_dir)
-        target = experiment_file.experiment_path(args.save, key="--save") if args.save else None
+        search.choose_and_warn(args.config_dir)
+        target = compose.experiment_path(args.save, key="--save") if args.save else None
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is the answer
             overrides, differ = import_config.overrides_for(args.file)
     except ConfigError as exc:
@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         if target.exists() and not args.force:
             print(f"zerotune: {target} exists; choose another name or add --force", file=sys.stderr)
             return CONFIG_ERROR_EXIT
-        experiment_file.write_experiment(target, import_config.experiment_yaml(args.file, overrides, differ))
+        compose.write_experiment(target, import_config.experiment_yaml(args.file, overrides, differ))
         print(f"wrote {target}: zerotune train experiment={args.save}", file=sys.stderr)
     return 0
-

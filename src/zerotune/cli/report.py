@@ -1,5 +1,7 @@
-"""`python -m zerotune.report <sweep dir> [<more dirs>...] [--budget-mib N] [--metric gpu|host] [--out DIR]`
-[--where KEY=VALUE ...]: the command; the work is zerotune/report/."""
+"""`python -m zerotune report <sweep dir> [<more dirs>...] [--budget-mib N] [--metric gpu|host] [--out DIR]`
+[--where KEY=VALUE ...]: the command; the work is zerotune/report/.
+
+`python -m zerotune report` is `zerotune report` (zerotune/cli/report.py)."""
 
 from __future__ import annotations
 

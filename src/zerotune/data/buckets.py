@@ -5,12 +5,26 @@ stays within size**2, and the same pairs turned on their side, with aspect ratio
 for 1024, SDXL's 512x2048, 512x1984, ..., 832x1216, ..., 1024x1024, ..., 2048x512. An image goes to the bucket closest to it in log aspect
 ratio, is resized (keeping its aspect) to cover the bucket, and centre-cropped to it; SDXL's time_ids
 record the original size and the crop's top-left corner.
-"""
+
+Batches that never mix buckets: a seeded, deterministic batch sampler.
+
+Each epoch, every bucket's samples are shuffled and cut into whole batches; the batches of all buckets
+are then shuffled together. A bucket's remainder (fewer than a batch) sits out that epoch only: the
+next epoch's shuffle leaves out different samples, so over epochs every sample is seen. A bucket with
+fewer samples than one batch is never trained on; `batches_per_bucket` says so, and the data report lists it.
+
+With random_flip, each drawn sample also gets a coin flip, and the sampler yields (index, flipped)
+pairs: the dataset returns the flipped view, whose latents were encoded from mirrored pixels."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+from torch.utils.data import Sampler
 
 Bucket = tuple[int, int]  # (width, height) in pixels
 
@@ -70,3 +84,49 @@ def place(width: int, height: int, bucket: Bucket) -> Placement:
 
 def bucket_name(bucket: Bucket) -> str:
     return f"{bucket[0]}x{bucket[1]}"
+
+
+SampleRef = int | tuple[int, bool]
+
+
+class BucketBatchSampler(Sampler[list[SampleRef]]):
+    def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, random_flip: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.seed, self.random_flip = batch_size, seed, random_flip
+        self.drop_last = True  # what accelerate reads to know batches are whole
+        groups: dict[Bucket, list[int]] = {}
+        for index, bucket in enumerate(buckets):
+            groups.setdefault(bucket, []).append(index)
+        self._groups = [np.asarray(groups[b]) for b in sorted(groups)]
+        self._epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """accelerate calls this with a single process; otherwise each pass counts one epoch on."""
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        return sum(len(g) // self.batch_size for g in self._groups)
+
+    def __iter__(self) -> Iterator[list[SampleRef]]:
+        rng = np.random.default_rng([self.seed, self._epoch])
+        self._epoch += 1
+        batches: list[np.ndarray] = []
+        for group in self._groups:
+            shuffled = rng.permutation(group)
+            whole = len(shuffled) // self.batch_size * self.batch_size
+            batches.extend(shuffled[:whole].reshape(-1, self.batch_size))
+        for i in rng.permutation(len(batches)):
+            batch = batches[i]
+            if self.random_flip:
+                flips = rng.random(len(batch)) < 0.5
+                yield [(int(index), bool(f)) for index, f in zip(batch, flips, strict=True)]
+            else:
+                yield [int(index) for index in batch]
+
+
+def batches_per_bucket(buckets: Sequence[Bucket], batch_size: int) -> dict[str, dict[str, int]]:
+    """Per bucket: samples, whole batches per epoch, and samples sitting out each epoch."""
+    counts = Counter(buckets)
+    return {bucket_name(b): {"samples": n, "batches_per_epoch": n // batch_size, "left_out_per_epoch": n % batch_size}
+            for b, n in sorted(counts.items())}

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from zerotune.data.hashing import FileHasher, digest
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Model
+from zerotune.data.latent_cache import FileHasher, digest
 from zerotune.models import downsample_factor, unet_config
-from zerotune.schema import Model
 
 NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 ONE_ENCODER = ("vae", "text_encoder", "tokenizer")  # conditioning: text (SD 1.x / 2.x)

@@ -1,4 +1,10 @@
-"""VAE latents and text embeddings on disk, one safetensors file per entry, computed once.
+"""Content hashes of files, remembered by (path, size, mtime) so a rerun reads no file twice.
+
+The cache is keyed by what files contain, not by their names; hashing a 10 GB text encoder or 50,000
+photos on every run would cost minutes, so each hash is kept in a small JSON index in the cache folder.
+A file whose size or modification time changed is hashed again.
+
+VAE latents and text embeddings on disk, one safetensors file per entry, computed once.
 
 An entry's name is a hash of everything its value depends on, so a change recomputes exactly what it
 touches and nothing else:
@@ -8,10 +14,15 @@ Text entries are shared by every image with the same caption, and the folder can
 of a sweep and by several data sets. Files are written whole and renamed into place, so a run that dies
 mid-write, or two runs writing the same entry, leave no half entry behind. Nothing is ever evicted:
 delete the folder (or any entry in it) to reclaim space.
-"""
+
+Training items read back from the latent cache: {"x0", "encoder_hidden_states"}, and SDXL's added
+conditioning {"text_embeds", "time_ids"}; with model.train_text_encoder, the trained encoders' tokens too
+({"input_ids", "input_ids_2"}), from which those encoders compute their part of the condition at each step."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,13 +31,59 @@ from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from zerotune.data.buckets import Placement
-from zerotune.data.folder import ImageRecord, Skipped
-from zerotune.data.hashing import digest
-from zerotune.data.images import DECODE_ERRORS, crop_pixels, open_rgb
-from zerotune.files import replaced
+from zerotune.config.files import replaced, write_text_atomic
+from zerotune.data.buckets import Bucket, Placement, SampleRef
+from zerotune.data.sources import DECODE_ERRORS, ImageRecord, Skipped, crop_pixels, open_rgb
+
+
+def digest(*parts: object) -> str:
+    """A stable hex key for JSON-able parts (dict keys are sorted)."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class FileHasher:
+    def __init__(self, index_file: Path | None):
+        self.index_file = index_file
+        self._index: dict[str, list] = {}
+        self._dirty = False
+        if index_file is not None and index_file.is_file():
+            try:
+                self._index = json.loads(index_file.read_text())
+            except ValueError:
+                self._index = {}  # a damaged index only costs rehashing
+
+    def file(self, path: Path) -> str:
+        path = path.resolve()
+        st = path.stat()
+        key = str(path)
+        hit = self._index.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return hit[2]
+        with open(path, "rb") as f:
+            value = hashlib.file_digest(f, "sha256").hexdigest()
+        self._index[key] = [st.st_size, st.st_mtime_ns, value]
+        self._dirty = True
+        return value
+
+    def folder(self, folder: Path) -> str:
+        """One hash of every file in a folder (hidden ones aside), names included."""
+        folder = folder.resolve()
+        files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+        return digest([(name, self.file(folder / name)) for name in files])
+
+    def save(self) -> None:
+        if self.index_file is None or not self._dirty:
+            return
+        self.index_file.parent.mkdir(parents=True, exist_ok=True)
+        # Runs of a sweep may save at once: each writes a whole file and renames it, the last one wins.
+        write_text_atomic(self.index_file, json.dumps(self._index))
+        self._dirty = False
+
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +242,29 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
             stats.texts_computed += len(chunk)
             bar.update(len(chunk))
     stats.text_seconds = time.perf_counter() - start
+
+
+class CachedFolderDataset(Dataset):
+    """One sample per image and repeat; index with an int, or (int, flipped) under random_flip."""
+
+    def __init__(self, cache: LatentCache, items: list[CacheItem], tokens: dict[str, torch.Tensor] | None = None):
+        """`tokens`: {key: [len(items), seq]} per trained text encoder, in `items`' order."""
+        self.cache, self.items, self.tokens = cache, items, tokens or {}
+        # A repeated image is several samples that read the same entries.
+        self._item_of = [i for i, it in enumerate(items) for _ in range(it.record.repeats)]
+        self.buckets: list[Bucket] = [items[i].placement.bucket for i in self._item_of]
+        self.report: dict = {}  # filled by prepare_folder_data, for the run's summary
+
+    def __len__(self) -> int:
+        return len(self._item_of)
+
+    def __getitem__(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        index, flipped = ref if isinstance(ref, tuple) else (ref, False)
+        i = self._item_of[index]
+        item = self.items[i]
+        hidden, pooled = self.cache.get_text(item.text_key)
+        sample = {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"], "encoder_hidden_states": hidden}
+        if pooled is not None:  # SDXL: the added conditioning
+            sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(flipped)))
+        sample.update({key: ids[i] for key, ids in self.tokens.items()})
+        return sample

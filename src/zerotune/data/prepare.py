@@ -16,8 +16,18 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from zerotune.data.buckets import Bucket, Placement, bucket_name, closest_bucket, make_buckets, place
-from zerotune.data.cached import CachedFolderDataset
+from zerotune.config.errors import ConfigError
+from zerotune.config.files import write_cached_json
+from zerotune.data.buckets import (
+    Bucket,
+    BucketBatchSampler,
+    Placement,
+    batches_per_bucket,
+    bucket_name,
+    closest_bucket,
+    make_buckets,
+    place,
+)
 from zerotune.data.components import (
     ComponentPaths,
     FrozenEncoders,
@@ -27,13 +37,9 @@ from zerotune.data.components import (
     resolve_components,
     tokenize,
 )
-from zerotune.data.folder import ImageRecord, ScanResult, Skipped, scan_folder
-from zerotune.data.hashing import FileHasher
-from zerotune.data.latent_cache import CacheItem, LatentCache, build_cache
-from zerotune.data.sampler import BucketBatchSampler, batches_per_bucket
+from zerotune.data.latent_cache import CachedFolderDataset, CacheItem, FileHasher, LatentCache, build_cache
+from zerotune.data.sources import ImageRecord, ScanResult, Skipped, scan_folder
 from zerotune.data.spec import DataSpec
-from zerotune.errors import ConfigError
-from zerotune.files import write_cached_json
 from zerotune.models import text_encoders
 
 log = logging.getLogger(__name__)

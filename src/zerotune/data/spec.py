@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerotune.schema import Config, Data, Model
+from zerotune.config.schema import Config, Data, Model
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,12 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zerotune import files
-from zerotune.errors import ConfigError
-from zerotune.models import adapter, single_file
+from zerotune.config import files
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Adapter, Model
+from zerotune.models import adapter
+from zerotune.models import weights as single_file
 from zerotune.models.weights import compare_shapes, found_unet_folder, read_folder, read_shapes, unet_folder
-from zerotune.schema import Adapter, Model
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
 
 def trained_encoder_archs(model_cfg: Model) -> dict[str, dict]:
     """{name: architecture} of the text encoders the run trains (model.train_text_encoder), none by default."""
-    from zerotune.models import encoder_archs, text_encoders
+    from zerotune.models import text_encoders
+    from zerotune.models import text_encoders as encoder_archs
 
     names = text_encoders.trained(model_cfg)
     if not names:
@@ -166,7 +168,7 @@ def build_unet(model_cfg: Model, zero_init=None):
     original-layout single-file checkpoint) or from its config.
 
     `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
-    as it is built and the weights are loaded into the partitions (models/partitioned.py)."""
+    as it is built and the weights are loaded into the partitions (models/weights.py)."""
     pretrained = model_cfg.pretrained
     if zero_init is not None:
         unet = _build_partitioned(model_cfg, zero_init, Path(str(pretrained)).expanduser() if pretrained else None)
@@ -187,7 +189,7 @@ def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
     from diffusers import UNet2DConditionModel
     from diffusers.models.modeling_utils import no_init_weights
 
-    from zerotune.models import partitioned
+    from zerotune.models import weights as partitioned
 
     if path is None:
         return partitioned.build(lambda: _from_config(model_cfg), zero_init, None, "")
@@ -301,7 +303,7 @@ def load_option(path: Path) -> Model:
 def _options_holding(header: dict[str, tuple[int, ...]], path: Path) -> list[str]:
     """The model options whose U-Net an original-layout checkpoint holds: converted, its names and shapes are
     the option's. Only asked once a checkpoint has been refused, to name the fix."""
-    from zerotune import config_search
+    from zerotune.config import search as config_search
 
     search = config_search.current()
     holding = []

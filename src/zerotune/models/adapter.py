@@ -8,8 +8,8 @@ from typing import TypeGuard, TypeVar
 
 import torch
 
-from zerotune.errors import ConfigError
-from zerotune.schema import Adapter, as_dict
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Adapter, as_dict
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 ADAPTER_NAME = "default"  # peft's name for a model's first adapter; the exported keys carry no name

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 AUTO = "auto"
 AUTO_ZERO12 = 16  # ZeRO-1/2's loading peak is then ~1.13 copies of the weights, below SDXL's training step

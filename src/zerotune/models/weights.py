@@ -1,14 +1,36 @@
 """`model.pretrained`'s files read without their tensors: a diffusers folder's config and weight files, and
-safetensors headers (tensor names and shapes), so a wrong path or a broken file is refused in seconds."""
+safetensors headers (tensor names and shapes), so a wrong path or a broken file is refused in seconds.
+
+Original-layout single-file checkpoints: the `.safetensors` files A1111 and ComfyUI load, whose U-Net is
+stored under `model.diffusion_model.` beside the VAE and the text encoders.
+
+They are read with diffusers' own single-file loader and conversion (`from_single_file`,
+`convert_ldm_unet_checkpoint`). The U-Net's config is the model option's architecture, written to a local
+folder for `from_single_file`: it is never fetched from a hub.
+
+The U-Net built under ZeRO-3's `deepspeed.zero.Init`: each module's parameters are partitioned across the
+ranks as soon as that module is built, so no rank ever holds the whole model.
+
+`model.pretrained` is loaded module by module into the partitioned model: each module's parameters are
+gathered, rank 0 copies its tensors in (read one by one from the files, never the whole state dict; an
+original-layout single file is converted whole on rank 0 alone, as diffusers' conversion needs), and
+DeepSpeed broadcasts them and re-partitions (`GatheredParameters(modifier_rank=0)`, as transformers loads
+into a ZeRO-3 model). diffusers' `from_pretrained` cannot be used: it ignores zero.Init and reads every
+weight whole on every rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Protocol
 
+import torch
 from safetensors import SafetensorError, safe_open
 
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
 
 KEY = "model.pretrained"
 FOLDER_FIX = "point model.pretrained at a folder saved by UNet2DConditionModel.save_pretrained"
@@ -86,3 +108,163 @@ def compare_shapes(file: Path | str, found: dict, expected: dict, model: str) ->
     if parts:
         raise ConfigError(KEY, f"{file} does not match {model}: {'; '.join(parts)}",
                           "choose the model option whose architecture the weights were saved from")
+
+
+WRONG_MODEL_FIX = "choose the model option whose architecture the checkpoint was saved from (model=sd15, model=sdxl ...)"
+
+
+def unet_prefix() -> str:
+    from diffusers.loaders.single_file_utils import LDM_UNET_KEY
+
+    return LDM_UNET_KEY
+
+
+def is_original_layout(names: Iterable[str]) -> bool:
+    """Whether a checkpoint's tensor names are the original layout's: its U-Net under `model.diffusion_model.`."""
+    prefix = unet_prefix()
+    return any(name.startswith(prefix) for name in names)
+
+
+def _convert(tensors: dict[str, torch.Tensor], config: dict, path: Path) -> dict[str, torch.Tensor]:
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    try:
+        return convert_ldm_unet_checkpoint(tensors, config)
+    except KeyError as exc:  # the conversion looks up the tensors the config's architecture needs
+        raise ConfigError(KEY, f"{path} is an original-layout checkpoint without the U-Net tensor {exc} that "
+                          "the model option's architecture needs", WRONG_MODEL_FIX) from None
+
+
+def converted_shapes(header: dict[str, tuple[int, ...]], config: dict, path: Path) -> dict[str, tuple[int, ...]]:
+    """The diffusers names and shapes that diffusers' conversion makes of the U-Net tensors in `header`.
+    It runs on meta tensors, so no tensor is read."""
+    prefix = unet_prefix()
+    meta = {name: torch.empty(shape, device="meta") for name, shape in header.items() if name.startswith(prefix)}
+    return {name: tuple(tensor.shape) for name, tensor in _convert(meta, config, path).items()}
+
+
+def converted_unet_tensors(path: Path, config: dict) -> dict[str, torch.Tensor]:
+    """The U-Net's tensors in diffusers' layout. Only the U-Net's tensors are read, not the VAE's or the
+    text encoders'."""
+    from safetensors import safe_open
+
+    prefix = unet_prefix()
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys() if name.startswith(prefix)}
+    return _convert(tensors, config, path)
+
+
+def load(path: Path, config: dict):
+    """The U-Net of an original-layout checkpoint, in fp32, through diffusers' `from_single_file`."""
+    from diffusers import UNet2DConditionModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        return UNet2DConditionModel.from_single_file(str(path), config=folder, local_files_only=True,
+                                                     torch_dtype=torch.float32)
+
+
+class Weights(Protocol):
+    """Tensors by name, with their shapes known before any tensor is read."""
+
+    def names(self) -> set[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def build(make_unet, init: contextlib.AbstractContextManager, weights: Weights | None, what: str):
+    """`make_unet()` under `init`, then `weights` loaded in (None: keep the seeded random init)."""
+    with init:
+        unet = make_unet()
+    if weights is not None:
+        load_into_partitioned(unet, weights, what)
+    return unet
+
+
+class FileWeights:
+    """Tensors by name from safetensors files (read one at a time) or torch .bin files (memory-mapped)."""
+
+    def __init__(self, files: list[Path]):
+        self._where: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        for file in files:
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                handle = self._stack.enter_context(safe_open(str(file), framework="pt"))
+                self._where.update({name: handle for name in handle.keys()})
+            else:
+                state = torch.load(str(file), map_location="cpu", mmap=True, weights_only=True)
+                self._where.update({name: state for name in state})
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        source = self._where[name]
+        return tuple(source.get_slice(name).get_shape() if hasattr(source, "get_slice") else source[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        source = self._where[name]
+        return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class ConvertedWeights:
+    """An original-layout single file's U-Net in diffusers' names. Names and shapes come from the header (every
+    rank); the tensors are converted on the first `get`, which only rank 0 makes (the U-Net has no persistent
+    buffers, which every rank would read)."""
+
+    def __init__(self, path: Path, config: dict):
+        self._path, self._config = path, config
+        self._shapes = converted_shapes(read_shapes(path), config, path)
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def names(self) -> set[str]:
+        return set(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._tensors is None:
+            self._tensors = converted_unet_tensors(self._path, self._config)
+        return self._tensors[name]
+
+    def close(self) -> None:
+        self._tensors = None
+
+
+@torch.no_grad()
+def load_into_partitioned(unet: torch.nn.Module, weights: Weights, what: str) -> None:
+    """Every rank calls this (each gather is a collective); only rank 0 reads parameter tensors."""
+    import deepspeed
+    import torch.distributed as dist
+
+    try:
+        # On every rank, from the files' headers: no rank stops alone mid-gather. A partitioned parameter's
+        # whole shape is its ds_shape.
+        expected = {name: tuple(getattr(t, "ds_shape", t.shape)) for name, t in unet.state_dict(keep_vars=True).items()}
+        compare_shapes(what, {name: weights.shape(name) for name in weights.names()}, expected, "the model")
+        is_writer = dist.get_rank() == 0
+        for prefix, module in unet.named_modules():
+            prefix = f"{prefix}." if prefix else ""
+            params = list(module.named_parameters(recurse=False))
+            # Buffers are not partitioned: every rank loads its own (the U-Net's are few and small).
+            for name, buf in module.named_buffers(recurse=False):
+                if name not in module._non_persistent_buffers_set:
+                    buf.data.copy_(weights.get(prefix + name))
+            if not params:
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+                if is_writer:
+                    for name, param in params:
+                        param.data.copy_(weights.get(prefix + name))
+    finally:
+        weights.close()

@@ -42,18 +42,11 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from zerotune import files
-from zerotune.errors import ConfigError
-from zerotune.models import (
-    adapter,
-    build_unet,
-    conditioning,
-    text_encoders,
-    trained_encoder_archs,
-    unet_config,
-)
+from zerotune.config import files
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Adapter, Model
+from zerotune.models import adapter, build_unet, diffusion, text_encoders, trained_encoder_archs, unet_config
 from zerotune.plan.stage0 import cast_policy
-from zerotune.schema import Adapter, Model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
@@ -319,7 +312,7 @@ def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, a
 
 def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
     """One micro batch as the trainer hands it to diffusion_loss: float tensors in the training dtype
-    (Trainer._to_device), the conditioning of the model's kind (data/synthetic.py's shapes)."""
+    (Trainer._to_device), the conditioning of the model's kind (data/sources.py's shapes)."""
     unet = unet_config(model_cfg)
     x0 = torch.randn(batch, *latent_shape, dtype=dtype)
     drawn = {"x0": x0, "noise": torch.randn_like(x0), "timesteps": torch.randint(0, 1000, (batch,))}
@@ -335,13 +328,13 @@ def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dt
               for name, arch in trained_encoder_archs(model_cfg).items()}
     if tokens:  # the trained encoders encode the tokens inside the engine's module (Trainer.forward_backward)
         return {**drawn, "cond": {"batch": {**cond, **tokens}, "drop": None}}
-    return {**drawn, "cond": conditioning.unet_kwargs(model_cfg.conditioning, cond)}
+    return {**drawn, "cond": diffusion.unet_kwargs(model_cfg.conditioning, cond)}
 
 
 def _loss(unet: torch.nn.Module, model_cfg: Model, inputs: dict) -> torch.Tensor:
     from diffusers import DDPMScheduler
 
-    from zerotune.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
+    from zerotune.models.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
 
     # A fresh scheduler: add_noise caches its tables on the device of the samples it last saw.
     sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(model_cfg.prediction_type))

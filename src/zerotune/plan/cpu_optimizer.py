@@ -27,10 +27,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from zerotune import files
-from zerotune.ops.build import is_cached
-from zerotune.ops.cpu_info import remember_cpu_info
-from zerotune.ops.torch_lib import link_torch_lib
+from zerotune.config import files
+from zerotune.host.ops import is_cached
+from zerotune.host.ops_env import link_torch_lib, remember_cpu_info
 
 MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
 PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache
@@ -113,7 +112,7 @@ def op_built() -> bool:
 def why_unmeasured() -> str:
     """Why cpu_adam_figure() is None."""
     if not op_built():
-        return ("DeepSpeed's CPU-Adam is not built on this host yet (minutes to build; `python -m zerotune.ops` "
+        return ("DeepSpeed's CPU-Adam is not built on this host yet (minutes to build; `python -m zerotune.host.ops` "
                 "builds it, and so does the first job that offloads): the next plan times it")
     return "DeepSpeed's CPU-Adam could not be built or run here"
 

@@ -9,7 +9,7 @@ What is traced is what FrozenEncoders does on its device, in fp32:
   SD 1.x / 2.x (`conditioning: text`): the one text_encoder's last hidden states.
 The VAE stays on the device while the text encoders run (both are dropped by release(), at the end).
 
-Architectures: models/encoder_archs.py configs (the components' own config.json, else the published ones).
+Architectures: models/text_encoders.py configs (the components' own config.json, else the published ones).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerotune import files
-from zerotune.schema import Adapter, Model
+from zerotune.config import files
+from zerotune.config.schema import Adapter, Model
 
 if TYPE_CHECKING:  # step_tracker imports torch's MemTracker (~1 s): only where a trace runs
     from zerotune.plan.step_tracker import StepTracker
@@ -136,7 +136,7 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
 
 def trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, latent_hw: tuple[int, int],
                    precision: str) -> dict:
-    """A validation pass (training/validation.py) on fake tensors: {"vae_params": [bytes per parameter, in the
+    """A validation pass (train/validation.py) on fake tensors: {"vae_params": [bytes per parameter, in the
     training dtype], "unet_peak": B (one guided step: the prompt and its negative as a batch of 2, no grad),
     "vae_decode_peak": B (one latent decoded), "seconds"}."""
     from zerotune.models import adapter, unet_config
@@ -175,17 +175,16 @@ def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, 
 
 def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int, int], steps: int = 2) -> dict:
     """A validation pass's call run for real on this CPU, at the traced size (the check on trace_sampling):
-    diffusers' StableDiffusionXLPipeline with guidance, as training/validation.py calls it, on a U-Net and a VAE
+    diffusers' StableDiffusionXLPipeline with guidance, as train/validation.py calls it, on a U-Net and a VAE
     built from the same configs with random weights. {"between_ops", "with_workspaces"}: bytes held beyond the
     weights, from torch.profiler's record of every allocation and free (activations.measure_step_on_cpu's way)."""
     from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from torch.profiler import ProfilerActivity, profile
 
-    from zerotune.diffusion import noise_scheduler
+    from zerotune.config.schema import Diffusion
     from zerotune.models import build_unet, unet_config
+    from zerotune.models.diffusion import make_sampler, noise_scheduler
     from zerotune.plan.activations import _peaks
-    from zerotune.sampling import make_sampler
-    from zerotune.schema import Diffusion
 
     torch.manual_seed(0)
     unet = build_unet(model_cfg).eval()
@@ -195,7 +194,7 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     config = unet_config(model_cfg)
     states = torch.randn(1, int(model_cfg.text_seq_len), int(config["cross_attention_dim"]))
     embeds: dict[str, torch.Tensor] = {"prompt_embeds": states}
-    if model_cfg.conditioning == "text":  # as training/validation.py: the zeros null condition as the negative
+    if model_cfg.conditioning == "text":  # as train/validation.py: the zeros null condition as the negative
         pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=sampler,
                                        safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         embeds["negative_prompt_embeds"] = torch.zeros_like(states)

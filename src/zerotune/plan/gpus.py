@@ -3,13 +3,17 @@ throughput, the host link, and the memory a CUDA process holds before its first 
 
 Figures are the vendors' datasheets (dense, i.e. without 2:4 sparsity; bf16/fp16 with fp32 accumulate)
 and are cited in experiments/results/planner_reference.md. `memory_mib` is nvidia-smi's total.
-"""
+
+`--all`: every ZeRO stage x offload x gradient checkpointing option for one workload, ranked, and the
+recommendation: the lowest stage that fits, as the reference advises ("the lowest level of DeepSpeed that
+works"): each stage up adds communication, each offload adds PCIe traffic and CPU work."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerotune.errors import ConfigError
+from zerotune.config.errors import ConfigError
+from zerotune.rundir.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,78 @@ def lookup(name: str | None, memory_mib: int | None = None, key: str = "plan.gpu
         raise ConfigError(key, f"unknown GPU {name!r}", f"one of: {', '.join(CATALOG)}, or give its memory with "
                           f"{mib_key}=<MiB>")
     return found
+
+
+_OFFLOAD_COST = {"none": 0, "cpu": 1, "nvme": 2}
+
+
+@dataclass
+class Row:
+    stage: int
+    offload: str
+    checkpointing: bool
+    plan: Plan | None
+    refused: str | None = None     # the validator's reason, when the combination is not allowed
+
+    @property
+    def label(self) -> str:
+        return f"zero_stage={self.stage} offload={self.offload} gradient_checkpointing={str(self.checkpointing).lower()}"
+
+    def fits(self, gpu: GPU | None) -> bool | None:
+        if self.plan is None or gpu is None:
+            return None
+        return peak_mib(self.plan) <= gpu.memory_mib
+
+
+def peak_mib(plan: Plan | None) -> float:
+    """What nvidia-smi would show at the run's peak: its phases' (plan/phases.py) when known, else the step's."""
+    if plan is None or plan.peak_mib is None:
+        raise ValueError("an option without a GPU plan has no peak")
+    return plan.peak_mib
+
+
+def rank(rows: list[Row], gpu: GPU | None) -> dict:
+    """The table (fitting options first, cheapest first) and the recommendation with its reason."""
+    # cheaper first: lower stage, then less offload, then no recomputation
+    ordered = sorted(rows, key=lambda r: (r.fits(gpu) is not True, r.plan is None, r.stage, _OFFLOAD_COST[r.offload],
+                                          r.checkpointing))
+    fitting = [r for r in ordered if r.fits(gpu)]
+    table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
+              "fits": r.fits(gpu), "refused": r.refused,
+              **({k: getattr(r.plan, k) for k in _FIGURES} if r.plan else {}),
+              **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
+    return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu),
+            "smallest": _smallest(rows)}
+
+
+def _smallest(rows: list[Row]) -> dict:
+    """The option with the lowest run peak, whatever it costs in time: what to train with when memory is all
+    that matters (the recommendation weighs communication and offload too)."""
+    least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
+    if least is None:
+        return {"option": None, "peak_mib": None, "time_floor_s": None}
+    return {"option": least.label, "peak_mib": peak_mib(least.plan),
+            "time_floor_s": least.plan.time_floor_s if least.plan else None}
+
+
+_FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase", "host_peak_mib", "nvme_mib",
+            "time_floor_s", "bound")
+
+
+def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:
+    if gpu is None:
+        return {"option": None, "why": "no GPU named: give --gpu or --gpu-mib to judge what fits"}
+    if not fitting:
+        least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
+        why = f"nothing fits {gpu.name} ({gpu.memory_mib:,} MiB)"
+        if least is not None:
+            why += f"; the smallest is {least.label} at {peak_mib(least.plan):,.0f} MiB: lower the batch or resolution"
+        return {"option": None, "why": why}
+    best = fitting[0]
+    below = [r for r in rows if r.plan and r.stage < best.stage]
+    why = (f"the lowest ZeRO stage that fits {gpu.name}: {peak_mib(best.plan):,.0f} of {gpu.memory_mib:,} MiB "
+           f"predicted, with the least offload and recomputation at that stage")
+    if below:
+        closest = min(below, key=lambda r: peak_mib(r.plan))
+        why += f"; stage {closest.stage} needs at least {peak_mib(closest.plan):,.0f} MiB ({closest.label})"
+    return {"option": best.label, "why": why}

@@ -7,20 +7,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from zerotune import config_search
-from zerotune.errors import ConfigError
+from zerotune.config import search as config_search
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import MIB, Config
+from zerotune.config.schema import Plan as PlanSettings
+from zerotune.host.platform import detect
+from zerotune.host.ram import read_host_memory
 from zerotune.plan import gpus
-from zerotune.plan.host import largest_share, node_need_mib
+from zerotune.plan.host_memory import PROCESS_RSS, largest_share, node_need_mib
 from zerotune.plan.predict import predict
-from zerotune.plan.process import PROCESS_RSS
-from zerotune.platform import detect
-from zerotune.resolved import ResolvedRun
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir.plan import Plan
-from zerotune.rundir.status import Status
-from zerotune.schema import Config
-from zerotune.schema.job import Plan as PlanSettings
-from zerotune.telemetry.host import read_host_memory
-from zerotune.units import MIB
+from zerotune.rundir.summary import Status
 
 log = logging.getLogger("zerotune")
 
@@ -63,7 +61,7 @@ def check_plan_keys(plan: PlanSettings) -> None:
 def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
     """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
     recorded, never stops a run."""
-    # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/process.py).
+    # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/host_memory.py).
     cfg, device = checked.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
         plan = predict(checked, gpu, device=device)
@@ -78,7 +76,7 @@ def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
 def host_fit(cfg: Config, plan: Plan) -> dict[str, Any]:
     """The node's predicted need of host memory beside what this host (its cgroup, plan.host_mib) has for it."""
     accelerator, ranks = detect().device_type, cfg.launch.num_processes
-    # A CPU plan's host figure is the node's whole process RSS (imports included: plan/process.py), not its tensors.
+    # A CPU plan's host figure is the node's whole process RSS (imports included: plan/host_memory.py), not its tensors.
     need = plan.host_peak_mib if plan.host_peak_kind == PROCESS_RSS else node_need_mib(plan, ranks, accelerator)
     memory, budget = read_host_memory(), cfg.plan.host_mib
     room = memory.headroom_mib if budget is None else min(memory.headroom_mib, float(budget))

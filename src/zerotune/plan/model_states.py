@@ -1,17 +1,38 @@
-"""Per-rank bytes of the model states (parameters, gradients, fp32 master weights, optimizer states) a run
+"""Where each ZeRO stage's rules live: one module per stage family, each with the same four rules
+(states, buffers, step_transients, loading).
+
+Per-rank bytes of the model states (parameters, gradients, fp32 master weights, optimizer states) a run
 will hold, predicted from the parameter sizes and the validated DeepSpeed dict, with no weights built.
 
-The keys are the ones `training/partition.py::partition_bytes` reads from the live engine after step 1. The
+The keys are the ones `train/engine.py::partition_bytes` reads from the live engine after step 1. The
 rules are DeepSpeed 0.19.8's own, padding included, each with the rest of its stage's rules (stage0.py,
 zero12.py, zero3.py); DeepSpeed's own buffers on top of these are buffers.py's.
-"""
+
+DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each a Term (rules.buffer_term:
+where it lives, exact or an upper bound, its lifetime, its source, the model state it `overlaps`: a planner adds
+only the terms without one) from its stage's rule (stage0.py, zero12.py, zero3.py). Sizes follow DeepSpeed's:
+only the optimizer's (trainable) parameters are flattened, bucketed, staged and stepped; with an adapter the
+frozen base U-Net counts only where stage 3 gathers every module parameter for forward and backward. Nothing
+here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator allocates the "GPU" buffers in host
+memory too); the rules are read from the source.
+
+Plain accelerate (use_deepspeed False) has none of DeepSpeed's buffers; its own, torch's and accelerate's, are
+stage0.plain_buffers' (gradients kept across micro-steps, DDP's gradient buckets), on the device `device` names."""
 
 from __future__ import annotations
 
-from zerotune.plan import stage0
+from types import ModuleType
+
+from zerotune.config.schema import Adapter, Model
+from zerotune.plan import stage0, zero3, zero12
 from zerotune.plan.rules import Precision, numels_of, precision_of, zero_config
-from zerotune.plan.stages import rules_for
-from zerotune.schema import Adapter, Model
+from zerotune.rundir.plan import Term
+
+
+def rules_for(stage: int) -> ModuleType:
+    """The module holding stage `stage`'s rules (0 also for plain accelerate: nothing partitioned)."""
+    return {0: stage0, 1: zero12, 2: zero12, 3: zero3}[stage]
+
 
 # Plain accelerate keeps fp32 weights (autocast for bf16/fp16) and builds torch's optimizer on them.
 _PLAIN = Precision("fp32", 4, 4, 4, False)
@@ -48,3 +69,55 @@ def param_numels(model_cfg: Model, adapter_cfg: Adapter | None = None) -> tuple[
 
     stats = model_stats(model_cfg, adapter_cfg)
     return numels_of(stats.param_numels, stats.trainable_numels or None)
+
+
+def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
+                 rank: int | None = None, use_deepspeed: bool = True,
+                 trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                 device: str = "cuda") -> list[Term]:
+    """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
+    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's: its own (torch DDP's, the gradients
+    kept across micro-steps) are stage0.plain_buffers', on `device` (cuda | cpu: where DDP wraps the module).
+    `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
+    if not use_deepspeed:
+        return stage0.plain_buffers(ds_config, numels_of(param_numels, trainable_numels)[1], world_size, device)
+    prec, zero = precision_of(ds_config), zero_config(ds_config)
+    if precision is not None and precision != prec.name:
+        raise ValueError(f"precision {precision!r} disagrees with the DeepSpeed dict's {prec.name!r}")
+    numels, train = numels_of(param_numels, trainable_numels)
+    return rules_for(int(zero.stage)).buffers(ds_config, numels, train, world_size, rank, prec, zero, groups)
+
+
+def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: int, precision: str | None,
+            rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None,
+            groups: list[int] | None = None, device: str = "cuda") -> tuple[dict, list[Term], int]:
+    """({name: bytes} of the buffers in `where` that overlap no model state, those sharing the gradients' memory,
+    the gradients' bytes)."""
+    terms = [t for t in buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                     trainable_numels, groups, device) if t.where == where]
+    wider = [t for t in terms if t.overlaps == "grads_bytes"]
+    grads = model_state_bytes(param_numels, ds_config, world_size, rank or 0, use_deepspeed,
+                              trainable_numels, trainable_groups=groups)["grads_bytes"] if wider else 0
+    return {t.term: t.nbytes for t in terms if not t.overlaps}, wider, grads
+
+
+def gpu_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
+                     rank: int | None = None, use_deepspeed: bool = True,
+                     trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                     device: str = "cuda") -> dict:
+    """{name: bytes} of the GPU buffers a planner adds to the model states (overlapping terms left out;
+    the stage-2 contiguous-gradients buffer counts only what it holds beyond the gradient partition)."""
+    out, wider, grads = _placed("gpu", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                trainable_numels, groups, device)
+    return {**out, **{t.term: max(0, t.nbytes - grads) for t in wider}}
+
+
+def host_buffer_bytes(ds_config: dict, param_numels: list[int], world_size: int, precision: str | None = None,
+                      rank: int | None = None, use_deepspeed: bool = True,
+                      trainable_numels: list[int] | None = None, groups: list[int] | None = None,
+                      device: str = "cuda") -> dict:
+    """{name: bytes} of DeepSpeed's pinned host buffers beyond the model states (offload staging, swap)."""
+    out, wider, grads = _placed("host", ds_config, param_numels, world_size, precision, rank, use_deepspeed,
+                                trainable_numels, groups, device)
+    # ZeRO-2 offload holds the gradient partition in fp32, wider than the parameters' dtype: the excess counts
+    return {**out, **{t.term + "_beyond_grads": t.nbytes - grads for t in wider if t.nbytes > grads}}

@@ -1,8 +1,8 @@
 """The whole run, not only the training step: what nvidia-smi shows in each phase zerotune's run goes through.
 
 nvidia-smi counts the CUDA context and what torch's caching allocator has reserved; a block freed by an earlier
-phase stays reserved until torch.cuda.empty_cache(). Phases, in the order a run meets them (training/run.py,
-training/trainer.py Trainer._prepare):
+phase stays reserved until torch.cuda.empty_cache(). Phases, in the order a run meets them (train/run.py,
+train/trainer.py Trainer._prepare):
 
 - caching (data=folder with its encoders on the GPU): inside build_loader, after the U-Net is built (at ZeRO-3
   its partitions are on the GPU already, built under zero.Init) and before accelerate.prepare moves it;
@@ -22,16 +22,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zerotune.models import encoder_archs
+from zerotune.config.schema import DTYPE_BYTES, MIB, Config
+from zerotune.data.prompts import check_validation, enabled
+from zerotune.models import text_encoders
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
+from zerotune.plan.model_states import rules_for
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import state_mib, term, zero_stage
-from zerotune.plan.stages import rules_for
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, mib_of
-from zerotune.schema import Config
-from zerotune.units import DTYPE_BYTES, MIB
-from zerotune.validation import check_validation, enabled
 
 _BASE = ("cuda_context", "cublas_workspace")
 
@@ -72,7 +71,7 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, bas
     device = cfg.data.cache_device
     if cfg.data.name != "folder" or not (device.startswith("cuda") or (device == "auto" and gpu is not None)):
         return None
-    found = encoder_archs.configs(cfg.model)
+    found = text_encoders.configs(cfg.model)
     if found is None:
         return None
     archs, where = found
@@ -120,7 +119,7 @@ def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: Plan, base: list
 
 
 def _step(plan: Plan) -> Phase:
-    """What the step holds throughout and at its largest moment (plan/step_peak.py): its terms add up."""
+    """What the step holds throughout and at its largest moment (plan/predict.py): its terms add up."""
     moment = plan.step_peak_moment
     return Phase("step", plan.gpu_peak_mib or 0.0, tuple(plan.terms_at_peak()),
                  f"the step's prediction (plan/predict.py gpu_terms), at its largest moment: {moment}")
@@ -142,7 +141,7 @@ def _sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -
 
 
 def _validation(found: tuple[list[Term], str], plan: Plan, base: list[Term]) -> Phase:
-    """training/validation.py, at its largest prompt: what training holds after a step, and what the pass adds
+    """train/validation.py, at its largest prompt: what training holds after a step, and what the pass adds
     (validation_pass_terms). The pass ends with torch.cuda.empty_cache()."""
     added, source = found
     live = [*base, *_live_states(plan)]
@@ -159,7 +158,7 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
     None without validation prompts, or when no architecture describes the VAE."""
     if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
         return None
-    found = encoder_archs.configs(cfg.model)
+    found = text_encoders.configs(cfg.model)
     if found is None:
         return None
     archs, where = found
@@ -178,11 +177,11 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
               term("sampling_activations", max(traced["unet_peak"], traced["vae_decode_peak"]),
                    f"fake-tensor trace at {largest.width}x{largest.height}: one guided U-Net call (batch 2) "
                    f"{traced['unet_peak'] / MIB:,.1f} MiB, the VAE's decode {traced['vae_decode_peak'] / MIB:,.1f} MiB")]
-    return terms, f"training/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
+    return terms, f"train/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
 
 
 def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
-    """training/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
+    """train/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
     parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
     each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its
     parameters' device)."""
@@ -196,18 +195,18 @@ def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[T
                           f"the largest module's own parameters whole ({numel:,} elements), "
                           "GatheredParameters(module.parameters(recurse=False))"))
     return Phase("sampling", mib_of(terms), tuple(terms),
-                 f"training/evaluate.py: {cfg.evaluate.per_class * 10} samples x 2 (guidance) at "
+                 f"train/evaluate.py: {cfg.evaluate.per_class * 10} samples x 2 (guidance) at "
                  f"{cfg.resolution.size} px, {cfg.evaluate.steps} steps, on the CPU")
 
 
 def _export(cfg: Config, plan: Plan, base: list[Term]) -> Phase | None:
     """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
     copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
-    own process (checkpoints/convert.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
+    own process (rundir/checkpoint_io.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
     run saves no checkpoint (checkpoint.final=false, no checkpoint.every_n_steps): nothing to export."""
     if not (cfg.checkpoint.final or int(cfg.checkpoint.every_n_steps or 0) > 0):
         return None
     terms = [*base, *_live_states(plan)]
     return Phase("export", mib_of(terms), tuple(terms),
-                 "checkpoints/store.py save (in the run); export.py runs on the CPU, "
+                 "rundir/checkpoint_io.py save (in the run); export.py runs on the CPU, "
                  "no CUDA context: 0 MiB on the GPU in its own process")

@@ -9,9 +9,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zerotune.resolved import ResolvedRun
+from zerotune.config.schema import DTYPE_BYTES
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir.plan import Plan, Term
-from zerotune.units import DTYPE_BYTES
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -17,8 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zerotune.config.schema import DTYPE_BYTES, Config, launch_world_size
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -32,10 +34,7 @@ from zerotune.plan.rules import (
     states_record,
     term,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Phase, Plan, Term, mib_of
-from zerotune.schema import Config, launch_world_size
-from zerotune.units import DTYPE_BYTES
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     import torch
@@ -69,7 +68,7 @@ def ddp_wraps(world: int, device: str) -> bool:
     """Whether accelerate wraps the module in DistributedDataParallel (accelerate/accelerator.py prepare_model): on
     CUDA when the state is multi-device (`multi_device`: distributed_type MULTI_GPU and num_processes > 1); on a CPU
     whenever LOCAL_RANK is set (state.py _prepare_backend: MULTI_CPU, `distributed_type == MULTI_CPU` wraps at any
-    process count), which zerotune's environment always sets (training/distributed.py ensure_single_process_env)."""
+    process count), which zerotune's environment always sets (train/distributed.py ensure_single_process_env)."""
     return world > 1 or device == "cpu"
 
 

@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zerotune.config.schema import MIB, Config, launch_world_size
 from zerotune.plan import allocator
 from zerotune.plan.gpus import GPU
-from zerotune.plan.host import HEAP_KEPT, heap_kept_bytes
-from zerotune.plan.pinned import PINNED_ROUNDING, rounding_bytes, torch_pins
+from zerotune.plan.host_memory import HEAP_KEPT, PINNED_ROUNDING, heap_kept_bytes, rounding_bytes, torch_pins
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -28,10 +29,7 @@ from zerotune.plan.rules import (
     term,
     zero_config,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Phase, Plan, Term, mib_of
-from zerotune.schema import Config, launch_world_size
-from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -291,7 +289,7 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base
        then casts it to the fp32 master (on the card; on the host under offload) and frees the clone.
     At step 4 the pool holds the frozen blocks, the blocks of groups i.. (group i's freed but reserved), the flat
     buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. At its
-    end, the trainer empties the cache (training/trainer.py Trainer._prepare): only what is alive carries over."""
+    end, the trainer empties the cache (train/trainer.py Trainer._prepare): only what is alive carries over."""
     prec = precision_of(checked.ds_config)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = split_groups(train, checked.group_sizes())

@@ -14,9 +14,17 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from zerotune.config.schema import MIB, Config
 from zerotune.plan import zero3_replay
 from zerotune.plan.gpus import GPU
-from zerotune.plan.pinned import PINNED_CACHE, PINNED_ROUNDING, pinned_block_bytes, rounding_bytes, torch_pins
+from zerotune.plan.host_memory import (
+    PINNED_CACHE,
+    PINNED_ROUNDING,
+    pinned_block_bytes,
+    rounding_bytes,
+    torch_pins,
+)
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     Precision,
     StepShape,
@@ -36,10 +44,7 @@ from zerotune.plan.zero3_runtime import (
     stage3_sub_groups,
     sub_groups,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Phase, Plan, Term, mib_of
-from zerotune.schema import Config
-from zerotune.units import MIB
 
 if TYPE_CHECKING:  # DeepSpeed is imported where a rule needs it: reading a plan does not
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -211,12 +216,12 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base
     without optimizer offload each sub-group's fp32 master is `.to(fp32).clone()` (stage3.py line 1170) and
     initialize_optimizer_states allocates then frees the largest sub-group's gradient buffer (line 1306); then
     the reduce bucket (line 782) and the gradient partitions (line 791). The trainer then empties the cache
-    (training/trainer.py Trainer._prepare): a segment still holding a live block stays reserved, whole."""
+    (train/trainer.py Trainer._prepare): a segment still holding a live block stays reserved, whole."""
     found = zero3_replay.loading_memory(cfg, checked)
     at = found["at_reserved_peak"]
     terms = [*base, *zero3_replay.terms_at(at, "", "replayed engine build")]
     return Phase("loading", mib_of(terms), tuple(terms), end_live_mib=mib_of(base) + found["end_reserved"] / MIB,
                  source="partition_parameters.py zero.Init; stage3.py DeepSpeedZeroOptimizer_Stage3.__init__, "
                       "replayed through the caching allocator (runtime/zero/utils.py defragment empties the cache "
-                      "at line 234, before the flat buffer; training/trainer.py Trainer._prepare once the engine is "
+                      "at line 234, before the flat buffer; train/trainer.py Trainer._prepare once the engine is "
                       "built: only segments still in use carry over)")

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerotune.config.schema import MIB, Config, launch_world_size
 from zerotune.plan.allocator import TaggedPool, storage_mode
 from zerotune.plan.gpus import GPU
+from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import comm_elem, offload_device, optimizer_kind, precision_of, term, zero_config
 from zerotune.plan.zero3_runtime import (
     Gather,
@@ -38,10 +40,7 @@ from zerotune.plan.zero3_runtime import (
     sub_groups,
     zero_numel,
 )
-from zerotune.resolved import ResolvedRun
 from zerotune.rundir.plan import Term
-from zerotune.schema import Config, launch_world_size
-from zerotune.units import MIB
 
 _LOADINGS: dict[str, dict] = {}
 
@@ -62,7 +61,7 @@ def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
 
 def _build(model, pool: TaggedPool, cfg: Config, checked: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
     """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
-    reserved after it (training/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
+    reserved after it (train/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
     engine, since commit d6e1446; `emptied` False: the trainer before), and the optimizer's sub-groups."""
 
     ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
@@ -144,7 +143,7 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
     "reserved" (bytes), "at_allocated_peak"/"at_reserved_peak": {"phase", "tags" {tag: bytes}, "cached"}}.
     None where the replay cannot run (its reason logged): the rules above then stand alone. `emptied` False:
     the trainer as it was before it emptied the cache after the engine's build (rows recorded before d6e1446)."""
-    from zerotune import files
+    from zerotune.config import files
     from zerotune.plan import activations
 
     family = gpu.family if gpu else "unknown"
@@ -209,7 +208,7 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
     import deepspeed
 
     from zerotune.plan import activations
-    from zerotune.plan.context import CUBLAS_WORKSPACE
+    from zerotune.plan.allocator import CUBLAS_WORKSPACE
 
     ds = checked.ds_config
     trace = activations.trace_key(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]),
@@ -266,13 +265,13 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
 
 def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str, emptied: bool = True) -> dict:
     """The engine's build, then REPLAY_STEPS training steps, on `model` (fake tensors, under FakeTensorMode).
-    `emptied`: the trainer empties the cache between the two (training/trainer.py Trainer._prepare, since commit
+    `emptied`: the trainer empties the cache between the two (train/trainer.py Trainer._prepare, since commit
     d6e1446); False replays the trainer the H100 grid ran, which did not."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as status
 
     from zerotune.plan import activations
-    from zerotune.plan.context import CUBLAS_WORKSPACE
+    from zerotune.plan.allocator import CUBLAS_WORKSPACE
 
     ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
     world, ga = launch_world_size(cfg.launch), int(ds["gradient_accumulation_steps"])
@@ -296,7 +295,7 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
     states: dict[int, list[int]] = {}
     with mode, torch.enable_grad():
         pool.phase = "forward"
-        if cublas:  # the first matmul's workspace, then cuBLASLt's (plan/context.py)
+        if cublas:  # the first matmul's workspace, then cuBLASLt's (plan/allocator.py)
             pool.malloc(cublas - MIB, "cublas_workspace")
             pool.malloc(MIB, "cublas_workspace")
         for _ in range(REPLAY_STEPS):

@@ -1,6 +1,6 @@
 """Sweep reports: one table, a few plots and a budget answer for a Hydra sweep of zerotune runs.
 
-`zerotune report <sweep dir>...` from a shell; `SweepReportCallback` (zerotune.cli.sweep_report)
+`zerotune report <sweep dir>...` from a shell; `SweepReportCallback` (zerotune.cli.callbacks)
 at the end of `train.py -m`; `build_report` (zerotune.report.build) from Python. This module imports no
 plotting library, so registering the callback costs a training run nothing.
 """

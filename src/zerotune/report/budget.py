@@ -12,9 +12,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerotune.report.collect import MEMORY_KEYS, OVERRIDE_TO_CHOICE, sort_key, status_counts, swept_keys
-from zerotune.report.plan_columns import PLAN_TIME_KEY, PREDICTED_FOR
-from zerotune.rundir.status import Status
+from zerotune.report.collect import (
+    MEMORY_KEYS,
+    OVERRIDE_TO_CHOICE,
+    PLAN_TIME_KEY,
+    PREDICTED_FOR,
+    sort_key,
+    status_counts,
+    swept_keys,
+)
+from zerotune.rundir.summary import Status
 
 # What `--metric gpu|host` means.
 METRICS = {"gpu": "gpu_peak_process_mib", "host": "host_peak_rss_mib"}

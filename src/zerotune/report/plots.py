@@ -23,7 +23,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from zerotune.report.collect import sort_key
-from zerotune.rundir.status import Status
+from zerotune.rundir.summary import Status
 
 if TYPE_CHECKING:
     from matplotlib.typing import LineStyleType

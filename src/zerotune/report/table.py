@@ -11,8 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zerotune.report.collect import PARAM_COUNT_KEYS, numbers_first, sort_key, status_counts
-from zerotune.report.plan_columns import PLAN_ERROR, RATIOS, has_plan, not_comparable, shown_ratio
+from zerotune.report.collect import (
+    PARAM_COUNT_KEYS,
+    PLAN_ERROR,
+    RATIOS,
+    has_plan,
+    not_comparable,
+    numbers_first,
+    shown_ratio,
+    sort_key,
+    status_counts,
+)
 
 Column = tuple[str, str, Callable[[Any], str]]
 MIB, RATIO = "{:.0f}".format, "{:.2f}".format

@@ -1,17 +1,22 @@
-"""The run directory: one folder holds everything about a run. File names here are a contract."""
+"""The run directory: one folder holds everything about a run. File names here are a contract.
+
+What a worker needs to know beyond config.yaml: written by the parent into the run directory."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from omegaconf import OmegaConf
 
-from zerotune.files import jsonable, write_json_atomic, write_text_atomic
-from zerotune.rundir.run_summary import SUMMARY, RunSummary
-from zerotune.schema import Config
+from zerotune.config.files import jsonable, write_json_atomic, write_text_atomic
+from zerotune.config.schema import Config
+from zerotune.rundir.summary import SUMMARY, RunSummary
 
 __all__ = ["RunDir", "ATTEMPTS", "CONFIG", "DS_CONFIG", "METRICS", "SUMMARY", "SAMPLES"]
 
@@ -21,7 +26,7 @@ METRICS = "metrics.jsonl"
 SAMPLES = "samples"
 ATTEMPTS = "attempts"
 # What one run writes about itself; checkpoints/ and the launcher's logs/ (a folder per launch) stay in place.
-_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "launch.json", "resolved.json", "telemetry.png", "ranks")
+_RECORDS = (CONFIG, DS_CONFIG, METRICS, SUMMARY, SAMPLES, "job.json", "launch.json", "resolved.json", "telemetry.png", "ranks")
 
 
 class RunDir:
@@ -85,3 +90,43 @@ class RunDir:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+SPEC_FILE = "job.json"
+SPEC_FILE_BEFORE = "launch.json"          # the same spec, as run directories written before job.json name it
+MAX_NAME_LEN = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+
+
+@dataclass
+class JobSpec:
+    run_dir: str
+    run_name: str = "default"             # from the overrides; W&B's run name
+    group: str | None = None              # the sweep id under -m; W&B's group
+    overrides: list[str] = field(default_factory=list)
+    from_parent: bool = False             # a zerotune parent resolved this job and holds its checkpoint dir's lock
+
+    def save(self) -> None:
+        write_json_atomic(Path(self.run_dir) / SPEC_FILE, asdict(self))
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> JobSpec:
+        path = Path(run_dir) / SPEC_FILE
+        if not path.exists() and (Path(run_dir) / SPEC_FILE_BEFORE).exists():
+            path = Path(run_dir) / SPEC_FILE_BEFORE
+        return cls(**json.loads(path.read_text()))
+
+
+def run_name(overrides: list[str]) -> str:
+    """["zero_stage=2", "offload=cpu"] -> "zero_stage=2,offload=cpu"; [] -> "default".
+
+    Filesystem-safe ("/" -> "-", anything else unusual -> "_"); names longer than MAX_NAME_LEN are cut and
+    suffixed with a hash of the full name so that distinct long override sets stay distinct.
+    """
+    if not overrides:
+        return "default"
+    name = ",".join(_UNSAFE.sub("_", o.strip().replace("/", "-")) for o in overrides).lstrip(".-") or "default"
+    if len(name) > MAX_NAME_LEN:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = f"{name[: MAX_NAME_LEN - 9]}-{digest}"
+    return name

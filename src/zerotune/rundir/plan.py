@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from zerotune.units import MIB
+from zerotune.config.schema import MIB
 
 PERSISTENT = "persistent"  # a step term held throughout the step (written without a "moment")
 

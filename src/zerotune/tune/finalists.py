@@ -19,9 +19,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from zerotune.tune.pooled import pooled_figures, shape
-from zerotune.tune.screen import Screened, planned_peak_mib
-from zerotune.tune.study import Trial
+from zerotune.tune.space import Screened, planned_peak_mib
+from zerotune.tune.study import Trial, pooled_figures, shape
 
 
 @dataclass
@@ -107,7 +106,7 @@ def run_to_run_spread(finalists: list[Finalist]) -> float | None:
 
 
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
-    """The fastest complete trials by pooled figure (tune/pooled.py), at most `limit`: the best, the runner-up
+    """The fastest complete trials by pooled figure (tune/study.py), at most `limit`: the best, the runner-up
     (so that the winner's lead is measured in pairs too), then the next fastest whose figure could reach the
     best's (figure x (1 + spread) >= best x (1 - its spread), each spread its last rung's, floored by
     min_spread), then, where room is left, those within twice the spreads: two trials run minutes apart, and

@@ -1,22 +1,114 @@
-"""The candidates a tune sweep considers: the command line's fixed values and lists, over the sweeper's space.
+"""The sweeper's settings (conf/hydra/sweeper/tune.yaml, `hydra.sweeper.<key>=...`), checked before any trial:
+a bad value is a config error naming its key, with a value that works.
+
+The candidates a tune sweep considers: the command line's fixed values and lists, over the sweeper's space.
 
 A knob the command line gives one value is fixed; a list (`zero_stage=1,2,3`) bounds it; a knob it does not
 name takes `hydra.sweeper.space`'s values. Any other key given one value is part of the workload, the same
 in every trial; a list there is refused (it would compare different workloads). The micro batch and the
 accumulation share the global batch: `train.grad_accum` is derived for each candidate.
-"""
+
+Before any trial: each candidate composed, checked by the validator and planned. What the validator refuses,
+what the planner predicts will not fit, and what composes to the same run as an earlier candidate are dropped,
+each with its reason; the rest are the trials."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from zerotune.compose.overrides import as_typed, typed_line
-from zerotune.errors import ConfigError
+from zerotune.config.compose.overrides import as_typed, typed_line
+from zerotune.config.compose.settle import Settled
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Config, as_dict
+from zerotune.rundir.plan import Plan
+from zerotune.rundir.summary import Status
+from zerotune.train.rungs import PRUNERS
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    name: str | None = None              # the winner's file: experiment/tuned_<name>.yaml
+    global_batch: int | None = None      # samples per optimizer step; None: as the command line composes
+    gpu: str | None = None               # a card not present: rank by the planner, run nothing
+    n_trials: int | None = None          # None: every candidate the planner keeps
+    seed: int = 0
+    warmup_steps: int = 3
+    min_steps: int = 4
+    reduction_factor: int = 3
+    max_steps: int = 12                  # the search only finds the finalists: their rounds are the measurement
+    pruner: str = "successive_halving"
+    min_spread: float = 0.10             # the least relative spread of a figure (rungs, finalists' rounds)
+    finalists: int = 4                   # at most this many, within the spread of the best, are re-measured
+    pair_rounds: int = 3                 # rounds of the finalists' re-measurement (0: none)
+    pair_steps: int = 12                 # timed steps of each of those runs
+    extra_rounds: int = 2                # more rounds for a close call (finalists.Comparison.close): 0 for none
+    drop_by_plan: bool = True            # false: what the planner predicts won't fit (or needlessly checkpoints) runs too
+    warm_workers: bool = True            # trials' workers forked from one process that imported once (job/warm.py)
+    space: dict[str, Any] = field(default_factory=dict)
+
+    def trial_overrides(self) -> list[str]:
+        """What every trial's job is told of the rungs (schema `trial`)."""
+        return [f"trial.warmup_steps={self.warmup_steps}", f"trial.min_steps={self.min_steps}",
+                f"trial.reduction_factor={self.reduction_factor}", f"trial.max_steps={self.max_steps}",
+                f"trial.pruner={self.pruner}", f"trial.min_spread={self.min_spread}"]
+
+    def round_overrides(self) -> list[str]:
+        """What a finalist's re-measurement job is told: one rung of pair_steps, never stopped."""
+        return [f"trial.warmup_steps={self.warmup_steps}", f"trial.min_steps={self.pair_steps}",
+                f"trial.max_steps={self.pair_steps}", "trial.pruner=none", f"trial.min_spread={self.min_spread}"]
+
+
+def read_settings(params: dict[str, Any]) -> TuneSettings:
+    """TuneSettings from the sweeper's config node, every value checked."""
+    known = TuneSettings.__dataclass_fields__
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ConfigError(f"hydra.sweeper.{unknown[0]}", "not a setting of hydra/sweeper=tune",
+                          f"one of: {', '.join(known)}")
+    settings = TuneSettings(**{k: v for k, v in params.items() if k in known})
+    _check_positive(settings, ("warmup_steps", "pair_rounds", "extra_rounds"), minimum=0)
+    _check_positive(settings, ("min_steps", "max_steps", "global_batch", "n_trials", "finalists", "pair_steps"),
+                    minimum=1)
+    if isinstance(settings.min_spread, bool) or not isinstance(settings.min_spread, int | float) \
+            or not 0 <= settings.min_spread < 1:
+        raise ConfigError("hydra.sweeper.min_spread", f"must be a fraction in [0, 1), got {settings.min_spread!r}",
+                          "hydra.sweeper.min_spread=0.1")
+    _check_positive(settings, ("reduction_factor",), minimum=2)
+    for key in ("drop_by_plan", "warm_workers"):
+        if not isinstance(getattr(settings, key), bool):
+            raise ConfigError(f"hydra.sweeper.{key}", f"must be true or false, got {getattr(settings, key)!r}",
+                              f"hydra.sweeper.{key}=true")
+    if settings.pruner not in PRUNERS:
+        raise ConfigError("hydra.sweeper.pruner", f"unknown {settings.pruner!r}",
+                          f"hydra.sweeper.pruner={' | '.join(PRUNERS)}")
+    if settings.max_steps < settings.min_steps:
+        raise ConfigError("hydra.sweeper.max_steps", f"{settings.max_steps} is below min_steps {settings.min_steps}",
+                          f"hydra.sweeper.max_steps={settings.min_steps * settings.reduction_factor}")
+    return settings
+
+
+def _check_positive(settings: TuneSettings, keys: tuple[str, ...], minimum: int) -> None:
+    for key in keys:
+        value = getattr(settings, key)
+        if value is None and key in ("global_batch", "n_trials"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"hydra.sweeper.{key}", f"must be a whole number >= {minimum}, got {value!r}",
+                              f"hydra.sweeper.{key}={max(minimum, _suggested(key))}")
+
+
+def _suggested(key: str) -> int:
+    """A field's default, as the value a refusal suggests: 1 where the default is None or 0."""
+    default = TuneSettings.__dataclass_fields__[key].default
+    return default if isinstance(default, int) and default else 1
+
 
 KNOBS = ("zero_stage", "offload", "optimizer", "train.batch_size", "train.gradient_checkpointing", "deepspeed.overlap_comm",
          "deepspeed.reduce_bucket_size", "deepspeed.allgather_bucket_size", "deepspeed.stage3_prefetch_bucket_size",
@@ -138,3 +230,92 @@ def _text(value: Any) -> str:
 def _label(knobs: dict[str, str]) -> str:
     """As a user types them: zero_stage=2, not Hydra's zero_stage='2'."""
     return " ".join(as_typed([f"{k}={v}" for k, v in knobs.items()]))
+
+
+KEPT, INVALID, SAME, SLOWER = "kept", "invalid", "duplicate", "dominated"
+NO_FIT = Status.PREDICTED_OOM  # the word a job the guard skipped records: the tune report's column shows both
+CHECKPOINTING = "train.gradient_checkpointing"
+
+
+@dataclass
+class Screened:
+    number: int                       # the candidate's place in the space, from 0
+    candidate: Candidate
+    verdict: str                      # kept | invalid | predicted_oom | duplicate | dominated
+    reason: str = ""
+    plan: dict = field(default_factory=dict)   # peak MiB, time floor and what binds it
+
+
+def screen(found: list[Candidate], workload: list[str], settle: Callable[[list[str]], Settled],
+           gpu_name: str | None) -> list[Screened]:
+    """Each candidate's verdict. `settle`: overrides -> the job's settled config; `gpu_name`: plan for that card
+    (not present) rather than this machine."""
+    from zerotune.plan import gpus
+    from zerotune.plan.guard import job_gpu, job_plan
+    from zerotune.plan.resolve import check
+
+    out: list[Screened] = []
+    runs: dict[str, int] = {}  # a resolved config (_run_key): the first candidate that runs it
+    for number, candidate in enumerate(found):
+        overrides = [*workload, *candidate.overrides()]
+        try:
+            run = check(settle(overrides))
+            gpu = gpus.lookup(gpu_name, None) if gpu_name else job_gpu(run.config)
+            plan = job_plan(run, gpu)
+        except ConfigError as exc:
+            out.append(Screened(number, candidate, INVALID, f"{exc.key}: {exc.problem} (fix: {exc.fix})"))
+            continue
+        same = runs.setdefault(_run_key(run.config), number)
+        problems = [] if "error" in plan else _problems(plan, gpu_name)
+        verdict, reason = ((SAME, f"the same run as candidate {same}") if same != number else
+                           (NO_FIT, "; ".join(problems)) if problems else (KEPT, plan.error or ""))
+        out.append(Screened(number, candidate, verdict, reason, _plan_view(plan)))
+    return _drop_needless_checkpointing(out)
+
+
+def _drop_needless_checkpointing(found: list[Screened]) -> list[Screened]:
+    """Gradient checkpointing only adds a forward's recomputation: it is worth a trial only where the same run
+    without it is predicted not to fit."""
+    without = {_twin_key(s.candidate): s for s in found if str(s.candidate.knobs.get(CHECKPOINTING)).lower() == "false"}
+    for s in found:
+        twin = without.get(_twin_key(s.candidate))
+        if s.verdict == KEPT and str(s.candidate.knobs.get(CHECKPOINTING)).lower() == "true" and twin is not None \
+                and twin.verdict == KEPT:
+            s.verdict = SLOWER
+            s.reason = (f"candidate {twin.number}, the same without gradient checkpointing, is predicted to fit; "
+                        "checkpointing only adds recomputation")
+    return found
+
+
+def _twin_key(candidate: Candidate) -> str:
+    return " ".join(f"{k}={v}" for k, v in candidate.knobs.items() if k != CHECKPOINTING)
+
+
+def _problems(plan: Plan, gpu_name: str | None) -> list[str]:
+    from zerotune.plan.guard import memory_problems
+
+    if gpu_name:  # a card not here: its whole memory, as the catalog gives it
+        return [] if plan.fits is not False else [
+            f"predicted GPU peak {plan.run_peak_mib or plan.gpu_peak_mib:,.0f} MiB is above the "
+            f"{gpu_name}'s memory"]
+    return memory_problems(plan)
+
+
+def _run_key(cfg: Config) -> str:
+    """Two candidates that resolve to the same config (zero_stage=2 and zero_stage='2') are one run."""
+    return json.dumps(as_dict(cfg), sort_keys=True, default=str)
+
+
+def planned_peak_mib(plan: dict) -> float | None:
+    """A screened candidate's predicted peak: the run's, else the GPU's, else the step's."""
+    return plan.get("run_peak_mib") or plan.get("gpu_peak_mib") or plan.get("step_peak_mib")
+
+
+def _plan_view(plan: Plan) -> dict:
+    view = {k: getattr(plan, k) for k in ("gpu_peak_mib", "run_peak_mib", "host_peak_mib", "step_peak_mib",
+                                          "time_floor_s", "bound")}
+    view["host_need_mib"] = (plan.host_fit or {}).get("needed_mib")
+    terms = plan.time_terms
+    view["terms"] = {t.term: t.seconds for t in terms if t.seconds is not None}
+    view["terms_unknown"] = [f"{t.term} ({t.note or 'unmeasured'})" for t in terms if t.seconds is None]
+    return view

@@ -10,18 +10,26 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from zerotune.compose.overrides import as_typed
-from zerotune.compose.settle import Settled
-from zerotune.launch import warm
-from zerotune.schema import launch_world_size
-from zerotune.tune import finalists, report
+from zerotune.config.compose.overrides import as_typed
+from zerotune.config.compose.settle import Settled
+from zerotune.config.schema import launch_world_size
+from zerotune.job import warm
+from zerotune.tune import finalists
+from zerotune.tune import outcome as report
 from zerotune.tune.finalists import Finalist, Verdict
-from zerotune.tune.report import Outcome
-from zerotune.tune.screen import INVALID, KEPT, Screened, screen
-from zerotune.tune.settings import TuneSettings
-from zerotune.tune.space import Candidate, candidates, knob_values, read_command_line
+from zerotune.tune.outcome import Outcome, default_name, save_winner
+from zerotune.tune.space import (
+    INVALID,
+    KEPT,
+    Candidate,
+    Screened,
+    TuneSettings,
+    candidates,
+    knob_values,
+    read_command_line,
+    screen,
+)
 from zerotune.tune.study import Trial, run_rounds, run_trials
-from zerotune.tune.winner import default_name, save_winner
 
 log = logging.getLogger("zerotune")
 WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
@@ -30,7 +38,7 @@ WARM_WAIT_S = 60.0  # the template's imports: about 7 s on 2 busy cores
 def tune_sweep(settings: TuneSettings, arguments: list[str], settle: Callable[[list[str]], Settled],
                launch: Callable[[list[str], int], Path], sweep_dir: Path) -> Outcome:
     started = time.perf_counter()
-    # The workers' template imports while the candidates are screened (launch/warm.py); on a card too, where
+    # The workers' template imports while the candidates are screened (job/warm.py); on a card too, where
     # its imports leave CUDA's driver alone. None for a card not present: no trial runs.
     warm_log = sweep_dir / "warm_template.log"
     with warm.template(warm_log, enabled=settings.warm_workers and not settings.gpu) as template:

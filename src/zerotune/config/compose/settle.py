@@ -1,0 +1,216 @@
+"""The schema (zerotune/schema) as OmegaConf's node: registered in Hydra's ConfigStore as conf/config.yaml's
+`zerotune_schema`, and the way from a node, or plain data, to the frozen `Config`.
+
+The composed config as it will run: the user's DeepSpeed JSON and accelerate config folded in, then frozen
+into the schema's dataclasses. Who wins:
+
+- A value a file states replaces the group default (the composed config is updated, so config.yaml, summary
+  choices, reports, offload handling and measurement all describe what runs).
+- A value typed on the command line that contradicts a file is an error naming both sides.
+- Two files (an accelerate YAML and the DeepSpeed JSON it names) that disagree are an error too.
+
+Light on purpose (no torch, DeepSpeed or diffusers): a job's parent settles its config before it starts its
+workers, and the checks that need those run while the workers import. This is the last place Hydra's DictConfig
+is seen: past it, every function is given the frozen `Config`."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from zerotune.config import accelerate_file, deepspeed_file, precedence
+from zerotune.config.accelerate_file import Setting, from_accelerate, from_deepspeed, stated
+from zerotune.config.deepspeed_blocks import Known, solve
+from zerotune.config.errors import ConfigError
+from zerotune.config.precedence import UserConfig, pinned_by, typed_keys
+from zerotune.config.schema import Config, launch_world_size
+
+
+def structured() -> DictConfig:
+    """The schema as a config Hydra can compose into. The dataclasses are frozen (a resolved run's config is
+    never changed), which OmegaConf carries over as read-only nodes; composition must write into them
+    (defaults, then overrides), so the nodes are made writable here."""
+    node = OmegaConf.structured(Config)
+
+    def writable(container: DictConfig) -> None:
+        OmegaConf.set_readonly(container, None)
+        for key in container:
+            child = container._get_node(key)  # the node itself: reading it as a value would resolve it
+            if isinstance(child, DictConfig):
+                writable(child)
+
+    writable(node)
+    return node
+
+
+def register() -> None:
+    """Make `zerotune_schema` available to conf/config.yaml's defaults list."""
+    ConfigStore.instance().store(name="zerotune_schema", node=structured())
+
+
+def typed(cfg: DictConfig | Mapping[str, Any]) -> DictConfig:
+    """A plain config (a run's config.yaml) with the schema's types again, still a DictConfig."""
+    return OmegaConf.merge(structured(), cfg)  # type: ignore[return-value]
+
+
+def to_config(cfg: DictConfig | Mapping[str, Any]) -> Config:
+    """The composed config (Hydra's DictConfig, or plain data: a run's resolved.json) as the schema's frozen
+    dataclasses: what every function past the command line is given. Interpolations are resolved here, once."""
+    node = cfg if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is Config else typed(cfg)
+    return OmegaConf.to_object(node)  # type: ignore[return-value]
+
+
+log = logging.getLogger("zerotune.plan.resolve")
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The config with the user's files folded in, frozen: what a job starts its workers from (its launch
+    block), before the checks that need DeepSpeed and the model."""
+
+    config: Config
+    user: UserConfig
+    world_size: int
+
+
+def _fit_default_warmup(draft: DictConfig, user: UserConfig) -> None:
+    """A default warm-up longer than a short run (`train.max_steps=3`) is shortened to a tenth of the run;
+    one typed on the command line or given by a file stays, and the scheduler check reports it."""
+    steps, sched = draft.train.max_steps, draft.scheduler
+    warmup = sched.warmup_steps
+    if sched.name not in ("warmup_decay", "cosine") or warmup is None or int(warmup) < steps:
+        return
+    if user.origin_of("scheduler.warmup_steps") != "default":
+        return
+    fitted = max(steps // 10, 1) if steps > 1 else 0
+    log.warning("scheduler.warmup_steps=%s does not fit train.max_steps=%s: using %s", warmup, steps, fitted)
+    sched.warmup_steps = fitted
+    if fitted == 0:
+        sched.name = "constant"  # one step leaves nothing to warm up or decay over
+
+
+def settle(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
+           settings: Mapping[str, Any] | None = None, quiet: bool = False) -> Settled:
+    """The composed config as it will run, frozen: the user's DeepSpeed JSON and accelerate config folded in
+    (`overrides`, as typed on the command line, may not contradict them), then `settings` (what the job's
+    surroundings fix: a SLURM job's nodes and ranks). `cfg` itself is left as it is. `world_size`: None means
+    `launch.num_processes x launch.nnodes`. `quiet`: the file's warnings are recorded, not logged."""
+    draft = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else typed(cfg)
+    for key, value in (settings or {}).items():
+        OmegaConf.update(draft, key, value, merge=False)
+    user = _fold_user_files(draft, overrides, world_size, quiet=quiet)
+    _fit_default_warmup(draft, user)
+    config = to_config(draft)
+    return Settled(config, user, world_size or launch_world_size(config.launch))
+
+
+def _fold_user_files(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
+                     environ: dict | None = None, quiet: bool = False) -> UserConfig:
+    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg` (settle's own copy of the composed
+    config), in place; return what was used.
+    `quiet`: the file's warnings are only recorded (a later resolve of the same files says them)."""
+    user = UserConfig(typed=typed_keys(list(overrides)))
+    applied: dict[str, Setting] = {}
+    for acc in accelerate_file.find(cfg.accelerate.config_file, environ):
+        user.accelerate.append({"origin": acc.origin, "how": acc.how, "path": acc.path})
+        if acc.how == "default location":
+            log.info("read accelerate's default config %s (accelerate.config_file=null to ignore it)", acc.path)
+        for s in from_accelerate(acc, launched_externally=acc.how == "environment"):
+            _apply(cfg, s, applied, user)
+    path = cfg.deepspeed.config_file
+    if path:
+        user.deepspeed_path = str(Path(str(path)).expanduser())
+        user.deepspeed, user.warnings = deepspeed_file.load(user.deepspeed_path, quiet=quiet)
+        for s in from_deepspeed(user.deepspeed, Path(user.deepspeed_path).name):
+            _apply(cfg, s, applied, user)
+    # the batch: DeepSpeed's three keys, the command line and the defaults settled together
+    world = launch_world_size(cfg.launch) if world_size is None else world_size
+    ds = user.deepspeed or {}
+    name = user._ds_name()
+
+    def known(ds_key: str, cfg_key: str) -> Known | None:
+        in_file: Any = ds.get(ds_key)  # any JSON value: Known refuses all but a positive integer
+        line = pinned_by(user.typed, cfg_key)
+        typed_value: Any = _value(cfg, cfg_key) if line else None
+        if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
+            raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
+                              f"drop `{line}` from the command line, or change {ds_key} in {name}")
+        if stated(in_file):
+            return Known(in_file, f"{name}", ds_key, name)
+        if line:
+            return Known(typed_value, "command line", cfg_key)
+        if cfg_key in user.origins:  # from an accelerate config
+            return Known(_value(cfg, cfg_key), user.origins[cfg_key], cfg_key)
+        return None
+
+    micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
+    accum = known("gradient_accumulation_steps", "train.grad_accum")
+    total_in_file: Any = ds.get("train_batch_size")
+    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
+    defaults = (Known(_value(cfg, "train.batch_size"), "default", "train.batch_size"),
+                Known(_value(cfg, "train.grad_accum"), "default", "train.grad_accum"))
+    user.batch = solve(micro, accum, total, world, *defaults)
+    procs = f"{world} process{'es' if world > 1 else ''}"
+
+    def part_origin(part: Known | None, cfg_key: str) -> str:
+        if part is not None:
+            return part.origin
+        if total is not None:
+            return f"derived: train_batch_size / (the other factor x {procs})"
+        return user.origin_of(cfg_key)
+
+    user.batch_origins = {
+        "train_batch_size": total.origin if total else f"derived: micro batch x accumulation x {procs}",
+        "train_micro_batch_size_per_gpu": part_origin(micro, "train.batch_size"),
+        "gradient_accumulation_steps": part_origin(accum, "train.grad_accum")}
+    OmegaConf.update(cfg, "train.batch_size", user.batch.micro, merge=False)
+    OmegaConf.update(cfg, "train.grad_accum", user.batch.accum, merge=False)
+    return user
+
+
+def _apply(cfg: DictConfig, s: Setting, applied: dict[str, Setting], user: UserConfig) -> None:
+    if s.key == "precision.not":  # a file says "fp16.enabled: false"
+        if cfg.precision.name != s.value:
+            return
+        s = Setting("precision.name", "fp32", s.origin)
+    earlier = applied.get(s.key)
+    if earlier is not None and not _same(s.key, earlier.value, s.value):
+        raise ConfigError(s.key, f"{earlier.origin} says {earlier.value!r} but {s.origin} says {s.value!r}",
+                          "make the two files agree (or drop one of them)")
+    current = OmegaConf.select(cfg, s.key, default=None)
+    line = pinned_by(user.typed, s.key)
+    if line is not None and current != "auto" and not _same(s.key, current, s.value):
+        raise ConfigError(s.key, f"the command line says `{line}` but {s.origin} says {s.value!r}",
+                          f"drop `{line}` from the command line, or {precedence.change(s.origin)}")
+    applied[s.key] = s
+    user.origins[s.key] = s.origin
+    if not _same(s.key, current, s.value):
+        log.info("%s = %r, from %s", s.key, s.value, s.origin)
+        OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    """A key's value as composed, whatever its type (a batch value Known checks itself)."""
+    return OmegaConf.select(cfg, key)
+
+
+def _same(key: str, a: Any, b: Any) -> bool:
+    if OmegaConf.is_config(a):
+        a = OmegaConf.to_container(a, resolve=True)
+    if key.endswith("path") or key.endswith("config_file"):
+        return a is not None and b is not None and os.path.abspath(os.path.expanduser(str(a))) == \
+            os.path.abspath(os.path.expanduser(str(b)))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+            and not isinstance(b, bool):
+        return float(a) == float(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(key, x, y) for x, y in zip(a, b, strict=True))
+    return a == b

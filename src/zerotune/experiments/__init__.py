@@ -1,2 +1,0 @@
-"""The packaged experiments: Hydra reads experiment/ (a link to the checkout's experiments/experiment) as
-pkg://zerotune.experiments, so `zerotune train experiment=<name>` finds them in an installed wheel too."""

@@ -1,8 +1,0 @@
-"""`python -m zerotune.export` is `zerotune export`."""
-
-import sys
-
-from zerotune.cli.export import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,1 +1,0 @@
-"""Running a job: validate in the parent, train in worker processes started by torch's elastic launcher."""

@@ -1,0 +1,200 @@
+"""An adapter-trained U-Net's export: the adapter as diffusers' own LoRA training scripts save it
+(`unet.<module>.lora_A.weight` keys, the LoRA config in the file's metadata; with trained text encoders their
+adapters under `text_encoder.` / `text_encoder_2.`, as train_dreambooth_lora_sdxl.py saves them), and optionally
+the U-Net (and encoders) with the adapter merged in, by diffusers' own fuse/unload.
+
+Export a checkpoint's weights: `zerotune export <checkpoint> <out>`.
+
+Writes full fp32 weights, whatever ZeRO stage saved them (ZeRO-1/2/3 partitions are consolidated with
+DeepSpeed's zero_to_fp32), as a diffusers folder and a .safetensors file:
+
+    <out>/unet/                 UNet2DConditionModel.from_pretrained(<out>/unet)
+    <out>/unet.safetensors
+    <out>/unet_ema/, <out>/unet_ema.safetensors   when the run kept an EMA
+
+With adapter=lora, the adapter in diffusers' LoRA format (pipeline.load_lora_weights(<out>/lora),
+unet.load_lora_adapter(<out>/lora, prefix="unet")), and with --merge the U-Net with it merged in:
+
+    <out>/lora/pytorch_lora_weights.safetensors     (<out>/lora_ema/ for the EMA)
+    <out>/unet/, <out>/unet.safetensors             --merge only (<out>/unet_ema* for the EMA)
+
+With model.train_text_encoder, each trained encoder too (transformers' save_pretrained; with adapter=lora its
+adapter in the same LoRA file, under `text_encoder.` / `text_encoder_2.`, and with --merge the merged encoder):
+
+    <out>/text_encoder/, <out>/text_encoder_2/    (<out>/text_encoder_ema/ ... for the EMA)
+
+`model.pretrained=<out>` starts a new run from <out>/unet. <checkpoint> may also be a run dir or a
+checkpoint dir: the newest complete checkpoint in it is exported (a run that completed its steps ends with
+one, unless checkpoint.final=false); a run dir whose checkpoint.dir was elsewhere: the one its summary.json
+names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from zerotune.config.schema import Adapter
+from zerotune.models import adapter, text_encoders
+from zerotune.rundir import checkpoints
+from zerotune.rundir import checkpoints as manifest
+from zerotune.rundir.checkpoint_io import full_state
+from zerotune.rundir.checkpoints import read_meta
+from zerotune.rundir.summary import RunSummary, Status
+
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+
+
+def build(unet_config: dict, adapter_cfg: dict, weights: dict):
+    """The U-Net with its adapter, holding `weights` (base and adapter, by the module's own names)."""
+    from diffusers import UNet2DConditionModel
+
+    unet = adapter.add_adapter(UNet2DConditionModel.from_config(unet_config), Adapter(**adapter_cfg))
+    unet.load_state_dict(weights, strict=True)
+    return unet
+
+
+def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
+    """A trained text encoder with its adapter, holding `weights` (base and adapter, by the module's own names)."""
+    from zerotune.models import text_encoders
+
+    encoder = text_encoders.add_adapter(text_encoders.build(name, config), Adapter(**adapter_cfg))
+    encoder.load_state_dict(weights, strict=True)
+    return encoder
+
+
+def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
+         encoders: dict[str, tuple[dict, dict]] | None = None) -> dict[str, str]:
+    """Write lora{suffix}/ (and with `merge` unet{suffix}/ + unet{suffix}.safetensors, and each trained encoder's
+    folder); returns what was written. `encoders`: {name: (config, weights)} of the trained text encoders."""
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+    from safetensors.torch import save_file
+
+    unet = build(unet_config, adapter_cfg, weights)
+    trained = {name: build_encoder(name, config, adapter_cfg, w) for name, (config, w) in (encoders or {}).items()}
+    folder = out / f"lora{suffix}"
+    layers = {f"{name}_lora_layers": convert_state_dict_to_diffusers(adapter.adapter_state_dict(module))
+              for name, module in trained.items()}
+    metadata = {f"{name}_lora_adapter_metadata": module.peft_config[adapter.ADAPTER_NAME].to_dict()
+                for name, module in trained.items()}
+    # save_lora_weights is a classmethod: it only prefixes `unet.` / `text_encoder.` ... and writes the file, for
+    # any U-Net; SDXL's takes both encoders' layers (an SD 1.x/2.x pipeline reads its text_encoder's the same way).
+    StableDiffusionXLPipeline.save_lora_weights(
+        folder, unet_lora_layers=convert_state_dict_to_diffusers(adapter.adapter_state_dict(unet)),
+        unet_lora_adapter_metadata=unet.peft_config[adapter.ADAPTER_NAME].to_dict(), weight_name=WEIGHT_NAME,
+        **layers, **metadata)
+    written = {f"lora{suffix}": str(folder / WEIGHT_NAME)}
+    if merge:
+        unet.fuse_lora(adapter_names=[adapter.ADAPTER_NAME])
+        unet.unload_lora()
+        unet.save_pretrained(out / f"unet{suffix}", safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"unet{suffix}.safetensors"))
+        written[f"unet{suffix}"] = str(out / f"unet{suffix}")
+        for name, module in trained.items():
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            for layer in module.modules():
+                if isinstance(layer, BaseTunerLayer):
+                    layer.merge(adapter_names=[adapter.ADAPTER_NAME])
+            recurse_remove_peft_layers(module)
+            module.save_pretrained(out / f"{name}{suffix}", safe_serialization=True)
+            written[f"{name}{suffix}"] = str(out / f"{name}{suffix}")
+    return written
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    # With checkpoint.dir set elsewhere, a run dir holds no checkpoints/: its summary names them.
+    found = checkpoints.find(Path(path)) or next(
+        (p for p in _own_checkpoints(Path(path)) if checkpoints.is_complete(p)), None)
+    if found is None:
+        raise SystemExit(f"zerotune.rundir.export: {path} is not a complete checkpoint and holds none{_why_none(Path(path))}")
+    damaged = manifest.problems(found)
+    if damaged:
+        raise SystemExit(f"zerotune.rundir.export: checkpoint {found} is damaged: {'; '.join(damaged[:3])}")
+    return found
+
+
+def _own_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints a run dir's summary says its run saved, its final one first, then newest first. Not
+    `last_complete`: in a checkpoint.dir shared with other runs, the newest may be another run's."""
+    summary = RunSummary.read_if_whole(run_dir)
+    record = (summary.checkpoint if summary is not None else None) or {}
+    paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
+    return [Path(p) for p in paths if p]
+
+
+def _why_none(run_dir: Path) -> str:
+    """For a run dir: why its run left no checkpoint, from its summary."""
+    summary = RunSummary.read_if_whole(run_dir)
+    if summary is None or not summary.as_dict():
+        return ""
+    # The word as written (its repr goes into the message): an older file's unknown word too.
+    status = str(summary.status) if summary.status is not None else summary.extra.get("status")
+    named = _own_checkpoints(run_dir)
+    if named:
+        return f" (its run's checkpoint {named[0]} is no longer complete)"
+    if status == Status.OK:
+        return " (its run saved none: checkpoint.final=false and no checkpoint.every_n_steps)"
+    return f" (its run ended with status {status!r} before any checkpoint was saved)"
+
+
+def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+
+    unet = UNet2DConditionModel.from_config(unet_config)
+    unet.load_state_dict(weights, strict=True)
+    unet.save_pretrained(out / name, safe_serialization=True)
+    save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"{name}.safetensors"))
+    return out / name
+
+
+def _save_encoder(name: str, config: dict, weights: dict, out: Path, folder: str) -> Path:
+    encoder = text_encoders.build(name, config)
+    encoder.load_state_dict(weights, strict=True)
+    encoder.save_pretrained(out / folder, safe_serialization=True)
+    return out / folder
+
+
+def split_modules(weights: dict, names: tuple[str, ...]) -> dict[str, dict]:
+    """A checkpoint of the U-Net with trained text encoders holds `unet.`, `text_encoder.` ... keys: by module."""
+    if not names:
+        return {"unet": weights}
+    parts: dict[str, dict] = {name: {} for name in ("unet", *names)}
+    for key, value in weights.items():
+        module, _, rest = key.partition(".")
+        parts[module][rest] = value
+    return parts
+
+
+def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict[str, str]:
+    """Write the checkpoint's weights into `out`: the U-Net, or with an adapter the adapter (and with `merge`
+    the U-Net with the adapter merged in); the same for the EMA when the run kept one, and for the trained text
+    encoders when it trained some. Returns {what: its path}: the checkpoint, then each part written."""
+    path, out = find_checkpoint(checkpoint), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = read_meta(path)
+    config, adapter_cfg = checkpoints.unet_config(path), meta.get("adapter_config")
+    names = text_encoders.CHOICES[str(meta.get("train_text_encoder", "none"))]
+    encoder_configs = {n: json.loads((path / n / "config.json").read_text()) for n in names}
+    weights, _, _ = full_state(path, with_optimizer=False)
+    parts = split_modules({k: v.float() for k, v in weights.items()}, names)
+    ema_parts = None
+    if (path / checkpoints.EMA_FILE).is_file():
+        ema = torch.load(path / checkpoints.EMA_FILE, map_location="cpu", weights_only=True)["shadow"]
+        ema_parts = split_modules(ema, names)
+    written = {"checkpoint": str(path)}
+    runs = [("", parts)] + ([("_ema", {n: {**parts[n], **ema_parts.get(n, {})} for n in parts})]
+                            if ema_parts is not None else [])
+    for suffix, modules in runs:
+        if adapter_cfg is None:
+            written[f"unet{suffix}"] = str(_save(config, modules["unet"], out, f"unet{suffix}"))
+            for n in names:
+                written[f"{n}{suffix}"] = str(_save_encoder(n, encoder_configs[n], modules[n], out, f"{n}{suffix}"))
+        else:  # the averaged adapter weights over the same frozen base
+            written.update(save(config, adapter_cfg, modules["unet"], out, suffix, merge,
+                                            {n: (encoder_configs[n], modules[n]) for n in names}))
+    return written

@@ -1,0 +1,1 @@
+"""zerotune.train."""
