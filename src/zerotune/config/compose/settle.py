@@ -137,26 +137,26 @@ def _fold_user_files(cfg: DictConfig, overrides: list[str] | tuple = (), world_s
     name = user._ds_name()
 
     def known(ds_key: str, cfg_key: str) -> Known | None:
-        in_file: Any = ds.get(ds_key)  # any JSON value: Known refuses all but a positive integer
+        in_file = ds.get(ds_key)
         line = pinned_by(user.typed, cfg_key)
-        typed_value: Any = _value(cfg, cfg_key) if line else None
+        typed_value = OmegaConf.select(cfg, cfg_key) if line else None
         if stated(in_file) and typed_value is not None and not _same(cfg_key, typed_value, in_file):
             raise ConfigError(ds_key, f"the command line says `{line}` but {name} says {ds_key}: {in_file}",
                               f"drop `{line}` from the command line, or change {ds_key} in {name}")
         if stated(in_file):
-            return Known(in_file, f"{name}", ds_key, name)
+            return Known.read(in_file, f"{name}", ds_key, name)
         if line:
-            return Known(typed_value, "command line", cfg_key)
+            return Known.read(typed_value, "command line", cfg_key)
         if cfg_key in user.origins:  # from an accelerate config
-            return Known(_value(cfg, cfg_key), user.origins[cfg_key], cfg_key)
+            return Known.read(OmegaConf.select(cfg, cfg_key), user.origins[cfg_key], cfg_key)
         return None
 
     micro = known("train_micro_batch_size_per_gpu", "train.batch_size")
     accum = known("gradient_accumulation_steps", "train.grad_accum")
-    total_in_file: Any = ds.get("train_batch_size")
-    total = Known(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
-    defaults = (Known(_value(cfg, "train.batch_size"), "default", "train.batch_size"),
-                Known(_value(cfg, "train.grad_accum"), "default", "train.grad_accum"))
+    total_in_file = ds.get("train_batch_size")
+    total = Known.read(total_in_file, f"{name}", "train_batch_size", name) if stated(total_in_file) else None
+    defaults = (Known.read(OmegaConf.select(cfg, "train.batch_size"), "default", "train.batch_size"),
+                Known.read(OmegaConf.select(cfg, "train.grad_accum"), "default", "train.grad_accum"))
     user.batch = solve(micro, accum, total, world, *defaults)
     procs = f"{world} process{'es' if world > 1 else ''}"
 
@@ -195,11 +195,6 @@ def _apply(cfg: DictConfig, s: Setting, applied: dict[str, Setting], user: UserC
     if not _same(s.key, current, s.value):
         log.info("%s = %r, from %s", s.key, s.value, s.origin)
         OmegaConf.update(cfg, s.key, s.value, merge=False, force_add=True)
-
-
-def _value(cfg: DictConfig, key: str) -> Any:
-    """A key's value as composed, whatever its type (a batch value Known checks itself)."""
-    return OmegaConf.select(cfg, key)
 
 
 def _same(key: str, a: Any, b: Any) -> bool:
