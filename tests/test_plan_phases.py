@@ -192,7 +192,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     sampling = by_name(phases)["sampling"]
     terms = {t.term: t.mib for t in sampling.terms}
     # The VAE in bf16 and, at ZeRO-3 only, the U-Net gathered whole in bf16: one allocator block per parameter.
-    cfg = compose_cfg(*overrides)
+    cfg = config_of(*overrides)
     vae = encoders._meta_models(text_encoders.SDXL_TINY)["vae"]
     assert terms["vae_weights"] == allocator.reserved_bytes([p.numel() * 2 for p in vae.parameters()]) / 2**20
     assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
@@ -211,7 +211,7 @@ def test_the_sampling_trace_matches_the_pass_run_on_this_cpu(size):
     from zerotune.models import text_encoders
     from zerotune.plan import encoders
 
-    cfg = compose_cfg("model=sdxl_tiny")
+    cfg = config_of("model=sdxl_tiny")
     archs, _ = text_encoders.configs(cfg.model)
     hw = (size // 4, size // 4)
     traced = encoders.trace_sampling(archs, cfg.model, None, hw, "fp32")
