@@ -1,30 +1,6 @@
-"""The training step's activation memory and FLOPs, traced on fake tensors: no weights, no GPU.
-
-The U-Net is built as training builds it (models.build_unet: attention processor, adapter (base frozen,
-LoRA branches added), gradient checkpointing, DeepSpeed's bf16/fp16 cast of the parameters), its
-parameters are fake tensors (shapes, dtypes, no storage), and the trainer's step runs on them:
-diffusion.diffusion_loss on inputs of the trainer's shapes and dtypes, then backward. torch's MemTracker
-follows every storage the step creates and frees; FlopCounterMode's formulas count forward and backward
-FLOPs. SDXL (2.6 B parameters) traces in seconds (8 s at 1024 px, batch 8, on 2 cores), holding no
-tensor memory. The traced activation peak is within 4% of the allocator's for the same step run for
-real on the CPU, with or without an adapter (measure_step_on_cpu, tests/test_plan_activations.py).
-
-The fake tensors are CPU tensors, not CUDA ones: on a CPU-only torch build the autograd engine aborts the
-process on the first fake CUDA tensor that requires grad (it asks the absent CUDA runtime for a stream).
-Byte counts do not depend on the device; the two differences from a GPU are (1) attention dispatches to
-torch's CPU flash kernel, which saves what CUDA's flash / memory-efficient kernels save (the output and
-an fp32 log-sum-exp per query, no score matrix), and (2) no rounding of allocations up to the CUDA
-allocator's 512-byte blocks (a few kB against activations of MBs to GBs).
-
-Plain accelerate (deepspeed.enabled=false) with bf16/fp16 trains differently: fp32 weights and inputs, the
-module's forward wrapped in torch.autocast by accelerate (Accelerator.prepare_model), fp32 gradients.
-`trace_step(..., autocast=device)` traces that step (plain_trace: the same step as predict.py asked for it): the
-autocast key of the trace's CPU tensors with, for a CUDA plan, CUDA's cast policy (cast_policy: read from torch's
-own ATen/autocast_mode.h, stage0.py), and the half-precision copies autocast makes of the fp32 weights counted on their own.
-
-Traces are cached in this process and on disk (<cache>/plan/trace-<key>.json, <cache> being
-$ZEROTUNE_CACHE_DIR or ~/.cache/zerotune): a cached trace returns in milliseconds.
-"""
+"""The training step's activation memory and FLOPs, traced on fake tensors of the model built as training builds
+it (no weights, no GPU; SDXL at 1024 px, batch 8, in 8 s on 2 cores), cached in this process and on disk
+(<cache>/plan/trace-<key>.json, <cache> being $ZEROTUNE_CACHE_DIR or ~/.cache/zerotune)."""
 
 from __future__ import annotations
 
@@ -48,6 +24,9 @@ from zerotune.config.schema import Adapter, Model
 from zerotune.models import adapter, build_unet, diffusion, text_encoders, trained_encoder_archs, unet_config
 from zerotune.plan.stage0 import cast_policy
 
+# The fake tensors are CPU tensors: on a CPU-only torch the autograd engine aborts on the first fake CUDA tensor
+# that requires grad. Bytes do not depend on the device, but attention runs torch's CPU flash kernel (it saves what
+# CUDA's kernels save) and nothing is rounded to the CUDA allocator's 512 B blocks (a few kB).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRACE_FORMAT = 3  # bump when what a trace measures changes: older cache entries then miss
 _TRACES: dict[str, Trace] = {}  # this process's traces, by key
@@ -57,21 +36,15 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class Trace:
-    """One traced training step (forward + loss + backward) of one micro batch, on one device.
-
-    activation_peak_bytes: the most memory the step holds at any moment beyond the model's own states
-    (parameters, buffers, parameter gradients): its inputs, the activations saved for backward, the
-    temporaries of forward and backward (activation gradients, recomputed activations under gradient
-    checkpointing, a parameter gradient from the op that computes it until autograd hands it to the
-    parameter). Sampled after every op, so each op's outputs count while its inputs are still alive.
-    Kernel-internal workspaces (cuDNN, cuBLAS) and allocator caching/fragmentation are not included.
-    activation_and_grad_peak_bytes: the same, counting also the parameter gradients accumulated so far.
-    param_bytes, grad_bytes: the parameters and the parameter gradients at the end of backward, at the
-    traced precision (with an adapter, gradients of the adapter's parameters only) (DeepSpeed's fp32 master copies and gradient buckets are not part of the step).
-    forward_flops: the forward pass and the loss; backward_flops: the backward pass, including the
-    forward recomputed under gradient checkpointing. Matmuls, convolutions and attention only.
-    seconds: how long the trace took when it was made (not the cache lookup); key: what it is cached under.
-    """
+    """One traced training step (forward + loss + backward) of one micro batch.
+    activation_peak_bytes: the most the step holds beyond the model's states (parameters, buffers, parameter
+    gradients), sampled after every op: inputs, saved and recomputed activations, temporaries, a parameter
+    gradient until autograd hands it over; no kernel workspaces or allocator caching. Within 4% of the
+    allocator's for the same step run on the CPU (measure_step_on_cpu, tests/test_plan_activations.py).
+    activation_and_grad_peak_bytes: the same with the parameter gradients accumulated so far.
+    param_bytes, grad_bytes: at the end of backward, at the traced precision (an adapter's gradients only).
+    forward_flops (with the loss), backward_flops (with checkpointing's recomputation): matmuls, convolutions
+    and attention only. seconds: how long the trace took when made; key: its cache key."""
 
     activation_peak_bytes: int
     activation_and_grad_peak_bytes: int
@@ -92,15 +65,10 @@ class Trace:
 def trace_step(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
                gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None,
                autocast: str | None = None) -> Trace:
-    """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape`
-    ((channels, height, width): models.latent_shape), from this process's or the disk cache if it holds it.
-
-    precision: fp32 | bf16 | fp16 (the parameters' dtype under DeepSpeed); attention: the model option's
-    `attention` (sdpa | default); adapter_cfg: the run's `adapter` (None or adapter=none: full training).
-    autocast: None (the module cast to `precision`, as DeepSpeed's engine casts it), or the device (cpu | cuda)
-    plain accelerate runs the step on: fp32 weights and inputs, the forward under torch.autocast to `precision`
-    with that device's cast policy (autocast_forward, cast_policy).
-    """
+    """The trace of one training step of `model_cfg`'s U-Net on `batch` inputs of `latent_shape` ((channels,
+    height, width)), cached. `precision`: the parameters' dtype under DeepSpeed; `attention`: sdpa | default.
+    `autocast`: None (the module cast to `precision`), or the device (cpu | cuda) plain accelerate runs the step
+    on: fp32 weights and inputs, the forward under torch.autocast to `precision` with that device's cast policy."""
     if precision not in DTYPES:
         raise ConfigError("precision", f"unknown precision {precision!r}", "precision=bf16, fp16 or fp32")
     if autocast is not None and (autocast not in AUTOCAST_DEVICES or precision == "fp32"):
@@ -135,10 +103,8 @@ def plain_trace(trace: Trace, device: str) -> Trace:
 def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, precision: str,
               gradient_checkpointing: bool, attention: str, adapter_cfg: Adapter | None = None,
               autocast: str | None = None) -> str:
-    """Readable and unique: the model's name and a hash of what shapes its step (the U-Net architecture,
-    its conditioning inputs and objective, the adapter's settings), then the step's own settings (the
-    adapter and its rank: `full` without one; plain accelerate's autocast and its device) and the torch
-    version."""
+    """Readable and unique: the model's name, a hash of what shapes its step (architecture, conditioning,
+    objective, adapter), the step's own settings and the torch version."""
     fields = adapter.settings(adapter_cfg)
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.conditioning,
              "text_seq_len": model_cfg.text_seq_len, "prediction_type": model_cfg.prediction_type,
@@ -192,9 +158,8 @@ def _trace(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, pre
 
 
 def _tracker() -> Any:
-    """step_tracker.StepTracker, also following the half-precision copies of parameters autocast makes
-    (cached_cast's `arg.to(lower_precision_fp)`, an aten._to_copy of a parameter): how many bytes of them are alive
-    at each op, and at the activation and joint peaks. Defined here: step_tracker imports MemTracker (~1 s)."""
+    """step_tracker.StepTracker also counting the half-precision copies autocast makes of parameters (an
+    aten._to_copy of one): alive, at the two peaks, and at most. Defined here: importing MemTracker takes ~1 s."""
     from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.utils.weak import WeakIdKeyDictionary
 
@@ -250,12 +215,9 @@ def _tracker() -> Any:
 # --------------------------------------------------------------------------- plain accelerate's mixed precision
 
 def autocast_forward(module: torch.nn.Module, precision: str) -> None:
-    """What accelerate.Accelerator.prepare_model does to the module under mixed precision (native_amp):
-    model.forward wrapped in torch.autocast (utils/modeling.py get_mixed_precision_context_manager) and its outputs
-    converted to fp32 (utils/operations.py convert_outputs_to_fp32). The autocast context is the forward's only:
-    its exit (nesting back to 0) clears autocast's cache of weight copies (torch/amp/autocast_mode.py __exit__:
-    torch.clear_autocast_cache); backward keeps the copies its nodes saved. The trace's tensors are CPU tensors:
-    CPU's autocast key, with CUDA's cast policy under cast_policy("cuda")."""
+    """What accelerate's prepare_model does under mixed precision: forward wrapped in torch.autocast, its outputs
+    converted to fp32. The autocast's exit clears its weight-copy cache; backward keeps the copies its nodes saved.
+    CPU's autocast key (the trace's tensors are CPU ones), CUDA's policy under cast_policy("cuda")."""
     from accelerate.utils import convert_outputs_to_fp32
 
     forward = torch.autocast("cpu", dtype=DTYPES[precision])(type(module).forward)
@@ -264,9 +226,8 @@ def autocast_forward(module: torch.nn.Module, precision: str) -> None:
 
 def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
                      adapter_cfg: Adapter | None = None) -> torch.nn.Module:
-    """models.build_unet with `attention`, from the architecture config (pretrained weights change no shape),
-    with the adapter as the trainer adds it (base frozen), cast as DeepSpeed's bf16/fp16 engine casts it
-    (every parameter, frozen ones too), with the trainer's gradient checkpointing switch."""
+    """The U-Net as trained, from its architecture config: `attention`, the adapter (base frozen), every
+    parameter cast as DeepSpeed's engine casts it, the gradient checkpointing switch."""
     without_weights = replace(model_cfg, pretrained=None, attention=attention)
     unet = adapter.add_adapter(build_unet(without_weights), adapter_cfg)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
@@ -351,18 +312,11 @@ class MeasuredPeaks(NamedTuple):
 def measure_step_on_cpu(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int,
                         gradient_checkpointing: bool, attention: str, precision: str = "fp32",
                         adapter_cfg: Adapter | None = None, autocast: str | None = None) -> MeasuredPeaks:
-    """The same step run for real on this CPU, its activation peak measured by the allocator: the check on
-    trace_step, independent of MemTracker.
-
-    torch.profiler records every CPU allocation and free, in order; summed from the step's start (the
-    model already built) the running total is what the step holds beyond the parameters. Each parameter
-    gradient is dropped as soon as autograd accumulates it, so gradients leave the total as they leave
-    activation_peak_bytes. `between_ops` samples the total as each outermost aten op returns, as the trace
-    samples after each op; `with_workspaces` is its maximum at any instant, counting also the scratch
-    buffers kernels allocate and free inside one call (im2col columns of CPU convolutions, mostly),
-    which no trace of tensors sees and which differ between CPU kernels and cuDNN anyway.
-    `autocast`: as trace_step's, the step plain accelerate runs (fp32 weights and inputs, autocast's forward).
-    """
+    """The check on trace_step, independent of MemTracker: the same step run for real on this CPU, torch.profiler's
+    running total of allocations and frees from the built model on (parameter gradients dropped as autograd
+    accumulates them). `between_ops`: the total as each outermost aten op returns, as the trace samples;
+    `with_workspaces`: its maximum, with kernels' scratch buffers (im2col columns, mostly), which no tensor trace
+    sees and which differ on cuDNN anyway. `autocast`: as trace_step's."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)

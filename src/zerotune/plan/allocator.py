@@ -1,34 +1,6 @@
-"""torch's CUDA caching allocator, as documented in c10/cuda/CUDACachingAllocator.cpp: what a set of live
-tensors reserves (what nvidia-smi counts) beyond their exact bytes. Rules, no fitted factor:
-
-- every block is rounded up to 512 bytes (kMinBlockSize, round_size);
-- blocks of at most 1 MiB (kSmallSize) are cut from 2 MiB segments (kSmallBuffer), in the small pool;
-- larger blocks live in the large pool: requests under 10 MiB (kMinLargeAlloc) get a 20 MiB segment
-  (kLargeBuffer) when no cached block fits, larger ones a segment of their own rounded up to 2 MiB
-  (kRoundLarge; get_allocation_size);
-- a request takes the smallest cached block of its pool that fits (get_free_block: the pool is ordered by
-  size, then address), split when what is left is over 1 MiB in the large pool, at least 512 B in the small
-  one (should_split); the block keeps the front, the remainder goes back to the pool (alloc_found_block);
-- a freed block merges with free neighbours of its segment (free_block, try_merge_blocks) and stays
-  reserved: segments go back to the driver only on empty_cache() (release_cached_blocks, whole unsplit
-  segments only) or when a cudaMalloc fails.
-
-`reserved_bytes` takes packing as perfect (blocks of one pool fill its segments end to end): the least the
-allocator can reserve for tensors alive at once. `CachingAllocator` replays a sequence of allocations and
-frees by the rules above, so the reserve that frees in between leave behind (fragments, segments sized for
-an earlier request) is counted too: what nvidia-smi shows is its reserved peak plus the CUDA context.
-Defaults only (no PYTORCH_CUDA_ALLOC_CONF: max_split_size unlimited, no roundup divisions, no expandable
-segments, no garbage-collection threshold), one stream. cudaMalloc's addresses are not known: segments are
-taken to come at increasing addresses, which decides between free blocks of equal size only.
-
-`TaggedPool` is a CachingAllocator whose blocks carry the plan term they belong to, and `storage_mode` a torch
-dispatch mode that passes every storage an op creates through such a pool: together they replay a step traced
-on fake tensors as the card's allocator would see it (zero3_replay.py).
-
-What a CUDA process holds before its first tensor: the context (driver structures and the kernels
-loaded so far) and cuBLAS's workspace. Since CUDA 11.7 torch loads kernels lazily
-(CUDA_MODULE_LOADING=LAZY), which brought the context from over 600 MiB to a few hundred. Stated per
-device family, each with its source; experiments/results/planner_reference.md has the details."""
+"""torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp) by its rules, no fitted factor: what live
+tensors reserve (what nvidia-smi counts) beyond their bytes, a replay of allocations and frees (CachingAllocator;
+TaggedPool and storage_mode for zero3_replay.py), and what a CUDA process holds before its first tensor."""
 
 from __future__ import annotations
 
@@ -49,7 +21,8 @@ def _round_up(n: int, to: int) -> int:
 
 
 def reserved_bytes(sizes: Iterable[int]) -> int:
-    """Bytes the allocator reserves to hold tensors of these sizes (bytes) alive at once."""
+    """Bytes the allocator reserves to hold tensors of these sizes (bytes) alive at once, packing taken as
+    perfect: the least it can reserve."""
     small = medium = large = 0
     for size in sizes:
         block = _round_up(int(size), MIN_BLOCK)
@@ -89,10 +62,15 @@ class _Block:
 
 
 class CachingAllocator:
-    """The rules above, replayed: `malloc(nbytes)` returns a handle, `free(handle)` gives the block back.
-    `allocated`/`reserved` are torch's memory_allocated()/memory_reserved() (block and segment bytes),
-    `peak_allocated`/`peak_reserved` their maxima since the start or the last `reset_peaks()`
-    (torch.cuda.reset_peak_memory_stats, which sets them to the current figures)."""
+    """The allocator's rules, replayed (defaults: no PYTORCH_CUDA_ALLOC_CONF, one stream):
+    - blocks rounded up to 512 B; blocks up to 1 MiB cut from 2 MiB segments (small pool); larger ones from
+      20 MiB segments under 10 MiB, else a segment of their own rounded up to 2 MiB (get_allocation_size);
+    - a request takes the smallest cached block of its pool that fits, split when the rest is over 1 MiB (large
+      pool) or at least 512 B (small), keeping the front (should_split);
+    - a freed block merges with free neighbours and stays reserved; empty_cache() returns whole segments only.
+    Segments come at increasing addresses (cudaMalloc's are unknown), which only breaks ties in size.
+    `allocated`/`reserved`: torch's memory_allocated()/memory_reserved(); `peak_*` their maxima since the start
+    or `reset_peaks()` (torch.cuda.reset_peak_memory_stats)."""
 
     def __init__(self) -> None:
         self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # (size, addr, block id)
@@ -199,11 +177,8 @@ class CachingAllocator:
 
 
 def replay(events: Iterable[tuple]) -> CachingAllocator:
-    """`events` through a fresh CachingAllocator, which is returned (its peaks, segments and free blocks):
-    ("alloc", key, nbytes) allocates a block named `key`, ("free", key) frees it, ("empty_cache",) is
-    torch.cuda.empty_cache(), ("reset_peaks",) torch.cuda.reset_peak_memory_stats(). For a phase whose order of
-    allocations is known (a stage's engine build: the parameters' blocks, the flat buffer, its clone), in place
-    of reserved_bytes' perfect packing: what the frees in between leave reserved counts too."""
+    """`events` through a fresh CachingAllocator, returned: ("alloc", key, nbytes), ("free", key), ("empty_cache",),
+    ("reset_peaks",). For a phase whose order of allocations is known: what frees leave reserved counts too."""
     allocator, blocks = CachingAllocator(), {}
     for event in events:
         if event[0] == "alloc":
@@ -319,6 +294,8 @@ def storage_mode(pool: TaggedPool):
     return Storages()
 
 
+# Before the first tensor: the context (lazy kernel loading since CUDA 11.7 keeps it to a few hundred MiB)
+# and cuBLAS's workspace, per device family (experiments/results/planner_reference.md).
 CONTEXT: dict[str, dict] = {
     "ampere": {"bytes": 256 * MIB, "source": "RTX 3090, torch 2.7 (invoke-ai/InvokeAI#9413: a bare context, 256 MiB)"},
     "ada": {"bytes": 426 * MIB, "source": "RTX 6000 Ada, the 4090's chip (unslothai/unsloth-zoo PR #1053: 426 MiB)"},

@@ -1,7 +1,5 @@
-"""The plan of a job typed as a command line: composed, checked and predicted, as `zerotune plan` and the builder
-page ask for it, with the micro batch planned and where its value came from; `plan_all` ranks the options.
-
-The planner's answers as text: one job's breakdown, or the --all ranking."""
+"""`zerotune plan` and the builder page: a command line's job composed, checked and predicted (with its micro
+batch's source), `plan_all`'s ranking of the options, and both as text."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""The CPU optimizer step's time floor: DeepSpeed's CPU-Adam, timed once on this host, per parameter.
-
-Measured, not looked up: its speed depends on the host's cores, SIMD width and memory bandwidth. The probe is
-sized well past the last-level cache (PROBE_LLC_MULTIPLE × the LLC in fp32 parameters, and at least
-MIN_PROBE_PARAMS), like the partitions a real model steps: a probe that fits the cache can time a faster op
-than a model runs (issue 29: 0.19 ns/param at 4M, 0.24 at 200M), and on a host where each step also pays a
-fixed few milliseconds (OpenMP's threads waking), a small probe times a slower one (here 4M took about 2.0
-ns/param against 0.76-0.95 at 200M; experiments/results/planner.md, "The CPU optimizer's time floor"). The
-probe is capped to a share of the available memory. The figure is the median of REPEATS steps after a warm-up,
-cached per host and thread count in the planner's cache folder, so it is measured once per host: the size of
-the probe depends on the memory free at that moment, which changes from run to run, and a key holding it timed
-the op again in most jobs. A figure from a probe that memory capped below its size is timed again once the
-whole probe fits. A host where the op cannot be built gets None (unmeasured), never a guess; so does a host
-where it is not built yet: building it takes minutes (about 75 s of both cores here, more on a busy machine),
-which a plan, a first answer before anything launches, does not spend. `make setup` builds it, and so does the
-first job that offloads; the next plan times it.
-"""
+"""The CPU optimizer step's time floor: DeepSpeed's CPU-Adam timed on this host (its cores, SIMD and memory
+bandwidth decide it), cached per host and thread count. None (unmeasured), never a guess, where the op cannot be
+built or is not built yet: building takes minutes (about 75 s of two cores), which a plan does not spend."""
 
 from __future__ import annotations
 
@@ -31,6 +17,9 @@ from zerotune.config import files
 from zerotune.host.ops import is_cached
 from zerotune.host.ops_env import link_torch_lib, remember_cpu_info
 
+# The probe spans well past the LLC, like a model's partitions: one that fits the cache times a faster op (issue
+# 29: 0.19 ns/param at 4M, 0.24 at 200M), and where each step pays a few fixed ms (OpenMP's threads waking) a
+# small one a slower op (4M: about 2.0 ns/param, 200M: 0.76-0.95; experiments/results/planner.md).
 MIN_PROBE_PARAMS = 50_000_000   # 200 MB of fp32 parameters: past any common LLC
 PROBE_LLC_MULTIPLE = 8          # the probe's fp32 parameters span 8× the last-level cache
 PROBE_BYTES_PER_PARAM = 16      # the probe holds fp32 param + grad + two Adam moments

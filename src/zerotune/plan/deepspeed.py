@@ -1,8 +1,5 @@
-"""Offload blocks, NVMe folder checks and automatic swap-buffer sizing.
-
-Compose the DeepSpeed config dict: fragments from the config groups, plus the derived values.
-
-Check a DeepSpeed dict before anything is built: the project's rules, then DeepSpeed's own classes."""
+"""The DeepSpeed dict: composed from the config groups' fragments and derived values (offload blocks, NVMe checks,
+swap-buffer sizes), then checked before anything is built: the project's rules, then DeepSpeed's own classes."""
 
 from __future__ import annotations
 

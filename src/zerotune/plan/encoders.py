@@ -1,16 +1,6 @@
-"""The frozen encoders of data=folder's caching (data/components.py FrozenEncoders) and the U-Net's module sizes,
-as the run phases need them (phases.py): parameter sizes and inference activation peaks, traced on fake tensors
-(no weights, no GPU), cached like activations.trace_step's traces (<cache>/plan/encoders-<key>.json).
-
-What is traced is what FrozenEncoders does on its device, in fp32:
-- latents: `vae.encode(pixels).latent_dist.mean`, scaled, on a batch of images at the bucket's size;
-- text: text_encoder then text_encoder_2 with output_hidden_states=True (the first's outputs stay referenced
-  while the second runs: `out` is rebound only when it returns), their penultimate states concatenated;
-  SD 1.x / 2.x (`conditioning: text`): the one text_encoder's last hidden states.
-The VAE stays on the device while the text encoders run (both are dropped by release(), at the end).
-
-Architectures: models/text_encoders.py configs (the components' own config.json, else the published ones).
-"""
+"""What the run phases (phases.py) need beyond the step: the frozen encoders of data=folder's caching
+(FrozenEncoders, fp32), a validation pass and the U-Net's largest module, as parameter sizes and inference
+activation peaks traced on fake tensors (no weights, no GPU) and cached under <cache>/plan/."""
 
 from __future__ import annotations
 
@@ -102,8 +92,8 @@ def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Ten
 
 
 def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
-    """FrozenEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile;
-    SD 1.x / 2.x: the one encoder's last hidden states."""
+    """FrozenEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile
+    (`out` is rebound only when the second returns); SD 1.x / 2.x: the one encoder's last hidden states."""
     if "text_encoder_2" not in models:
         enc = models["text_encoder"]
         return enc(torch.randint(0, int(enc.config.vocab_size), (batch, seq_len)))[0]
@@ -174,10 +164,9 @@ def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, 
 
 
 def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int, int], steps: int = 2) -> dict:
-    """A validation pass's call run for real on this CPU, at the traced size (the check on trace_sampling):
-    diffusers' StableDiffusionXLPipeline with guidance, as train/validation.py calls it, on a U-Net and a VAE
-    built from the same configs with random weights. {"between_ops", "with_workspaces"}: bytes held beyond the
-    weights, from torch.profiler's record of every allocation and free (activations.measure_step_on_cpu's way)."""
+    """The check on trace_sampling: a validation pass's pipeline call run for real on this CPU with random weights,
+    as train/validation.py calls it. {"between_ops", "with_workspaces"}: bytes held beyond the weights, measured
+    as activations.measure_step_on_cpu measures them."""
     from diffusers import AutoencoderKL, StableDiffusionPipeline, StableDiffusionXLPipeline
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,12 +1,6 @@
-"""The cards a user names (`--gpu rtx4090`, plan.gpu=h100): memory as nvidia-smi shows it, dense tensor
-throughput, the host link, and the memory a CUDA process holds before its first tensor.
-
-Figures are the vendors' datasheets (dense, i.e. without 2:4 sparsity; bf16/fp16 with fp32 accumulate)
-and are cited in experiments/results/planner_reference.md. `memory_mib` is nvidia-smi's total.
-
-`--all`: every ZeRO stage x offload x gradient checkpointing option for one workload, ranked, and the
-recommendation: the lowest stage that fits, as the reference advises ("the lowest level of DeepSpeed that
-works"): each stage up adds communication, each offload adds PCIe traffic and CPU work."""
+"""The cards a user names (`--gpu rtx4090`, plan.gpu=h100), from vendors' datasheets (dense, no 2:4 sparsity; cited
+in experiments/results/planner_reference.md), and the `--all` ranking: it recommends the lowest ZeRO stage that
+fits, as the reference advises (each stage up adds communication, each offload PCIe traffic and CPU work)."""
 
 from __future__ import annotations
 
@@ -107,8 +101,7 @@ def rank(rows: list[Row], gpu: GPU | None) -> dict:
 
 
 def _smallest(rows: list[Row]) -> dict:
-    """The option with the lowest run peak, whatever it costs in time: what to train with when memory is all
-    that matters (the recommendation weighs communication and offload too)."""
+    """The option with the lowest run peak, whatever its time (the recommendation weighs that too)."""
     least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
     if least is None:
         return {"option": None, "peak_mib": None, "time_floor_s": None}

@@ -59,8 +59,7 @@ def check_plan_keys(plan: PlanSettings) -> None:
 
 
 def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
-    """The job's prediction for its summary, with this host's fit (`host_fit`); a planner failure is
-    recorded, never stops a run."""
+    """The job's prediction with this host's fit (`host_fit`); a planner failure is recorded, never fatal."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/host_memory.py).
     cfg, device = checked.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
@@ -86,9 +85,8 @@ def host_fit(cfg: Config, plan: Plan) -> dict[str, Any]:
 
 
 def guard(cfg: Config, plan: Plan) -> Status | None:
-    """A predicted peak above the memory there is warns, refuses (ConfigError) or skips the job (returns
-    PREDICTED_OOM, its status): on a CUDA device its free memory; on every host the available memory, against the
-    device terms as well on a CPU accelerator (plan.host_fit, from job_plan)."""
+    """Warn, refuse (ConfigError) or skip (return Status.PREDICTED_OOM) where the predicted peak is above a CUDA
+    device's free memory or the host's available memory (plan.host_fit; device terms too on a CPU accelerator)."""
     problems = memory_problems(plan)
     if not problems:
         return None
@@ -134,8 +132,7 @@ def _host_problem(fit: dict | None) -> str | None:
 
 
 def _fixes(cfg: Config, plan: Plan) -> str:
-    """What brings the prediction under the memory there is, the largest terms' remedies first; alternatives
-    apart, each as the overrides to type."""
+    """The overrides that bring the prediction under the memory there is, the largest terms' remedies first."""
     fixes = []
     fit = plan.host_fit or {}
     if fit.get("fits") is False:
@@ -157,10 +154,8 @@ def _fixes(cfg: Config, plan: Plan) -> str:
 
 
 def _smaller_models(cfg: Config, plan: Plan, fit: dict[str, Any]) -> list[str]:
-    """The other model options with fewer parameters whose need, this plan's scaled by their parameter count,
-    is under the room (nearly every term grows with the parameters: an estimate, and a typed fix is checked
-    again): the host's where the host is short, else the card's. Not a larger model: it needs more. None where
-    the run names weights or components: they belong to its model."""
+    """Smaller model options whose need (this plan's scaled by parameter count: an estimate) fits the room: the
+    host's where the host is short, else the card's. None where the run names weights or components."""
     from zerotune.models import load_option, model_stats
 
     model, search = _option(cfg, "model"), config_search.current()

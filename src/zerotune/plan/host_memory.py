@@ -1,46 +1,6 @@
-"""What torch's pinned (page-locked) host allocator holds for the buffers DeepSpeed pins under CPU offload.
-
-DeepSpeed 0.19.8 pins through torch by default: accelerator/abstract_accelerator.py `pin_memory` ->
-`tensor.pin_memory()`, served by torch's CUDA caching host allocator (ATen/core/CachingHostAllocator.h). That
-allocator hands out power-of-two blocks and keeps a freed block pinned in its free list, so a process's resident
-set holds the rounded blocks, not the tensors' bytes: a 9,794 MiB fp32 partition takes 16,384 MiB.
-
-A plan's terms for this are named with PINNED_ROUNDING (what a live pinned buffer's block holds beyond its tensor)
-or PINNED_CACHE (freed pinned blocks the allocator keeps): host.py leaves both out on a CPU accelerator, where
-DeepSpeed's `pin_memory` returns the tensor as it is (accelerator/cpu_accelerator.py).
-
-The host memory a node's ranks need at their peak, from a prediction (predict.py).
-
-On a CPU accelerator the device's memory is host memory: each rank holds what the plan puts "on the GPU"
-(less what only CUDA has: its context, cuBLAS's workspace, the caching allocator's rounding) beside what it
-puts on the host. Elsewhere the host holds the host terms alone, some of which only a run on a card has: what
-torch's pinned allocator adds to DeepSpeed's pinned buffers (pinned.py), and the module's host copies that
-glibc's heap keeps after they move to the card (`heap_kept_bytes`).
-
-What a CPU run's processes hold, as the job's memory sampler measures it: their resident set (RSS).
-
-On a CPU accelerator the device's memory is host memory, and a run's summary records the peak RSS of the job's
-process tree (summary.json `memory.host_peak_rss_mib`, job/records.py merge_job_view). That tree is the
-job's workers alone: job/parent.py samples with `MemorySampler(include_root=False)`, so the job process itself
-(Hydra, the checks, torch's elastic agent, which runs in it) is left out; the workers are its direct children
-(torch's launcher, start method spawn) and start no processes of their own (data.num_workers is 0). So:
-
-    node RSS = parent + ranks × (process baseline + the rank's tensors)
-
-- the process baseline: a fresh interpreter's RSS after the imports a worker makes before it builds the
-  U-Net (torch, DeepSpeed, accelerate, diffusers, zerotune's trainer), measured once per host and versions
-  in a child process and cached beside the planner's other figures; None where it cannot be measured;
-- the rank's tensors: the plan's `step_peak_mib` on a CPU plan (the whole step's peak of torch-allocated
-  bytes, host and offloaded states included), else the sum of host.py's rank terms; or the fp32 build of the
-  U-Net at load time (host.py's MODEL_LOAD), whichever is larger, as host.py's node_need_mib takes it;
-- the parent: 0, since the sampled tree leaves the job process out (PARENT_BASELINE_MIB).
-
-A run on a card is measured the same way (job/parent.py's sampler; the kit's `host_peak_rss_mib`), and
-`card_process_prediction` predicts it the same way from a card's plan: each rank's host terms alone (host.py's
-rank terms on a CUDA accelerator: offloaded states, DeepSpeed's pinned buffers at torch's pinned block sizes, what
-glibc's heap keeps of the module's host copies) or its fp32 build, whichever is larger, on top of the process
-baseline. On a host with a card, that baseline is measured with CUDA's context made and cuBLAS loaded, as a
-card's worker has them; elsewhere it is the CPU worker's, without them (its term says so)."""
+"""Host memory: the blocks torch's pinned allocator holds for DeepSpeed's pinned buffers, the heap glibc keeps of
+the module's host copies, each rank's host terms, and the node's predicted peak RSS, parent + ranks × (import
+baseline + tensors), as the job's memory sampler measures the workers' process tree."""
 
 from __future__ import annotations
 
@@ -63,13 +23,10 @@ PINNED_CACHE = "_pinned_cache"        # name suffix: freed pinned blocks kept in
 
 
 def pinned_block_bytes(nbytes: int) -> int:
-    """The bytes torch's caching host allocator holds for one pinned tensor of `nbytes`: the next power of two.
-
-    torch/include/ATen/core/CachingHostAllocator.h lines 300-305 (`allocate`): the request is rounded with
-    `c10::llvm::PowerOf2Ceil(size)` while `size <= pinned_max_round_threshold()`, whose default is SIZE_MAX
-    (c10/core/AllocatorConfig.h line 361, `pinned_max_round_threshold_`), so every size is rounded; a power of
-    two stays as it is, and an empty request takes nothing. `free` (line 352) puts the block back in the free
-    list of its size, still pinned, for a later request of that size."""
+    """The bytes torch's caching host allocator (DeepSpeed's default pinning) holds for one pinned tensor of
+    `nbytes`: the next power of two (CachingHostAllocator.h `allocate`, lines 300-305: PowerOf2Ceil up to
+    pinned_max_round_threshold, SIZE_MAX by default), so a 9,794 MiB fp32 partition takes 16,384 MiB. A freed
+    block stays pinned in its size's free list (line 352)."""
     if nbytes <= 0:
         return 0
     return 1 << (int(nbytes) - 1).bit_length()
@@ -99,25 +56,19 @@ STATE_TERMS = ("params", "params_persistent", "grads", "master_weights", "optimi
 
 
 def cuda_only(name: str) -> bool:
-    """Whether a term exists only where the run trains on a CUDA card: its context, cuBLAS's workspace and the
-    caching allocator's rounding on the card; on the host, torch's pinned blocks beyond DeepSpeed's buffers
-    (pinned.py: a CPU accelerator pins nothing) and the heap glibc keeps after the module moves to the card
-    (on a CPU the module never moves: its parameters are the `params` term)."""
+    """Whether a term exists only where the run trains on a CUDA card: the context, cuBLAS's workspace, the
+    allocator's rounding, torch's pinned blocks (a CPU accelerator pins nothing) and glibc's kept heap (on a CPU
+    the module never moves)."""
     bare = name.removeprefix("deepspeed:")
     return name in CUDA_ONLY or bare.endswith((PINNED_ROUNDING, PINNED_CACHE)) or bare == HEAP_KEPT
 
 
 def heap_kept_bytes(sizes: Iterable[int]) -> int:
-    """Bytes of host tensors of `sizes` (allocated in turn, then all freed) that the process still holds: those
-    glibc's malloc served from its heap, every one under the mmap threshold's ceiling (MMAP_THRESHOLD_MAX). A
-    request at or above the threshold is mmapped, and unmapped when freed; the threshold starts at 128 KiB and
-    free() raises it to the size of each mmapped chunk it frees, so once a few of a model's larger tensors have
-    been freed it stands near its ceiling and the smaller tensors come from the heap. free() gives heap memory
-    back only from the heap's top, above which later small allocations (the new tensors' own records) sit: the
-    rest stays resident, free for later requests. Measured on this planner's host (glibc 2.36, torch 2.13):
-    SDXL's U-Net built in fp32 (mmapped, 9,625 MiB), each parameter cast to bf16 as DeepSpeed's engine does, the
-    module then moved off the host: the heap grew by 4,770 MiB and kept it (mallinfo2: 4,770 MiB free in the
-    heap, none given back), against 4,742 MiB of bf16 parameters under 32 MiB."""
+    """Bytes of host tensors of `sizes` (allocated in turn, then all freed) the process still holds: those under
+    MMAP_THRESHOLD_MAX, served from glibc's heap (free() has raised the threshold near that ceiling once a few
+    large tensors went), which free() gives back only from its top. Measured here (glibc 2.36, torch 2.13): SDXL's
+    fp32 U-Net cast to bf16 as DeepSpeed does, then moved off the host, left 4,770 MiB in the heap, against
+    4,742 MiB of bf16 parameters under 32 MiB."""
     return sum(int(n) for n in sizes if 0 < n < MMAP_THRESHOLD_MAX)
 
 
@@ -192,10 +143,8 @@ def baseline_key() -> str:
 
 
 def process_baseline_mib(on_card: bool = False) -> float | None:
-    """A fresh worker's RSS (MiB) after its imports, before any model exists: measured once, cached; None
-    where the child could not run them. `on_card`: then CUDA's context made on this host's first card and
-    cuBLAS loaded (CUDA_START), as a card's worker has them before it builds the model; None where this host
-    has no usable card."""
+    """A fresh worker's RSS (MiB) after its imports: measured once, cached; None where the child failed. `on_card`:
+    with CUDA's context and cuBLAS loaded too (CUDA_START); None where this host has no usable card."""
     file = files.cache_dir("plan") / CACHE_FILE
     known = files.read_json(file)
     known = known if isinstance(known, dict) else {}
@@ -265,9 +214,8 @@ def node_rss_prediction(plan: Plan, ranks: int, baseline: float | None, parent: 
 
 
 def mark_process_prediction(plan: Plan, node_prediction: dict) -> Plan:
-    """Make the plan's host figure the process-RSS prediction (what a CPU run's summary measures), so the
-    report prints a measured/predicted host ratio for it. The terms are kept either way; an unknown
-    prediction (mib None) leaves the plan's host figure as it was, and so unmarked."""
+    """The plan with its host figure made the process-RSS prediction (what a run's summary measures); the terms
+    are kept either way, and an unknown prediction (mib None) leaves the figure as it was, unmarked."""
     plan = plan.adding(host_process_terms=node_prediction)
     if node_prediction.get("mib") is not None:
         plan = plan.adding(host_peak_mib=node_prediction["mib"], host_peak_kind=PROCESS_RSS)
@@ -275,9 +223,8 @@ def mark_process_prediction(plan: Plan, node_prediction: dict) -> Plan:
 
 
 def card_process_prediction(plan: Plan, ranks: int) -> Plan:
-    """A card's plan (predict.py, device cuda) with its host figure made the process-RSS prediction of the node's
-    `ranks` workers (marked PROCESS_RSS), as the run measures it: what predict.py does for a CPU plan, with the
-    rank's host terms alone (host.py rank_terms on a CUDA accelerator)."""
+    """A card's plan with its host figure made the process-RSS prediction of the node's `ranks` workers, each
+    its host terms alone (rank_terms on a CUDA accelerator) on a baseline with CUDA's context where measurable."""
     on_card = process_baseline_mib(on_card=True)
     baseline: float | None
     if on_card is not None:

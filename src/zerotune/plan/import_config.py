@@ -1,12 +1,5 @@
-"""Turn an accelerate YAML or a DeepSpeed JSON into zerotune overrides (or an experiment file).
-
-    zerotune import-config ~/.cache/huggingface/accelerate/default_config.yaml
-    zerotune import-config ds_config_zero3.json --save my_zero3   # experiments/experiment/my_zero3.yaml
-
-The overrides are checked: the DeepSpeed dict they build is compared with the one the file builds. Whatever
-the overrides cannot express (a scheduler's own parameters, exotic ZeRO keys) keeps the file in the
-overrides as `deepspeed.config_file=<path>`, and the keys it is needed for are listed.
-"""
+"""`zerotune import-config`: an accelerate YAML or a DeepSpeed JSON as zerotune overrides (or an experiment file),
+checked by comparing the DeepSpeed dicts both build; what the overrides cannot express keeps the file in them."""
 
 from __future__ import annotations
 

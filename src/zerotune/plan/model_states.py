@@ -1,23 +1,6 @@
-"""Where each ZeRO stage's rules live: one module per stage family, each with the same four rules
-(states, buffers, step_transients, loading).
-
-Per-rank bytes of the model states (parameters, gradients, fp32 master weights, optimizer states) a run
-will hold, predicted from the parameter sizes and the validated DeepSpeed dict, with no weights built.
-
-The keys are the ones `train/engine.py::partition_bytes` reads from the live engine after step 1. The
-rules are DeepSpeed 0.19.8's own, padding included, each with the rest of its stage's rules (stage0.py,
-zero12.py, zero3.py); DeepSpeed's own buffers on top of these are buffers.py's.
-
-DeepSpeed 0.19.8's own buffers, on top of the model states of model_states.py, each a Term (rules.buffer_term:
-where it lives, exact or an upper bound, its lifetime, its source, the model state it `overlaps`: a planner adds
-only the terms without one) from its stage's rule (stage0.py, zero12.py, zero3.py). Sizes follow DeepSpeed's:
-only the optimizer's (trainable) parameters are flattened, bucketed, staged and stepped; with an adapter the
-frozen base U-Net counts only where stage 3 gathers every module parameter for forward and backward. Nothing
-here can be checked on a CPU-only machine (DeepSpeed's CPU accelerator allocates the "GPU" buffers in host
-memory too); the rules are read from the source.
-
-Plain accelerate (use_deepspeed False) has none of DeepSpeed's buffers; its own, torch's and accelerate's, are
-stage0.plain_buffers' (gradients kept across micro-steps, DDP's gradient buckets), on the device `device` names."""
+"""Per-rank model states (parameters, gradients, master weights, optimizer states) and buffers, predicted from the
+parameter sizes and the validated DeepSpeed dict: the entry points over each stage family's rules (stage0.py,
+zero12.py, zero3.py: DeepSpeed 0.19.8's own, padding included, read from its source)."""
 
 from __future__ import annotations
 
@@ -43,14 +26,12 @@ def model_state_bytes(param_numels: list[int], ds_config: dict, world_size: int,
                       client_optimizer: dict | None = None,
                       trainable_shapes: list[tuple[int, ...]] | None = None,
                       trainable_groups: list[int] | None = None) -> dict:
-    """This rank's bytes of parameters, gradients, master weights and optimizer states, as
-    `partition_bytes` will read them after step 1, with where each lives (`where`: gpu | host) and the
-    element sizes. `param_numels`: every parameter's size in model.parameters() order; `trainable_numels`:
-    the optimizer's (same order; None: all). `trainable_params_bytes`: what of `params_bytes` the
-    optimizer updates (whole at stages 0-2, this rank's partitions at stage 3). `client_optimizer`: the one
-    zerotune hands the engine (ResolvedRun.client_optimizer); `trainable_shapes`: the trained parameters'
-    shapes, where the optimizer steps them whole (stage 0: Adafactor factors by shape); `trainable_groups`: how many of
-    them each optimizer parameter group holds (ModelStats.trainable_groups; None: one group)."""
+    """This rank's bytes of parameters, gradients, master weights and optimizer states as train/engine.py's
+    `partition_bytes` reads them after step 1, with `where` each lives (gpu | host) and the element sizes.
+    `param_numels`: every parameter, in model.parameters() order; `trainable_numels`: the optimizer's (None: all);
+    `trainable_params_bytes` in the answer: what of `params_bytes` the optimizer updates. `client_optimizer`:
+    ResolvedRun.client_optimizer; `trainable_shapes`: for stage 0 (Adafactor factors by shape);
+    `trainable_groups`: parameters per optimizer group (ModelStats.trainable_groups; None: one group)."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of {world_size}")
     numels, train = numels_of(param_numels, trainable_numels)
@@ -75,10 +56,8 @@ def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, prec
                  rank: int | None = None, use_deepspeed: bool = True,
                  trainable_numels: list[int] | None = None, groups: list[int] | None = None,
                  device: str = "cuda") -> list[Term]:
-    """Every DeepSpeed buffer of this configuration, named, with its source. `rank` None: the largest
-    over ranks where ranks differ. Plain accelerate has none of DeepSpeed's: its own (torch DDP's, the gradients
-    kept across micro-steps) are stage0.plain_buffers', on `device` (cuda | cpu: where DDP wraps the module).
-    `param_numels`: every module parameter, in order; `trainable_numels`: the optimizer's (None: all)."""
+    """Every buffer of this configuration, named, with its source; `rank` None: the largest over ranks. Plain
+    accelerate's are stage0.plain_buffers' (DDP's, gradients kept across micro-steps), on `device`."""
     if not use_deepspeed:
         return stage0.plain_buffers(ds_config, numels_of(param_numels, trainable_numels)[1], world_size, device)
     prec, zero = precision_of(ds_config), zero_config(ds_config)
@@ -91,8 +70,7 @@ def buffer_terms(ds_config: dict, param_numels: list[int], world_size: int, prec
 def _placed(where: str, ds_config: dict, param_numels: list[int], world_size: int, precision: str | None,
             rank: int | None, use_deepspeed: bool, trainable_numels: list[int] | None,
             groups: list[int] | None = None, device: str = "cuda") -> tuple[dict, list[Term], int]:
-    """({name: bytes} of the buffers in `where` that overlap no model state, those sharing the gradients' memory,
-    the gradients' bytes)."""
+    """({name: bytes} of the buffers in `where` overlapping no model state, those sharing the gradients', grads)."""
     terms = [t for t in buffer_terms(ds_config, param_numels, world_size, precision, rank, use_deepspeed,
                                      trainable_numels, groups, device) if t.where == where]
     wider = [t for t in terms if t.overlaps == "grads_bytes"]

@@ -1,22 +1,6 @@
-"""The whole run, not only the training step: what nvidia-smi shows in each phase zerotune's run goes through.
-
-nvidia-smi counts the CUDA context and what torch's caching allocator has reserved; a block freed by an earlier
-phase stays reserved until torch.cuda.empty_cache(). Phases, in the order a run meets them (train/run.py,
-train/trainer.py Trainer._prepare):
-
-- caching (data=folder with its encoders on the GPU): inside build_loader, after the U-Net is built (at ZeRO-3
-  its partitions are on the GPU already, built under zero.Init) and before accelerate.prepare moves it;
-- loading: DeepSpeed's engine and ZeRO optimizer take the U-Net (cast, move, flatten, master copies);
-- step: the training step (predict.predict's gpu_terms, taken as given);
-- sampling: validation passes (text models with validation prompts: the U-Net as trained, the VAE moved in for
-  the pass), or evaluate_digits (class-conditional digits: the weights are gathered, sampling runs on the CPU);
-- export: the run's checkpoint saves, and `zerotune export` (its own process, on the CPU).
-
-The rule for what each phase leaves reserved: without empty_cache, the pool during a phase is at least the
-larger of what earlier phases left reserved and the phase's own peak (the allocator reuses a cached block
-whenever a request fits one, packing taken as perfect as in allocator.py: a lower bound); where zerotune or
-DeepSpeed calls empty_cache, only the blocks still alive carry over (each such call is named with its line).
-"""
+"""The whole run, not only the training step: what nvidia-smi shows (the CUDA context and what torch's caching
+allocator has reserved) in each phase, in run order (train/run.py, train/trainer.py Trainer._prepare): adapter
+injection, caching, loading, step, sampling, export."""
 
 from __future__ import annotations
 
@@ -36,8 +20,7 @@ _BASE = ("cuda_context", "cublas_workspace")
 
 
 def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan) -> list[Phase]:
-    """The run's phases in run order (rundir.plan.Phase: each its own peak, what it carries in, what nvidia-smi
-    shows during it). `plan`: predict.predict's step."""
+    """The run's phases in run order (rundir.plan.Phase); `plan`: predict.predict's step."""
     base = [t for t in plan.gpu_terms if t.term in _BASE]
     caching = _caching(cfg, checked, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
@@ -54,6 +37,8 @@ def run_peak(phases: list[Phase]) -> Phase:
     return max(phases, key=lambda p: p.reserved_mib)
 
 
+# Without empty_cache a phase's pool is at least the larger of what earlier phases left reserved and its own peak
+# (packing taken as perfect: a lower bound); after an empty_cache only the live blocks carry over.
 def _carry(phases: list[Phase]) -> list[Phase]:
     carried, out = 0.0, []
     for p in phases:
@@ -105,9 +90,8 @@ def _zero3_resident(checked: ResolvedRun, plan: Plan) -> list[Term]:
 
 
 def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
-    """ZeRO-3 with an adapter: right after the partitioned build, peft wraps its targets while they are gathered
-    whole in the run's dtype (models/adapter.py gathered_targets). Freed after, but still reserved: nothing
-    empties the cache until DeepSpeed's engine does."""
+    """ZeRO-3 with an adapter: peft wraps its targets gathered whole in the run's dtype (models/adapter.py
+    gathered_targets); freed after, reserved until DeepSpeed's engine empties the cache."""
     resident = _zero3_resident(checked, plan)
     targets = checked.model_stats.adapter_target_numel
     if not resident or not targets:
@@ -151,11 +135,9 @@ def _validation(found: tuple[list[Term], str], plan: Plan, base: list[Term]) -> 
 
 
 def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term], str] | None:
-    """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3
-    (GatheredParameters over every parameter, in the training dtype; below ZeRO-3 the engine's module holds
-    them already), the VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode
-    (fake-tensor traces). The prompts' embeddings come from the latent cache: no text encoder is loaded.
-    None without validation prompts, or when no architecture describes the VAE."""
+    """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3, the
+    VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode (fake-tensor traces;
+    no text encoder: the latent cache holds the embeddings). None without prompts or a VAE architecture."""
     if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
         return None
     found = text_encoders.configs(cfg.model)
@@ -181,10 +163,8 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
 
 
 def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
-    """train/evaluate.py evaluate_digits: full_state_dict (a ZeRO-3 collective gathering one module's own
-    parameters at a time, engine.py _zero3_consolidated_16bit_state_dict; below ZeRO-3 the state dict is views),
-    each tensor copied to the host; the sampling U-Net is built and run on the CPU (sampling.py takes its
-    parameters' device)."""
+    """train/evaluate.py evaluate_digits: full_state_dict (at ZeRO-3 one module's own parameters gathered at a
+    time) copied to the host; the sampling U-Net is built and run on the CPU."""
     if not (cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits"):
         return None
     terms = [*base, *_live_states(plan)]
@@ -200,10 +180,8 @@ def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[T
 
 
 def _export(cfg: Config, plan: Plan, base: list[Term]) -> Phase | None:
-    """accelerate save_state -> DeepSpeed save_checkpoint writes each rank's partitions as they are (torch.save
-    copies CUDA storages to the host: no new GPU blocks); `zerotune export` consolidates them on the CPU in its
-    own process (rundir/checkpoint_io.py: torch.load(map_location="cpu"), zero_to_fp32). None when the
-    run saves no checkpoint (checkpoint.final=false, no checkpoint.every_n_steps): nothing to export."""
+    """Checkpoint saves write each rank's partitions as they are (no new GPU blocks); `zerotune export`
+    consolidates them on the CPU in its own process. None when the run saves no checkpoint."""
     if not (cfg.checkpoint.final or int(cfg.checkpoint.every_n_steps or 0) > 0):
         return None
     terms = [*base, *_live_states(plan)]

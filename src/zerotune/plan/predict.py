@@ -1,24 +1,7 @@
-"""The whole training step's peak, moment by moment: forward and backward, the gradient reduction that ends
-backward, and the optimizer's step (its gradients flattened and cast, then the update). What is held
-throughout (model states, DeepSpeed's persistent buffers) is counted once; each moment adds what lives only
-then; the step's peak is the largest moment.
-
-Checked on this CPU against what torch really allocates for a whole step through zerotune's own trainer
-(benchmarks/bench_plan_step.py; DeepSpeed 0.19.8, one rank). What differs on a CUDA card is decided here by
-`device`, each branch with its source: torch's optimizers run their foreach kernels on CUDA tensors and one
-tensor at a time on CPU ones (torch/optim/optimizer.py:_default_to_fused_or_foreach), and DeepSpeed wraps
-FusedAdam (CUDA) in FP16_Optimizer but torch's AdamW (zerotune's choice on a CPU) in FP16_UnfusedOptimizer.
-
-Plain accelerate (no DeepSpeed) trains fp32 weights under autocast: its forward and backward are traced as it runs
-them (activations.plain_trace), where the half-precision weight copies autocast makes live beside the activations
-and the fp32 gradients grow through backward, which is where such a step peaks when its activations are large
-(not the optimizer's step). Under gradient accumulation the later micro-steps run their forward and backward with
-the earlier ones' gradients held (ACCUMULATING; the gradients are buffers.py's term).
-
-One job's prediction, per rank, every term named: GPU (CUDA context, model states where they live,
-DeepSpeed's buffers, the traced activation peak, the allocator's rounding), host, NVMe, and the time
-floor per step. Everything comes from the validated DeepSpeed dict the run would use and from a
-fake-tensor trace of the real model: no GPU, no weights, no fitted factor."""
+"""One job's prediction, per rank, every term named: the step's peak moment by moment (what is held throughout
+counted once, plus the largest moment's terms), host, NVMe, the run's phases and the time floor, from the
+validated DeepSpeed dict and a fake-tensor trace: no GPU, no weights, no fitted factor. Checked on a CPU against
+a real step through the trainer (benchmarks/bench_plan_step.py)."""
 
 from __future__ import annotations
 
@@ -92,9 +75,8 @@ def gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[Ter
 
 
 def _plain_gradient_terms(shape: StepShape, grads_bytes: int, trace: Trace) -> list[Term]:
-    """Plain accelerate: the step traced as it runs (fp32 weights, autocast's forward, fp32 gradients in param.grad
-    through backward and the optimizer's step). The first micro-step peaks with the gradients growing; a later one
-    (ACCUMULATING) holds all of them from the start, beside its activations."""
+    """Plain accelerate: the step traced as it runs (fp32 weights, autocast's forward and its weight copies, fp32
+    gradients). The first micro-step peaks with the gradients growing; a later one (ACCUMULATING) holds them all."""
     from zerotune.plan.activations import plain_trace  # imports torch: only where a plan is made
 
     run = plain_trace(trace, shape.device)
@@ -126,9 +108,8 @@ def host_step_temporaries(shape: StepShape) -> list[Term]:
 
 
 def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> Plan:
-    """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only).
-    `device`: cuda (the card's memory: nvidia-smi's view, the run's phases) or cpu (this machine's CPU
-    accelerator: one pool of host memory, what torch allocates, the process's RSS)."""
+    """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only). `device`: cuda (the
+    card: nvidia-smi's view, the run's phases) or cpu (this machine: one pool of host memory, the processes' RSS)."""
     cfg, ds, use_ds, stage = checked.config, checked.ds_config, checked.use_deepspeed, zero_stage(checked)
     world, precision = launch_world_size(cfg.launch), cfg.precision.name
     trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
@@ -208,8 +189,7 @@ def _step_shape(states: dict, stage: int, use_ds: bool, train: list[int], device
 
 def _step_terms(states: dict, buffers: dict[str, Term], buffer_bytes: dict, trace: Trace,
                 shape: StepShape) -> list[Term]:
-    """Every term the device holds during the step, each with its moment (step_peak.py). `buffers`: the
-    buffers' own terms by name (their lifetimes and the lines allocating them)."""
+    """Every term the device holds during the step, each with its moment; `buffers`: the buffers' terms by name."""
     terms = [t for t in _state_terms(states, "gpu") if t.term != "grads"]
     if states["where"]["params"] != "gpu" and states.get("params_persistent_bytes"):
         terms.append(term("params_persistent", states["params_persistent_bytes"], "kept whole on the device"))
@@ -310,11 +290,9 @@ def _state_terms(states: dict, place: str) -> list[Term]:
 
 def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, states: dict,
                  trainable: list[int] | None = None) -> tuple[list[int], str]:
-    """The allocations that hold the parameters on the GPU, and how: ZeRO-1/2 copy the optimizer's
-    parameters into one flat buffer per group (stage_1_and_2.py, flatten_dense_tensors_aligned) and leave
-    frozen ones (an adapter's base U-Net) in their own blocks; stage 0 and plain DDP keep each parameter in
-    its own block; stage 3's partitions are counted in its buffers. `trainable`: the optimizer's sizes
-    (None: all)."""
+    """The allocations (bytes) that hold the parameters on the GPU, and how: ZeRO-1/2 one flat buffer for the
+    trained ones and a block per frozen one; stage 0 and plain DDP a block per parameter; stage 3 none (its
+    buffers count them). `trainable`: the optimizer's sizes (None: all)."""
     if stage >= 3 or states["where"]["params"] != "gpu":
         return [], "no parameter blocks on the GPU outside ZeRO-3's buffers"
     elem = DTYPE_BYTES[precision]
@@ -331,10 +309,9 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
 
 
 def _host_peak(checked: ResolvedRun, terms: list[Term], stage: int, world: int) -> tuple[float, Term]:
-    """The U-Net is built before the offloaded states exist: the host peak is whichever is larger. Below ZeRO-3
-    each rank builds it whole in fp32 and moves it to the GPU; at ZeRO-3 it is built under zero.Init
-    (train/engine.py), so a rank holds its partition, in the run's dtype, and one module built whole in fp32
-    until it is partitioned (counted as twice the largest parameter: its fp32 build and its copy being split)."""
+    """(MiB, the `model_load` term): the larger of the host terms and the U-Net's build, which comes first: whole
+    in fp32 below ZeRO-3; at ZeRO-3 (zero.Init) the rank's partition plus one module whole in fp32, counted as
+    twice the largest parameter (its build and the copy being split)."""
     stats, precision = checked.model_stats, checked.config.precision.name
     if stage == 3:
         partition = -(-stats.num_params // world) * DTYPE_BYTES.get(precision, 4)

@@ -1,21 +1,7 @@
-"""A run, resolved once: everything a training process needs to know, frozen.
-
-The job's parent (or rank 0, under torchrun / `accelerate launch` / `srun` without a zerotune parent) builds
-it in preflight, from the composed config and the user's files, and writes it to the run directory once;
-every worker reads it back and never folds a file or runs a check again.
-
-`"auto"` in a DeepSpeed file means "fill this from the run's settings", as accelerate and the HF Trainer
-read it. zerotune fills every "auto" before validation, so nothing downstream (accelerate's own filler
-included) ever sees one; an "auto" it has no value for is a config error naming the key.
-
-Bucket sizes: accelerate derives them from `model.config.hidden_size`, which U-Nets lack. zerotune's
-rule is DeepSpeed's own default capped at the model's parameter count (`deepspeed.*_bucket_size=auto`),
-or the number set in `deepspeed.*`.
-
-The user's DeepSpeed dict over the generated one: the file's blocks are taken whole.
-
-Preflight: from a settled config (config/compose/settle.py) to a resolved run (zerotune/plan/resolve.py). Every bad configuration stops
-here, before any model exists."""
+"""Preflight: a settled config (config/compose/settle.py) checked once into a frozen ResolvedRun, written to the run
+directory for every worker to read back. Every bad configuration stops here, before any model exists; every
+"auto" of a user's DeepSpeed file is filled first (bucket sizes: DeepSpeed's defaults capped at the model's size;
+accelerate's rule reads a hidden_size U-Nets lack)."""
 
 from __future__ import annotations
 
@@ -136,7 +122,7 @@ AUTO = "auto"
 
 
 def fill(ds: dict, cfg: Config, stats: ModelStats, batch: Batch, source: str) -> dict:
-    """`ds` with every "auto" replaced; `source` names the file in errors."""
+    """`ds` with every "auto" replaced (one with no value is a ConfigError); `source` names the file in errors."""
     ds = _filled(ds, {"train_batch_size": batch.total, "train_micro_batch_size_per_gpu": batch.micro,
                       "gradient_accumulation_steps": batch.accum, "gradient_clipping": cfg.train.grad_clip})
     for name in ("fp16", "bf16"):
@@ -178,9 +164,8 @@ def _refuse_leftovers(node: Any, path: str, source: str) -> None:
 
 
 def merge(generated: dict, user: dict) -> dict:
-    """Top-level values and blocks: the user's, whole (mixing ours into a block changes what it means: a
-    WarmupLR gaining total_num_steps, an Adam block gaining our weight decay). zero_optimization: the user's keys win, and its
-    offload_optimizer / offload_param blocks replace ours whole; our keys fill what it leaves out."""
+    """The user's top-level values and blocks, whole (mixing ours in changes their meaning: a WarmupLR gaining
+    total_num_steps); in zero_optimization the user's keys and offload blocks win, ours fill the rest."""
     out = dict(generated)
     for key, value in user.items():
         if key == "zero_optimization" and isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -267,9 +252,8 @@ def _check_inputs(cfg: Config, training: bool) -> None:
 
 
 def check(settled: Settled, platform: Platform | None = None, run_dir: str | Path | None = None) -> ResolvedRun:
-    """Check the settled config and build its DeepSpeed dict: every bad configuration stops here, before any
-    model exists. With the job's `run_dir` (a job that will train), the checkpoint `resume` names is found, checked
-    and judged too, and the data set is checked against the model."""
+    """The settled config checked, with its DeepSpeed dict. With the job's `run_dir` (a job that will train), the
+    checkpoint `resume` names is checked and judged too, and the data set against the model."""
     cfg, user, world_size = settled.config, settled.user, settled.world_size
     platform = platform or detect()
     try:

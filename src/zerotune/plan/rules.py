@@ -109,8 +109,7 @@ def place(device: str) -> str:
 
 
 def client_kind(client: dict, prec: Precision) -> OptimizerKind:
-    """A client optimizer's state, as its class allocates it (torch's: like the tensor it steps, the master
-    weights' dtype)."""
+    """A client optimizer's state, as its class allocates it (torch's: in the master weights' dtype)."""
     name, params = client["name"], client["params"]
     if name == "adafactor":
         # transformers/optimization.py Adafactor.step: exp_avg (beta1 set) and exp_avg_sq or its row and column
@@ -168,8 +167,7 @@ BNB_QMAPS_BYTES = 2 * 256 * 4  # name2qmap "dynamic" and "udynamic": 256 fp32 ea
 
 
 def optimizer_state(kind: OptimizerKind, shapes: list[tuple[int, ...]]) -> int:
-    """Optimizer state bytes for the optimized tensors of these shapes (what the optimizer is given: the
-    parameters themselves, or DeepSpeed's flat 1-D partitions)."""
+    """Optimizer state bytes for optimized tensors of these shapes (the parameters, or DeepSpeed's 1-D partitions)."""
     total = sum(_tensor_state(kind, shape) for shape in shapes)
     if kind.layout == "blockwise8bit" and any(math.prod(s) >= BNB_MIN_8BIT_SIZE for s in shapes):
         total += BNB_QMAPS_BYTES
@@ -197,9 +195,8 @@ def numels_of(param_numels: Any, trainable_numels: Any = None) -> tuple[list[int
 
 
 def split_groups(train: list[int], groups: list[int] | None) -> list[list[int]]:
-    """The optimizer's parameter groups: `train` cut into runs of `groups[i]` parameters (ModelStats.trainable_groups:
-    the U-Net's, then each trained text encoder's); one group when None or empty. ZeRO flattens, pads and
-    partitions each group on its own (stage_1_and_2.py and stage3.py loop over optimizer.param_groups)."""
+    """The optimizer's parameter groups: `train` cut into runs of `groups[i]` parameters (one group when None or
+    empty). ZeRO flattens, pads and partitions each group on its own."""
     if not groups:
         return [train]
     out, start = [], 0
@@ -232,9 +229,8 @@ def term(name: str, nbytes: float, note: str = "", moment: str | None = None) ->
 
 def buffer_term(name: str, nbytes: int, where: str, bound: str, lifetime: str, source: str,
                 overlaps: str = "") -> Term:
-    """One of DeepSpeed's own buffers: where it lives, exact or an upper bound, its lifetime (persistent | backward |
-    forward+backward | reduce | step | step:flatten | step:update), the line that allocates it, and the model
-    state it shares memory with, if any."""
+    """One of DeepSpeed's buffers: where it lives, exact or upper bound, its lifetime (persistent | backward |
+    forward+backward | reduce | step[:flatten|:update]), its source line, the model state it overlaps, if any."""
     return Term.of_bytes(name, int(nbytes), source, lifetime, where=where, bound=bound, overlaps=overlaps)
 
 

@@ -1,10 +1,6 @@
-"""Plain accelerate and ZeRO-0's rules: nothing is partitioned; DeepSpeed adds its gradient all-reduce bucket and
-the step's fp32 gradient copies.
-
-Plain accelerate (deepspeed.enabled=false) keeps fp32 weights and fp32 gradients, its forward under autocast
-(step_peak.py traces it so); beside the model states it holds what torch and accelerate allocate themselves
-(plain_buffers): the gradients a micro-step leaves for the next under gradient accumulation, and DDP's gradient
-buckets where accelerate wraps the module in DistributedDataParallel."""
+"""Plain accelerate and ZeRO-0's rules, nothing partitioned: DeepSpeed's all-reduce bucket and fp32 gradient copies;
+plain accelerate's fp32 weights and gradients, its own buffers (plain_buffers: accumulated gradients, DDP's
+buckets), and CUDA autocast's cast policy for tracing its step."""
 
 from __future__ import annotations
 
@@ -65,10 +61,9 @@ PLAIN_GRAD_ELEM = 4  # plain accelerate's gradients: fp32, like the weights (mod
 
 
 def ddp_wraps(world: int, device: str) -> bool:
-    """Whether accelerate wraps the module in DistributedDataParallel (accelerate/accelerator.py prepare_model): on
-    CUDA when the state is multi-device (`multi_device`: distributed_type MULTI_GPU and num_processes > 1); on a CPU
-    whenever LOCAL_RANK is set (state.py _prepare_backend: MULTI_CPU, `distributed_type == MULTI_CPU` wraps at any
-    process count), which zerotune's environment always sets (train/distributed.py ensure_single_process_env)."""
+    """Whether accelerate wraps the module in DDP (accelerator.py prepare_model): on CUDA with several processes;
+    on a CPU whenever LOCAL_RANK is set (state.py: MULTI_CPU wraps at any process count), which zerotune's
+    environment always sets (train/distributed.py ensure_single_process_env)."""
     return world > 1 or device == "cpu"
 
 
@@ -105,10 +100,8 @@ DDP_BROADCAST_BUCKET = 250 * 2**20  # DistributedDataParallel.__init__: self.bro
 
 
 def ddp_broadcast_bytes(numels: list[int], elem: int, cap: int = DDP_BROADCAST_BUCKET) -> int:
-    """DDP's construction broadcasts the parameters from rank 0 (torch/distributed/utils.py _sync_module_states ->
-    dist._broadcast_coalesced, torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced): flattened, in order, into
-    buckets of broadcast_bucket_size, a bucket closing once it reaches that; two buckets in flight at once (the
-    older finished and freed before a third is flattened): the largest two consecutive buckets."""
+    """DDP's broadcast of the parameters at construction (_sync_module_states -> broadcast_coalesced): flattened in
+    order into buckets closing at `cap` bytes, two in flight at once: the largest two consecutive buckets."""
     buckets, filling = [], 0
     for n in numels:
         filling += n * elem
@@ -147,10 +140,8 @@ def step_transients(shape: StepShape) -> list[Term]:
 
 
 def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
-    """Stage 0 / plain accelerate: the module cast and moved parameter by parameter (engine.py
-    _configure_distributed_model: _cast_module_mixed_precision on the host, then module.to(device)). Plain
-    accelerate moves the fp32 module as it is (accelerator.py prepare_model: model.to(device); autocast casts per
-    op), then with several processes wraps it in DDP: its gradient buckets, and the broadcast of the parameters."""
+    """Stage 0: the module cast on the host, then moved one block per parameter. Plain accelerate moves the fp32
+    module as it is, then with several processes wraps it in DDP (its buckets, the parameters' broadcast)."""
     if checked.use_deepspeed:
         sizes, _ = module_blocks(checked, DTYPE_BYTES[cfg.precision.name])
         terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes),
@@ -173,9 +164,8 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base
                       "processes); the optimizer's states are the step's terms")
 
 
-# ------------------------------------------------------------ plain accelerate's autocast: CUDA's cast policy
-# activations.py traces plain accelerate's step on CPU tensors under CPU autocast; for a plan on a card these casts
-# are CUDA autocast's, read from torch's own header (torch is imported where a rule needs it, as DeepSpeed is).
+# Plain accelerate's autocast: activations.py traces its step on CPU tensors; for a plan on a card the casts are
+# CUDA autocast's, read from torch's own header (torch is imported where a rule needs it, as DeepSpeed is).
 
 _POLICY_LISTS = {"AT_FORALL_LOWER_PRECISION_FP": "lower_precision_fp", "AT_FORALL_FP32": "fp32",
                  "AT_FORALL_FP32_SET_OPT_DTYPE": "fp32_set_opt_dtype", "AT_FORALL_PROMOTE": "promote"}
@@ -189,11 +179,9 @@ def autocast_header() -> Path:
 
 
 def cuda_autocast_policies() -> dict[str, str]:
-    """{"aten::op" or "aten::op.overload": cast policy} for CUDA tensors, read from the installed torch's
-    ATen/autocast_mode.h: the op lists (AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE,
-    AT_FORALL_PROMOTE) that autocast_mode.cpp registers for the Autocast (CUDA) dispatch key. CPU's autocast
-    has lists of its own (autocast_mode.cpp TORCH_LIBRARY_IMPL(aten, AutocastCPU, m)): group_norm, layer_norm,
-    softmax and upsampling run in fp32 on CUDA, in the autocast dtype on a CPU."""
+    """{"aten::op" or "aten::op.overload": cast policy} for CUDA tensors, from the op lists of the installed
+    torch's ATen/autocast_mode.h. CPU's autocast has its own (group_norm, layer_norm, softmax and upsampling run
+    in fp32 on CUDA, in the autocast dtype on a CPU)."""
     header = autocast_header()
     if not header.is_file():
         raise FileNotFoundError(f"{header}: this torch ships no C++ headers; CUDA's autocast op lists are there")
@@ -210,10 +198,8 @@ def cuda_autocast_policies() -> dict[str, str]:
 
 @contextmanager
 def cast_policy(device: str | None) -> Iterator[None]:
-    """Inside: CPU tensors under CPU autocast are cast as CUDA's autocast casts CUDA tensors (device "cuda");
-    nothing changes otherwise. Each op of CUDA's lists gets a kernel on the AutocastCPU key with CUDA's policy,
-    except the lower-precision ones CPU's autocast registers too (same policy, through autocast's own weight cache);
-    ops only CPU's autocast registers fall through, as on CUDA. The kernels are removed on exit."""
+    """Inside, for device "cuda": CPU tensors under CPU autocast are cast as CUDA's autocast casts CUDA tensors
+    (kernels on the AutocastCPU key, removed on exit); nothing changes otherwise."""
     if device != "cuda":
         yield
         return

@@ -1,18 +1,5 @@
-"""FLOPs of one dispatched op, by torch's FlopCounterMode formulas (matmuls, convolutions, attention).
-
-The formulas are FlopCounterMode's own registry, applied by the memory tracker of activations.py to the
-ops it already sees, rather than by running FlopCounterMode itself: FlopCounterMode's module tracker
-hooks the outputs of every module call, and when it is active during a backward with gradient
-checkpointing those hooks keep recomputed activations alive (the tiny U-Net's traced activation peak
-rose 83%, 4.1 -> 7.4 MB). Same formulas, same totals (tests/test_plan_activations.py compares them).
-
-The trace runs on fake *CPU* tensors (see activations.py), where scaled_dot_product_attention dispatches
-to `_scaled_dot_product_flash_attention_for_cpu`: the registry only knows the CUDA attention kernels, so
-two entries are added for it, with the counts torch uses for the CUDA flash kernel.
-
-torch's MemTracker, kept to what the planner's trace needs (activations.py): the peak of what a step
-holds beyond the model states, the FLOPs of the ops it sees, and gradient hooks on trainable parameters
-only (an adapter's frozen base takes none)."""
+"""StepTracker: torch's MemTracker kept to what the planner's trace needs (activations.py): the peak a step holds
+beyond the model states, and the FLOPs of the ops it sees, by FlopCounterMode's formulas."""
 
 from __future__ import annotations
 
@@ -38,6 +25,10 @@ def _cpu_flash_backward(grad_out_shape: Shape, query_shape: Shape, key_shape: Sh
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+# FlopCounterMode's own formulas, applied to the ops the tracker sees (same totals: tests/test_plan_activations.py):
+# FlopCounterMode itself hooks every module's outputs, which under gradient checkpointing keeps recomputed
+# activations alive (the tiny U-Net's peak rose 83%). The fake CPU tensors dispatch SDPA to the CPU flash kernel,
+# which the registry lacks: it gets the counts torch uses for the CUDA flash kernel.
 FLOP_FORMULAS = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
@@ -55,12 +46,9 @@ _MODEL_STATES = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD)
 
 
 class StepTracker(MemTracker):
-    """MemTracker keeping the peak of what the step holds beyond the model states, and the FLOPs of the
-    ops it sees, forward and backward (torch's formulas: flops.py).
-
-    MemTracker's own peak update walks every module it has seen on every op, to keep per-module peaks
-    this planner does not use: for SDXL, 1,500 modules x 77,000 ops made a 256 px trace take 185 s
-    (95% of it that walk); without it SDXL at 1024 px, batch 8, takes 8 s."""
+    """MemTracker keeping the peak the step holds beyond the model states, and its forward and backward FLOPs.
+    It replaces MemTracker's peak update, which walks every module on every op for per-module peaks: for SDXL a
+    256 px trace took 185 s (95% of it that walk); without it 1024 px, batch 8, takes 8 s."""
 
     def __init__(self) -> None:
         super().__init__()

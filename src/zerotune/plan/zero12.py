@@ -158,10 +158,9 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
 
 def _offload_host_terms(ds: dict, trained_groups: list[list[int]], parts: list[int], world: int, rank: int | None,
                         prec: Precision, zero: DeepSpeedZeroConfig, src: str) -> list[Term]:
-    """What CPU offload holds on the host beyond buffers()' tensors: with offload_optimizer.pin_memory each
-    pinned tensor takes a power-of-two block of torch's pinned allocator (pinned.py), one per parameter group
-    (`parts`: this rank's partition of each group's flat buffer, in elements); with gradient accumulation, a host
-    gradient per parameter of the rank's partition."""
+    """What CPU offload holds on the host beyond buffers()' tensors: the pinned allocator's power-of-two blocks
+    (`parts`: this rank's partition of each group, in elements), and under gradient accumulation a host gradient
+    per parameter of the rank's partition."""
     pinned = bool(zero.offload_optimizer.pin_memory) and torch_pins()
     terms: list[Term] = []
     if pinned:
@@ -201,12 +200,9 @@ def _offload_host_terms(ds: dict, trained_groups: list[list[int]], parts: list[i
 
 
 def step_transients(shape: StepShape) -> list[Term]:
-    """DeepSpeedZeroOptimizer.step takes the parameter groups one at a time (stage_1_and_2.py lines 3075-3144):
-    group i's gradients flattened (flatten_dense_tensors_aligned), then `.to(master dtype)` (a copy only where the
-    dtypes differ; the fp32 partition is buffers()'s step_fp32_grad_partition), its gradients freed, the
-    optimizer stepped over that group alone, its fp32 gradient freed. The later groups' gradients wait: at group
-    i's update they are still held. Each moment is taken at the group where it is largest (with unequal groups,
-    the fp32 gradient and the optimizer's temporaries are the largest group's: an upper bound)."""
+    """DeepSpeedZeroOptimizer.step, one parameter group at a time (stage_1_and_2.py lines 3075-3144): its gradients
+    flattened and cast (the fp32 partition is buffers()' step_fp32_grad_partition), freed, the group stepped; the
+    later groups' gradients are held meanwhile. Each moment is taken at its largest group (an upper bound)."""
     if not shape.use_deepspeed or shape.offloaded:
         return []
     src = "runtime/zero/stage_1_and_2.py:DeepSpeedZeroOptimizer.step"
@@ -277,19 +273,14 @@ def group_loads(groups: list[list[int]], frozen: list[int], param_elem: int, mas
 
 
 def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
-    """ZeRO-1/2 take the optimizer's parameter groups one at a time (DeepSpeedZeroOptimizer.__init__'s loop over
-    optimizer.param_groups; deepspeed.param_groups sets how many). The parameters arrive one block each
-    (engine.py module.to). For group i, ZeRO:
-    1. empties the cache (line 449): the blocks freed for group i-1, and its clone, go back to the driver;
-    2. flattens the group into one buffer, on the card when NVML's free memory holds it (line 453,
-       `flatten_on_accelerator`), else after moving the group's blocks to the host and emptying the cache again;
-    3. points the parameters into the buffer (_update_model_bit16_weights): the group's blocks are freed, and stay
-       reserved until the next group's step 1;
-    4. clones the rank's partition on the card (`.detach().clone().to(device=self.device, dtype=fp32)`, line 560),
-       then casts it to the fp32 master (on the card; on the host under offload) and frees the clone.
-    At step 4 the pool holds the frozen blocks, the blocks of groups i.. (group i's freed but reserved), the flat
-    buffers and masters of groups ..i, and group i's clone: the phase's peak is the largest such moment. At its
-    end, the trainer empties the cache (train/trainer.py Trainer._prepare): only what is alive carries over."""
+    """ZeRO-1/2's build, one optimizer parameter group at a time (DeepSpeedZeroOptimizer.__init__), the parameters
+    arriving one block each (engine.py module.to). For group i, ZeRO:
+    1. empties the cache (line 449): group i-1's freed blocks and clone go back to the driver;
+    2. flattens the group into one buffer, on the card when NVML's free memory holds it (line 453), else on the host;
+    3. points the parameters into it: the group's blocks are freed, reserved until the next step 1;
+    4. clones the rank's partition on the card (line 560), casts it to the fp32 master (on the host under
+       offload) and frees the clone.
+    The peak is the largest step 4; the trainer's empty_cache at the end carries only live blocks over."""
     prec = precision_of(checked.ds_config)
     numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
     groups = split_groups(train, checked.group_sizes())

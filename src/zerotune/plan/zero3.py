@@ -1,12 +1,6 @@
-"""ZeRO-3's rules (DeepSpeed 0.19.8's runtime/zero/stage3.py, partition_parameters.py, parameter_offload.py):
-each module parameter is padded to a multiple of the world size and split evenly (zero3_runtime.py).
-
-Two ways to the card's memory. The rules here (states, buffers, step_transients) give each term from the
-parameter sizes alone, as a sum: what a CPU plan and the host figure use. On a card, the engine's build
-(loading) and the training step (predict.py, through zero3_replay.step_terms) are replayed: DeepSpeed's own
-ZeRO-3 hooks and parameter coordinator over a fake-tensor copy of the model, every allocation through a
-simulator of torch's caching allocator, so what ZeRO-3 gathers, keeps and frees in which order, and the
-reserve its frees leave, are counted rather than bounded (zero3_replay.py)."""
+"""ZeRO-3's rules (DeepSpeed 0.19.8's stage3.py, partition_parameters.py, parameter_offload.py), each term from the
+parameter sizes alone, as a sum: what a CPU plan and the host figure use. On a card the engine's build and the
+step are replayed through the caching allocator instead (zero3_replay.py)."""
 
 
 from __future__ import annotations
@@ -161,10 +155,8 @@ def buffers(ds: dict, numels: list[int], train: list[int], world: int, rank: int
 
 def _pinned_host_terms(numels: list[int], train: list[int], parts: list[int], persist: list[bool], world: int,
                        prec: Precision, zero: DeepSpeedZeroConfig, groups: list[int] | None) -> list[Term]:
-    """What torch's pinned allocator holds beyond the host tensors of the model states and buffers() (pinned.py):
-    each pinned tensor takes a power-of-two block, and a freed one stays in the allocator's cache. Per pinned
-    tensor: each sub-group's fp32 gradient, the flat gradient partitions, each parameter group's flat parameter
-    buffer, and zero.Init's per-parameter partitions (`parts`: the optimizer's, in elements)."""
+    """What torch's pinned allocator holds beyond the pinned host tensors of the model states and buffers() (a
+    power-of-two block each; a freed one stays cached). `parts`: the optimizer's partitions, in elements."""
     src, opt_dev, param_dev = _SRC, offload_device(zero.offload_optimizer), offload_device(zero.offload_param)
     terms: list[Term] = []
     if opt_dev != "none" and zero.offload_optimizer.pin_memory and torch_pins():
@@ -208,15 +200,10 @@ def step_transients(shape: StepShape) -> list[Term]:
 
 
 def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
-    """ZeRO-3's engine build, replayed through the caching allocator (_load, allocator.CachingAllocator): zero.Init
-    builds each module's tensors in fp32 and casts them (partition_parameters.py zero_wrapper_for_fp_tensor_
-    constructor, line 266), keeping this rank's partition on the device unless the parameters are offloaded
-    (_partition_param, line 1836); without offloaded parameters the optimizer moves the partitions to the host,
-    empties the cache and copies them back as one flat buffer (runtime/zero/utils.py defragment, lines 234-237);
-    without optimizer offload each sub-group's fp32 master is `.to(fp32).clone()` (stage3.py line 1170) and
-    initialize_optimizer_states allocates then frees the largest sub-group's gradient buffer (line 1306); then
-    the reduce bucket (line 782) and the gradient partitions (line 791). The trainer then empties the cache
-    (train/trainer.py Trainer._prepare): a segment still holding a live block stays reserved, whole."""
+    """ZeRO-3's engine build, replayed through the caching allocator (zero3_replay.loading_memory): zero.Init's
+    fp32 build and cast, keeping this rank's partitions on the device unless offloaded; defragment's flat buffer;
+    the fp32 masters, the reduce bucket and the gradient partitions. The trainer then empties the cache
+    (Trainer._prepare): a segment still holding a live block stays reserved, whole."""
     found = zero3_replay.loading_memory(cfg, checked)
     at = found["at_reserved_peak"]
     terms = [*base, *zero3_replay.terms_at(at, "", "replayed engine build")]

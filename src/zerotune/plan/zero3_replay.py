@@ -1,22 +1,11 @@
-"""ZeRO-3 on a card, replayed allocation by allocation: the engine's build and REPLAY_STEPS training steps.
+"""ZeRO-3 on a card, replayed allocation by allocation (the engine's build and REPLAY_STEPS steps): DeepSpeed's own
+module hooks and parameter coordinator on a fake-tensor model, zero3_runtime.py's stand-ins for the rest, every
+storage through a simulator of torch's caching allocator (allocator.TaggedPool), so what ZeRO-3 gathers, keeps
+and frees, and the reserve its frees leave, are counted rather than bounded."""
 
-DeepSpeed's own ZeRO-3 machinery runs on a fake-tensor copy of the model (activations.py builds it as training
-does): parameter_offload.py's module hooks (DeepSpeedZeRoOffload._register_deepspeed_module) and
-partitioned_param_coordinator.py's PartitionedParameterCoordinator (trace recording in step 1, then prefetch and
-reuse-distance release), torch's gradient checkpointing (its recomputed saved tensors keep a gathered
-parameter's storage alive after the coordinator releases it). What the coordinator calls on a parameter, and
-the stage-3 optimizer's hooks, flushes and step, are zero3_runtime.py's stand-ins. Every storage an op returns,
-and every buffer DeepSpeed allocates, goes through a simulator of torch's caching allocator
-(allocator.TaggedPool), so what ZeRO-3 gathers, keeps and frees in which order, and the reserve its frees
-leave, are counted rather than bounded; nvidia-smi's figure is the reserved peak plus the CUDA context.
-
-On the H100 grid (experiments/results/gpu/h100-2026-11-26, SDXL 512 px, bf16, AdamW, one rank), replaying the
-trainer those runs had (no empty_cache after the engine's build: emptied=False), the allocated peaks of steps 1
-and 2 are torch's within 2 MiB (CPU offload, step 2) to 34 MiB, the reserved peaks within 4 MiB without offload,
-but 60 MiB (batch 1) and 116 MiB (batch 4) above torch's with CPU offload: the activations are traced through
-torch's CPU kernels (attention's saved tensors, no cuDNN workspaces), so the blocks that fill the segments freed
-by the gathered parameters are not the card's exactly. A replay of SDXL takes about 40 s on two cores, once per
-setting (cached under <cache>/plan/zero3-<key>.json)."""
+# On the H100 grid (experiments/results/gpu/h100-2026-11-26, SDXL 512 px, bf16, AdamW, one rank, emptied=False)
+# the allocated peaks are torch's within 2-34 MiB, the reserved ones within 4 MiB without offload and 60-116 MiB
+# above with CPU offload (activations traced through CPU kernels). SDXL's replay takes about 40 s on two cores.
 
 from __future__ import annotations
 
@@ -46,9 +35,8 @@ _LOADINGS: dict[str, dict] = {}
 
 
 def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
-    """The engine build's peaks on the device, replayed (allocations only: the model is built on the meta device),
-    as TaggedPool.record gives them: {"allocated", "reserved", "at_allocated_peak", "at_reserved_peak"}, and
-    "end_reserved": what stays reserved once the trainer has emptied the cache after the build."""
+    """The engine build's replayed device peaks (TaggedPool.record), with "end_reserved": what stays reserved
+    once the trainer has emptied the cache after the build."""
     from zerotune.plan import activations
 
     key = _replay_key(cfg, checked, "loading")
@@ -61,8 +49,7 @@ def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
 
 def _build(model, pool: TaggedPool, cfg: Config, checked: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
     """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
-    reserved after it (train/trainer.py Trainer._prepare empties the cache once accelerate.prepare has built the
-    engine, since commit d6e1446; `emptied` False: the trainer before), and the optimizer's sub-groups."""
+    reserved once the trainer empties the cache (`emptied` False: the trainer before d6e1446), and the sub-groups."""
 
     ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
     world = launch_world_size(cfg.launch)
@@ -138,11 +125,10 @@ _MOMENTS = {"carried": "persistent", "loading": "persistent", "forward": "forwar
 
 
 def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> dict | None:
-    """The replay's figures for this run on this card, from this process's or the disk cache if it holds them:
-    {"loading": peaks, "steps": [peaks per step], "seconds", "key"}, each peaks record {"allocated",
-    "reserved" (bytes), "at_allocated_peak"/"at_reserved_peak": {"phase", "tags" {tag: bytes}, "cached"}}.
-    None where the replay cannot run (its reason logged): the rules above then stand alone. `emptied` False:
-    the trainer as it was before it emptied the cache after the engine's build (rows recorded before d6e1446)."""
+    """The replay's figures for this run on this card, cached: {"loading": peaks, "steps": [peaks per step],
+    "seconds", "key"}, each peaks record {"allocated", "reserved" (bytes), "at_allocated_peak"/"at_reserved_peak":
+    {"phase", "tags" {tag: bytes}, "cached"}}. None where the replay cannot run (its reason logged). `emptied`
+    False: the trainer before it emptied the cache after the engine's build (rows recorded before d6e1446)."""
     from zerotune.config import files
     from zerotune.plan import activations
 
@@ -168,12 +154,9 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
 
 
 def step_terms(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> list[Term] | None:
-    """The training step's GPU terms at its nvidia-smi peak (the CUDA context aside), from the replay: the
-    step whose reserved figure is the largest, what was allocated at that moment tag by tag, and the cached
-    free blocks (`allocator_reserve`). They add up to the replayed reserved peak, what loading left reserved
-    included. Model states and persistent buffers are `persistent`; the rest carry the moment of the peak.
-    None where the replay cannot run. `emptied`: as step_memory's. For predict.predict at ZeRO-3 on a card: its
-    gpu_terms after cuda_context, in place of the rules' (states, buffers and transients as a sum)."""
+    """The step's GPU terms at its replayed reserved peak (the CUDA context aside; predict.predict's in place of
+    the rules' sum): what was allocated then, tag by tag, and the cached free blocks (`allocator_reserve`). Model
+    states and persistent buffers are `persistent`, the rest carry the peak's moment. None where it cannot run."""
     found = step_memory(cfg, checked, gpu, emptied)
     if found is None:
         return None
@@ -264,9 +247,8 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
 
 
 def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str, emptied: bool = True) -> dict:
-    """The engine's build, then REPLAY_STEPS training steps, on `model` (fake tensors, under FakeTensorMode).
-    `emptied`: the trainer empties the cache between the two (train/trainer.py Trainer._prepare, since commit
-    d6e1446); False replays the trainer the H100 grid ran, which did not."""
+    """The engine's build, then REPLAY_STEPS training steps, on `model` (fake tensors). `emptied`: as _build's
+    (False: the trainer the H100 grid ran)."""
     import torch
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus as status
 

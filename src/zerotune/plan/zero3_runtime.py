@@ -1,9 +1,6 @@
-"""DeepSpeed 0.19.8's ZeRO-3 runtime as the replay (zero3_replay.py) runs it on a fake-tensor model: how each
-parameter is partitioned (partition_parameters.py), which parameters stay whole (parameter_offload.py), the
-optimizer's sub-groups (stage3.py), and stand-ins for what DeepSpeed's parameter coordinator calls on a parameter
-(all_gather_coalesced, partition), the stage-3 optimizer's gradient hook, bucket flush and step, and the
-engine's build. The stand-ins allocate through a TaggedPool (allocator.py) what the lines they name allocate on
-the device, in the same order, for rank 0: DeepSpeed's own versions need a process group and a CUDA device."""
+"""DeepSpeed 0.19.8's ZeRO-3 runtime for the replay (zero3_replay.py): partition sizes, persistence, sub-groups,
+and stand-ins (DeepSpeed's own need a process group and a CUDA device) that allocate through a TaggedPool what
+the lines they name allocate on rank 0's device, in order: gathers, gradient hook, flush, step, engine build."""
 
 from __future__ import annotations
 
@@ -53,8 +50,8 @@ def sub_groups(parts: list[int], sub_group_size: int, groups: list[int] | None) 
 
 
 class OneStreamAccelerator:
-    """What the coordinator asks DeepSpeed's accelerator, answered as one synchronous stream does (the replay has
-    one stream: overlap_comm is off, so the all-gather stream is the default one, parameter_offload.py line 195)."""
+    """DeepSpeed's accelerator as the coordinator asks it, answered as one synchronous stream (overlap_comm off:
+    the all-gather stream is the default one, parameter_offload.py line 195)."""
 
     @staticmethod
     def stream(_stream):
