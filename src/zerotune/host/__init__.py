@@ -1,5 +1,2 @@
-"""DeepSpeed's JIT ops: built in the job's parent before it measures anything (`build`), the locks a killed build
-left in the torch extensions cache (`locks`), the link that lets their builds find torch's libraries
-(`torch_lib`), and py-cpuinfo's answer their builders ask for, kept per CPU (`cpu_info`).
-
-Run telemetry: memory peaks, step timing, environment, plots."""
+"""The host: the machine (platform, RAM, processes and their signals and logs), run telemetry (memory peaks, step
+timing, plots), and DeepSpeed's JIT ops built in the job's parent (`ops`, with the cache's locks and environment)."""

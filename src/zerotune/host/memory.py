@@ -1,12 +1,6 @@
-"""Walking process trees and folders cheaply, while they change under the walk (processes exit, swap
-files come and go).
-
-GPU memory as nvidia-smi shows it, through NVML (nvidia-ml-py): per process, and for the whole device.
-
-Peak memory telemetry: host RSS of the process tree, NVMe swap bytes, GPU memory as nvidia-smi sees it.
-
-A background thread samples at a fixed interval and keeps running maxima; the trainer also calls
-`sample_now()` at step boundaries so that the peak of every step is seen at least once."""
+"""Peak memory telemetry: host RSS of the process tree, NVMe swap bytes, GPU memory as nvidia-smi sees it (NVML),
+walked cheaply while processes and swap files come and go. A background thread keeps running maxima; the trainer
+also calls `sample_now()` at step boundaries so that the peak of every step is seen at least once."""
 
 from __future__ import annotations
 
@@ -68,8 +62,7 @@ def child_pids(pid: int) -> list[int] | None:
 
 
 def _read_raw(path: str) -> bytes:
-    """A small /proc file in 3 syscalls. open() takes 7 (fstat, ioctl, lseek, a second read) and a buffer: the
-    samplers read one file per thread of every watched process, 20 times a second in each of 3 samplers."""
+    """A small /proc file in 3 syscalls (open() takes 7): read per thread of every watched process at 20 Hz."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return os.read(fd, 1 << 16)
@@ -85,11 +78,9 @@ def _read(path: str) -> bytes | None:
 
 
 def unexeced_child_bytes(pid: int, ppid: int) -> int | None:
-    """What a child still running its parent's program (forked or vforked, not yet exec'd: the same command
-    line) holds of its own, or None when it is not such a child (or /proc cannot say): its RSS counts its
-    parent's pages again. A vforked child shares its parent's address space (the same statm): 0. A forked one
-    shares its pages copy-on-write: its private pages (smaps_rollup). A subprocess started by a worker of
-    800 MiB would otherwise add 800 MiB to the tree's sum for the moment before its exec."""
+    """What a child not yet exec'd (same command line as its parent) holds of its own: 0 when vforked (the same
+    statm), its private pages (smaps_rollup) when forked; None when it is not such a child or /proc cannot say.
+    Its RSS would count its parent's pages again (a worker of 800 MiB: 800 MiB more before the exec)."""
     mine = _read(f"/proc/{pid}/cmdline")
     if not mine or mine != _read(f"/proc/{ppid}/cmdline"):
         return None
@@ -154,15 +145,12 @@ class Nvml:
 
 
 
-# Why 0.05 s: a diffusion U-Net step takes ~0.1-1 s and the transient peaks we care about (optimizer step,
-# ZeRO gather/partition, offload copies) last tens of milliseconds, so 20 Hz sees them; the trainer's
-# `sample_now()` at step boundaries covers the rest. Cost: one sample of a small process tree takes
-# ~0.05 ms of CPU hot, ~0.25 ms as a thread waking every 50 ms, i.e. ~0.5% of one core
-# (benchmarks/bench_telemetry_overhead.py; step-time overhead was within the +-2% noise of a shared box).
+# Why 0.05 s: a U-Net step takes ~0.1-1 s and its transient peaks (optimizer step, ZeRO gather, offload copies)
+# last tens of ms, so 20 Hz sees them. Cost ~0.25 ms a sample as a waking thread, ~0.5% of one core
+# (benchmarks/bench_telemetry_overhead.py; step-time overhead within the +-2% noise of a shared box).
 DEFAULT_INTERVAL_S = 0.05
 
-# wandb's service process (and its GPU/system monitor helpers) is a child of the trainer. It belongs to the
-# logger, not to the ZeRO configuration being measured, so its subtree is left out by default.
+# wandb's service process is the logger's, not the measured configuration's: its subtree is left out by default.
 DEFAULT_EXCLUDE_NAMES: tuple[str, ...] = ("wandb-core",)
 
 KEYS = ("host_peak_rss_mib", "nvme_peak_mib", "gpu_peak_process_mib", "gpu_peak_device_mib")
@@ -230,9 +218,8 @@ class ProcessTree:
         return pids
 
     def rss_bytes(self, pids: list[int]) -> int:
-        # Plain RSS summed over processes: pages shared between them (shared libs, shm) count once per process.
-        # PSS would be exact but reads /proc/<pid>/smaps, far too slow at 20 Hz. A child that has not exec'd
-        # yet (a subprocess between fork and exec) counts its own pages only: its RSS is its parent's again.
+        # Plain RSS summed: shared pages count once per process. PSS would be exact but reads smaps, far too slow
+        # at 20 Hz. A child between fork and exec counts its own pages only.
         inside, total = set(pids), 0
         for pid in pids:
             proc = self._proc(pid)
@@ -296,10 +283,8 @@ class Periodic(ABC):
 
 
 class MemorySampler(Periodic):
-    """Samples memory in a daemon thread and keeps peaks. Thread-safe; all values are MiB floats or None.
-
-    None means "not measured" (no NVML/GPU, no nvme_dir), never zero.
-    """
+    """Samples memory in a daemon thread and keeps peaks. Thread-safe; all values are MiB floats, or None for
+    "not measured" (no NVML/GPU, no nvme_dir), never zero."""
 
     def __init__(
         self,

@@ -1,16 +1,7 @@
-"""Build DeepSpeed's JIT ops in the job's parent, before its memory sampler starts and its workers train.
-
-DeepSpeed compiles an op (cpu_adam, async_io, its CPU shm comm op, ...) the first time a process loads it,
-into the torch extensions cache. Left to the first worker, the compile (a C++ compiler at ~1 GiB per file)
-lands inside the job's memory sampler and start-up time: the first job of a sweep looked 5x costlier than
-identical later ones. Built here, the workers find the ops cached, and the build is reported on its own.
-A cold build starts once the workers wait at the job's gate (job/gate.py): it takes every core for minutes,
-and their imports would otherwise run beside it.
-A lock a killed build left in the cache is dealt with first (host/ops_locks.py): no job waits on one forever.
-
-`python -m zerotune.host.ops`: build DeepSpeed's CPU ops into the torch extensions cache now, as `make setup` does, so
-that the first job (and the first test) loads them instead of compiling them. What a ZeRO-2 job with CPU offload
-and DeepSpeed's AdamW loads: the shared-memory collectives every DeepSpeed job loads, and CPU Adam."""
+"""Build DeepSpeed's JIT ops in the job's parent, before its memory sampler starts: left to the first worker, the
+compile (~1 GiB per file) landed in its memory and start-up (a sweep's first job looked 5x costlier). A cold build
+waits for the workers at the gate (job/gate.py). `python -m zerotune.host.ops`: build the CPU ops (shm comm, CPU
+Adam) into the torch extensions cache now, as `make setup` does."""
 
 from __future__ import annotations
 
@@ -34,9 +25,8 @@ OFFLOADED = {"adam": "CPUAdamBuilder", "adamw": "CPUAdamBuilder", "adagrad": "CP
              "lion": "CPULionBuilder"}
 ON_DEVICE = {"adam": "FusedAdamBuilder", "adamw": "FusedAdamBuilder", "lamb": "FusedLambBuilder",
              "lion": "FusedLionBuilder"}
-# comm/torch.py build_shm_op(): every TorchBackend (the one DeepSpeed uses on the CPU accelerator, gloo)
-# loads it, when the accelerator has it and it is compatible. Loading only registers kernels: its shared
-# memory is set up by initialize(), which the workers call, so loading it in the parent is harmless.
+# comm/torch.py build_shm_op(): every TorchBackend (gloo, on the CPU accelerator) loads it. Loading only registers
+# kernels (initialize(), in the workers, sets up its shared memory), so loading it in the parent is harmless.
 SHM_COMM = "ShareMemCommBuilder"
 
 COMPILER_FIX = ("install a C++ compiler and ninja (apt-get install g++ ninja-build, or pip install ninja) and "
@@ -119,8 +109,7 @@ def prebuild_ops(ds_config: dict, use_deepspeed: bool, before_compiling: Callabl
 
 
 def is_cached(op: str) -> bool:
-    """Whether the op's library is in the torch extensions cache (a stale one, after an upgrade, is rebuilt
-    anyway: only the first build of an op is foreseen)."""
+    """Whether the op's library is in the torch extensions cache (a stale one is rebuilt anyway)."""
     return ops_locks.lock_path(op).with_name(f"{op}.so").exists()
 
 
@@ -155,8 +144,8 @@ def _builder(accelerator: Any, name: str) -> Any | None:
 
 
 def _needs_device(builder: Any, accelerator: Any) -> bool:
-    """A CUDA op's JIT build asks torch.cuda for the GPUs' architectures, which would create a CUDA context
-    in this process for the whole job (memory the workers need, and counted by the GPU sampler)."""
+    """Whether the build needs the GPU: a CUDA op's JIT build asks torch.cuda for the architectures, which would
+    leave a CUDA context in this process for the whole job."""
     from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
     return accelerator.device_name() != "cpu" and isinstance(builder, CUDAOpBuilder)

@@ -1,22 +1,6 @@
-"""The torch extensions cache, where DeepSpeed's JIT ops are built, and the path to torch's libraries that
-their builds link against.
-
-torch.utils.cpp_extension writes each op's build.ninja with its compile flags quoted but its link flags not
-(`ldflags = -shared -L<torch>/lib -lc10 ...`), and ninja hands them to the shell. Installed under a path with
-a space (a virtual environment in "my project/venv"), torch's `-L` splits in two and every op fails to link
-(`ld: cannot find -lc10`), however complete the compiler. The builds are pointed at a link to that folder
-in the extensions cache instead, whose path has nothing the shell would split.
-
-py-cpuinfo's answer about this CPU, found once per CPU rather than at every DeepSpeed op load.
-
-DeepSpeed's CPU op builders (`cpu_arch`, `simd_width`) and CPU-Adam's constructor each call
-`cpuinfo.get_cpu_info()`, and py-cpuinfo answers each call by starting a new Python interpreter to run its probe:
-1.2 s of CPU per call on the 2-core development host, five calls in an `offload=cpu` worker and as many in its
-job's parent. The answer depends on the CPU alone, so `remember_cpu_info()` keeps it in the process and in
-zerotune's cache folder, keyed by the CPU's identity (/proc/cpuinfo's vendor, family, model, stepping and flags,
-the core count and py-cpuinfo's version), and points py-cpuinfo's function at it. DeepSpeed imports the function
-inside each call (`from cpuinfo import get_cpu_info`), so replacing the module's attribute is what it sees; py-cpuinfo
-has no cache of its own to turn on, hence this one."""
+"""The environment of DeepSpeed's JIT op builds: a shell-safe link to torch's libraries (build.ninja passes link flags
+to the shell unquoted, so a path with a space fails with `ld: cannot find -lc10`), and py-cpuinfo's answer cached per
+CPU (py-cpuinfo has no cache and starts an interpreter per call: 1.2 s of CPU each, five per offload=cpu worker)."""
 
 from __future__ import annotations
 
@@ -75,10 +59,9 @@ def torch_lib() -> str:
 
 
 def link_torch_lib(lib: str | None = None, root: Path | None = None) -> str | None:
-    """Where torch's library folder `lib` has a character the shell splits on, make the JIT builds of this
-    process link through `<extensions root>/.torch-lib-<hash>`, a link to it; that path, or None where `lib`
-    is fine as it is. Every process that loads an op must call it: each writes the op's build.ninja again, and
-    ninja relinks when the link line changed."""
+    """Where torch's library folder `lib` has a character the shell splits on, make this process's JIT builds link
+    through `<extensions root>/.torch-lib-<hash>`; that path, or None. Every process that loads an op must call it
+    (each rewrites build.ninja, and ninja relinks when the link line changed)."""
     from torch.utils import cpp_extension
 
     lib = lib or torch_lib()
@@ -170,7 +153,8 @@ def cached_cpu_info(ask: Callable[[], dict]) -> dict:
 
 
 def remember_cpu_info() -> None:
-    """Point `cpuinfo.get_cpu_info` at the cached answer, in this process, before DeepSpeed loads its ops."""
+    """Point `cpuinfo.get_cpu_info` at the cached answer, in this process, before DeepSpeed loads its ops (DeepSpeed
+    imports the function inside each call, so it sees the replacement)."""
     import cpuinfo
 
     if hasattr(cpuinfo.get_cpu_info, "__wrapped__"):  # done already in this process

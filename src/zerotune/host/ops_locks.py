@@ -1,15 +1,7 @@
-"""Locks left in the torch extensions cache by a killed JIT build.
-
-torch's JIT loader (torch.utils.cpp_extension._jit_compile) takes `<extensions root>/<op>/lock` through its
-FileBaton on every load, cached or not: it creates the file with O_CREAT | O_EXCL, keeps it open while it
-builds, and removes it after. Every other loader spins, with no time limit, while the file exists. A build
-killed with SIGKILL (out of memory, a job timeout, a pre-empted node) leaves the file behind, and every later
-job would then hang on its first DeepSpeed op.
-
-The holder keeps the file open, so a lock that no live process has open is provably stale. That proof needs
-every process that could hold it in view: one that cannot be inspected, or a lock on a network file system
-(a build on another machine), leaves it undecided, and the user is told which file it is instead.
-"""
+"""Locks a killed JIT build left in the torch extensions cache: torch's loader takes `<op>/lock` on every load and
+every other loader spins with no time limit while it exists. The holder keeps it open, so a lock no live process
+has open is provably stale; where not every possible holder is in view (a process that cannot be inspected, a
+network file system), it is undecided and the user is told which file."""
 
 from __future__ import annotations
 
@@ -30,11 +22,10 @@ from zerotune.host.platform import fs_type
 log = logging.getLogger("zerotune")
 
 LOCK_NAME = "lock"  # torch's FileBaton(os.path.join(build_directory, 'lock'))
-# The holder closes its descriptor a moment before it removes the file: a lock is stale only when it is still
-# the same file, and still open nowhere, this long after a first look found no holder.
+# The holder closes the file a moment before removing it: stale only if the same file is open nowhere this long
+# after a first look found no holder.
 CONFIRM_S = 0.2
-# Jobs started together take turns at removing: one job's removal then its own fresh lock is never mistaken
-# by another for the stale file. Held by the kernel (flock), so a killed job leaves nothing behind.
+# Jobs take turns at removing, so one's fresh lock is never taken by another for the stale file (flock).
 CLEANUP_LOCK = ".zerotune-lock-cleanup"
 # File systems shared between machines: a process holding a lock there may live on another host.
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph",

@@ -1,10 +1,5 @@
-"""What the machine can do: which accelerator, whether DeepSpeed supports it, which precisions.
-
-Whether a folder can take a run's files, found out by doing what the run will do (create it, write a file in
-it) and undoing it: a permission check alone passes for root on /proc or a read-only mount, where creating
-still fails.
-
-What the run ran on: recorded with every result so numbers from different machines are not compared blindly."""
+"""What the machine is and can do: its accelerator, DeepSpeed's support for it, its precisions; whether a folder can
+take a run's files (tried, as root passes permission checks where creating fails); and what a run ran on."""
 
 from __future__ import annotations
 
@@ -49,9 +44,8 @@ def _is_rocm() -> bool:
 
 def cuda_device_present() -> bool:
     """Whether this torch sees a CUDA device, asked of NVML without starting CUDA's driver (a process that started
-    it cannot fork a child that uses the card). A CUDA build on a host with no GPU (PyPI's default torch) is a
-    CPU host. Where NVML cannot answer but the driver's library is installed, a device is assumed: a worker that
-    cannot use its card costs more than one that starts slowly."""
+    it cannot fork a child that uses the card). Where NVML cannot answer but the driver's library is installed, a
+    device is assumed: a worker that cannot use its card costs more than one that starts slowly."""
     if not torch.cuda._is_compiled():
         return False
     count = torch.cuda._device_count_nvml()  # CUDA_VISIBLE_DEVICES applied; negative where NVML cannot answer

@@ -1,41 +1,7 @@
-"""Stop signals held from a process's first line until the process can act on them.
-
-SLURM signals every process of a job's steps at once, whatever each is doing: submitit's SIGUSR2 before a
-pre-emption or the time limit, SIGTERM on `scontrol requeue`. The default action of these signals ends a process
-that has no handler yet, and a job process or worker is without one for seconds while it imports: a job whose
-tasks die of a signal is FAILED, never requeued, and leaves no record. So each entry point (a SLURM task's
-command, train.py, a worker's first line) calls `hold()` before its heavy imports: from then on a stop signal is
-only noted. The code that can act on it asks `received()`: the job process before it starts its workers
-(job/elastic.py), a worker as its training begins (train/distributed.py). A Python handler does not survive exec:
-every process holds its own.
-
-Standard library only, and nothing imported here may be heavy: it runs before the imports it protects.
-
-Ending a process without Python's interpreter teardown.
-
-A process that imported torch, DeepSpeed and diffusers spends about 1.2 s at exit freeing its modules one
-object at a time, after its work is done; a job paid it twice in a row (its worker, then its parent).
-`exit_now` runs the exit handlers (which flush and close the logs), flushes stdout and stderr, then ends
-the process without the teardown. A process with a non-daemon thread still running (a joblib sweep's
-executor, say) exits the normal way: the interpreter's shutdown is what tells such threads to finish. Nothing the run writes is left unwritten: every file zerotune writes is closed (or renamed into
-place) before the command returns.
-
-A test hook: hold a process for a while at a named moment, so that a test can signal it right there.
-
-ZEROTUNE_TEST_PAUSE=<moment>[,<moment>...]:<seconds> and ZEROTUNE_TEST_PAUSE_DIR=<folder>: at each named moment
-the process writes `<folder>/<moment>.<pid>` and sleeps. The moments: `before_workers` (the job process, before
-it starts its workers), `worker_imports` (a worker, before its heavy imports), `engine_build` (a worker, before
-accelerate/DeepSpeed wrap the model), `save-<step>` (every rank, in the middle of saving that step). Unset, it
-costs one dictionary lookup. Standard library only: a worker calls it before its imports.
-
-What reaches the console: zerotune's own lines, and any library's errors.
-
-A library's other records say nothing about the user's run (DeepSpeed picking its CPU accelerator, torch's guess
-at CUDA_HOME, bitsandbytes' optional kernels, accelerate's checkpoint steps that zerotune reports itself): they go
-to the run's log file only, the job process's `main.log` and each rank's `logs/.../<rank>/stdout.log`. zerotune's
-own warnings (a DeepSpeed key ignored, a fallback taken, a figure unmeasured) stay on the console.
-
-Standard library only: a worker sets this up before its first heavy import (job/bootstrap.py)."""
+"""Process plumbing that runs before the heavy imports, so standard library only: stop signals held from a process's
+first line until it can act on them (SLURM signals every process at once, and a signal's default action would end
+one still importing, unrecorded), an exit without interpreter teardown, a test hook that pauses at named moments,
+and what reaches the console (zerotune's lines, any library's errors) versus the run's log file."""
 
 from __future__ import annotations
 
@@ -60,7 +26,8 @@ _aside: dict[int, Callable] = {}  # handlers another library installed for a hel
 
 
 def hold() -> None:
-    """Note the stop signals from now on; a handler someone else installed for one is set aside (`set_aside`)."""
+    """Note the stop signals from now on (each entry point calls it before its heavy imports; a handler does not
+    survive exec); a handler someone else installed for one is set aside (`set_aside`)."""
     if threading.current_thread() is not threading.main_thread():  # Python takes handlers there only
         return
     for name in HELD:
@@ -135,6 +102,8 @@ def exit_status(code: ExitCode) -> int:
 
 
 def exit_now(code: ExitCode = 0) -> NoReturn:
+    """Run the exit handlers, flush stdout and stderr, and end without the interpreter's teardown (~1.2 s after
+    torch, DeepSpeed and diffusers); with a non-daemon thread still running, the normal way (sys.exit)."""
     # Under a profiler or debugger (python -m cProfile), which writes its output after the script returns.
     traced = sys.getprofile() is not None or sys.gettrace() is not None
     if traced or any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
@@ -153,6 +122,8 @@ ENV, DIR_ENV = "ZEROTUNE_TEST_PAUSE", "ZEROTUNE_TEST_PAUSE_DIR"
 
 
 def pause(moment: str) -> None:
+    """Test hook: with ZEROTUNE_TEST_PAUSE=<moment>[,<moment>...]:<seconds>, at a named moment (before_workers,
+    worker_imports, engine_build, save-<step>) touch `<ZEROTUNE_TEST_PAUSE_DIR>/<moment>.<pid>` and sleep."""
     setting = os.environ.get(ENV)
     if not setting:
         return
@@ -167,10 +138,9 @@ def pause(moment: str) -> None:
 
 OWN_LOGGERS = ("zerotune", "hydra_plugins")
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
-# Loggers that print through a handler of their own and do not propagate, so the root's handlers never see them:
-# DeepSpeed's (its LoggerFactory: a stdout handler, propagate off) and torch's C++-extension loader (under
-# "torch", whose handler writes to stderr). A filter on the logger itself is kept when the library adds its
-# handler, and catches the records logged on it from the first, import time included.
+# Loggers that print through a handler of their own and do not propagate (DeepSpeed's LoggerFactory, torch's
+# C++-extension loader). A filter on the logger itself survives the library adding its handler, and catches
+# records from import time on.
 SELF_PRINTING = ("DeepSpeed", "torch.utils.cpp_extension")
 
 
@@ -182,8 +152,7 @@ class ConsoleFilter(logging.Filter):
 
 
 class _ToRootHandlers(logging.Filter):
-    """On a self-printing library logger: its record goes to the root's handlers (the log file, and the console
-    where ConsoleFilter lets it through) instead of the library's own handler."""
+    """On a self-printing library logger: its record goes to the root's handlers instead of the library's own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         logging.getLogger().handle(record)
@@ -191,8 +160,7 @@ class _ToRootHandlers(logging.Filter):
 
 
 def route_library_logs() -> None:
-    """Send the self-printing libraries' records, and Python's warnings (deprecations, mostly the libraries'), to
-    the root logger's handlers. Idempotent."""
+    """Send the self-printing libraries' records and Python's warnings to the root logger's handlers. Idempotent."""
     logging.captureWarnings(True)
     for name in SELF_PRINTING:
         logger = logging.getLogger(name)

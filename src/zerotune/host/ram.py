@@ -1,10 +1,6 @@
-"""Host memory as the kernel rations it: what is available now (the machine's and this process's cgroup's
-limit), a watch on it while a job's workers run, and the kernel's own record of an OOM kill.
-
-On a CPU accelerator the device's memory is host memory, and under CPU offload the host holds the optimizer;
-either way a worker that takes too much is sent SIGKILL by the kernel's OOM killer, and says nothing. What the
-watch saw just before a worker vanished tells that death apart from a kill by a person or a scheduler.
-"""
+"""Host memory as the kernel rations it (the machine's and this process's cgroup's limits), a watch on it while a
+job's workers run, and the kernel's record of an OOM kill: what the watch saw before a worker vanished tells the
+OOM killer's silent SIGKILL apart from a kill by a person or a scheduler."""
 
 from __future__ import annotations
 
@@ -173,9 +169,8 @@ class HostSample:
 
 
 def near_limit(samples: list[HostSample], budget_mib: float | None = None) -> dict | None:
-    """The figures of the sample closest to running out, when it was within the margin of a limit: the host's
-    headroom (machine or cgroup) nearly gone, or the processes' RSS at the host's limit or at `budget_mib` (the
-    memory the job was given). None when no sample came that close."""
+    """The figures of the sample closest to running out when it came within the margin of a limit (headroom nearly
+    gone, or the processes' RSS at the host's limit or at `budget_mib`, the job's memory); else None."""
     closest, closest_gap, why = None, None, ""
     for sample in samples:
         limit = sample.memory.limit_mib if budget_mib is None else min(sample.memory.limit_mib, budget_mib)

@@ -1,13 +1,6 @@
-"""Per-step wall time with device synchronisation, and time-to-first-step.
-
-Where a job's start-up time goes, from the command's start to the end of its first step.
-
-The parent marks its phases up to starting the workers (composition and imports, the launch block and the
-checkpoint dir's lock, the launcher's imports). Its checks (the user's files, the DeepSpeed dict, the
-plan, DeepSpeed's ops) then run while the workers import (job/gate.py): they are marked apart. Each
-worker marks its own phases (start and imports, waiting for the checks, setup, first step).
-summary.json's `startup` gives them all as seconds, so a slow start points at its phase. All marks are
-epoch seconds (time.time(), the clock of timing.process_start_time), so the processes' marks compare."""
+"""Per-step wall time with device synchronisation, and where a job's start-up goes up to its first step (summary.json's
+`startup`: the parent's phases, its checks beside the workers' imports, each worker's). All marks are epoch seconds
+(time.time(), the clock of process_start_time), so the processes' marks compare."""
 
 from __future__ import annotations
 
@@ -43,11 +36,8 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def process_start_time(pid: int | str = "self") -> float:
-    """Epoch seconds at which the process was created (kernel clock-tick resolution, ~10 ms).
-
-    Written by hand on Linux because psutil's create_time adds the start's offset to the boot time as
-    /proc/stat gives it, in whole seconds: it can be up to a second early (0.83 s on these machines),
-    which a start-up figure would count. Here the process's age is read off the same boot-based clock."""
+    """Epoch seconds at which the process was created (kernel clock-tick resolution, ~10 ms). By hand on Linux:
+    psutil's create_time uses /proc/stat's boot time in whole seconds, up to a second early (0.83 s here)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
@@ -60,12 +50,8 @@ def process_start_time(pid: int | str = "self") -> float:
 
 
 class StepTimer:
-    """Times training steps. GPU work is asynchronous, so the device is synchronised before each clock read:
-    otherwise a step would be charged for the previous step's kernels, or finish before its own ran.
-
-    `clock` measures step durations (monotonic); `wall_clock` (epoch seconds, the base of
-    process_start_time) measures startup, i.e. process start to the end of the first step.
-    """
+    """Times training steps, synchronising the device before each clock read (GPU work is asynchronous). `clock`
+    (monotonic) times steps; `wall_clock` (epoch seconds) times process start to the end of the first step."""
 
     def __init__(
         self,
@@ -104,10 +90,8 @@ class StepTimer:
         return dt
 
     def summary(self, warmup_steps: int) -> dict[str, float | int | None]:
-        """Statistics over the steps after the first `warmup_steps` (compilation, allocator growth, caches).
-
-        `warmup_steps` in the result is the number of steps actually excluded (fewer if the run was shorter).
-        """
+        """Statistics over the steps after the first `warmup_steps`; the result's `warmup_steps` is the number
+        actually excluded (fewer if the run was shorter)."""
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         durations = self.durations[warmup_steps:]
@@ -146,10 +130,8 @@ class Marks:
 
 
 class ParentMarks(Marks):
-    """The job parent's own phases, up to starting the workers.
-
-    The first job of a process starts with the process; a sweep's later jobs start when the sweep reaches
-    them (their imports are done already)."""
+    """The job parent's phases up to starting the workers: from the process's start for its first job, else from
+    when the sweep reaches the job."""
 
     def __init__(self) -> None:
         global _jobs_in_this_process
@@ -158,12 +140,8 @@ class ParentMarks(Marks):
 
 
 def startup_view(parent: ParentMarks | None, worker: dict | None, checks: Marks | None = None) -> dict:
-    """summary.json's `startup`: the parent's phases, its checks (beside the workers' start), the worker's, and
-    the total to the first step.
-
-    `worker`: rank 0's own marks (train/run.py): process_start, train_start, ready, first_step_end, and
-    gate_reached and gate_open when a zerotune parent started it.
-    """
+    """summary.json's `startup`: the parent's phases, its checks, the worker's, and the total to the first step.
+    `worker`: rank 0's marks (process_start, train_start, ready, first_step_end; gate_reached, gate_open)."""
     view: dict = {}
     if parent is not None:
         view["parent"] = parent.phases()

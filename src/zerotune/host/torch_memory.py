@@ -1,11 +1,5 @@
-"""PyTorch's own view of CUDA memory: its caching allocator's peaks and its pinned host pool.
-
-The run's phases as measured: loading, caching, step, sampling (the planner's names, plan/phases.py), each
-with its start and end (epoch s), torch's CUDA allocator peaks during it (its peak statistics are reset as each
-phase begins) and the host RSS peak the memory sampler saw during it. None means unmeasured: no CUDA, or no
-sample taken in the phase; never 0.
-
-Plot a run's metrics.jsonl: memory and step time against step."""
+"""PyTorch's own view of memory (its caching allocator's peaks, its pinned host pool), the run's phases as measured
+(the planner's names, plan/phases.py; None means unmeasured, never 0), and a plot of a run's metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -34,11 +28,8 @@ def _torch_cuda() -> Any:
 
 
 def torch_cuda_memory_stats(device: Any = None) -> dict[str, float | int | None]:
-    """PyTorch caching-allocator peaks for this process (what the allocator handed out and reserved).
-
-    Lower than nvidia-smi's figure: it excludes the CUDA context, cuBLAS/NCCL workspaces and anything
-    allocated outside PyTorch's allocator.
-    """
+    """PyTorch caching-allocator peaks (allocated, reserved) for this process: below nvidia-smi's figure, which
+    includes the CUDA context, cuBLAS/NCCL workspaces and anything allocated outside the allocator."""
     torch = _torch_cuda()
     if torch is None:
         return {"gpu_peak_allocated_mib": None, "gpu_peak_reserved_mib": None, "alloc_retries": None, "ooms": None}
@@ -52,14 +43,9 @@ def torch_cuda_memory_stats(device: Any = None) -> dict[str, float | int | None]
 
 
 def pinned_memory_mib() -> float | None:
-    """Peak bytes (MiB) of page-locked host memory owned by PyTorch's CUDA host caching allocator.
-
-    That pool serves `tensor.pin_memory()`, `pin_memory=True` DataLoaders and `torch.empty(..., pin_memory=True)`,
-    which is how DeepSpeed's accelerator pins CPU-offload buffers. It does not see memory pinned behind
-    PyTorch's back (`cudaHostRegister`, DeepSpeed's aio page-locked buffers allocated in C++). Sizes are
-    rounded up to powers of two and torch documents the peak as best-effort. None without CUDA, or when
-    this torch does not report the `allocated_bytes.peak` host statistic.
-    """
+    """Peak MiB of PyTorch's CUDA host caching allocator (pin_memory: how DeepSpeed pins CPU-offload buffers); not
+    memory pinned behind its back (cudaHostRegister, DeepSpeed's aio buffers). Sizes round up to powers of two and
+    the peak is best-effort. None without CUDA or the `allocated_bytes.peak` host statistic."""
     torch = _torch_cuda()
     if torch is None or not hasattr(torch.cuda.memory, "host_memory_stats"):
         return None

@@ -1,22 +1,7 @@
-"""The worker's first lines: `python -u -m zerotune.job.bootstrap <parent pid> <run dir> <gate token>`, started
-by torch's launcher.
-
-torch's launcher gives each worker a session of its own, so killing the job's process group misses
-the workers. They ask the kernel for SIGKILL when their parent dies (PR_SET_PDEATHSIG), and do it
-before importing anything: a parent killed during a worker's multi-second imports would otherwise
-leave it alive, retrying its rendezvous forever. A parent that died before the request was made
-is caught by comparing the parent's pid with the one it was started by.
-
-Then it watches the job's gate (job/gate.py) before its imports, so that a job the parent refuses
-ends its workers at once, wherever their imports are.
-
-Before all that, it holds the stop signals (zerotune/host/process.py): SLURM signals the workers too, and one
-still importing would die of the signal's default action; held, it stops the worker where training begins.
-
-Standard library only until the guard: `-m` first imports the packages `zerotune` and `zerotune.job`, whose
-__init__ files import nothing (3 ms more than `-c` here), and the package's heavy imports come after the guard
-(zerotune.host.process, zerotune.job.gate and zerotune.host.process are standard library only).
-"""
+"""A worker's first lines, `python -u -m zerotune.job.bootstrap <parent pid> <run dir> <gate token>` (started by
+torch's launcher), standard library only until its guards: hold the stop signals, ask for SIGKILL when the parent
+dies (PR_SET_PDEATHSIG: each worker has its own session, so killing the job's group misses it), check the parent
+still lives, and watch the job's gate before the heavy imports, so a refused job ends its workers at once."""
 
 import sys
 

@@ -1,12 +1,6 @@
-"""Start a job's worker processes with torch's elastic launcher, under a time limit.
-
-The launcher's agent watches the workers: when one dies it stops the others, so no peer is left
-hanging in a collective. A watchdog thread turns a job that outlives `timeout_s` into a recorded
-timeout by killing the worker tree, which the agent then reports as a failure. The workers wait at
-the job's gate (job/gate.py) until the parent's checks let them train. The host's memory is watched
-while they run: a worker that dies of SIGKILL carries what the host had left just before (records.py
-tells the kernel's OOM killer from a person's kill).
-"""
+"""Start a job's worker processes with torch's elastic launcher (its agent stops every worker when one dies), under a
+time limit kept by a watchdog thread, with the host's memory watched so that a worker's SIGKILL carries what the host
+had left just before (records.py tells the kernel's OOM killer from a person's kill)."""
 
 from __future__ import annotations
 
@@ -125,8 +119,8 @@ class Launcher:
         before = _stop_handlers()
         try:
             pause("before_workers")
-            # A stop signal held since this process began (held_signals.py) starts no worker; one that comes until
-            # torch's agent takes the signals over (its rendezvous is before) stops it as the agent's own would.
+            # A stop signal held since this process began (host/process.py) starts no worker; one that comes before
+            # torch's agent takes the signals over stops it as the agent's own would.
             with process.raising(_signal_exception):
                 self._launch(*self._args)
             return LaunchResult(Status.OK)
@@ -140,9 +134,8 @@ class Launcher:
                 return LaunchResult(Status.TIMEOUT, f"killed after train.timeout_s={self.timeout_s} s")
             return _failure(exc, self._host)
         finally:
-            # While the workers run, the agent's handlers pass a stop signal on to them; once they are gone (saved,
-            # under checkpoint.on_signal), the handlers before it are back: those that hold a stop signal for the
-            # job (held_signals.py), while it records itself and, under submitit, requeues (job/slurm.py).
+            # The agent passed stop signals on to the workers; now the holding handlers (host/process.py) are back
+            # while the job records itself and, under submitit, requeues (job/slurm.py).
             for sig, handler in before.items():
                 signal.signal(sig, handler)
             self._host.stop()

@@ -1,21 +1,6 @@
-"""The gate between a job's checks and its workers' training: the workers start first and import while the
-parent checks the job, then train only when the parent says so.
-
-A worker's imports (torch, DeepSpeed, diffusers: seconds) need nothing from the checks, and the checks
-(the user's files, the DeepSpeed dict, the plan, DeepSpeed's ops) need nothing from the workers, so they
-run side by side; the job's first step no longer waits for the two in a row.
-
-The parent decides once, in a file named by a token that only this launch's workers know (so a rerun into
-the same run directory, or a second node sharing it, never reads another launch's decision):
-- `go`: the checks passed, config.yaml and job.json are final; the workers load them and train;
-- `abort` (a refused job) or `skip` (predicted to run out of GPU memory): each worker ends at once, with
-  status 0 and nothing written, even in the middle of its imports; the parent reports the job.
-
-A worker at the gate says so (`<gate file>.arrived.<pid>`): a cold DeepSpeed op build, which takes every core
-for minutes, waits for the workers' imports to end rather than slowing them.
-
-Standard library only: a worker starts watching before it imports anything (job/bootstrap.py).
-"""
+"""The gate between a job's checks and its workers' training: workers import while the parent checks, then train
+only on `go`; on `abort` or `skip` each ends at once with status 0, having written nothing. The decision's file is
+named by a token only this launch's workers know. Standard library only: a worker watches before any import."""
 
 from __future__ import annotations
 
@@ -57,8 +42,8 @@ class Gate:
         self.decided.set()
 
     def wait_for_arrivals(self, workers: int, timeout_s: float) -> int:
-        """Until `workers` workers wait at the gate (their imports done), the workers are gone
-        (`workers_gone`, set by the job when its launcher returns), or `timeout_s`; how many arrived."""
+        """Wait until `workers` workers wait at the gate (`<gate file>.arrived.<pid>`), the workers are gone
+        (`workers_gone`) or `timeout_s` passed; how many arrived (a cold op build waits not to slow their imports)."""
         deadline = time.monotonic() + timeout_s
         while True:
             arrived = len(list(self.path.parent.glob(f"{self.path.name}.arrived.*")))

@@ -1,17 +1,6 @@
-"""A job, as the Hydra process sees it: check the config, start the workers, record what happened.
-
-Whatever the workers do (finish, raise, run out of memory, hang, get killed), the job's
-summary.json ends with a status and the peak memory the job reached, and the process that
-runs the sweep carries on to the next job.
-
-A job's checks, run in a thread of the job's parent while its workers import (job/gate.py).
-
-From the settled config (frozen before the workers started), everything that fails in seconds: the
-DeepSpeed dict, the checkpoint to resume, the weights to load, the plan (and its guard); the resolved run
-is written once (resolved.json) for the workers to read. Then DeepSpeed's ops, built or loaded before the
-job's memory sampler starts (a one-off JIT compile is not this configuration's cost). A refusal is recorded
-in summary.json, the gate turns the workers away, and the job's parent raises it. The thread writes files;
-it changes no configuration."""
+"""A job, as the Hydra process sees it: write the config, start the workers, check the job in a thread while they
+import (job/gate.py), and record what happened. Whatever the workers do, summary.json ends with a status and the
+job's peak memory, and the sweep's process carries on to the next job."""
 
 from __future__ import annotations
 
@@ -39,11 +28,8 @@ log = logging.getLogger("zerotune")
 
 
 def run_job(settled: Settled, spec: JobSpec) -> RunSummary:
-    """The parent side of a job: its workers train (job/worker.py); this process resolves, watches, records.
-
-    The config, settled at the command line (the user's files folded in), is written once; the workers start as
-    soon as it is, and the checks that need DeepSpeed and the model run while they import: they train only if
-    the checks pass (job/gate.py), reading the run the checks resolved (resolved.json)."""
+    """The parent side of a job: it writes the settled config, starts the workers (job/worker.py), checks the job
+    while they import (they train only if the checks pass, from resolved.json), watches and records."""
     marks = ParentMarks()
     marks.mark("compose_and_imports")  # this process's start to here: Python, Hydra, zerotune's imports
     run_dir = RunDir(spec.run_dir)
@@ -68,10 +54,6 @@ def run_job(settled: Settled, spec: JobSpec) -> RunSummary:
         held.callback(sampler.stop)
         launcher = Launcher(config.launch, run_dir.path, config.train.timeout_s, gate)
         marks.mark("launcher_imports")
-        # Imported here, after the launcher: the checks' modules (DeepSpeed, the planner) load beside the workers'
-        # imports instead of before the workers start.
-
-
         checks = JobChecks(settled, spec, run_dir, gate, sampler).start()
         result = launcher.run()
         # Stopped by a signal mid-check (an op build, say): the workers are gone, the build is not waited for.
@@ -175,8 +157,7 @@ class JobChecks:
 
     def _check(self, marks: Marks) -> RunSummary:
         config, spec, run_dir = self.settled.config, self.spec, self.run_dir
-        # preflight's checks, with the job's run dir: the checkpoint to resume is chosen and checksummed once,
-        # here, not per rank.
+        # The checkpoint to resume is chosen and checksummed once, here, not per rank.
         with refusal_recorded(config, spec, run_dir):
             run = check(self.settled, run_dir=spec.run_dir)
             gpu = guard.job_gpu(config)  # a card the planner does not know

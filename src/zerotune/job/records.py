@@ -1,11 +1,6 @@
-"""What a job's summary.json says from the parent's side: before the workers (or without them), and the
-launcher's outcome and the whole tree's memory folded into the workers' own summary.
-
-A job of several nodes that failed: which node and rank failed first, for node 0's summary.json.
-
-Node 0 writes the job's summary, but what it sees of a peer's death is its own rank's error (gloo's "Connection
-closed by peer", NCCL's watchdog timeout). Every other node records its own ranks' outcome in
-summary.node<k>.json beside it (job/parent.py), over the shared run folder; node 0 reads them and names the cause."""
+"""What a job's summary.json says from the parent's side (before or without the workers, the launcher's outcome,
+the whole tree's memory), and which node and rank of a failed multi-node job failed first: node 0 sees only its own
+rank's error, so every other node records summary.node<k>.json for it to read."""
 
 from __future__ import annotations
 
@@ -86,8 +81,7 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
         elif result.status == Status.TIMEOUT or summary.error is None:
             summary.status, summary.error = result.status, {**seen, "log_tail": tail}
         elif result.failed_rank not in (None, 0):
-            # Rank 0 recorded what it saw (often a peer's closed connection); the cause is the rank that
-            # failed first: its error leads, rank 0's stays beside it.
+            # Rank 0 saw a peer's closed connection, say: the rank that failed first leads, rank 0's error beside it.
             summary.status = Status.FAILED
             summary.error = {**seen, "type": Status.FAILED, "rank0_error": summary.error, "log_tail": tail}
     # A job whose workers died without a summary still says which checkpoint it can resume from.
@@ -113,10 +107,9 @@ def merge_job_view(summary: RunSummary, result: LaunchResult, peaks: JsonDict, r
 
 
 def host_oom_error(result: LaunchResult, summary: RunSummary, peaks: JsonDict) -> JsonDict | None:
-    """A worker killed by SIGKILL while the host was out of memory (its headroom, or the workers' RSS against
-    the host's limit or plan.host_mib, within a small margin at the last samples; or the kernel's own record of
-    an OOM kill) is the kernel's OOM killer's doing: the error for the summary, with the predicted and measured
-    figures. None for any other death: a SIGKILL with memory to spare is a person's or a scheduler's."""
+    """The summary's error for a worker SIGKILLed by the kernel's OOM killer (the last samples within a margin of a
+    limit or plan.host_mib, or the kernel's record of an OOM kill), with predicted and measured figures; None for
+    any other death (a SIGKILL with memory to spare is a person's or a scheduler's)."""
     if result.exitcode != -signal.SIGKILL or result.host is None:
         return None
     fit = (summary.plan.host_fit if summary.plan else None) or {}

@@ -1,11 +1,5 @@
-"""SLURM: each SLURM task (one per node) is zerotune's job process for its node.
-
-hydra/launcher=slurm (conf/hydra/launcher/slurm.yaml) submits a job with `nodes` nodes and one task
-per node. On each node, the job process reads SLURM's environment and starts that node's workers
-through torch's elastic launcher, as if typed `launch.nnodes=SLURM_NNODES launch.node_rank=SLURM_NODEID
-launch.master_addr=<first host> launch.master_port=<fixed> launch.num_processes=<GPUs on the node>`.
-submitit (hydra-submitit-launcher's engine) reads SLURM's variables and expands its node list.
-"""
+"""SLURM: each SLURM task (one per node) is zerotune's job process for its node, its launch geometry (nodes, node
+rank, first host, GPUs) read from SLURM's environment as submitit reads it; the job's records and requeue."""
 
 from __future__ import annotations
 
@@ -57,10 +51,9 @@ def slurm_record(env: Mapping[str, str]) -> dict | None:
 
 
 def record_lost_attempts(run_dir: str | Path, env: Mapping[str, str]) -> list[str]:
-    """In a requeued SLURM job (SLURM_RESTART_COUNT > 0), once earlier records are in attempts/: an attempt of this
-    job that left no record at all (killed before it wrote one, its node lost) gets one, status LOST, so that the
-    job keeps one folder per attempt, as many as SLURM's restarts. Each attempt does this as it starts: the ones
-    missing are the latest. Returns the folders added."""
+    """In a requeued SLURM job, once earlier records are in attempts/: give each attempt that left no record (killed
+    before writing one, its node lost) one with status LOST, so there is one folder per SLURM restart. Returns the
+    folders added."""
     from zerotune.rundir import ATTEMPTS, RunDir
 
     restarts = int(env.get("SLURM_RESTART_COUNT") or 0)
@@ -150,10 +143,8 @@ def job_settings(config: Config, run_dir: str) -> dict[str, Any]:
 
 
 def continue_requeued(cfg: Config, run_dir: str | Path) -> bool:
-    """Whether this attempt resumes with resume=auto. A requeued attempt (SLURM_RESTART_COUNT > 0: pre-empted,
-    timed out and requeued, `scontrol requeue`) runs the same command in the same run dir: it continues the
-    newest complete checkpoint its job saved, not the first attempt's starting point again; before the job
-    saved one, it starts as the first attempt did."""
+    """Whether this attempt resumes with resume=auto: a requeued one (SLURM_RESTART_COUNT > 0) continues the newest
+    complete checkpoint its job saved, or starts as the first attempt did when there is none."""
     from zerotune.rundir import checkpoints
 
     if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0 or str(cfg.resume.path) in ("auto", "latest"):
@@ -166,24 +157,17 @@ def continue_requeued(cfg: Config, run_dir: str | Path) -> bool:
 
 
 def ends_the_step(summary: RunSummary, node_rank: int) -> bool:
-    """Whether this task exits non-zero once its job is recorded, even in a sweep: node 0's, in a SLURM job of
-    several nodes that failed. srun (--kill-on-bad-exit=1, conf/hydra/launcher/slurm.yaml) then ends the other
-    nodes' tasks, which may be stuck on a peer that is gone; the sweep's launcher finds the job's summary.json
-    in place of submitit's result (src/hydra_plugins/zerotune_slurm) and goes on."""
+    """Whether this task exits non-zero once its job is recorded, even in a sweep: node 0's, in a failed multi-node
+    SLURM job, so that srun (--kill-on-bad-exit=1) ends the other nodes' tasks, perhaps stuck on a lost peer."""
     nodes = int((summary.slurm or {}).get("num_nodes") or 1)
     return node_rank == 0 and nodes > 1 and summary.status in ENDS_THE_STEP
 
 
 def requeue_if_preempted(summary: RunSummary) -> None:
-    """Under submitit, after the workers stopped on its pre-emption signal (SIGUSR2) and saved: submitit's own
-    handler requeues the job (launcher.checkpoint(), its count of timeouts, `scontrol requeue`) and exits.
-
-    Why here and not when the signal comes: submitit's handler requeues at once, and `scontrol requeue` has
-    SLURM send SIGTERM, then SIGKILL after KillWait, to every process of the job, the workers in the middle of
-    their save included. So the job process holds the signal from its first line (job/slurm_task.py sets
-    submitit's handler aside), torch's agent passes it on to the workers while they run (job/elastic.py), and
-    submitit's handler is called only now, once the attempt is recorded. Only node 0's task requeues (submitit's
-    handler does nothing on the others)."""
+    """Under submitit, after the workers stopped on its pre-emption signal (SIGUSR2) and saved: call submitit's
+    handler (set aside by job/slurm_task.py), which requeues the job and exits. Not when the signal comes:
+    `scontrol requeue` has SLURM SIGTERM, then SIGKILL, every process of the job, workers mid-save included.
+    Only node 0's task requeues (submitit's handler does nothing on the others)."""
     name = (summary.interrupted or {}).get("job_signal")
     sig = getattr(signal, str(name), None)
     if sig is None:

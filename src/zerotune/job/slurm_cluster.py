@@ -1,13 +1,6 @@
-"""What a SLURM cluster offers, as `scontrol` reports it: its partitions and each node's CPUs, memory and GPUs.
-It is the cluster's configuration, not its current load: a node that is down or busy now is still one of its
-partition's nodes. job/slurm_cluster.py checks a request against it.
-
-The request hydra/launcher=slurm would make, against the cluster (job/slurm_cluster.py).
-
-A request sbatch cannot place (an unknown partition, more nodes, GPUs, CPUs or memory than the partition's nodes
-have, a time limit above the partition's) is otherwise answered only by sbatch itself, or by a job that pends for
-good; a time limit within the signal delay, or short of the first checkpoint, by a job that ends with nothing saved.
-These are config errors naming the `hydra.launcher.*` key, with a value that passes as the fix."""
+"""What a SLURM cluster offers as `scontrol` reports it (its configuration, not its load), and the request
+hydra/launcher=slurm would make checked against it before submission: a request sbatch cannot place, or a time limit
+short of the first checkpoint, is a config error naming the `hydra.launcher.*` key with a value that passes."""
 
 from __future__ import annotations
 
@@ -350,13 +343,9 @@ class JobTime:
     floor_s: float | None
 
 
-# The time to the first checkpoint. submitit has SLURM signal the job signal_delay_s before its limit and ends it
-# there (requeued or not), so a job has timeout_min*60 - signal_delay_s seconds, and a limit within
-# signal_delay_s ends every job before it does anything. With checkpoint.on_signal the job saves at that signal,
-# so any time at all reaches a checkpoint. Without it, the first checkpoint is at checkpoint.every_n_steps (when
-# > 0) or at train.max_steps (checkpoint.final), and a job needs start-up + those steps: start-up is taken as 0
-# s and a step as the planner's time floor (a lower bound, known only for a known card and precision), so a limit
-# refused here is certainly too short; a limit that passes may still be.
+# A job has timeout_min*60 - signal_delay_s seconds (submitit ends it at the signal). With checkpoint.on_signal it
+# saves then; else it needs the steps to its first checkpoint at the planner's time floor (a lower bound), with
+# start-up taken as 0 s: a limit refused here is certainly too short; one that passes may still be.
 def needed_seconds(job: JobTime, signal_delay_s: int) -> float:
     """The least time limit, in seconds, that is not certainly too short for `job`: more than this."""
     work = 0.0

@@ -1,17 +1,6 @@
-"""How a SLURM job ended, read from SLURM itself, and the record of a job that ended without a result.
-
-submitit learns a job's state from `sacct`. A cluster without accounting (no slurmdbd) has no `sacct`, and there
-a job that ended without writing its result (cancelled, killed, its node lost) stays "UNKNOWN" to submitit, so a
-sweep waiting on it waits forever. `squeue` and `scontrol` answer on every cluster: a job is over when it has
-left the queue, and `scontrol` keeps its final state for a while after (MinJobAge, 300 s by default).
-
-Which node ended first is srun's to say, in its lines in the job's stderr: a node whose job process was killed
-whole writes no record, and srun then ends node 0's process too, whose record (if it wrote one) saw only the loss
-of its peer.
-
-What the sweep's SLURM launcher (`hydra/launcher=zerotune_slurm`, src/hydra_plugins/zerotune_slurm) changes in
-hydra-submitit-launcher's: the task srun starts on each node, the batch script's shell, and how each job's end is
-awaited and recorded. The plugin's class only calls these; submitit is imported only here, when they run."""
+"""The sweep's SLURM launcher's logic (hydra/launcher=zerotune_slurm; its plugin only calls this, and submitit is
+imported only here): how a job ended, from squeue and scontrol (without accounting there is no sacct, and submitit
+waits forever on a lost job), which node ended first (srun's lines in the job's stderr), and a lost job's record."""
 
 from __future__ import annotations
 
@@ -87,12 +76,10 @@ def job_restarts(job_id: str) -> int | None:
 
 def record_lost_job(run_dir: Path, job_id: str, state: str | None, overrides: list[str], detail: str,
                     restarts: int | None = None, ended_first: TaskEnd | None = None) -> RunSummary:
-    """summary.json for a job SLURM ended without a result: its last attempt's own summary, if it wrote one, with
-    SLURM's account added; its status from SLURM's state unless the job recorded a precise one itself.
-    `restarts`: SLURM's count of the job's requeues. A summary an earlier attempt wrote (the last one ended before
-    writing its own) stays that attempt's record, in attempts/<n>/, like any earlier attempt's. `ended_first`: srun's
-    line on the task that ended first (`first_task_end`): the error names its node, unless SLURM ended the job
-    itself (cancelled, timed out) or the job's own record names a node that failed (job/records.py)."""
+    """summary.json for a job SLURM ended without a result: its last attempt's own summary, if any, with SLURM's
+    account added; its status from SLURM's state unless the job recorded a final one. `restarts`: SLURM's requeue
+    count. `ended_first` (`first_task_end`): the error names its node, unless SLURM ended the job itself or the
+    job's own record names a failed node."""
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = RunSummary.read_if_whole(run_dir)
     if summary is not None and not _last_attempts(summary, job_id, restarts):
@@ -152,17 +139,14 @@ def _last_attempts(summary: RunSummary, job_id: str, restarts: int | None) -> bo
 
 # ---- srun's account of the tasks that ended ----------------------------------------------------------------
 
-# srun (run by the batch script, its stderr the job's: task 0's submitit log) writes a line for each task of its
-# step that ends badly, as it learns of it: "srun: error: zt-node2: task 1: Killed" (the signal in strsignal's
-# words), "srun: error: zt-node1: task 0: Exited with exit code 143", "srun: error: Node failure on zt-node2".
-# The first is the task that ended first; with --kill-on-bad-exit srun then ends the others, whose lines follow.
+# srun writes a line to the job's stderr for each task that ends badly, first the first: "srun: error: zt-node2:
+# task 1: Killed" (strsignal's words), "... task 0: Exited with exit code 143", "srun: error: Node failure on zt-node2".
 _TASK_END = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>[\d,-]+): (?P<how>.+)$")
 _NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<node>\S+)")
 _EXIT_CODE = re.compile(r"^Exited with exit code (\d+)$")
 _SIGNALS = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
 
-# The job's stderr is appended to by each attempt of a requeued job. SLURM writes nothing there as an attempt
-# starts, so the batch script does (job/slurm_launcher.py), before its srun: the lines after it are that attempt's.
+# Each attempt of a requeued job appends to its stderr; the batch script marks an attempt's start before its srun.
 ATTEMPT_LINE = 'zerotune: SLURM job $SLURM_JOB_ID, restart ${SLURM_RESTART_COUNT:-0}: the step starts'
 _ATTEMPT = re.compile(r"^zerotune: SLURM job \S+, restart (\d+): the step starts$")
 

@@ -1,12 +1,6 @@
-"""The command every task of a hydra/launcher=slurm job runs: `python -u -m zerotune.job.slurm_task <folder>`,
-submitit's own `python -u -m submitit.core._submit <folder>` with the job's stop signals held from its first line.
-
-SLURM signals a job's tasks whenever it pre-empts it, however young the attempt: submitit's own handler comes
-only after its imports and the job's unpickling (Hydra, zerotune), seconds in which the signal's default action
-would end the task, unrecorded, and the job FAILED instead of requeued. Held (zerotune/host/process.py), the
-signal waits for the job process: it does not start its workers, or stops them, records the attempt, and only
-then calls submitit's handler, which requeues the job (job/slurm.py requeue_if_preempted).
-"""
+"""The command every task of a hydra/launcher=slurm job runs, `python -u -m zerotune.job.slurm_task <folder>`:
+submitit's own `_submit` with the stop signals held from the first line, so a pre-emption during the imports is
+recorded and requeued (job/slurm.py requeue_if_preempted) instead of ending the task unrecorded and the job FAILED."""
 
 from zerotune.host import process
 

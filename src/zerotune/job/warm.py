@@ -1,18 +1,7 @@
-"""Workers forked from a warm template, for a sweep of many short jobs (`zerotune tune`'s trials).
-
-A worker's start is mostly imports: torch, DeepSpeed, diffusers and the trainer take about 7 s here, paid
-again by every trial. The template is one process that imports them once, then forks each worker.
-
-torch's launcher still starts and watches every worker; what it starts is a stub (job/warm_stub.py: the
-standard library only), which hands the template its standard streams, environment, working
-directory and arguments over a Unix socket, waits for the forked worker's exit status and exits with it. A stop
-signal the stub receives is passed on to the worker. A worker whose stub is gone (killed) is killed by the
-template, as a fresh worker dies with its launcher (PR_SET_PDEATHSIG); the template and its workers die with
-the sweep's process. Where the template cannot serve (not started, gone, or running a Python thread after its
-imports, which makes fork unsafe), the stub runs the worker's usual first lines instead: a cold start.
-
-`template(folder)` starts one for the sweep; the launcher uses it while WARM_ENV names its socket.
-"""
+"""Workers forked from a warm template for a sweep of many short jobs (`zerotune tune`'s trials): one process imports
+torch, DeepSpeed, diffusers and the trainer once (~7 s a worker) and forks a worker for each stub torch's launcher
+starts (job/warm_stub.py). Where it cannot serve, the stub starts cold. A worker whose stub is gone is killed; the
+template and its workers die with the sweep's process. The launcher uses it while WARM_ENV names its socket."""
 
 from __future__ import annotations
 
@@ -91,10 +80,9 @@ def template(log_path: Path, enabled: bool = True) -> Iterator[Template]:
         return
     folder = tempfile.mkdtemp(prefix="zerotune-warm-")  # a Unix socket's path must stay under ~100 bytes
     path = str(Path(folder) / "template.sock")
-    # A session of its own, as torch gives each worker: a terminal's Ctrl-C reaches the sweep, not the template.
-    # NVML answers the imports' "is CUDA available?" without initialising CUDA's driver, which a forked child
-    # could then not use ("Cannot re-initialize CUDA in forked subprocess"): without it, the imports alone poison
-    # every fork on a card (benchmarks/gpu/fork_probe.py, measured on an H200). The workers keep the stub's env.
+    # Its own session: a terminal's Ctrl-C reaches the sweep, not the template. NVML answers "is CUDA available?"
+    # without initialising CUDA's driver, else the imports alone would poison every fork on a card
+    # (benchmarks/gpu/fork_probe.py, measured on an H200). The workers keep the stub's env.
     log = open(log_path, "a")  # noqa: SIM115 (the template's stdout, closed below)
     proc = subprocess.Popen([sys.executable, "-m", "zerotune.job.warm", path, str(os.getpid())],
                             start_new_session=True, env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
@@ -188,10 +176,9 @@ SETUP_MODULES = ("deepspeed", "optuna", "torch.utils.cpp_extension")
 
 
 def import_worker_modules(setup_too: bool | None = None) -> None:
-    """What a worker imports (benchmarks/gpu/fork_probe.py imports the same): torch, accelerate, diffusers and
-    the trainer; and SETUP_MODULES where `setup_too`, by default where no CUDA device is present (a CPU-only
-    torch, or a CUDA build on a host without a GPU). Not beside a card: that DeepSpeed's import leaves the driver
-    alone there, as a forked worker needs, is unmeasured (fork_probe.py's `deepspeed_too` case measures it)."""
+    """What a worker imports (as benchmarks/gpu/fork_probe.py does): torch, accelerate, diffusers, the trainer, and
+    SETUP_MODULES where `setup_too`, by default where no CUDA device is present (that DeepSpeed's import leaves a
+    card's driver alone, as a fork needs, is unmeasured: fork_probe.py's `deepspeed_too` case)."""
     import importlib
 
     import zerotune.job.worker  # noqa: F401
@@ -203,9 +190,8 @@ def import_worker_modules(setup_too: bool | None = None) -> None:
 
 
 def _cuda_poisons_fork() -> bool:
-    """Whether a child forked now would be refused a CUDA device it could use: torch marks it at the fork once the
-    driver is up. Asked of a throwaway child (a few ms): the mark exists only in a child. Without a device there
-    is nothing to refuse (a CUDA build marks its children after any device count, even where there is no card)."""
+    """Whether a child forked now would be refused a CUDA device it could use (torch marks it at the fork once the
+    driver is up); asked of a throwaway child (a few ms), as the mark exists only in a child."""
     import torch
 
     from zerotune.host.platform import cuda_device_present

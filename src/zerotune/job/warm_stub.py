@@ -1,11 +1,7 @@
-"""The process torch's launcher starts for a worker forked from the warm template (job/warm.py),
-`python -u -m zerotune.job.warm_stub <socket> <parent pid> <run dir> <gate token>`: it asks the template for
-the worker, passes stop signals on to it, and exits with the worker's status. Where the template does not answer,
-it becomes a cold worker itself (the usual bootstrap, by exec).
-
-Standard library only: it runs in place of a worker's imports. As the bootstrap does, it first asks to die with
-its parent, and checks that the parent is still the job process that started it.
-"""
+"""What torch's launcher starts for a worker forked from the warm template (job/warm.py), `python -u -m
+zerotune.job.warm_stub <socket> <parent pid> <run dir> <gate token>`: it asks the template for the worker, passes
+stop signals on and exits with its status, or becomes a cold worker (the bootstrap, by exec). Standard library only;
+it first asks to die with its parent and checks the parent is still the job process that started it."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
-"""One training process of a job, started by the launcher through job/bootstrap.py.
-
-It imports while the parent checks the job, waits at the job's gate, then reads the run the parent
-resolved (resolved.json: every rank trains the same thing, in the same folder, and none resolves it again)
-and trains with the rank torch.distributed's environment gives it.
-"""
+"""One training process of a job, started through job/bootstrap.py: it imports while the parent checks the job,
+waits at the gate, then trains the run the parent resolved (resolved.json) with torch.distributed's rank."""
 
 from __future__ import annotations
 
 import os
 
-# The U-Net's class, imported here rather than in setup: diffusers' model modules take about 2 s, which
-# pass while the parent checks the job.
+# Imported here rather than in setup: diffusers' model modules take ~2 s, spent while the parent checks the job.
 from diffusers import UNet2DConditionModel  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record
 

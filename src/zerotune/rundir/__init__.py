@@ -1,6 +1,5 @@
-"""The run directory: one folder holds everything about a run. File names here are a contract.
-
-What a worker needs to know beyond config.yaml: written by the parent into the run directory."""
+"""The run directory: one folder holds everything about a run, and the job spec the parent writes into it for
+its workers. File names here are a contract."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ class RunDir:
         self._metrics: TextIO | None = None
 
     def archive_previous_attempt(self, started: float | None = None) -> Path | None:
-        """A run dir that already holds a run's records (a rerun, a resume in place) keeps them: they move to
-        attempts/<n>/ before this run writes its own, whatever becomes of this run. `started`: this run's start
-        (a time.time()); files written since are this run's own, by its other nodes, and stay."""
+        """Move an earlier run's records (a rerun, a resume in place) to attempts/<n>/ before this run writes its
+        own. `started` (a time.time()): files written since are this run's, by its other nodes, and stay."""
         found = [p for p in self.path.iterdir() if (p.name in _RECORDS or p.name.startswith(("summary.node", "resolved.node")))
                  and (started is None or p.stat().st_mtime < started)]
         if not any(p.name in (CONFIG, SUMMARY) for p in found):
@@ -118,11 +116,8 @@ class JobSpec:
 
 
 def run_name(overrides: list[str]) -> str:
-    """["zero_stage=2", "offload=cpu"] -> "zero_stage=2,offload=cpu"; [] -> "default".
-
-    Filesystem-safe ("/" -> "-", anything else unusual -> "_"); names longer than MAX_NAME_LEN are cut and
-    suffixed with a hash of the full name so that distinct long override sets stay distinct.
-    """
+    """["zero_stage=2", "offload=cpu"] -> "zero_stage=2,offload=cpu"; [] -> "default". Filesystem-safe; names
+    over MAX_NAME_LEN are cut and suffixed with a hash of the full name, so distinct long ones stay distinct."""
     if not overrides:
         return "default"
     name = ",".join(_UNSAFE.sub("_", o.strip().replace("/", "-")) for o in overrides).lstrip(".-") or "default"

@@ -1,24 +1,7 @@
-"""Saving a checkpoint: every rank's state into a job-private temporary folder, published whole.
-
-Crash safety: every rank writes into `.tmp-step-NNNNNNN-<job>/`; after a barrier rank 0 renames it to
-`step-NNNNNNN/`, then writes COMPLETE (the manifest: each file's size and sha256) and the `latest`
-pointer, each by write-then-rename. A process killed at any moment leaves either the previous complete
-checkpoint or the new one. A save that runs out of disk space removes its partial folder and says so.
-The folder layout and the rules for finding checkpoints: layout.py.
-
-One run's checkpoints: when a periodic one is due, the final one of a completed run, and what summary.json
-says of them. The trainer says what a checkpoint holds (store.SaveRequest); this says when and where.
-
-DeepSpeed's NVMe swap folders left behind by a killed run, removed before a resumed run swaps again.
-
-Checkpoints across DeepSpeed changes: universal checkpoints, and full fp32 state for stage 0 and export.
-
-DEPENDS ON DeepSpeed 0.19.8 INTERNALS: the file names of its checkpoints, ds_to_universal's arguments and
-output layout, and what ZeRO-3's universal loader reads. This is the only module that does; re-check it
-when DeepSpeed changes (tests/test_checkpoint.py's stage-change resumes cover it).
-
-Loading a checkpoint into the prepared engine: natively, or converted (which one and how was decided
-before any model existed: zerotune/rundir/checkpoints.py and decide.py)."""
+"""Checkpoint I/O with the model: crash-safe saves, keep_last, a run's saves, stale NVMe swap folders, loading
+(natively or converted), universal checkpoints and full fp32 state. DEPENDS ON DeepSpeed 0.19.8 INTERNALS (its
+checkpoint file names, ds_to_universal, what ZeRO-3's universal loader reads), the only module that does: re-check
+it when DeepSpeed changes (tests/test_checkpoint.py's stage-change resumes cover it)."""
 
 from __future__ import annotations
 
@@ -78,7 +61,8 @@ class SavedCheckpoint(TypedDict):
 
 
 def save(acc, request: SaveRequest) -> SavedCheckpoint:
-    """Save on EVERY rank (a rank-0-only save hangs under DeepSpeed)."""
+    """Save on EVERY rank (a rank-0-only save hangs under DeepSpeed). Crash-safe: written into a job-private
+    `.tmp-step-NNNNNNN-<job>/`, renamed whole, then COMPLETE and `latest` by write-then-rename."""
     t0 = time.perf_counter()
     final, tmp = step_dir(request.root, request.step), tmp_dir(request.root, request.step, request.job)
     if acc.is_main_process:
@@ -131,10 +115,8 @@ def _publish(tmp: Path, final: Path, request: SaveRequest) -> int:
 
 
 def cleanup(root: Path, keep_last: int, keep: Path | None = None) -> None:
-    """Delete interrupted saves and all but the newest `keep_last` complete checkpoints (0 keeps all).
-    `keep`, the save just published, is never deleted: in a checkpoint dir that holds later steps of an
-    earlier run it is not among the newest, yet it is this run's (its final one, perhaps).
-    Only the job holding the checkpoint dir's lock saves, so every temporary folder here is stale or its own."""
+    """Delete interrupted saves and all but the newest `keep_last` complete checkpoints (0 keeps all), never
+    `keep` (this run's save, maybe older than an earlier run's steps). Only the lock's holder saves here."""
     root = Path(root)
     done = set(list_complete(root))
     for p in root.iterdir():
@@ -183,8 +165,7 @@ class RunSaves:
         self.final = self.saved[-1]["path"]
 
     def _resumed_at(self, step: int) -> bool:
-        """Whether `step` is this run's own checkpoint it resumed from: nothing trained since, and rewriting it (a
-        stop signal before the first step of a requeued attempt) would only put the job's newest save at risk."""
+        """Whether `step` is the checkpoint this run resumed from: rewriting it would only risk the newest save."""
         here = checkpoints.step_dir(self.root, step)
         return self.resumed is not None and self.resumed.path.absolute() == here.absolute()
 
@@ -199,10 +180,8 @@ class RunSaves:
 
 
 def clean_stale_swap(root: str | Path) -> list[str]:
-    """Remove DeepSpeed's swap folders (zero_stage_*) directly inside `root`, and nothing outside it.
-
-    A symlink among them is unlinked, never followed; shutil.rmtree does not follow links inside.
-    """
+    """Remove DeepSpeed's swap folders (zero_stage_*) a killed run left directly inside `root`, nothing outside
+    it: a symlink among them is unlinked, never followed."""
     root = Path(root)
     if not root.is_dir() or root.is_symlink():
         return []
@@ -265,8 +244,8 @@ def _alias_model_states(folder: Path) -> None:
 
 
 def full_state(path: Path, with_optimizer: bool = True) -> tuple[dict, dict | None, dict | None]:
-    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint; a
-    ZeRO-1/2/3 one's optimizer state comes from its universal conversion (`universal_folder`)."""
+    """(fp32 weights by name, {name: adam state} or None, scheduler state or None) from any checkpoint (ZeRO-1/2/3
+    through `universal_folder`)."""
     meta = read_meta(path)
     if not meta["use_deepspeed"]:
         return _plain_state(path, meta, with_optimizer)
@@ -321,8 +300,7 @@ def _part(folder: Path, name: str) -> torch.Tensor:
 
 
 def _by_name(weights: dict, torch_opt_state: dict, meta: dict) -> dict:
-    """A torch optimizer state_dict (indexed by the trained parameters' order) as {parameter name: state}.
-    The trained parameters: all of them, or under an adapter the adapter's."""
+    """A torch optimizer state_dict (indexed by the trained parameters' order) as {parameter name: state}."""
     names = [n for n in weights if meta.get("adapter_config") is None or adapter.is_adapter_weight(n)]
     order = [i for g in torch_opt_state["param_groups"] for i in g["params"]]
     return {names[pos]: torch_opt_state["state"][i] for pos, i in enumerate(order) if i in torch_opt_state["state"]}
@@ -367,9 +345,8 @@ def load(acc, decision: ResumeDecision, module, optimizer, scheduler) -> tuple[d
 
 
 def _steps_as_tensors(optimizer) -> None:
-    """A checkpoint saved with offload=cpu (DeepSpeed's CPU Adam) holds each parameter's step as an int; torch's
-    Adam and AdamW, which step the same run without offload, require a singleton tensor, and their
-    load_state_dict converts nothing. The count is the same; CPU Adam itself takes either."""
+    """An offload=cpu checkpoint (CPU Adam) holds each step as an int; torch's Adam/AdamW need a singleton tensor
+    and their load_state_dict converts nothing. CPU Adam itself takes either."""
     inner = getattr(optimizer, "optimizer", optimizer)  # a ZeRO optimizer wraps the one that steps
     if not isinstance(inner, torch.optim.Optimizer) or type(inner).__module__.startswith("deepspeed."):
         return

@@ -1,38 +1,9 @@
-"""Checkpoint folders on disk: their names, which ones are complete, and finding them.
+"""Checkpoint folders, without torch: their layout, the manifest COMPLETE holds, which one `resume` names, disk space.
 
-One checkpoint, `<checkpoint.dir>/step-NNNNNNN/`:
-
-    pytorch_model/            DeepSpeed's own checkpoint (model, optimizer partitions, scheduler), or
-    model.safetensors ...     accelerate's files on the plain (no DeepSpeed) path
-    random_states_<rank>.pkl  torch / numpy / python RNG of each rank (accelerate)
-    trainer_state_<rank>.pt   step, data position, the Trainer's own generators
-    ema.pt                    the host EMA (rank 0), when enabled
-    config.json               the U-Net's architecture (diffusers' save_config), for export
-    meta.json                 zero stage, world size, use_deepspeed, precision, offload, model, version
-    COMPLETE                  written last: every file's size and sha256 (manifest.py); a folder
-                              without it is ignored
-
-Saves are written into `.tmp-step-NNNNNNN-<job>/` and renamed when whole (rundir/checkpoint_io.py).
-
-COMPLETE, the marker written last into a checkpoint: the size and sha256 of every file in it.
-
-Resume checks a checkpoint against it before loading, so a truncated or altered file is named up
-front instead of failing deep inside torch.load a minute later. Checkpoints written before the
-manifest existed hold only the step number in COMPLETE; they are checked for readable metadata only.
-
-Which checkpoint `resume` names: found, checked against its manifest, and an earlier one when it is damaged.
-
-Disk space for a save: checked before it starts, and named plainly when a save runs out of it.
-
-Checkpoints: policy and I/O in one place.
-
-Before any model exists (no torch): their layout (`layout`), the manifest that COMPLETE holds (`manifest`), which
-one `resume` names (`select`) and whether this run can continue it (`decide`), the lock that keeps one job per
-checkpoint dir (`lock`), and disk space (`space`); these are what this package exports.
-With the model, imported by module (they import torch): when a run saves, its final checkpoint and what its
-summary says (`run_saves`), saving, crash-safe, published whole, keep_last (`store`), loading into the prepared
-engine (`resume`), across DeepSpeed changes, the only code that depends on DeepSpeed's internals (`convert`),
-and the NVMe swap folders a killed run left (`swap`)."""
+`<checkpoint.dir>/step-NNNNNNN/` holds pytorch_model/ (DeepSpeed's checkpoint) or accelerate's files (plain path),
+random_states_<rank>.pkl, trainer_state_<rank>.pt (step, data position, generators), ema.pt (rank 0), config.json
+(the U-Net's, for export), meta.json (stage, world size, precision, offload, model, version) and COMPLETE, written
+last: every file's size and sha256 (older checkpoints: the step only). A folder without COMPLETE is ignored."""
 
 from __future__ import annotations
 
@@ -204,9 +175,8 @@ log = logging.getLogger(__name__)
 
 
 def resolve_resume(resume: Resume, checkpoint_dir: str | None, run_dir: Path | None) -> Path | None:
-    """The checkpoint folder `resume` (resume.path, resume.strict) names, or None. The rule (conf/config.yaml):
-    a checkpoint folder, a folder of them or a run dir (its newest), `latest` (the newest in checkpoint.dir,
-    default <run dir>/checkpoints), or `auto` (the same, or a fresh start when there is none)."""
+    """The checkpoint folder `resume` names, or None: a checkpoint, a folder of them or a run dir (its newest),
+    `latest` (the newest in checkpoint.dir), or `auto` (the same, or None when there is none)."""
     setting = resume.path
     if setting in (None, "", False):
         return None
@@ -242,8 +212,8 @@ def _latest_fix(checkpoint_dir: str | None) -> str:
 
 
 def first_sound(candidates: list[Path], strict: bool) -> Path:
-    """The first of `candidates` (newest first) whose files match their manifest. A damaged one is skipped
-    with a warning naming the file, unless `strict`, which stops with the fix."""
+    """The first of `candidates` (newest first) matching its manifest; a damaged one is skipped with a warning,
+    or under `strict` stops with the fix."""
     for folder in candidates:
         found = problems(folder)
         if not found:
@@ -303,8 +273,8 @@ def check_room(root: Path, fallback: int) -> None:
 
 
 def is_disk_full(exc: BaseException, root: Path) -> bool:
-    """Whether a failed save ran out of space: ENOSPC anywhere in its chain, or (torch's zip writer reports
-    ENOSPC as 'unexpected pos') a file system left nearly empty of free space."""
+    """Whether a failed save ran out of space: ENOSPC in its chain, or a nearly full file system (torch's zip
+    writer reports ENOSPC as 'unexpected pos')."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:

@@ -1,32 +1,6 @@
-"""An adapter-trained U-Net's export: the adapter as diffusers' own LoRA training scripts save it
-(`unet.<module>.lora_A.weight` keys, the LoRA config in the file's metadata; with trained text encoders their
-adapters under `text_encoder.` / `text_encoder_2.`, as train_dreambooth_lora_sdxl.py saves them), and optionally
-the U-Net (and encoders) with the adapter merged in, by diffusers' own fuse/unload.
-
-Export a checkpoint's weights: `zerotune export <checkpoint> <out>`.
-
-Writes full fp32 weights, whatever ZeRO stage saved them (ZeRO-1/2/3 partitions are consolidated with
-DeepSpeed's zero_to_fp32), as a diffusers folder and a .safetensors file:
-
-    <out>/unet/                 UNet2DConditionModel.from_pretrained(<out>/unet)
-    <out>/unet.safetensors
-    <out>/unet_ema/, <out>/unet_ema.safetensors   when the run kept an EMA
-
-With adapter=lora, the adapter in diffusers' LoRA format (pipeline.load_lora_weights(<out>/lora),
-unet.load_lora_adapter(<out>/lora, prefix="unet")), and with --merge the U-Net with it merged in:
-
-    <out>/lora/pytorch_lora_weights.safetensors     (<out>/lora_ema/ for the EMA)
-    <out>/unet/, <out>/unet.safetensors             --merge only (<out>/unet_ema* for the EMA)
-
-With model.train_text_encoder, each trained encoder too (transformers' save_pretrained; with adapter=lora its
-adapter in the same LoRA file, under `text_encoder.` / `text_encoder_2.`, and with --merge the merged encoder):
-
-    <out>/text_encoder/, <out>/text_encoder_2/    (<out>/text_encoder_ema/ ... for the EMA)
-
-`model.pretrained=<out>` starts a new run from <out>/unet. <checkpoint> may also be a run dir or a
-checkpoint dir: the newest complete checkpoint in it is exported (a run that completed its steps ends with
-one, unless checkpoint.final=false); a run dir whose checkpoint.dir was elsewhere: the one its summary.json
-names."""
+"""`zerotune export <checkpoint> <out>`: a checkpoint's full fp32 weights, whatever ZeRO stage saved them
+(zero_to_fp32), as diffusers folders and .safetensors; an adapter as diffusers' own LoRA training scripts save it,
+optionally merged in by diffusers' fuse/unload."""
 
 from __future__ import annotations
 
@@ -66,8 +40,8 @@ def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
 
 def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
          encoders: dict[str, tuple[dict, dict]] | None = None) -> dict[str, str]:
-    """Write lora{suffix}/ (and with `merge` unet{suffix}/ + unet{suffix}.safetensors, and each trained encoder's
-    folder); returns what was written. `encoders`: {name: (config, weights)} of the trained text encoders."""
+    """Write lora{suffix}/ (with `merge` also unet{suffix}/, unet{suffix}.safetensors and each trained encoder's
+    folder); returns what was written. `encoders`: {name: (config, weights)}."""
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_state_dict_to_diffusers
     from diffusers.utils.peft_utils import recurse_remove_peft_layers
@@ -80,8 +54,8 @@ def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix:
               for name, module in trained.items()}
     metadata = {f"{name}_lora_adapter_metadata": module.peft_config[adapter.ADAPTER_NAME].to_dict()
                 for name, module in trained.items()}
-    # save_lora_weights is a classmethod: it only prefixes `unet.` / `text_encoder.` ... and writes the file, for
-    # any U-Net; SDXL's takes both encoders' layers (an SD 1.x/2.x pipeline reads its text_encoder's the same way).
+    # A classmethod that only prefixes `unet.` / `text_encoder.` ... and writes the file, for any U-Net; SDXL's
+    # takes both encoders' layers (SD 1.x/2.x read text_encoder's the same way).
     StableDiffusionXLPipeline.save_lora_weights(
         folder, unet_lora_layers=convert_state_dict_to_diffusers(adapter.adapter_state_dict(unet)),
         unet_lora_adapter_metadata=unet.peft_config[adapter.ADAPTER_NAME].to_dict(), weight_name=WEIGHT_NAME,
@@ -118,8 +92,8 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def _own_checkpoints(run_dir: Path) -> list[Path]:
-    """The checkpoints a run dir's summary says its run saved, its final one first, then newest first. Not
-    `last_complete`: in a checkpoint.dir shared with other runs, the newest may be another run's."""
+    """The checkpoints a run dir's summary says its run saved, final first, then newest first (not
+    `last_complete`: in a shared checkpoint.dir the newest may be another run's)."""
     summary = RunSummary.read_if_whole(run_dir)
     record = (summary.checkpoint if summary is not None else None) or {}
     paths = [record.get("final"), *(s.get("path") for s in reversed(record.get("saved") or []))]
@@ -171,9 +145,11 @@ def split_modules(weights: dict, names: tuple[str, ...]) -> dict[str, dict]:
 
 
 def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict[str, str]:
-    """Write the checkpoint's weights into `out`: the U-Net, or with an adapter the adapter (and with `merge`
-    the U-Net with the adapter merged in); the same for the EMA when the run kept one, and for the trained text
-    encoders when it trained some. Returns {what: its path}: the checkpoint, then each part written."""
+    """Write the checkpoint's weights into `out`: unet/ + unet.safetensors and each trained text encoder's <name>/,
+    or under adapter=lora lora/pytorch_lora_weights.safetensors (encoders' adapters under `text_encoder.` /
+    `text_encoder_2.`), with `merge` also the merged unet/ and encoders; `*_ema` twins when the run kept an EMA.
+    `checkpoint` may be a run dir or checkpoint dir (its newest complete checkpoint, or the one its summary names).
+    Returns {what: its path}: the checkpoint, then each part written."""
     path, out = find_checkpoint(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = read_meta(path)

@@ -1,8 +1,5 @@
-"""The logger interface the trainer talks to, so W&B stays optional.
-
-Where metrics go besides the run directory: nothing (logger=none) or W&B (logger=wandb).
-
-Weights & Biases logger (offline by default: the training machines have no network; `wandb sync` later)."""
+"""Where metrics go besides the run directory: nothing (logger=none) or W&B (logger=wandb, offline by default:
+the training machines have no network; `wandb sync` later), behind one interface so W&B stays optional."""
 
 from __future__ import annotations
 
@@ -124,9 +121,8 @@ def known_modes() -> tuple[str, ...]:
 
 
 def api_key_found() -> bool:
-    """Whether wandb.init will find credentials (WANDB_API_KEY or an identity token file, a .netrc entry for
-    the W&B host, wandb's settings), by wandb's own lookup: no prompt, no network. An API key of the wrong
-    form raises wandb's AuthenticationError."""
+    """Whether wandb.init will find credentials, by wandb's own lookup (no prompt, no network). An API key of the
+    wrong form raises wandb's AuthenticationError."""
     from wandb.sdk import wandb_setup
     from wandb.sdk.lib import wbauth
 
@@ -164,8 +160,7 @@ class WandbLogger(RunLogger):
         )
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        # No commit: several calls for the same step merge into one history row, written when the step
-        # advances or at finish().
+        # No commit: calls for one step merge into one history row, written when the step advances or at finish().
         if self.run is not None:
             self.run.log(dict(metrics), step=step)
 

@@ -1,6 +1,5 @@
-"""The planner's prediction as a record: what the planner returns and summary.json's `plan` holds, typed for its
-readers (the reports, the builder page, the tuner). The planner makes one with `Plan.made` and adds to it with
-`adding`; `Plan.from_dict` reads one back from a file, and `to_dict` gives back the same JSON."""
+"""The planner's prediction as a typed record: what the planner returns and summary.json's `plan` holds, for its
+readers (reports, the builder page, the tuner). `Plan.from_dict` reads one back; `to_dict` gives the same JSON."""
 
 from __future__ import annotations
 
@@ -15,12 +14,9 @@ PERSISTENT = "persistent"  # a step term held throughout the step (written witho
 
 @dataclass(frozen=True)
 class Term:
-    """One named figure of a plan: memory (MiB) or, for a time term (`timed`), seconds; with what it is
-    (`note`) and, for the training step's terms, the moment it lives in (None: written without one).
-
-    The planner's DeepSpeed buffers are terms too, with where they live (`where`: gpu | host), whether the
-    figure is exact or an upper bound (`bound`) and the model state they share memory with (`overlaps`);
-    their `moment` is DeepSpeed's lifetime of the buffer. These three are the planner's own: not written."""
+    """One named figure of a plan: MiB, or seconds for a time term (`timed`); `moment`: the step moment it lives in
+    (None: written without one). `where`, `bound` (an upper bound) and `overlaps` describe the planner's DeepSpeed
+    buffers and are not written."""
 
     term: str
     mib: float | None = None
@@ -79,8 +75,8 @@ def at_peak(terms: Sequence[Term], moment: str | None) -> list[Term]:
 
 @dataclass(frozen=True)
 class Phase:
-    """One phase of the run as nvidia-smi shows it (plan/phases.py): its own peak from an empty pool, the terms
-    that make it up, what earlier phases left reserved when it starts, and what it shows."""
+    """One phase of the run as nvidia-smi shows it (plan/phases.py): its peak from an empty pool, its terms, what
+    earlier phases left reserved, and what it shows."""
 
     phase: str                            # caching | adapter_injection | loading | step | sampling | export
     peak_mib: float

@@ -1,9 +1,6 @@
-"""Whether this run can continue a checkpoint, and how: natively, or converted across a ZeRO-stage,
-DeepSpeed or process-count change. Needs the config and meta.json only: the job's parent checks it.
-
-One job at a time writes into a checkpoint dir: two jobs sharing one would delete each other's saves
-(keep_last) while both report them. The lock is the kernel's (filelock's flock): a killed job's lock
-goes with its process, so nothing stale is ever left to clean by hand."""
+"""Whether this run can continue a checkpoint, and how (natively, or converted across a ZeRO-stage, DeepSpeed or
+process-count change), from the config and meta.json only; and the lock that keeps one job per checkpoint dir
+(two would delete each other's saves): the kernel's flock, so a killed job leaves nothing stale."""
 
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ _TOPOLOGY = ("zero_stage", "world_size", "use_deepspeed", "precision", "offload"
 def current_meta(cfg: Config, ds_config: dict, use_deepspeed: bool, world_size: int,
                  client_optimizer: dict | None = None, groups: ParamGroups | None = None) -> dict:
     """What this run would record in meta.json. `client_optimizer`: the one zerotune hands the engine, if any;
-    `groups`: the optimizer's parameter groups (None: one per trained module, as before they were recorded)."""
+    `groups`: the optimizer's parameter groups (None: one per trained module)."""
     zero = ds_config["zero_optimization"]
     optimizer = ds_config["optimizer"]["type"] if client_optimizer is None else client_optimizer["name"]
     return {"zero_stage": int(zero["stage"]) if use_deepspeed else 0, "world_size": int(world_size),
@@ -107,9 +104,8 @@ def decide_resume(path: Path | None, now: dict, ds_config: dict) -> ResumeDecisi
 
 
 def _check_groups(path: Path, meta: dict, now: dict) -> None:
-    """ZeRO-1/2 load their optimizer state group by group (DeepSpeed's native loader and its universal one zip the
-    saved groups with the engine's), so a ZeRO-1/2 checkpoint continues at ZeRO-1/2 with its own groups only.
-    Other stages gather or rebuild the state parameter by parameter, whatever the groups were."""
+    """A ZeRO-1/2 checkpoint continues at ZeRO-1/2 with its own parameter groups only: both DeepSpeed loaders zip
+    the saved groups with the engine's. Other stages rebuild the state parameter by parameter."""
     if not (meta.get("use_deepspeed") and now.get("use_deepspeed")
             and meta.get("zero_stage") in (1, 2) and now.get("zero_stage") in (1, 2)):
         return
@@ -180,8 +176,7 @@ class CheckpointDirLock:
         self._made_run_folder = False
 
     def acquire(self) -> CheckpointDirLock:
-        # Only the run dir's own checkpoints/ is removed again when unused: a checkpoint.dir named by the
-        # user stays, as asked for.
+        # Only the run dir's own checkpoints/ is removed again when unused: a user's checkpoint.dir stays.
         self._made_run_folder = not self.root.exists() and self.root == Path(self.run_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.root / LOCK_FILE))
@@ -213,9 +208,8 @@ class CheckpointDirLock:
             self._lock = None
 
     def _remove_unused_root(self) -> None:
-        """The run dir's checkpoints/ this lock made, when the job saved nothing into it (refused, failed or
-        stopped before a save, or nothing to save): it goes with the job. Emptied while the lock is still held, so a job that
-        opens the lock file meanwhile is refused, as it would have been a moment earlier."""
+        """Remove the run dir's checkpoints/ this lock made when the job saved nothing into it; done while the lock
+        is held, so a job opening the lock file meanwhile is refused."""
         try:
             if {p.name for p in self.root.iterdir()} <= {LOCK_FILE}:
                 (self.root / LOCK_FILE).unlink(missing_ok=True)

@@ -1,11 +1,6 @@
-"""A run's status, as summary.json says it. The one place the status words are spelled: a `StrEnum`, so a member
-is its word in JSON, in f-strings and in comparisons with the strings of older summary files.
-
-summary.json, typed: the one writer of a run's summary (and of a node's summary.node<k>.json) and the one
-reader. A field left None is absent from the file, as the run never wrote it, unless it was set to None (a run
-that measured nothing says `"loss_first": null`); keys this version does not know are kept as they were.
-
-The pieces of a run's summary.json that both sides write: the job's parent and its training ranks."""
+"""summary.json, typed: the status words (a StrEnum: a member is its word in JSON, f-strings and comparisons), the
+one writer and reader of a run's summary (and a node's summary.node<k>.json), and the per-rank records. A field
+left None is absent from the file unless set to None (written as null); keys this version does not know are kept."""
 
 from __future__ import annotations
 
@@ -156,8 +151,7 @@ class RunSummary:
 
     @classmethod
     def from_json(cls, data: JsonDict) -> RunSummary:
-        """A summary of these keys: one given as None is written as null. An older summary reads too: a key it lacks
-        is None, a key this version does not know is kept."""
+        """A summary of these keys (one given as None is written as null); a key it lacks is None."""
         summary = cls()
         summary.update(data)
         return summary
@@ -201,8 +195,7 @@ RANKS = "ranks"  # <run dir>/ranks/rank<k>.json: each rank's own figures
 
 
 def key_choices(cfg: Config, world_size: int) -> JsonDict:
-    """The few choices that identify a configuration in reports and dashboards; the adapter as none, or its name
-    and rank (lora-r16): what changes its size."""
+    """The few choices that identify a configuration in reports and dashboards; the adapter as none or lora-r16."""
     adapter = cfg.adapter
     adapter_choice = "none" if adapter is None or adapter.name == "none" else f"{adapter.name}-r{adapter.rank}"
     return {"zero_stage": cfg.zero_stage.stage, "offload": cfg.offload.device,
@@ -225,8 +218,7 @@ def experiment_info(cfg: Config) -> JsonDict | None:
 def is_oom(exc: BaseException) -> bool:
     import torch
 
-    # torch's CPU allocator raises a RuntimeError ("DefaultCPUAllocator: can't allocate memory", or "not enough
-    # memory") where CUDA's raises OutOfMemoryError.
+    # torch's CPU allocator raises a RuntimeError where CUDA's raises OutOfMemoryError.
     message = str(exc).lower()
     return isinstance(exc, torch.OutOfMemoryError) or any(
         words in message for words in ("out of memory", "can't allocate memory", "not enough memory"))

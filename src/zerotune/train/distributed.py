@@ -1,26 +1,7 @@
-"""torch.distributed environment: a world of one for a lone process, and the pieces ranks share.
-
-- `ensure_single_process_env`: DeepSpeed wants torch.distributed even for one process.
-- `init_accelerate_state`: on a CPU, accelerate (1.x) sees DeepSpeed's ranks as ONE process (no
-  CUDA, `cpu=False`: backend None, so num_processes=1, process_index=0 on every rank) and then
-  neither shards the DataLoader nor tells ranks apart. Building its state with the gloo backend first
-  gives it the real world size and rank.
-- `init_process_group`, `broadcast_object`: the default process group, joined early by
-  externally launched ranks to agree on one run directory (DeepSpeed and accelerate reuse it).
-
-How many intra-op threads a worker gives torch.
-
-torch starts one intra-op thread per core, and its OpenMP threads spin while they wait. Two workers on one
-node, each with a thread per core, are two spinning teams on the same cores: each step waits on threads that
-the other team has descheduled. So a worker takes its share of the cores this process may run on (its CPU
-affinity, which is what a container or `taskset` grants) divided among the workers of its node.
-torchrun sets OMP_NUM_THREADS for several workers per node, and a user may set it: then it is kept.
-
-Stop signals end a run between steps: SIGTERM (`timeout`, `kill`, a scheduler, `scontrol requeue`),
-SIGINT (Ctrl-C), SIGHUP, SIGUSR1 (SLURM's `--signal` before pre-emption) and SIGUSR2 (submitit's, for the same:
-SLURM sends it to every process of the job's steps, workers included, whose default action would end them
-unsaved). The step in progress completes, a last checkpoint is saved when checkpoint.on_signal is set, and
-the summary's status is INTERRUPTED, with the steps done."""
+"""A worker's torch.distributed environment (a world of one for a lone process, the default group, what ranks
+share), its intra-op threads (its share of the cores it may run on: two spinning OpenMP teams on the same cores
+stall each other; a set OMP_NUM_THREADS is kept), and stop signals, which end a run between steps (status
+INTERRUPTED, a last checkpoint under checkpoint.on_signal)."""
 
 from __future__ import annotations
 
@@ -94,8 +75,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
-    """Make accelerate see this process's real rank and world size under DeepSpeed on a CPU (see above).
-    timeout_s: how long a collective waits for a peer (launch.collective_timeout_s)."""
+    """Under DeepSpeed on a CPU, accelerate (1.x) sees every rank as ONE process and neither shards the DataLoader
+    nor tells ranks apart: build its state with gloo first. timeout_s: launch.collective_timeout_s."""
     import torch
 
     if world_size() == 1 or not use_deepspeed or torch.cuda.is_available():
@@ -115,18 +96,10 @@ def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
 def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int, world: int,
                        num_timesteps: int, cond_dropout: float, noise_offset: float = 0.0,
                        timestep_range: Sequence[int] | None = None) -> dict:
-    """This rank's slice of the random draws for the GLOBAL micro batch (world × local), from a generator
-    seeded the same on every rank.
-
-    Sample j of the global batch gets the same dropout draw, noise and timestep whatever the process
-    count, so 2 processes × batch B compute what 1 process × batch 2B computes. The order of the draws
-    (dropout, noise, timesteps) is the order a lone process always used: one process is bit-identical
-    to before. The cost, world× the draws of one rank, is negligible next to the U-Net.
-
-    `noise_offset` adds offset × N(0, 1) per image and channel to the noise, drawn after the timesteps (as
-    diffusers' examples add it), so a run without it draws exactly what it drew before. `timestep_range`
-    draws timesteps from [first, last] (inclusive) instead of all of them.
-    """
+    """This rank's slice of the random draws for the GLOBAL micro batch (world × local), from a generator seeded the
+    same on every rank: sample j gets the same dropout, noise and timestep whatever the process count, drawn in the
+    order a lone process always used (dropout, noise, timesteps). `noise_offset` adds offset × N(0, 1) per image and
+    channel, drawn after the timesteps (as diffusers' examples do); `timestep_range`: [first, last], inclusive."""
     import torch
 
     n = local_shape[0]

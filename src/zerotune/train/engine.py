@@ -1,32 +1,7 @@
-"""The accelerate side: DeepSpeed (any ZeRO stage) or plain accelerate (stage 0 without DeepSpeed).
-
-Both are driven from the same validated DeepSpeed dict, so the optimizer and scheduler match.
-
-What one rank holds of the model's training state, read from the DeepSpeed engine itself.
-
-ZeRO partitions, per stage: 1, the fp32 master weights and the optimizer states; 2, + the gradients;
-3, + the parameters. `partition_bytes` reports this rank's share of each, in bytes:
-
-- params_bytes: the parameter storage. Stages 0-2: every rank holds all of it. Stage 3: the rank's
-  partitions (`param.ds_tensor`), plus the whole tensor of parameters DeepSpeed keeps persistent
-  (smaller than `stage3_param_persistence_threshold`: those are replicated on purpose).
-- grads_bytes: the gradient storage that survives between backward and step. Stages 0-1: whole
-  gradients. Stage 2: the rank's flat partition (`partition_size`). Stage 3: the flat buffer of
-  gradient partitions (`grad_partitions_flat_buffer`).
-- master_weights_bytes: the fp32 copy the optimizer updates (`single_partition_of_fp32_groups`,
-  `fp32_partitioned_groups_flat`); 0 where the optimizer updates the parameters themselves
-  (stage 0 in fp32).
-- optimizer_state_bytes: the tensors in the inner torch optimizer's state (Adam's two moments, ...).
-
-Partitions are padded for alignment (stages 1-2: each flat group to a multiple of the world size
-times a small alignment; stage 3: each parameter to a multiple of the world size), so a rank's share
-is its exact fraction plus at most a few elements per tensor or group.
-
-An exponential moving average of the weights, in host memory, outside accelerate and DeepSpeed.
-
-It costs one fp32 copy of the model in host RAM and no accelerator memory. Under ZeRO-3 no process
-holds a parameter whole: the parameters are gathered for the copy and for each update, a group of about
-GATHER_NUMEL elements at a time, so a rank never holds the whole model beside its EMA."""
+"""The accelerate side, DeepSpeed (any ZeRO stage) or plain accelerate, both driven from the same validated DeepSpeed
+dict so the optimizer and scheduler match; what one rank holds of the training state, read from the engine; and the
+host EMA (one fp32 copy in host RAM, outside accelerate and DeepSpeed; under ZeRO-3 gathered GATHER_NUMEL elements
+at a time, so a rank never holds the whole model beside it)."""
 
 from __future__ import annotations
 
@@ -139,11 +114,10 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def partition_bytes(model: Any, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """This rank's bytes of parameters, gradients, fp32 master weights and optimizer states.
-
-    `model` is the DeepSpeed engine (accelerate's prepared model is that engine). Without DeepSpeed
-    (plain accelerate), pass the optimizer too: nothing is partitioned then.
-    """
+    """This rank's bytes of parameters (stage 3: its partitions plus the persistent ones), gradients that survive
+    to the step (stage 2: its flat partition; 3: the flat partition buffer), fp32 master weights (0 where the
+    optimizer updates the parameters) and optimizer states; padding adds a few elements per tensor or group.
+    `model`: the DeepSpeed engine; without DeepSpeed pass the optimizer too."""
     from deepspeed import DeepSpeedEngine
 
     if not isinstance(model, DeepSpeedEngine):

@@ -1,7 +1,5 @@
-"""Scoring generated digits: a classifier fitted on the real sklearn digits (drawn as they are, or inverted),
-the ink polarity of samples, and a PNG grid writer.
-
-Sample a grid per class with the trained weights and score it with a classifier of real digits."""
+"""Scoring generated digits: a grid per class sampled with the trained weights, scored by a classifier fitted on the
+real sklearn digits (drawn as they are, or inverted); the samples' ink polarity; a PNG grid writer."""
 
 from __future__ import annotations
 
@@ -37,14 +35,9 @@ def to_digit_features(images: torch.Tensor) -> np.ndarray:
 
 
 class DigitClassifier:
-    """RBF SVC on the 64 raw digit pixels (fits in well under a second).
-
-    With holdout_fraction > 0 it first fits on the stratified train part and records the accuracy on
-    the held-out real digits in `holdout_accuracy`; then, if `refit_on_all`, it refits on all 1797
-    images so that generated samples are scored by the strongest classifier.
-    `invert`: fitted on the real digits drawn inverted (raw x -> 16 - x, as data.invert=true trains on); it
-    judges normal digits as one class (~10%, chance), as the normal classifier judges inverted ones.
-    """
+    """RBF SVC on the 64 raw digit pixels (fits in well under a second). With holdout_fraction > 0 it records the
+    accuracy on held-out real digits (`holdout_accuracy`), then with `refit_on_all` refits on all 1797 images.
+    `invert`: fitted on the digits drawn inverted (raw x -> 16 - x, as data.invert=true trains on)."""
 
     def __init__(self, holdout_fraction: float = 0.2, seed: int = 0, refit_on_all: bool = True,
                  invert: bool = False) -> None:
@@ -120,12 +113,8 @@ def save_grid(
     cell_px: int = 64,
     pad_px: int = 2,
 ) -> Path:
-    """Write a grayscale PNG with one row per class (sorted) and up to `nrow` images of it per row.
-
-    Each image is upscaled with nearest neighbour to `cell_px` square; cells are separated by `pad_px`
-    of mid-grey. The PNG is (nrow * cell_px + (nrow + 1) * pad_px) wide and
-    (n_classes * cell_px + (n_classes + 1) * pad_px) high.
-    """
+    """Write a grayscale PNG, one row per class (sorted) of up to `nrow` images, each upscaled (nearest) to `cell_px`
+    square, with `pad_px` of mid-grey between: (nrow * cell_px + (nrow + 1) * pad_px) wide, likewise high."""
     labels_np = _as_numpy(labels)
     if len(labels_np) != len(images):
         raise ValueError(f"{len(images)} images but {len(labels_np)} labels")

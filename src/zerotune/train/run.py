@@ -1,6 +1,5 @@
-"""One run's measurements: memory sampled in the background, steps timed after device sync.
-
-One training process, start to finish: checked, train, evaluate, summary. Every rank runs this."""
+"""One training process, start to finish (checked, train, evaluate, summary; every rank runs this), with its
+measurements: memory sampled in the background, steps timed after device sync."""
 
 from __future__ import annotations
 
@@ -93,10 +92,8 @@ log = logging.getLogger("zerotune")
 
 
 def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSummary:
-    """Train the resolved `run` in `spec.run_dir`; returns the summary rank 0 writes there.
-
-    A stop signal ends training after the current step, with the summary's status INTERRUPTED.
-    """
+    """Train the resolved `run` in `spec.run_dir`; returns the summary rank 0 writes there (INTERRUPTED when a stop
+    signal ended training after the current step)."""
     start = time.time()
     # host/timing.py; `startup`: when this worker reached the job's gate and when it opened (job/gate.py)
     marks = {"process_start": process_start_time(), **(startup or {}), "train_start": start}
@@ -126,8 +123,7 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
             raise
         finally:
             summary.wall_time_s = time.time() - start
-            # A tune trial is one measurement of many: its figures are in metrics.jsonl, and its plot would be
-            # 0.16 s of each trial's few seconds.
+            # A tune trial's plot would be 0.16 s of its few seconds; its figures are in metrics.jsonl.
             _close(summary, run_dir, logger, marks, plot=cfg.trial.storage is None)
 
 

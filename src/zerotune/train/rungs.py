@@ -1,13 +1,6 @@
-"""The spread of a rung's figure: how far a trial's samples/s over its timed steps could be from its run's own
-rate, by the steps' jitter alone (train/rungs.py reports it; train/rungs.py compares by it).
-
-Successive halving's rungs, shared by the sweeper (which creates the study) and each trial's job (which
-reports to it). A trial's job reports samples/s over its timed steps (after `warmup_steps`) at each rung, with
-that figure's spread; the pruner, reading every trial's figure and spread at that rung from the study's
-journal, stops it there only when it is behind by more than both spreads (SpreadHalvingPruner).
-
-The pruner of `hydra.sweeper.pruner=successive_halving`: successive halving that stops a trial only when it
-is behind by more than the spread of the figures compared (train/rungs.py measures them)."""
+"""Successive halving's rungs, shared by the sweeper (which creates the study) and each trial's job (which reports
+samples/s over its timed steps at each rung, with that figure's spread), and the pruner of
+`hydra.sweeper.pruner=successive_halving`, which stops a trial only when it is behind by more than both spreads."""
 
 from __future__ import annotations
 
@@ -136,13 +129,9 @@ def _open_trial(trial: Trial):
 
 
 class SpreadHalvingPruner(optuna.pruners.BasePruner):
-    """Asynchronous successive halving whose cut respects each figure's spread.
-
-    At a rung, Optuna's SuccessiveHalvingPruner keeps a trial whose figure is among the best 1/reduction_factor
-    of the figures reported there. Here the trial is kept also when its figure could reach that cut: its
-    optimistic bound, figure x (1 + its spread), is not below the cut's pessimistic one, cut x (1 - the cut's
-    spread). Each spread is the rung's measured one (rate_spread), floored by min_spread. A trial that failed
-    counts 0 at every rung (the sweeper scores it so)."""
+    """Asynchronous successive halving whose cut respects each figure's spread: beyond Optuna's best
+    1/reduction_factor at a rung, a trial is kept while figure x (1 + its spread) is not below cut x (1 - the cut's
+    spread). Spreads are rate_spread's, floored by min_spread. A failed trial counts 0 at every rung."""
 
     def __init__(self, reduction_factor: int, min_spread: float) -> None:
         self.reduction_factor, self.min_spread = reduction_factor, min_spread

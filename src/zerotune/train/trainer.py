@@ -1,11 +1,6 @@
-"""Console progress: a live bar on a terminal, plain periodic lines everywhere else (CI, log files).
-
-Fault injection (`debug.*`), to rehearse what a job and a sweep do when training breaks.
-
-It exists only when a debug key is set: `step_hook` returns None otherwise, and the training loop then
-runs no fault code at all.
-
-The training loop: accelerate + DeepSpeed, no framework. Reads top to bottom."""
+"""The training loop (accelerate + DeepSpeed, no framework; reads top to bottom), its console progress (a live bar
+on a terminal, plain periodic lines elsewhere), and fault injection (`debug.*`): `step_hook` is None unless a
+debug key is set, and the loop then runs no fault code at all."""
 
 from __future__ import annotations
 
@@ -132,9 +127,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.kind = cfg.model.conditioning
         self.noise_schedule = noise_scheduler(cfg.diffusion)
-        # Shuffling, noise and condition dropout draw from their own seeded generators. The noise generator
-        # is the same on every rank: each draws for the global batch and keeps its slice (same math at any
-        # process count; distributed.global_batch_draws).
+        # Shuffling, noise and dropout draw from their own seeded generators; the noise one is the same on every
+        # rank, which keeps its slice of the global batch's draws (distributed.global_batch_draws).
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.gen = torch.Generator().manual_seed(seed * 7919)
         self._prepare(seed)

@@ -1,22 +1,7 @@
-"""The U-Net a validation pass samples with: the weights being trained, whole on this rank, in the training dtype,
-in eval mode, with the adapter applied, and optionally the EMA's weights in their place. Everything is put back
-as it was on leaving, so the next training step computes what it would have computed without the pass.
-
-Validation passes during training (the prompts and their checks: zerotune/validation): the same prompts with the
-same seeds at step 0, every N steps and at the end, sampled with the weights being trained (sampling_weights.py)
-through diffusers' StableDiffusionXLPipeline.
-
-- The prompts are encoded once, before training, through data=folder's latent cache (a text entry per prompt,
-  keyed like a caption), so the text encoders never share the device with training; the VAE is loaded once on the
-  host and is on the device only during a pass.
-- Each rank samples its share of the prompts (every world-th); rank 0 gathers the images and writes
-  <run dir>/samples/step-NNNNNNN/<prompt name>[-ema].png, a grid.png (a row per prompt, a column per weights)
-  and prompts.json, and logs each prompt's images under the W&B key validation/<prompt name>.
-- A pass draws from its own generators only (one per prompt, seeded the same at every pass) and puts every
-  weight back: the training that follows is bit-identical to a run without it.
-- A pass that fails (out of memory, ...) is recorded in summary.json's validation.passes and the run goes on,
-  unless validation.strict. So is a prompt file gone between preflight and the workers' start (make_validator).
-- validation_record: summary.json's `validation`, with the planner's sampling terms beside the measured phase."""
+"""Validation passes during training: the same prompts with the same seeds at step 0, every N steps and at the end,
+each rank sampling its share; rank 0 writes <run dir>/samples/step-NNNNNNN/ (<prompt name>[-ema].png, grid.png,
+prompts.json) and logs validation/<prompt name>. A pass draws from its own generators and puts every weight back,
+so training after it is bit-identical; a failed pass is recorded and the run goes on, unless validation.strict."""
 
 from __future__ import annotations
 
@@ -58,10 +43,8 @@ from zerotune.train import distributed
 @contextlib.contextmanager
 def sampling_unet(engine: Any, module: torch.nn.Module, zero3: bool,
                   ema_shadow: dict[str, torch.Tensor] | None = None) -> Iterator[torch.nn.Module]:
-    """`module` (the engine's U-Net) ready to sample. Under ZeRO-3 a collective: every rank enters and leaves.
-
-    `ema_shadow`: {parameter name: fp32 host tensor} copied over the trained parameters for the pass.
-    """
+    """`module` (the engine's U-Net) ready to sample: whole, in eval mode, with `ema_shadow` ({name: fp32 host
+    tensor}) over the trained weights; put back on leaving. Under ZeRO-3 a collective: every rank enters and leaves."""
     with _whole(engine, module, zero3), _swapped(module, ema_shadow), torch.no_grad():
         was_training = module.training
         module.eval()  # dropout (LoRA's too) off
@@ -430,10 +413,9 @@ def validation_record(validator: Validator | None, error: dict | None, plan: Pla
 
 
 def phase_memory(plan: Plan | None, phases: Sequence[MeasuredPhase]) -> dict:
-    """The planner's sampling phase and the largest measured pass. On a CUDA device the allocator's reserved peak
-    during the passes is what the planned reserved figure predicts; on a CPU there is no device figure (None,
-    unmeasured), and the host RSS rise over the training steps' peak stands beside the terms the pass adds
-    (the plan's sampling_pass_terms, plan/phases.py validation_pass_terms, predicted on any device)."""
+    """The planner's sampling phase and the largest measured pass: on CUDA the allocator's reserved peak, which the
+    planned reserved figure predicts; on a CPU no device figure (None), and the host RSS rise over the steps' peak
+    beside the plan's sampling_pass_terms."""
     planned = next((p for p in plan.phases if p.phase == "sampling"), None) if plan else None
     added = plan.sampling_pass_terms if plan and "sampling_pass_terms" in plan else None
     passes = [r for r in phases if r["phase"] == "sampling"]
