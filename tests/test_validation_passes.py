@@ -228,7 +228,7 @@ def test_a_pass_that_runs_out_of_memory_is_recorded_or_under_strict_raised(stric
                       "debug.validation_oom_at_step=2", f"validation.strict={strict}")
     unet = build_unet(cfg.model)
     trained = SimpleNamespace(unet=unet, ema=None, noise_schedule=noise_scheduler(cfg.diffusion),
-                              run=SimpleNamespace(zero_stage=2), trained_module=lambda: unet)
+                              resolved=SimpleNamespace(zero_stage=2), trained_module=lambda: unet)
     validator = Validator(cfg, check_validation(cfg), RunDir(tmp_path / "run"), NullLogger(), torch.device("cpu"),
                           torch.float32, 0, 1)
     before = {k: v.clone() for k, v in unet.state_dict().items()}

@@ -35,26 +35,26 @@ def plan_one(overrides: list[str], gpu: gpus.GPU | None,
     settled = compose_settled(overrides)
     plan = settled.config.plan
     gpu = None if device == "cpu" else gpu or gpus.lookup(plan.gpu, plan.gpu_mib)
-    checked = check(settled, platform_for(gpu))
+    resolved = check(settled, platform_for(gpu))
     with trace_lock:
-        answer = predict(checked, gpu, device=device)
-    return answer.adding(micro_batch=micro_batch(checked.config, checked, overrides))
+        answer = predict(resolved, gpu, device=device)
+    return answer.adding(micro_batch=micro_batch(resolved.config, resolved, overrides))
 
 
 BATCH_KEY = "train.batch_size"
 
 
-def micro_batch(cfg: Config, checked: ResolvedRun, overrides: list[str]) -> dict:
+def micro_batch(cfg: Config, resolved: ResolvedRun, overrides: list[str]) -> dict:
     """The micro batch the plan is for, and where its value came from: {"value", "source" (command line,
     experiment, default config, option or file), "from" (in words), "file"}."""
     value = cfg.train.batch_size
     typed = typed_keys(list(overrides))
-    origin = checked.config_sources.get("values", {}).get("train_micro_batch_size_per_gpu", "default")
+    origin = resolved.config_sources.get("values", {}).get("train_micro_batch_size_per_gpu", "default")
     if origin == "command line":
         return {"value": value, "source": "command line", "from": f"the command line: {pinned_by(typed, BATCH_KEY)}",
                 "file": None}
     if origin != "default":  # the user's DeepSpeed file: its micro batch, or its train_batch_size divided
-        file = checked.config_sources.get("deepspeed_config_file")
+        file = resolved.config_sources.get("deepspeed_config_file")
         said = (f"{origin}, in {Path(file).name}" if origin.startswith("derived") and file
                 else f"{origin}: train_micro_batch_size_per_gpu")
         return {"value": value, "source": "file", "from": said, "file": file}

@@ -58,12 +58,12 @@ def check_plan_keys(plan: PlanSettings) -> None:
                           "e.g. plan.host_mib=16384, or plan.host_mib=null for what this host has available")
 
 
-def job_plan(checked: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
+def job_plan(resolved: ResolvedRun, gpu: gpus.GPU | None) -> Plan:
     """The job's prediction with this host's fit (`host_fit`); a planner failure is recorded, never fatal."""
     # A CPU run with no card named: the step as it runs here, and what its processes hold (plan/host_memory.py).
-    cfg, device = checked.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
+    cfg, device = resolved.config, "cpu" if gpu is None and detect().device_type == "cpu" else "cuda"
     try:
-        plan = predict(checked, gpu, device=device)
+        plan = predict(resolved, gpu, device=device)
     except Exception as exc:  # noqa: BLE001 (the run itself does not depend on the prediction)
         log.warning("the memory planner failed: %s: %s", type(exc).__name__, exc)
         return Plan.made(error=f"{type(exc).__name__}: {exc}"[:500])

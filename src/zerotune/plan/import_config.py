@@ -30,14 +30,14 @@ def file_override(path: Path) -> str:
 def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     """(overrides, keys only the file can express). Raises ConfigError for a file zerotune refuses."""
     file_only = [file_override(path)] + ([] if path.suffix in (".yaml", ".yml") else ["accelerate.config_file=null"])
-    checked = check(compose_settled(file_only, typed=[]), ANY_CUDA_GPU)
-    origins = checked.config_sources["origins"]
+    resolved = check(compose_settled(file_only, typed=[]), ANY_CUDA_GPU)
+    origins = resolved.config_sources["origins"]
     ordered = [k for k in GROUP_KEYS if k in origins] + sorted(k for k in origins if k not in GROUP_KEYS)
-    overrides = [_override(key, _value(checked.config, key)) for key in ordered]
-    from_file = checked.ds_config
+    overrides = [_override(key, _value(resolved.config, key)) for key in ordered]
+    from_file = resolved.ds_config
     for key, ds_key in (("train.batch_size", "train_micro_batch_size_per_gpu"),
                         ("train.grad_accum", "gradient_accumulation_steps")):
-        if checked.config_sources["values"].get(ds_key, "default") != "default" and not any(
+        if resolved.config_sources["values"].get(ds_key, "default") != "default" and not any(
                 o.startswith(f"{key}=") for o in overrides):
             overrides.append(f"{key}={from_file[ds_key]}")
     overrides = [o for o in overrides if not o.startswith(("deepspeed.config_file=", "accelerate.config_file="))]
@@ -46,7 +46,7 @@ def overrides_for(path: Path) -> tuple[list[str], list[str]]:
     differ = sorted(k for k in set(from_file) | set(rebuilt)
                     if k not in OWN_KEYS and from_file.get(k) != rebuilt.get(k))
     if differ:
-        ds_path = checked.config_sources.get("deepspeed_config_file") or str(path.resolve())
+        ds_path = resolved.config_sources.get("deepspeed_config_file") or str(path.resolve())
         overrides.append(f"deepspeed.config_file={ds_path}")
     return overrides + ["accelerate.config_file=null"], differ
 

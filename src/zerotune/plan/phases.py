@@ -19,16 +19,16 @@ from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, mib_of
 _BASE = ("cuda_context", "cublas_workspace")
 
 
-def run_phases(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan) -> list[Phase]:
+def run_phases(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan) -> list[Phase]:
     """The run's phases in run order (rundir.plan.Phase); `plan`: predict.predict's step."""
     base = [t for t in plan.gpu_terms if t.term in _BASE]
-    caching = _caching(cfg, checked, gpu, plan, base)
+    caching = _caching(cfg, resolved, gpu, plan, base)
     # cuBLAS makes its workspace at the first matmul: the encoders' when caching ran, else the step's.
     before = base if caching else [t for t in base if t.term == "cuda_context"]
     # loading: DeepSpeed's engine and ZeRO optimizer take the U-Net, each stage's own rule (stage0, zero12, zero3)
-    found = [_adapter_injection(cfg, checked, plan, before), caching,
-             rules_for(zero_stage(checked)).loading(cfg, checked, gpu, plan, before), _step(plan),
-             _sampling(cfg, checked, plan, base), _export(cfg, plan, base)]
+    found = [_adapter_injection(cfg, resolved, plan, before), caching,
+             rules_for(zero_stage(resolved)).loading(cfg, resolved, gpu, plan, before), _step(plan),
+             _sampling(cfg, resolved, plan, base), _export(cfg, plan, base)]
     return _carry([p for p in found if p is not None])
 
 
@@ -50,7 +50,7 @@ def _carry(phases: list[Phase]) -> list[Phase]:
     return [replace(p, run_peak=p.phase == top) for p in out]
 
 
-def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase | None:
+def _caching(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase | None:
     """FrozenEncoders (data/components.py) on the GPU: the VAE in fp32 encodes one batch of images, then both
     text encoders (fp32, the VAE still loaded) one batch of captions; release() ends with empty_cache."""
     device = cfg.data.cache_device
@@ -64,7 +64,7 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, bas
     images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
     traced = encoders.trace_encoders(archs, (size, size), images, batch, cfg.model.text_seq_len)
     weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
-    resident = _zero3_resident(checked, plan)
+    resident = _zero3_resident(resolved, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
            term("vae_encode_activations", traced["vae_peak"], f"fake-tensor trace: {images} images of {size}x{size}, "
                 "fp32 (latent_cache._build_latents, FrozenEncoders.encode_images)")]
@@ -81,19 +81,19 @@ def _caching(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, bas
                  end_live_mib=mib_of([*base, *resident]))
 
 
-def _zero3_resident(checked: ResolvedRun, plan: Plan) -> list[Term]:
+def _zero3_resident(resolved: ResolvedRun, plan: Plan) -> list[Term]:
     """At ZeRO-3 the U-Net is built under zero.Init before the data: its partitions are on the GPU already."""
-    if zero_stage(checked) != 3:
+    if zero_stage(resolved) != 3:
         return []
     mib = state_mib(plan, "params") + state_mib(plan, "params_persistent")
     return [term("unet_partitions", mib * MIB, "built under zero.Init before build_loader (trainer.py _prepare)")]
 
 
-def _adapter_injection(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
+def _adapter_injection(cfg: Config, resolved: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """ZeRO-3 with an adapter: peft wraps its targets gathered whole in the run's dtype (models/adapter.py
     gathered_targets); freed after, reserved until DeepSpeed's engine empties the cache."""
-    resident = _zero3_resident(checked, plan)
-    targets = checked.model_stats.adapter_target_numel
+    resident = _zero3_resident(resolved, plan)
+    targets = resolved.model_stats.adapter_target_numel
     if not resident or not targets:
         return None
     terms = [*base, *resident, term("adapter_targets_gathered", targets * DTYPE_BYTES[cfg.precision.name],
@@ -116,11 +116,11 @@ def _live_states(plan: Plan) -> list[Term]:
     return [t for t in plan.gpu_terms if t.term in keep and t.held_in == PERSISTENT]
 
 
-def _sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
+def _sampling(cfg: Config, resolved: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """The run's sampling: validation passes (text models with prompts), or the digits' evaluation."""
-    found = validation_pass_terms(cfg, checked)
+    found = validation_pass_terms(cfg, resolved)
     if found is None:
-        return _digits_sampling(cfg, checked, plan, base)
+        return _digits_sampling(cfg, resolved, plan, base)
     return _validation(found, plan, base)
 
 
@@ -134,7 +134,7 @@ def _validation(found: tuple[list[Term], str], plan: Plan, base: list[Term]) -> 
                  f"{source}; Validator._vae_off_device calls torch.cuda.empty_cache()", end_live_mib=mib_of(live))
 
 
-def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term], str] | None:
+def validation_pass_terms(cfg: Config, resolved: ResolvedRun) -> tuple[list[Term], str] | None:
     """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3, the
     VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode (fake-tensor traces;
     no text encoder: the latent cache holds the embeddings). None without prompts or a VAE architecture."""
@@ -150,8 +150,8 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
     hw = (largest.height // scale, largest.width // scale)
     traced = encoders.trace_sampling(archs, cfg.model, cfg.adapter, hw, precision)
     terms: list[Term] = []
-    if zero_stage(checked) == 3:
-        sizes = [n * DTYPE_BYTES[precision] for n in checked.model_stats.param_numels]
+    if zero_stage(resolved) == 3:
+        sizes = [n * DTYPE_BYTES[precision] for n in resolved.model_stats.param_numels]
         terms.append(term("unet_gathered_for_sampling", allocator.reserved_bytes(sizes),
                           "every parameter whole in the training dtype (deepspeed.zero.GatheredParameters)"))
     terms += [term("vae_weights", allocator.reserved_bytes(traced["vae_params"]), f"{precision}, one block per "
@@ -162,13 +162,13 @@ def validation_pass_terms(cfg: Config, checked: ResolvedRun) -> tuple[list[Term]
     return terms, f"train/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
 
 
-def _digits_sampling(cfg: Config, checked: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
+def _digits_sampling(cfg: Config, resolved: ResolvedRun, plan: Plan, base: list[Term]) -> Phase | None:
     """train/evaluate.py evaluate_digits: full_state_dict (at ZeRO-3 one module's own parameters gathered at a
     time) copied to the host; the sampling U-Net is built and run on the CPU."""
     if not (cfg.evaluate.enabled and cfg.model.conditioning == "class" and cfg.data.name == "digits"):
         return None
     terms = [*base, *_live_states(plan)]
-    if zero_stage(checked) == 3:
+    if zero_stage(resolved) == 3:
         numel = encoders.largest_module_numel(cfg.model, cfg.adapter)
         elem = 4 if cfg.precision.name == "fp32" else 2
         terms.append(term("zero3_gather_one_module", allocator.reserved_bytes([numel * elem]),

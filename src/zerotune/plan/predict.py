@@ -107,17 +107,17 @@ def host_step_temporaries(shape: StepShape) -> list[Term]:
     return optimizer_temporaries(shape, "cpu") if shape.offloaded else []
 
 
-def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> Plan:
+def predict(resolved: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -> Plan:
     """The prediction for rank 0 of the resolved job (ranks differ by alignment padding only). `device`: cuda (the
     card: nvidia-smi's view, the run's phases) or cpu (this machine: one pool of host memory, the processes' RSS)."""
-    cfg, ds, use_ds, stage = checked.config, checked.ds_config, checked.use_deepspeed, zero_stage(checked)
+    cfg, ds, use_ds, stage = resolved.config, resolved.ds_config, resolved.use_deepspeed, zero_stage(resolved)
     world, precision = launch_world_size(cfg.launch), cfg.precision.name
-    trace = trace_step(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
+    trace = trace_step(cfg.model, resolved.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
                        cfg.train.gradient_checkpointing, cfg.model.attention, cfg.adapter)
-    numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
-    groups = checked.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
-    states = model_state_bytes(numels, ds, world, 0, use_ds, train, checked.client_optimizer,
-                               checked.model_stats.trained_shapes(), groups)
+    numels, train = numels_of(resolved.model_stats.param_numels, resolved.model_stats.trainable_numels or None)
+    groups = resolved.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
+    states = model_state_bytes(numels, ds, world, 0, use_ds, train, resolved.client_optimizer,
+                               resolved.model_stats.trained_shapes(), groups)
     # where the step runs decides plain accelerate's buffers: on a CPU, accelerate wraps even one process in DDP
     buffers = {t.term: t for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups, device)}
     shape = _step_shape(states, stage, use_ds, train, device, ds)
@@ -125,15 +125,15 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
                                                                groups, device), trace, shape)
     host_terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
-        host_terms.append(term("ema", checked.model_stats.num_trainable * 4,
+        host_terms.append(term("ema", resolved.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, _HOST_NOTES.get(name, "pinned")) for name, nbytes in
                    host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups, device).items()]
     host_terms += host_step_temporaries(shape)
-    host_peak, load = _host_peak(checked, host_terms, stage, world)
+    host_peak, load = _host_peak(resolved, host_terms, stage, world)
     per_node, nvme_terms = cfg.launch.num_processes, _state_terms(states, "nvme")
-    plan = Plan.made(workload=_workload(checked, world, stage, shape.offloaded), device=device,
-                     trainable_params=checked.model_stats.num_trainable, frozen_params=checked.model_stats.num_frozen,
+    plan = Plan.made(workload=_workload(resolved, world, stage, shape.offloaded), device=device,
+                     trainable_params=resolved.model_stats.num_trainable, frozen_params=resolved.model_stats.num_frozen,
                      gpu=gpu.as_dict() if gpu else None, world_size=world, rank=0,
                      trace={"key": trace.key, "seconds": trace.seconds}, host_peak_mib=per_node * host_peak,
                      host_terms=[*host_terms, load], nvme_mib=per_node * mib_of(nvme_terms), nvme_terms=nvme_terms)
@@ -143,14 +143,14 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
         plan = plan.adding(gpu_peak_mib=None, gpu_terms=[], fits=None, step_terms=pool)
     else:
         gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
-        replayed = zero3_replay.step_terms(cfg, checked, gpu) if use_ds and stage == 3 and gpu else None
+        replayed = zero3_replay.step_terms(cfg, resolved, gpu) if use_ds and stage == 3 and gpu else None
         if replayed is not None:  # ZeRO-3's step as the card's allocator sees it, in place of the rules' sum
             gpu_terms = [t for t in gpu_terms if t.term == "cuda_context"] + replayed
         peak, moment = step_peak(gpu_terms)
         plan = plan.adding(gpu_peak_mib=peak, gpu_terms=gpu_terms, fits=None if gpu is None else peak <= gpu.memory_mib)
     plan = plan.adding(step_peak_mib=peak, step_peak_moment=moment,
-                       **_times(gpu, trace, states, ds, precision, checked.client_optimizer))
-    passes = validation_pass_terms(cfg, checked)  # what a validation pass adds, on any device (None: no prompts)
+                       **_times(gpu, trace, states, ds, precision, resolved.client_optimizer))
+    passes = validation_pass_terms(cfg, resolved)  # what a validation pass adds, on any device (None: no prompts)
     if passes is not None:
         plan = plan.adding(sampling_pass_terms=passes[0])
     # Beyond the step: on a CPU, what the job's processes hold (their import baseline and the step's tensors);
@@ -159,7 +159,7 @@ def predict(checked: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") ->
         node = host_memory.node_rss_prediction(plan, cfg.launch.num_processes, host_memory.process_baseline_mib(),
                                            host_memory.PARENT_BASELINE_MIB)
         return host_memory.mark_process_prediction(plan, node)
-    phases = run_phases(cfg, checked, gpu, plan)
+    phases = run_phases(cfg, resolved, gpu, plan)
     top = run_peak(phases)
     plan = plan.adding(phases=phases, run_peak_mib=top.reserved_mib, run_peak_phase=top.phase,
                        fits=None if gpu is None else top.reserved_mib <= gpu.memory_mib)
@@ -255,8 +255,8 @@ def _cpu_adam_note(figure: cpu_optimizer.CpuAdamFigure | None) -> str:
     return f"DeepSpeed CPU-Adam, timed on this host {when} over {figure.params / 1e6:,.0f}M parameters"
 
 
-def _workload(checked: ResolvedRun, world: int, stage: int, offloaded: bool) -> str:
-    cfg, ds, stats, adapter = checked.config, checked.ds_config, checked.model_stats, checked.config.adapter
+def _workload(resolved: ResolvedRun, world: int, stage: int, offloaded: bool) -> str:
+    cfg, ds, stats, adapter = resolved.config, resolved.ds_config, resolved.model_stats, resolved.config.adapter
     words = (f"model={cfg.model.name} resolution={cfg.resolution.size} batch {ds['train_micro_batch_size_per_gpu']}"
              f"x{ds['gradient_accumulation_steps']} per rank, {world} rank(s), ZeRO-{stage}, optimizer offload "
              f"{offload_devices(ds)[0] if offloaded else 'none'}, {cfg.precision.name}, gradient checkpointing "
@@ -308,16 +308,16 @@ def param_blocks(numels: list[int], stage: int, precision: str, use_ds: bool, st
         "frozen ones as separate blocks: 512 B rounding, 2/20 MiB segments"
 
 
-def _host_peak(checked: ResolvedRun, terms: list[Term], stage: int, world: int) -> tuple[float, Term]:
+def _host_peak(resolved: ResolvedRun, terms: list[Term], stage: int, world: int) -> tuple[float, Term]:
     """(MiB, the `model_load` term): the larger of the host terms and the U-Net's build, which comes first: whole
     in fp32 below ZeRO-3; at ZeRO-3 (zero.Init) the rank's partition plus one module whole in fp32, counted as
     twice the largest parameter (its build and the copy being split)."""
-    stats, precision = checked.model_stats, checked.config.precision.name
+    stats, precision = resolved.model_stats, resolved.config.precision.name
     if stage == 3:
         partition = -(-stats.num_params // world) * DTYPE_BYTES.get(precision, 4)
         # adapter=lora: the targets are gathered whole while peft wraps them (models/adapter.py gathered_targets),
         # onto the device the run trains on: the host's only on a CPU run.
-        on_host = checked.platform.device_type == "cpu"
+        on_host = resolved.platform.device_type == "cpu"
         gathered = stats.adapter_target_numel * DTYPE_BYTES.get(precision, 4) if on_host else 0
         load = term("model_load", partition + max(2 * 4 * stats.largest_param_numel, gathered),
                      f"zero.Init build: this rank's 1/{world} partition + one module whole in fp32 (transient)"

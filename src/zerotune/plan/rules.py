@@ -245,8 +245,8 @@ def state_mib(plan: Plan, name: str) -> float:
     return sum(t.mib or 0.0 for t in plan.gpu_terms if t.term == name)
 
 
-def zero_stage(checked: ResolvedRun) -> int:
-    return int(checked.ds_config["zero_optimization"]["stage"]) if checked.use_deepspeed else 0
+def zero_stage(resolved: ResolvedRun) -> int:
+    return int(resolved.ds_config["zero_optimization"]["stage"]) if resolved.use_deepspeed else 0
 
 
 def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
@@ -261,9 +261,9 @@ def frozen_numels(numels: list[int], trainable: list[int]) -> list[int]:
     return frozen
 
 
-def module_blocks(checked: ResolvedRun, elem: int) -> tuple[list[int], list[int]]:
+def module_blocks(resolved: ResolvedRun, elem: int) -> tuple[list[int], list[int]]:
     """(every parameter's bytes, the frozen ones'), in the run's dtype: module.to(device) gives each its own block."""
-    numels, trainable = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
+    numels, trainable = numels_of(resolved.model_stats.param_numels, resolved.model_stats.trainable_numels or None)
     frozen = frozen_numels(numels, trainable)
     return [n * elem for n in numels], [n * elem for n in frozen]
 

@@ -139,21 +139,21 @@ def step_transients(shape: StepShape) -> list[Term]:
                  "step:update")]
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
+def loading(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """Stage 0: the module cast on the host, then moved one block per parameter. Plain accelerate moves the fp32
     module as it is, then with several processes wraps it in DDP (its buckets, the parameters' broadcast)."""
-    if checked.use_deepspeed:
-        sizes, _ = module_blocks(checked, DTYPE_BYTES[cfg.precision.name])
+    if resolved.use_deepspeed:
+        sizes, _ = module_blocks(resolved, DTYPE_BYTES[cfg.precision.name])
         terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes),
                              "one block per parameter, run dtype (engine.py _configure_distributed_model module.to)")]
         return Phase("loading", mib_of(terms), tuple(terms),
                 source="engine.py _configure_distributed_model; the optimizer's copies are the step's terms")
-    sizes, _ = module_blocks(checked, PLAIN_GRAD_ELEM)
+    sizes, _ = module_blocks(resolved, PLAIN_GRAD_ELEM)
     terms = [*base, term("unet_parameters", allocator.reserved_bytes(sizes), "one block per parameter, fp32 "
                          "(accelerate/accelerator.py prepare_model: model.to(device))")]
     world = launch_world_size(cfg.launch)
     if ddp_wraps(world, "cuda"):
-        numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
+        numels, train = numels_of(resolved.model_stats.param_numels, resolved.model_stats.trainable_numels or None)
         terms += [term(t.term, t.nbytes, t.note) for t in plain_buffers({}, train, world)]
         terms.append(term("ddp_broadcast_buckets", ddp_broadcast_bytes(numels, PLAIN_GRAD_ELEM),
                           "torch/distributed/utils.py _sync_module_states -> dist._broadcast_coalesced "

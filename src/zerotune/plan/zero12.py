@@ -272,7 +272,7 @@ def group_loads(groups: list[list[int]], frozen: list[int], param_elem: int, mas
     return out
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
+def loading(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """ZeRO-1/2's build, one optimizer parameter group at a time (DeepSpeedZeroOptimizer.__init__), the parameters
     arriving one block each (engine.py module.to). For group i, ZeRO:
     1. empties the cache (line 449): group i-1's freed blocks and clone go back to the driver;
@@ -281,13 +281,13 @@ def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base
     4. clones the rank's partition on the card (line 560), casts it to the fp32 master (on the host under
        offload) and frees the clone.
     The peak is the largest step 4; the trainer's empty_cache at the end carries only live blocks over."""
-    prec = precision_of(checked.ds_config)
-    numels, train = numels_of(checked.model_stats.param_numels, checked.model_stats.trainable_numels or None)
-    groups = split_groups(train, checked.group_sizes())
-    offload = offload_devices(checked.ds_config)[0] != "none"
+    prec = precision_of(resolved.ds_config)
+    numels, train = numels_of(resolved.model_stats.param_numels, resolved.model_stats.trainable_numels or None)
+    groups = split_groups(train, resolved.group_sizes())
+    offload = offload_devices(resolved.ds_config)[0] != "none"
     free = None if gpu is None else (gpu.memory_mib - mib_of(base)) * MIB
     loads = group_loads(groups, frozen_numels(numels, train), prec.param, prec.master,
-                        launch_world_size(cfg.launch), zero_config(checked.ds_config).parameter_alignment, offload,
+                        launch_world_size(cfg.launch), zero_config(resolved.ds_config).parameter_alignment, offload,
                         free)
     top = max(loads, key=lambda g: g.reserved)
     where = ("no card named: taken as fitting" if gpu is None else f"{gpu.name} holds it") if top.on_gpu else \

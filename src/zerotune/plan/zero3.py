@@ -199,12 +199,12 @@ def step_transients(shape: StepShape) -> list[Term]:
     return []
 
 
-def loading(cfg: Config, checked: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
+def loading(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan, base: list[Term]) -> Phase:
     """ZeRO-3's engine build, replayed through the caching allocator (zero3_replay.loading_memory): zero.Init's
     fp32 build and cast, keeping this rank's partitions on the device unless offloaded; defragment's flat buffer;
     the fp32 masters, the reduce bucket and the gradient partitions. The trainer then empties the cache
     (Trainer._prepare): a segment still holding a live block stays reserved, whole."""
-    found = zero3_replay.loading_memory(cfg, checked)
+    found = zero3_replay.loading_memory(cfg, resolved)
     at = found["at_reserved_peak"]
     terms = [*base, *zero3_replay.terms_at(at, "", "replayed engine build")]
     return Phase("loading", mib_of(terms), tuple(terms), end_live_mib=mib_of(base) + found["end_reserved"] / MIB,

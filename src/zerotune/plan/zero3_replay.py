@@ -34,28 +34,28 @@ from zerotune.rundir.plan import Term
 _LOADINGS: dict[str, dict] = {}
 
 
-def loading_memory(cfg: Config, checked: ResolvedRun) -> dict:
+def loading_memory(cfg: Config, resolved: ResolvedRun) -> dict:
     """The engine build's replayed device peaks (TaggedPool.record), with "end_reserved": what stays reserved
     once the trainer has emptied the cache after the build."""
     from zerotune.plan import activations
 
-    key = _replay_key(cfg, checked, "loading")
+    key = _replay_key(cfg, resolved, "loading")
     if key not in _LOADINGS:
         model = activations._meta_trained(cfg.model, cfg.precision.name, cfg.train.gradient_checkpointing,
                                           cfg.model.attention, cfg.adapter)
-        _LOADINGS[key], _ = _build(model, TaggedPool(), cfg, checked, emptied=True)
+        _LOADINGS[key], _ = _build(model, TaggedPool(), cfg, resolved, emptied=True)
     return _LOADINGS[key]
 
 
-def _build(model, pool: TaggedPool, cfg: Config, checked: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
+def _build(model, pool: TaggedPool, cfg: Config, resolved: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
     """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
     reserved once the trainer empties the cache (`emptied` False: the trainer before d6e1446), and the sub-groups."""
 
-    ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
+    ds, zero, prec = resolved.ds_config, zero_config(resolved.ds_config), precision_of(resolved.ds_config)
     world = launch_world_size(cfg.launch)
     trained = [p for p in model.parameters() if p.requires_grad]
     subs = sub_groups([stage3_partition_numel(zero_numel(p), world) for p in trained], zero.sub_group_size,
-                      checked.group_sizes())
+                      resolved.group_sizes())
     build_engine(model, pool, world, offload_device(zero.offload_param) != "none",
                  offload_device(zero.offload_optimizer) != "none", prec, comm_elem(ds, prec.param), zero, subs, trained)
     loading = pool.record()
@@ -124,7 +124,7 @@ _MOMENTS = {"carried": "persistent", "loading": "persistent", "forward": "forwar
 
 
 
-def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> dict | None:
+def step_memory(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> dict | None:
     """The replay's figures for this run on this card, cached: {"loading": peaks, "steps": [peaks per step],
     "seconds", "key"}, each peaks record {"allocated", "reserved" (bytes), "at_allocated_peak"/"at_reserved_peak":
     {"phase", "tags" {tag: bytes}, "cached"}}. None where the replay cannot run (its reason logged). `emptied`
@@ -133,7 +133,7 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
     from zerotune.plan import activations
 
     family = gpu.family if gpu else "unknown"
-    key = _replay_key(cfg, checked, family) + ("" if emptied else "-kept")
+    key = _replay_key(cfg, resolved, family) + ("" if emptied else "-kept")
     if key not in _REPLAYS:
         file = activations.cache_dir() / f"zero3-{key}.json"
         found = files.read_json(file)
@@ -141,7 +141,7 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
             _REPLAYS[key] = found
         else:
             try:
-                _REPLAYS[key] = _replay(cfg, checked, family, key, emptied)
+                _REPLAYS[key] = _replay(cfg, resolved, family, key, emptied)
             except Exception as err:  # noqa: BLE001  # a model or setting the replay cannot run: the rules stand
                 import logging
 
@@ -153,11 +153,11 @@ def step_memory(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: boo
     return _REPLAYS[key]
 
 
-def step_terms(cfg: Config, checked: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> list[Term] | None:
+def step_terms(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, emptied: bool = True) -> list[Term] | None:
     """The step's GPU terms at its replayed reserved peak (the CUDA context aside; predict.predict's in place of
     the rules' sum): what was allocated then, tag by tag, and the cached free blocks (`allocator_reserve`). Model
     states and persistent buffers are `persistent`, the rest carry the peak's moment. None where it cannot run."""
-    found = step_memory(cfg, checked, gpu, emptied)
+    found = step_memory(cfg, resolved, gpu, emptied)
     if found is None:
         return None
     step = max(found["steps"], key=lambda s: s["reserved"])
@@ -184,7 +184,7 @@ def terms_at(at: dict, optimizer_source: str, said: str) -> list[Term]:
     return terms
 
 
-def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
+def _replay_key(cfg: Config, resolved: ResolvedRun, family: str) -> str:
     import hashlib
     import json
 
@@ -193,8 +193,8 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
     from zerotune.plan import activations
     from zerotune.plan.allocator import CUBLAS_WORKSPACE
 
-    ds = checked.ds_config
-    trace = activations.trace_key(cfg.model, checked.input_shape, int(ds["train_micro_batch_size_per_gpu"]),
+    ds = resolved.ds_config
+    trace = activations.trace_key(cfg.model, resolved.input_shape, int(ds["train_micro_batch_size_per_gpu"]),
                                   cfg.precision.name, cfg.train.gradient_checkpointing,
                                   cfg.model.attention, cfg.adapter)
     zero = zero_config(ds)
@@ -202,9 +202,9 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
     # the replay's one stream does not model) share one replay
     read = {name: getattr(zero, name) for name in _ZERO_READ}
     read["offload"] = [offload_device(zero.offload_param), offload_device(zero.offload_optimizer)]
-    what = {"zero": read, "optimizer": ds.get("optimizer"), "client": checked.client_optimizer,
+    what = {"zero": read, "optimizer": ds.get("optimizer"), "client": resolved.client_optimizer,
             "ga": ds["gradient_accumulation_steps"], "world": launch_world_size(cfg.launch),
-            "groups": checked.group_sizes(), "precision": {k: ds.get(k) for k in ("bf16", "fp16", "data_types",
+            "groups": resolved.group_sizes(), "precision": {k: ds.get(k) for k in ("bf16", "fp16", "data_types",
                                                                                "communication_data_type")},
             "clip": ds.get("gradient_clipping"), "cublas": CUBLAS_WORKSPACE.get(family, 0),
             "deepspeed": deepspeed.__version__, "steps": REPLAY_STEPS}
@@ -212,7 +212,7 @@ def _replay_key(cfg: Config, checked: ResolvedRun, family: str) -> str:
     return f"{trace}-{digest}-r{REPLAY_FORMAT}"
 
 
-def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: bool = True) -> dict:
+def _replay(cfg: Config, resolved: ResolvedRun, family: str, key: str, emptied: bool = True) -> dict:
     import contextlib
     import time
     from unittest import mock
@@ -237,7 +237,7 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
                 context.enter_context(patch)
             context.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             model.to_empty(device="cpu")
-            result = _run(model, cfg, checked, TaggedPool(), family, emptied)
+            result = _run(model, cfg, resolved, TaggedPool(), family, emptied)
     finally:
         parameter_offload.FWD_MODULE_STACK[:] = stack
         # __params_to_release is an lru_cache on the class (under instrument_w_nvtx): it would keep the model alive
@@ -246,7 +246,7 @@ def _replay(cfg: Config, checked: ResolvedRun, family: str, key: str, emptied: b
     return {**result, "seconds": round(time.perf_counter() - start, 1), "key": key}
 
 
-def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str, emptied: bool = True) -> dict:
+def _run(model, cfg: Config, resolved: ResolvedRun, pool: TaggedPool, family: str, emptied: bool = True) -> dict:
     """The engine's build, then REPLAY_STEPS training steps, on `model` (fake tensors). `emptied`: as _build's
     (False: the trainer the H100 grid ran)."""
     import torch
@@ -255,11 +255,11 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
     from zerotune.plan import activations
     from zerotune.plan.allocator import CUBLAS_WORKSPACE
 
-    ds, zero, prec = checked.ds_config, zero_config(checked.ds_config), precision_of(checked.ds_config)
+    ds, zero, prec = resolved.ds_config, zero_config(resolved.ds_config), precision_of(resolved.ds_config)
     world, ga = launch_world_size(cfg.launch), int(ds["gradient_accumulation_steps"])
     host_params = offload_device(zero.offload_param) != "none"
     host_optimizer = offload_device(zero.offload_optimizer) != "none"
-    kind = optimizer_kind(ds, host_optimizer, prec, client=checked.client_optimizer)
+    kind = optimizer_kind(ds, host_optimizer, prec, client=resolved.client_optimizer)
     comm, cublas = comm_elem(ds, prec.param), CUBLAS_WORKSPACE.get(family, 0)
     dtype = activations.DTYPES[cfg.precision.name]
     params = list(model.parameters())
@@ -268,7 +268,7 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
     gather = Gather(pool, mode, world, host_params, status)
     as_zero_parameters(params, gather, mode, world, status)
     offload = offload_hooks(model, zero)
-    loading, subs = _build(model, pool, cfg, checked, emptied)
+    loading, subs = _build(model, pool, cfg, resolved, emptied)
     reducer = Reducer(pool, mode, world, host_optimizer, prec, comm, int(zero.reduce_bucket_size), dtype,
                        bool(zero.contiguous_gradients))
     for p in trained:
@@ -285,8 +285,8 @@ def _run(model, cfg: Config, checked: ResolvedRun, pool: TaggedPool, family: str
             for micro in range(ga):
                 pool.phase = "forward"
                 reducer.micro, reducer.boundary = micro, micro == ga - 1
-                inputs = activations._inputs(cfg.model, checked.input_shape,
-                                             int(checked.ds_config["train_micro_batch_size_per_gpu"]), dtype)
+                inputs = activations._inputs(cfg.model, resolved.input_shape,
+                                             int(resolved.ds_config["train_micro_batch_size_per_gpu"]), dtype)
                 in_forward(model, True)  # engine.py _forward_prologue / _forward_epilogue (lines 2955, 2969)
                 loss = activations._loss(model, cfg.model, inputs)
                 in_forward(model, False)

@@ -26,13 +26,13 @@ def mixed_precision(ds: dict) -> str:
     return "no"
 
 
-def make_accelerator(run: ResolvedRun, collective_timeout_s: float) -> Accelerator:
+def make_accelerator(resolved: ResolvedRun, collective_timeout_s: float) -> Accelerator:
     """collective_timeout_s: the process group's timeout, where accelerate creates the group (launch.*)."""
     from accelerate.utils import InitProcessGroupKwargs
 
-    ds = run.ds_config
+    ds = resolved.ds_config
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=collective_timeout_s))]
-    if run.use_deepspeed:
+    if resolved.use_deepspeed:
         from accelerate.utils import DeepSpeedPlugin
 
         link_torch_lib()  # before DeepSpeed loads its ops (torch under a path with a space)
@@ -40,15 +40,15 @@ def make_accelerator(run: ResolvedRun, collective_timeout_s: float) -> Accelerat
         with absorbed_launch_environment():  # `accelerate launch`'s settings are in `ds` already
             plugin = DeepSpeedPlugin(hf_ds_config=ds)
             return Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed_precision(ds), kwargs_handlers=handlers)
-    return Accelerator(mixed_precision=mixed_precision(ds), cpu=run.platform.device_type == "cpu",
+    return Accelerator(mixed_precision=mixed_precision(ds), cpu=resolved.platform.device_type == "cpu",
                        gradient_accumulation_steps=ds["gradient_accumulation_steps"], kwargs_handlers=handlers)
 
 
-def zero3_init(accelerator: Accelerator, run: ResolvedRun):
+def zero3_init(accelerator: Accelerator, resolved: ResolvedRun):
     """At ZeRO-3, a `deepspeed.zero.Init` for building the U-Net, so each rank only ever holds its partition;
     else None. accelerate's `zero3_init_flag` decides (on at stage 3 unless ACCELERATE_DEEPSPEED_ZERO3_INIT says
     otherwise), the run's DeepSpeed dict sets the dtype (bf16, fp16 or fp32) and any parameter offload."""
-    plugin = accelerator.state.deepspeed_plugin if run.use_deepspeed else None
+    plugin = accelerator.state.deepspeed_plugin if resolved.use_deepspeed else None
     if plugin is None or not plugin.is_zero3_init_enabled():
         return None
     import deepspeed
@@ -56,12 +56,12 @@ def zero3_init(accelerator: Accelerator, run: ResolvedRun):
     return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config)
 
 
-def optimizer_and_scheduler(run: ResolvedRun, params):
+def optimizer_and_scheduler(resolved: ResolvedRun, params):
     """DeepSpeed builds its own from the dict (accelerate's Dummy* placeholders), or is handed the client
     optimizer built here; the plain path mirrors it."""
-    ds = run.ds_config
-    client = run.client_optimizer
-    if run.use_deepspeed:
+    ds = resolved.ds_config
+    client = resolved.client_optimizer
+    if resolved.use_deepspeed:
         from accelerate.utils import DummyOptim, DummyScheduler
 
         # with a real optimizer, accelerate hands it to deepspeed.initialize; the dict's scheduler wraps it

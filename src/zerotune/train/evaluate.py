@@ -151,7 +151,7 @@ def evaluate_digits(trainer: Trainer, cfg: Config, run_dir: RunDir) -> dict | No
     ev = cfg.evaluate
     labels = torch.arange(10).repeat_interleave(int(ev.per_class))
     schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
-    images = sample_images(unet, schedule, labels, trainer.run.input_shape,
+    images = sample_images(unet, schedule, labels, trainer.resolved.input_shape,
                            int(ev.steps), float(ev.guidance_scale), torch.Generator().manual_seed(cfg.train.seed),
                            cfg.diffusion.prediction_type)
     clf = DigitClassifier()

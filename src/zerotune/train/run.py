@@ -91,16 +91,16 @@ class RunTelemetry:
 log = logging.getLogger("zerotune")
 
 
-def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSummary:
-    """Train the resolved `run` in `spec.run_dir`; returns the summary rank 0 writes there (INTERRUPTED when a stop
+def train(resolved: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSummary:
+    """Train the `resolved` run in `spec.run_dir`; returns the summary rank 0 writes there (INTERRUPTED when a stop
     signal ended training after the current step)."""
     start = time.time()
     # host/timing.py; `startup`: when this worker reached the job's gate and when it opened (job/gate.py)
     marks = {"process_start": process_start_time(), **(startup or {}), "train_start": start}
     distributed.ensure_single_process_env()
-    cfg, rank = run.config, distributed.rank()
+    cfg, rank = resolved.config, distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
-    summary = _initial_summary(run, run_dir)
+    summary = _initial_summary(resolved, run_dir)
     logger: RunLogger = NullLogger()
     with StopSignals() as stop, ExitStack() as held:
         try:
@@ -109,8 +109,8 @@ def train(run: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> RunSu
                 held.enter_context(resume.job_lock(cfg.checkpoint, run_dir.path))
             # W&B's run config is the effective one, the user's DeepSpeed/accelerate files included.
             logger = make_logger(cfg, spec.run_dir, spec.run_name, spec.group, is_main=rank == 0)
-            distributed.init_accelerate_state(run.use_deepspeed, cfg.launch.collective_timeout_s)
-            _train_and_evaluate(run, run_dir, logger, stop, summary, marks)
+            distributed.init_accelerate_state(resolved.use_deepspeed, cfg.launch.collective_timeout_s)
+            _train_and_evaluate(resolved, run_dir, logger, stop, summary, marks)
             summary.status = summary.trained_status()
             return summary
         except ConfigError as exc:
@@ -133,7 +133,7 @@ def train_launched_externally(settled: Settled, spec: JobSpec) -> RunSummary:
     receive it, and all train it. A refusal is recorded in summary.json (with config.yaml as settled) and
     raised on every rank."""
     try:
-        run = _resolved_by_rank0(settled, spec)
+        resolved = _resolved_by_rank0(settled, spec)
     except ConfigError as exc:
         if distributed.rank() == 0:
             run_dir = RunDir(spec.run_dir)
@@ -143,28 +143,28 @@ def train_launched_externally(settled: Settled, spec: JobSpec) -> RunSummary:
             summary.env = environment_info()
             run_dir.write_summary(summary)
         raise
-    return train(run, spec)
+    return train(resolved, spec)
 
 
 def _resolved_by_rank0(settled: Settled, spec: JobSpec) -> ResolvedRun:
-    run: ResolvedRun | None = None
+    resolved: ResolvedRun | None = None
     error: ConfigError | None = None
     if distributed.rank() == 0:
         try:
-            run = check(settled, run_dir=spec.run_dir)
+            resolved = check(settled, run_dir=spec.run_dir)
         except ConfigError as exc:
             error = exc
         else:
             run_dir = RunDir(spec.run_dir)
-            run_dir.write_config(run.config)
-            run_dir.write_ds_config(run.ds_config)
-            run.save(spec.run_dir)
+            run_dir.write_config(resolved.config)
+            run_dir.write_ds_config(resolved.ds_config)
+            resolved.save(spec.run_dir)
     if distributed.world_size() > 1:
-        run, error = distributed.broadcast_object((run, error))
+        resolved, error = distributed.broadcast_object((resolved, error))
     if error is not None:
         raise error
-    assert run is not None
-    return run
+    assert resolved is not None
+    return resolved
 
 
 def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
@@ -174,11 +174,11 @@ def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
                                  "previous_attempts": run_dir.previous_attempts()})
 
 
-def _initial_summary(run: ResolvedRun, run_dir: RunDir) -> RunSummary:
+def _initial_summary(resolved: ResolvedRun, run_dir: RunDir) -> RunSummary:
     """The summary before training, with what the resolution settled: the summary's choices and sources."""
-    summary, stats = _failed_summary(run.config, run_dir), run.model_stats
-    summary.update({"config_sources": run.config_sources, "config_warnings": list(run.config_warnings),
-                    "use_deepspeed": run.use_deepspeed, "num_params": stats.num_params,
+    summary, stats = _failed_summary(resolved.config, run_dir), resolved.model_stats
+    summary.update({"config_sources": resolved.config_sources, "config_warnings": list(resolved.config_warnings),
+                    "use_deepspeed": resolved.use_deepspeed, "num_params": stats.num_params,
                     "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen})
     return summary
 
@@ -200,17 +200,17 @@ def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict,
     logger.finish(0 if summary.status == Status.OK else 1)
 
 
-def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, stop: StopSignals, summary: RunSummary,
-                        marks: dict) -> None:
+def _train_and_evaluate(resolved: ResolvedRun, run_dir: RunDir, logger: RunLogger, stop: StopSignals,
+                        summary: RunSummary, marks: dict) -> None:
     """Train, then gather every rank's figures and evaluate, into `summary` (in place: what training got
     through is there even when it fails)."""
-    cfg = run.config
+    cfg = resolved.config
     out = RunSummary()  # what this function adds to `summary`, merged once all of it is known
     # perf.startup_s leaves out the wait at the job's gate: a cold op build there is reported apart (startup.*),
     # so the first job of a sweep does not look slower than the next.
-    with RunTelemetry(nvme_dir=run.nvme_dir, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
+    with RunTelemetry(nvme_dir=resolved.nvme_dir, started=marks["process_start"] + gate_wait_s(marks)) as telemetry:
         telemetry.phases.begin("loading")
-        trainer = Trainer(run, run_dir, logger, phases=telemetry.phases)
+        trainer = Trainer(resolved, run_dir, logger, phases=telemetry.phases)
         marks["ready"] = time.time()
         telemetry.timer.synchronize = _device_sync(trainer)
         telemetry.phases.begin("step")
@@ -230,7 +230,8 @@ def _train_and_evaluate(run: ResolvedRun, run_dir: RunDir, logger: RunLogger, st
         if trainer.ema is not None:
             out.ema = {"host_mib": trainer.ema.host_bytes() / 2**20, "updates": trainer.ema.updates}
     out.update(telemetry.summary())
-    out.validation = validation_record(trainer.validator, trainer.validation_error, run.plan, telemetry.phases.records)
+    out.validation = validation_record(trainer.validator, trainer.validation_error, resolved.plan,
+                                       telemetry.phases.records)
     if trainer.data_report:
         out.data = trainer.data_report
     out.partition = trainer.partition

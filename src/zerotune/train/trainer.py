@@ -110,16 +110,16 @@ def step_hook(debug: Debug, rank: int) -> Callable[[int], None] | None:
 
 
 class Trainer:
-    def __init__(self, run: ResolvedRun, run_dir: RunDir, logger: RunLogger, phases=None):
+    def __init__(self, resolved: ResolvedRun, run_dir: RunDir, logger: RunLogger, phases=None):
         """`phases`: the run's PhaseTimeline (host/torch_memory.py), told when data=folder's caching starts."""
-        self.run, self.run_dir, self.logger = run, run_dir, logger
-        self.cfg = cfg = run.config
+        self.resolved, self.run_dir, self.logger = resolved, run_dir, logger
+        self.cfg = cfg = resolved.config
         self._phases = phases
-        ds = run.ds_config
+        ds = resolved.ds_config
         self.micro_batch, self.grad_accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         self.clip = float(ds.get("gradient_clipping", 0.0))
-        self.resume_decision = run.resume  # found, checked and judged in preflight
-        self.accelerator = make_accelerator(run, cfg.launch.collective_timeout_s)
+        self.resume_decision = resolved.resume  # found, checked and judged in preflight
+        self.accelerator = make_accelerator(resolved, cfg.launch.collective_timeout_s)
         self._clean_stale_swap()
         seed = cfg.train.seed
         set_seed(seed)
@@ -134,7 +134,7 @@ class Trainer:
         self._prepare(seed)
         ema, self.ema = cfg.ema, None
         if ema.enabled:
-            self.ema = HostEMA(self._trained_named_parameters(), ema.decay, ema.warmup, zero3=run.zero_stage == 3)
+            self.ema = HostEMA(self._trained_named_parameters(), ema.decay, ema.warmup, zero3=resolved.zero_stage == 3)
         self.step, self.samples_seen, self.epoch = 0, 0, 0
         self.batches_in_epoch, self._skip = 0, 0
         self._epoch_gen_states: list[torch.Tensor] = []
@@ -155,7 +155,7 @@ class Trainer:
         optimizer and scheduler, handed to accelerate (and DeepSpeed) as one module: one engine partitions all."""
         cfg = self.cfg
         # ZeRO-3: built partitioned (zero.Init), from the same seeded RNG stream as the other stages' plain build.
-        unet = build_unet(cfg.model, zero_init=zero3_init(self.accelerator, self.run))
+        unet = build_unet(cfg.model, zero_init=zero3_init(self.accelerator, self.resolved))
         unet = adapter.add_adapter(unet, cfg.adapter)  # adapter=none: unchanged
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
@@ -169,8 +169,8 @@ class Trainer:
             self._phases.begin("loading")
         self.data_report = getattr(loader.dataset, "report", None)  # data=folder: what was used and skipped
         lrs = text_encoders.group_lrs(cfg.model, cfg.optimizer.lr)
-        groups = text_encoders.param_groups(module, lrs, self.run.group_layout())
-        opt, sched = optimizer_and_scheduler(self.run, groups)
+        groups = text_encoders.param_groups(module, lrs, self.resolved.group_layout())
+        opt, sched = optimizer_and_scheduler(self.resolved, groups)
         pause("engine_build")
         if sched is None:
             self.unet, self.optimizer, self.loader = self.accelerator.prepare(module, opt, loader)
@@ -211,7 +211,7 @@ class Trainer:
 
     def optimizer_class(self) -> str:
         """The class that applies the updates: DeepSpeed's engine keeps it as `basic_optimizer`."""
-        inner = getattr(self.unet, "basic_optimizer", None) if self.run.use_deepspeed else None
+        inner = getattr(self.unet, "basic_optimizer", None) if self.resolved.use_deepspeed else None
         inner = inner or getattr(self.optimizer, "optimizer", self.optimizer)
         return type(inner).__name__
 
@@ -269,7 +269,7 @@ class Trainer:
 
     def _restore(self, decision: resume.ResumeDecision) -> None:
         raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        if self.run.use_deepspeed:
+        if self.resolved.use_deepspeed:
             raw_scheduler = getattr(self.unet, "lr_scheduler", None)
         else:
             raw_scheduler = getattr(self.scheduler, "scheduler", self.scheduler)
@@ -283,19 +283,19 @@ class Trainer:
         """Resuming with NVMe offload: a killed run's swap folders go first (only inside offload.path)."""
         if self.resume_decision is not None and self.cfg.offload.device == "nvme":
             if self.accelerator.is_local_main_process:
-                removed = checkpoint_io.clean_stale_swap(str(self.run.nvme_dir))
+                removed = checkpoint_io.clean_stale_swap(str(self.resolved.nvme_dir))
                 log.info("removed stale DeepSpeed swap folders: %s", removed)
             self.accelerator.wait_for_everyone()
 
     def save_checkpoint(self) -> None:
         self.saves.save(self.accelerator, self.step, lambda: checkpoint_io.SaveRequest(
             root=self.saves.root, step=self.step,
-            meta=resume.current_meta(self.cfg, self.run.ds_config, self.run.use_deepspeed, self.world,
-                                           self.run.client_optimizer, self.run.param_groups),
+            meta=resume.current_meta(self.cfg, self.resolved.ds_config, self.resolved.use_deepspeed, self.world,
+                                           self.resolved.client_optimizer, self.resolved.param_groups),
             position_state=self.position_state(), unet=self.unet_module(), job=self.saves.job,
             encoder_configs={n: m.config for n, m in self._encoders().items()},
             # fp32 weights, and Adam's two moments of the trained ones
-            size_estimate=self.run.model_stats.num_params * 4 + self.run.model_stats.num_trainable * 8,
+            size_estimate=self.resolved.model_stats.num_params * 4 + self.resolved.model_stats.num_trainable * 8,
             ema_state=self.ema.state_dict() if self.ema is not None else None,
             keep_last=self.cfg.checkpoint.keep_last))
 

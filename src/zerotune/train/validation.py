@@ -130,7 +130,7 @@ class Trained(Protocol):
     unet: Any                    # DeepSpeed's engine, or accelerate's wrapped module
     ema: Any                     # train/engine.py HostEMA, or None
     noise_schedule: Any          # the training DDPMScheduler
-    run: ResolvedRun
+    resolved: ResolvedRun
 
     def trained_module(self) -> torch.nn.Module: ...
 
@@ -207,7 +207,7 @@ class Validator:
         inject_oom = debug.validation_oom_at_step == step and debug.fail_rank in (None, self.rank)
         images: dict[tuple[str, str], bytes] = {}
         errors: list[dict] = []
-        zero3 = trainer.run.zero_stage == 3
+        zero3 = trainer.resolved.zero_stage == 3
         try:
             for which in self.weights:
                 shadow = trainer.ema.shadow if which == "ema" and trainer.ema is not None else None
