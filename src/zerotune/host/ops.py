@@ -6,6 +6,7 @@ Adam) into the torch extensions cache now, as `make setup` does."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -181,7 +182,6 @@ def _build_error(name: str, op: str, exc: BaseException) -> OpBuildError:
 
 def _build_isolated(name: str) -> dict:
     """Build one op in a spawned child process (its own interpreter: no CUDA state shared with the parent)."""
-    import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)

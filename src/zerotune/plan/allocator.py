@@ -5,7 +5,9 @@ TaggedPool and storage_mode for zero3_replay.py), and what a CUDA process holds 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -250,8 +252,6 @@ class TaggedPool:
 def storage_mode(pool: TaggedPool):
     """A torch dispatch mode: every new storage an op returns is a block of the pool, freed with its storage
     (a weak reference's callback, as torch's MemTracker follows storages)."""
-    import functools
-    import weakref
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -9,7 +9,13 @@ and frees, and the reserve its frees leave, are counted rather than bounded."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import time
 from typing import Any
+from unittest import mock
 
 from zerotune.config.schema import MIB, Config, launch_world_size
 from zerotune.plan.allocator import TaggedPool, storage_mode
@@ -143,8 +149,6 @@ def step_memory(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, emptied: bo
             try:
                 _REPLAYS[key] = _replay(cfg, resolved, family, key, emptied)
             except Exception as err:  # noqa: BLE001  # a model or setting the replay cannot run: the rules stand
-                import logging
-
                 logging.getLogger(__name__).warning("ZeRO-3 step replay unavailable (%s: %s); planning from the "
                                                     "rules alone", type(err).__name__, err)
                 _REPLAYS[key] = None
@@ -185,9 +189,6 @@ def terms_at(at: dict, optimizer_source: str, said: str) -> list[Term]:
 
 
 def _replay_key(cfg: Config, resolved: ResolvedRun, family: str) -> str:
-    import hashlib
-    import json
-
     import deepspeed
 
     from zerotune.plan import activations
@@ -213,10 +214,6 @@ def _replay_key(cfg: Config, resolved: ResolvedRun, family: str) -> str:
 
 
 def _replay(cfg: Config, resolved: ResolvedRun, family: str, key: str, emptied: bool = True) -> dict:
-    import contextlib
-    import time
-    from unittest import mock
-
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -4,6 +4,7 @@ the lines they name allocate on rank 0's device, in order: gathers, gradient hoo
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from zerotune.plan.allocator import TaggedPool
@@ -55,8 +56,6 @@ class OneStreamAccelerator:
 
     @staticmethod
     def stream(_stream):
-        import contextlib
-
         return contextlib.nullcontext()
 
     Event = None

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import time
+from argparse import Namespace
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,8 +209,6 @@ def universal_folder(acc, path: Path) -> Path:
     """DeepSpeed's universal checkpoint of `path`, made once by rank 0 into <path>/universal/ (tmp, rename)."""
     out = path / UNIVERSAL
     if acc.is_main_process and not (out / DS_TAG / "zero").is_dir():
-        from argparse import Namespace
-
         from deepspeed.checkpoint import ds_to_universal
 
         tmp = out.with_name(f".tmp-{out.name}")

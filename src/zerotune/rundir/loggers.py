@@ -8,7 +8,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Config, Logger, as_dict
@@ -113,7 +113,6 @@ LOCAL_MODES = ("offline", "dryrun", "disabled")
 
 def known_modes() -> tuple[str, ...]:
     """The modes wandb.init accepts, from its own settings type."""
-    from typing import get_args
 
     from wandb.sdk.wandb_settings import Settings
 
