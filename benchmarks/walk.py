@@ -24,7 +24,8 @@ the config; so are the fields and attributes of such objects (two levels down, w
 The walk printed is the parent's stops until the worker reached its step, then the worker's, from
 `zerotune.job.worker.main` (its config is the run directory the parent wrote) to the first call of the
 training step (`zerotune.train.trainer:Trainer.train_step`). The stops of the parent's other threads (its
-checks) are read where the thread was started.
+checks) are read where the thread was started. The figures are also given split by thread: the main threads'
+way (run_job, the launch, the worker to its step) and the branch the parent's checks take beside it.
 
     python benchmarks/walk.py [--list] [--json PATH] [--from job|cli] [overrides ...]
 """
@@ -490,6 +491,10 @@ def report(walk: Walk, layers: dict[str, int], top: int = 8) -> dict[str, Any]:
     return {
         "parent": figures(walk.parent, layers), "worker": figures(walk.worker, layers),
         "total": figures(walk.stops, layers), "reached_step": walk.reached_step,
+        # The same stops split by thread: the main threads' way (run_job, the launch, the worker to its step)
+        # and the branch the parent's other threads take beside it (the checks: resolution and the memory plan).
+        "main_threads": figures([s for s in walk.stops if s["thread"] == "MainThread"], layers),
+        "other_threads": figures([s for s in walk.stops if s["thread"] != "MainThread"], layers),
         "calls_traced": walk.calls, "parent_calls_after_step": walk.parent_after, "seconds": round(walk.seconds, 1),
         "stops_by_module": dict(Counter(modules).most_common(top)),
         "returns_by_module": dict(returns_by_module(modules).most_common(top)),
@@ -524,9 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     start = ENTRIES[args.entry]
     print(f"walk from {start[0]}:{start[1]} to {args.step} (the parent until the worker's step, then the worker)")
-    for part in ("parent", "worker", "total"):
+    for part in ("parent", "worker", "total", "main_threads", "other_threads"):
         f = figures_[part]
-        print(f"  {part:7} {f['stops']:4} stops {f['rooms']:3} rooms {f['returns']:3} returns {f['climbs']:3} climbs"
+        print(f"  {part:13} {f['stops']:4} stops {f['rooms']:3} rooms {f['returns']:3} returns {f['climbs']:3} climbs"
               f"  ({f['rises']} rises: steps of the walk up the layers)")
     if not walk.reached_step:
         print("  the worker never reached the step")

@@ -97,6 +97,9 @@ def test_the_walk_of_the_default_job_reaches_its_training_step(tmp_path, capsys)
     assert any((s["module"], s["function"]) == ("zerotune.job.worker", "main") for s in stops)
     assert all(s["module"].startswith(walk.OWN) for s in stops)
     assert figures["parent"]["stops"] + figures["worker"]["stops"] == figures["total"]["stops"] == len(stops)
+    # The split by thread covers every stop once: the main threads' way and the checks' branch beside it.
+    assert figures["main_threads"]["stops"] + figures["other_threads"]["stops"] == len(stops)
+    assert figures["other_threads"]["stops"] > 0 and all(s["thread"] == "MainThread" for s in stops[-3:])
 
     # The counters agree with the stops as listed: `>` a new room, `<` a return, `^` a climb.
     layers = walk.read_layers()
