@@ -147,7 +147,7 @@ def test_a_zero2_cpu_offload_plans_host_terms_hold_each_groups_pinned_blocks(gro
         held["deepspeed:offload_fp32_grad_partition" + PINNED_ROUNDING] == \
         pytest.approx(sum(pinned_block_bytes(p * 4) for p in parts))
     # the host figure is the worker's RSS: its process baseline beside the larger of its terms and its fp32 build
-    process = {t["term"]: t["mib"] * MIB for t in plan.host_process_terms["terms"]}
+    process = {t.term: (t.mib or 0.0) * MIB for t in plan.host_process_terms.terms}
     terms = sum(v for k, v in held.items() if k != "model_load")
     assert process["rank_tensors"] == pytest.approx(max(terms, held["model_load"]), rel=1e-6)
     assert plan.host_peak_mib * MIB == pytest.approx(process["process_baseline"] + process["rank_tensors"], rel=1e-6)

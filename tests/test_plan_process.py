@@ -68,11 +68,11 @@ def test_a_card_plan_takes_the_baseline_on_the_card_and_says_so_where_none_is_he
     monkeypatch.setattr(process, "measure_imports", measure)
     monkeypatch.setattr(process, "_card_here", lambda: False)  # this machine: no card, nothing measured for one
     assert process.process_baseline_mib(on_card=True) is None and ran == []
-    here = process.card_process_prediction(GPU_PLAN, 1).host_process_terms["terms"][1]
-    assert here["mib"] == 500.0 and "no card here" in here["note"] and "unmeasured" in here["note"]
+    here = process.card_process_prediction(GPU_PLAN, 1).host_process_terms.terms[1]
+    assert here.mib == 500.0 and "no card here" in here.note and "unmeasured" in here.note
     monkeypatch.setattr(process, "_card_here", lambda: True)  # a card's host: CUDA started in the child
-    card = process.card_process_prediction(GPU_PLAN, 1).host_process_terms["terms"][1]
-    assert card["mib"] == 1200.0 and "on its card" in card["note"] and ran[-1] == process.CUDA_START
+    card = process.card_process_prediction(GPU_PLAN, 1).host_process_terms.terms[1]
+    assert card.mib == 1200.0 and "on its card" in card.note and ran[-1] == process.CUDA_START
 
 
 def test_an_import_that_fails_is_unmeasured(tmp_path: Path, monkeypatch):
@@ -99,26 +99,31 @@ GPU_PLAN = Plan.made(device="cuda", step_peak_mib=999.0, host_peak_mib=9.0,
 
 def test_node_prediction_is_parent_plus_ranks_times_baseline_and_tensors():
     node = process.node_rss_prediction(CPU_PLAN, 2, 450.0, 0.0)
-    assert node["mib"] == 0.0 + 2 * (450.0 + 300.0)  # a CPU plan's step peak
-    assert [t["term"] for t in node["terms"]] == ["parent_process", "process_baseline", "rank_tensors"]
+    assert node.mib == 0.0 + 2 * (450.0 + 300.0)  # a CPU plan's step peak
+    assert [t.term for t in node.terms] == ["parent_process", "process_baseline", "rank_tensors"]
     # A GPU plan's step peak leaves out the host terms and has CUDA's: host.py's rank terms on a CPU instead.
-    assert process.node_rss_prediction(GPU_PLAN, 1, 450.0, 0.0)["mib"] == 450.0 + 40.0 + 60.0 + 10.0
+    assert process.node_rss_prediction(GPU_PLAN, 1, 450.0, 0.0).mib == 450.0 + 40.0 + 60.0 + 10.0
     # The fp32 build at load time, when larger than the step.
     small = CPU_PLAN.adding(step_peak_mib=30.0)
-    assert process.node_rss_prediction(small, 1, 450.0, 0.0)["mib"] == 450.0 + 50.0
+    assert process.node_rss_prediction(small, 1, 450.0, 0.0).mib == 450.0 + 50.0
     # Unknown parts make an unknown prediction, never a guess.
-    assert process.node_rss_prediction(CPU_PLAN, 1, None, 0.0)["mib"] is None
-    assert process.node_rss_prediction(Plan(), 1, 450.0, 0.0)["mib"] is None
+    assert process.node_rss_prediction(CPU_PLAN, 1, None, 0.0).mib is None
+    assert process.node_rss_prediction(Plan(), 1, 450.0, 0.0).mib is None
 
 
 def test_marking_makes_the_host_figure_a_process_rss_prediction():
     marked = process.mark_process_prediction(CPU_PLAN, process.node_rss_prediction(CPU_PLAN, 1, 450.0, 0.0))
     assert marked.host_peak_mib == 750.0 and marked.host_peak_kind == process.PROCESS_RSS
-    assert marked.host_process_terms["terms"][1]["mib"] == 450.0
+    assert marked.host_process_terms.terms[1].mib == 450.0
     assert CPU_PLAN.host_peak_mib == 9.0 and "host_process_terms" not in CPU_PLAN  # a new plan, the one given kept
+    # summary.json holds the same record, and reads back as it was written.
+    assert Plan.from_dict(marked.to_dict()) == marked
+    assert marked.to_dict()["host_process_terms"] == {
+        "mib": 750.0, "source": "process RSS: parent + ranks × (import baseline + tensors)",
+        "terms": [t.to_dict() for t in marked.host_process_terms.terms]}
     unknown = process.mark_process_prediction(CPU_PLAN, process.node_rss_prediction(CPU_PLAN, 1, None, 0.0))
     assert unknown.host_peak_mib == 9.0 and "host_peak_kind" not in unknown
-    assert unknown.host_process_terms["mib"] is None
+    assert unknown.host_process_terms.mib is None
 
 
 # ---------------------------------------------------------------- the report's host ratio

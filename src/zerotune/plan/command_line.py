@@ -18,7 +18,7 @@ from zerotune.plan import gpus
 from zerotune.plan import gpus as recommend
 from zerotune.plan.predict import predict
 from zerotune.plan.resolve import ResolvedRun, check
-from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term, terms_of
+from zerotune.rundir.plan import PERSISTENT, Phase, Plan, Term
 
 # What --all varies: ZeRO stage x offload x gradient checkpointing (NVMe offload is ZeRO-3's only).
 OPTIONS = [(stage, offload, checkpointing) for stage in (0, 1, 2, 3) for offload in ("none", "cpu", "nvme")
@@ -134,7 +134,7 @@ def _host(plan: Plan) -> list[str]:
     process = plan.host_process_terms
     if not process:
         return _terms(plan.host_terms)
-    return [f"  the job's processes (RSS): {process['source']}", *("  " + line for line in _terms(terms_of(process["terms"]))),
+    return [f"  the job's processes (RSS): {process.source}", *("  " + line for line in _terms(process.terms)),
             "  of which tensors, and the fp32 build at load time:", *("  " + line for line in _terms(plan.host_terms))]
 
 

@@ -12,11 +12,10 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterable
-from typing import Any
 
 from zerotune.config import files
 from zerotune.config.schema import MIB
-from zerotune.rundir.plan import Plan, Term, at_peak
+from zerotune.rundir.plan import Plan, ProcessPrediction, Term, at_peak, mib_of
 
 PINNED_ROUNDING = "_pinned_rounding"  # name suffix: a live pinned buffer's block beyond its tensor's bytes
 PINNED_CACHE = "_pinned_cache"        # name suffix: freed pinned blocks kept in the allocator's free list
@@ -198,27 +197,26 @@ def rank_tensors_mib(found: Plan, accelerator: str = "cpu") -> tuple[float | Non
 
 
 def node_rss_prediction(plan: Plan, ranks: int, baseline: float | None, parent: float | None,
-                        accelerator: str = "cpu", baseline_note: str = "") -> dict:
-    """{"mib", "terms", "source"}: the node's predicted peak RSS, parent + ranks × (baseline + tensors);
-    "mib" is None where the baseline, the parent or the tensors are unknown (never a guess)."""
+                        accelerator: str = "cpu", baseline_note: str = "") -> ProcessPrediction:
+    """The node's predicted peak RSS, parent + ranks × (baseline + tensors); its `mib` is None where the baseline,
+    the parent or the tensors are unknown (never a guess)."""
     tensors, tensor_source = rank_tensors_mib(plan, accelerator)
-    terms: list[dict[str, Any]] = [t.to_dict() for t in (
+    terms = (
         Term("parent_process", parent, "the job process: outside the sampled tree"),
         Term("process_baseline", None if baseline is None else ranks * baseline,
              f"{ranks} rank(s) × a fresh worker's RSS after its imports (measured on this host{baseline_note})"),
         Term("rank_tensors", None if tensors is None else ranks * tensors, f"{ranks} rank(s) × {tensor_source}"),
-    )]
-    known: list[float | None] = [t["mib"] for t in terms]
-    mib = None if any(v is None for v in known) else sum(v for v in known if v is not None)
-    return {"mib": mib, "terms": terms, "source": "process RSS: parent + ranks × (import baseline + tensors)"}
+    )
+    mib = None if any(t.mib is None for t in terms) else mib_of(terms)
+    return ProcessPrediction(mib, terms, "process RSS: parent + ranks × (import baseline + tensors)")
 
 
-def mark_process_prediction(plan: Plan, node_prediction: dict) -> Plan:
+def mark_process_prediction(plan: Plan, node_prediction: ProcessPrediction) -> Plan:
     """The plan with its host figure made the process-RSS prediction (what a run's summary measures); the terms
     are kept either way, and an unknown prediction (mib None) leaves the figure as it was, unmarked."""
     plan = plan.adding(host_process_terms=node_prediction)
-    if node_prediction.get("mib") is not None:
-        plan = plan.adding(host_peak_mib=node_prediction["mib"], host_peak_kind=PROCESS_RSS)
+    if node_prediction.mib is not None:
+        plan = plan.adding(host_peak_mib=node_prediction.mib, host_peak_kind=PROCESS_RSS)
     return plan
 
 

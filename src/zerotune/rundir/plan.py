@@ -102,6 +102,25 @@ class Phase:
                    bool(found.get("run_peak")))
 
 
+@dataclass(frozen=True)
+class ProcessPrediction:
+    """A node's predicted peak RSS (plan/host_memory.py): parent + ranks × (import baseline + tensors), each a
+    term; `mib` is None where one of them is unknown (never a guess)."""
+
+    mib: float | None
+    terms: tuple[Term, ...]
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mib": self.mib, "terms": [t.to_dict() for t in self.terms], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, found: Any) -> ProcessPrediction | None:
+        if not isinstance(found, dict):
+            return None
+        return cls(found.get("mib"), terms_of(found.get("terms")), str(found.get("source", "")))
+
+
 _TERM_LISTS = ("gpu_terms", "host_terms", "nvme_terms", "step_terms", "time_terms", "sampling_pass_terms")
 
 
@@ -138,7 +157,7 @@ class Plan:
     sampling_pass_terms: tuple[Term, ...] = ()            # what one validation pass adds to the step's memory
     phases: tuple[Phase, ...] = ()
     host_fit: dict[str, Any] | None = None
-    host_process_terms: dict[str, Any] | None = None
+    host_process_terms: ProcessPrediction | None = None
     micro_batch: dict[str, Any] | None = None             # `zerotune plan`'s answer: which batch was planned
     extra: dict[str, Any] = field(default_factory=dict)   # the keys this record does not type, as written
     keys: tuple[str, ...] = ()
@@ -164,6 +183,8 @@ class Plan:
                 values[key] = terms_of(value)
             elif key == "phases":
                 values[key] = tuple(Phase.from_dict(p) for p in value) if isinstance(value, list) else ()
+            elif key == "host_process_terms":
+                values[key] = ProcessPrediction.from_dict(value)
             elif key in typed:
                 values[key] = value
         extra = {k: v for k, v in found.items() if k not in typed}
@@ -178,6 +199,8 @@ class Plan:
                 out[key] = [t.to_dict() for t in getattr(self, key)]
             elif key == "phases":
                 out[key] = [p.to_dict() for p in self.phases]
+            elif key == "host_process_terms":
+                out[key] = None if self.host_process_terms is None else self.host_process_terms.to_dict()
             else:
                 out[key] = getattr(self, key)
         return out
