@@ -1,16 +1,7 @@
-"""What the page may read and write: the working directory's multirun/ and outputs/ (where Hydra puts runs)
-and the user's experiment folder (config_search), nothing else. Every path a request names is resolved
-(symlinks included) and must stay inside one of them; so must the run and sweep folders an experiment saved
-from the page names (allowed.py).
-
-The page's error answer, and a JSON answer sent straight from ASGI middleware (the size limit, the access
-checks), before the app runs.
-
-Who may use the page. A web page the user visits can point its own domain at 127.0.0.1 (DNS rebinding)
-and so talk to the server as its own origin, or send a form to it from elsewhere: every request must name
-this machine in its Host, a request that changes anything must come from the page itself (Origin,
-Sec-Fetch-Site), and every request but the page's static files must carry the token printed with the URL
-(as Jupyter does)."""
+"""Who may use the page and what it may touch. Paths resolve (symlinks included) inside multirun/, outputs/ or the
+user's experiment folder. Against DNS rebinding and forms sent from elsewhere, every request names this machine in
+its Host, one that changes anything comes from the page itself (Origin, Sec-Fetch-Site), and all but the static files
+carry the token printed with the URL (as Jupyter does). Also the JSON error answers sent from ASGI middleware."""
 
 from __future__ import annotations
 

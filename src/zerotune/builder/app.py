@@ -1,6 +1,4 @@
-"""Requests over 1 MiB are refused (413) before the app reads them.
-
-The builder page's web app (FastAPI + Jinja2): the page, and the JSON calls behind its panels."""
+"""The builder page's web app (FastAPI + Jinja2): the page, and the JSON calls behind its panels."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""What the page may write: zerotune's configuration, and nothing Hydra would run. An experiment saved from the
-page is run by `zerotune train`, whose Hydra instantiates the `_target_` of every hydra.callbacks entry
-(Hydra's blocklist stops os.system, not builtins.open); so an override from the page may not name a
-`_target_` anywhere, nor set Hydra's own keys other than the run and sweep folders, which must stay under the
-working directory's outputs/ and multirun/ (paths.py), nor a key outside zerotune's schema. Each override
-is read by Hydra's own parser; the keys are looked up in the schema itself.
-
-The page's form, read from the config groups themselves (the packaged ones and the user's folder's): one
-field per config group (a YAML file added to a group is a new option, with no code change), the train knobs
-from the schema, and the few keys a group option needs typed in (an NVMe folder, a data folder). Also how a
-filled form becomes overrides, and back."""
+"""The page's form, read from the config groups themselves (a YAML added to a group is a new option), how a filled
+form becomes overrides and back, and what the page may write: configuration only. Hydra instantiates an experiment's
+`_target_`s (its blocklist stops os.system, not builtins.open), so no override may name one, set Hydra's keys other
+than the run and sweep folders (kept under outputs/ and multirun/), or set a key outside zerotune's schema."""
 
 from __future__ import annotations
 
@@ -197,11 +190,10 @@ def knob_values(found: Composed) -> dict[str, Any]:
 
 
 def overrides(choices: dict[str, str], values: dict[str, Any], extra: Sequence[str] = ()) -> list[str]:
-    """What differs from the default job, as `zerotune train` takes it: group choices first, then keys,
-    then `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what
-    the user set; each is compared with what the rest of the composition gives it. The page's input
-    composes without reading the environment: `${oc.env:...}` and the like are refused at their key; and it
-    sets configuration only (allowed.py): no `_target_`, no Hydra settings but its folders, no unknown key."""
+    """What differs from the default job, as `zerotune train` takes it: group choices first, then keys, then
+    `extra` (overrides the form has no field for, kept as typed). `choices` and `values` hold what the user set,
+    each compared with what the rest of the composition gives it. `${oc.env:...}` and the like are refused at their
+    key, as is anything `check` refuses."""
     extra = [e.strip() for e in extra if e.strip()]
     typed = [*(override(g, o) for g, o in choices.items()), *(override(k, v) for k, v in values.items()), *extra]
     check(typed)

@@ -1,10 +1,6 @@
-"""The live preview: the command line, the composed config and the validated DeepSpeed JSON for a filled
-form, with the validator's error (the same one `zerotune train` stops with) placed at the form field its
-key names.
-
-Will it fit: the planner's prediction for the page (per-rank GPU peak as a stacked bar by kind of
-memory, host and NVMe peaks, the time floor), and "find the cheapest that fits" (the planner's --all
-ranking), whose recommendation the page puts back into its form."""
+"""The live preview: the command line, the composed config and the validated DeepSpeed JSON for a filled form, the
+validator's error at the field its key names; and will it fit: the planner's prediction (GPU peak as a stacked bar,
+host and NVMe peaks, the time floor) and its "cheapest that fits" ranking, put back into the form."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Templates: a filled form saved as <the user's folder>/experiment/<name>.yaml (only what differs from the
-default job), which `zerotune train experiment=<name>` runs, and any experiment loaded back into the form
-(the user's or a packaged one). What a file holds that the page may not write (allowed.py: a callback, Hydra's
-settings) is shown on loading, not editable; the page never saves over a file that holds such keys, which
-its save would drop.
-
-Import on the page: a pasted DeepSpeed JSON or accelerate config YAML becomes the zerotune overrides that
-give the same DeepSpeed dict (zerotune.plan.import_config does the work), plus the keys only the file expresses.
-The text is parsed as data (json / yaml.safe_load), never run.
-
-Results on the page: the sweeps under multirun/ and outputs/, and one sweep's report (the table with
-measured and predicted figures side by side, the plots, the budget answer), built by zerotune.report."""
+"""The page's files: experiments saved from a filled form (what differs from the default job) and loaded back (what
+the page may not write shown, never saved over); a pasted DeepSpeed JSON or accelerate YAML imported as overrides
+(parsed as data, never run); and the sweeps under multirun/ and outputs/ with their reports."""
 
 from __future__ import annotations
 

@@ -1,38 +1,7 @@
-"""The run (or sweep) folder is checked before Hydra creates anything in it: a path through an existing file,
-a folder this user cannot write, or a disk without room is a config error naming `hydra.run.dir` (or
-`hydra.sweep.dir`), with a folder that does work as the fix.
-
-It runs as a Hydra callback (conf/hydra/default.yaml), because Hydra calls `on_run_start` and
-`on_multirun_start` after composing and before its own mkdir. Hydra turns an exception raised by a callback
-into a warning and carries on, so the refusal ends the process itself (exit 2), as every config error does.
-
-Write the sweep report when a Hydra sweep ends, and refresh it as each job ends.
-
-Hydra skips `on_multirun_end` when a job's task function raised (its sweeper re-raises the first
-failure), and a sweep stopped with Ctrl-C never gets there either; zerotune's task function records a
-failure and returns, but the report is rebuilt in `on_job_end` too, so any sweep leaves a recent one.
-A sweep of short jobs (a tune's trials, 2 to 4 s each) would spend a tenth of its time rebuilding it
-(0.3 s a time here), so a job's end rebuilds it only where the last rebuild took at most REFRESH_SHARE of
-the time since: after a 0.3 s rebuild, none for the next 15 s (at 5%, a tune of the small workload spent
-4.7 s of 92 on it, its trials waiting). Longer jobs still refresh it each; a job
-that raised, and the sweep's end, always do. A sweep stopped by Ctrl-C can leave its last seconds' jobs
-out of summary.md (their summary.json are written): `zerotune report <sweep dir>` rebuilds it.
-A report problem is logged, never raised: it must not fail or stop the sweep.
-
-With hydra/launcher=slurm, the sweep's SLURM request is checked against the cluster before anything is
-submitted: the partition, nodes, GPUs, CPUs and memory per node, and the time limit (job/slurm_cluster.py,
-against what job/slurm_cluster.py reads from scontrol).
-Each refusal is a config error naming the `hydra.launcher.*` key, with a value that passes as the fix.
-
-The Hydra callback that runs it before the first job is submitted is cli/callbacks.py.
-
-With hydra/launcher=slurm, the sweep's SLURM request is checked against the cluster before anything is
-submitted (zerotune/cli/callbacks.py). Each refusal is a config error naming the `hydra.launcher.*` key, with a
-value that passes as the fix.
-
-It runs as a Hydra callback (conf/hydra/default.yaml): Hydra calls `on_multirun_start` once, after composing and
-before its launcher submits the first job. Hydra turns an exception raised by a callback into a warning and carries
-on, so the refusal ends the process itself (exit 2), as every config error does."""
+"""zerotune's Hydra callbacks (conf/hydra/default.yaml): the run or sweep folder and a SLURM sweep's request checked
+before anything is created or submitted, each refusal a config error naming the key with a value that works, and the
+sweep report. Hydra turns a callback's exception into a warning and carries on, so a refusal ends the process itself
+(exit 2), as every config error does."""
 
 from __future__ import annotations
 
@@ -74,6 +43,9 @@ MIN_FREE_BYTES = 16 * 2**20
 
 
 class RunDirCheck(Callback):
+    """`hydra.run.dir` (`hydra.sweep.dir`) checked after composing and before Hydra's own mkdir: a path through a
+    file, a folder this user cannot write, or a disk without room is refused."""
+
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_or_exit("hydra.run.dir", config.hydra.run.dir)
 
@@ -128,6 +100,11 @@ REFRESH_SHARE = 0.02  # of a sweep's time, at most, spent rebuilding its report 
 
 
 class SweepReportCallback(Callback):
+    """The sweep report, written when a sweep ends and refreshed as jobs end (Hydra skips `on_multirun_end` after a
+    job raised or Ctrl-C). A job's end rebuilds it only where the last rebuild took at most REFRESH_SHARE of the time
+    since (at 5%, a tune of the small workload spent 4.7 s of 92 on it, its trials waiting); a job that raised, and
+    the sweep's end, always do. A report problem is logged, never raised: it must not fail or stop the sweep."""
+
     def __init__(self, refresh_each_job: bool = True) -> None:
         self.refresh_each_job = refresh_each_job
         self._next_refresh = 0.0  # time.monotonic() from which a job's end rebuilds the report again
@@ -293,6 +270,9 @@ def step_floor(settled: Settled, card: gpus.GPU, req: Request) -> float | None:
 
 
 class SlurmCheck(Callback):
+    """The sweep's SLURM request (partition, nodes, GPUs, CPUs and memory per node, time limit) checked against the
+    cluster (job/slurm_cluster.py) before the launcher submits the first job."""
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not is_slurm(config.hydra.launcher):
             return

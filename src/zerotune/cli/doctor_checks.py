@@ -1,10 +1,5 @@
-"""One check's finding, and the report of them all as text or JSON.
-
-The files a run touches: the NVMe offload folder, the torch extensions cache's locks, and accelerate's
-default config.
-
-The machine: platform and DeepSpeed's accelerator, build tools, DeepSpeed's ops (ds_report's data), libaio,
-and the GPUs. Nothing here builds an op or creates a CUDA context."""
+"""`zerotune doctor`'s checks (the files a run touches, and the machine: platform, build tools, DeepSpeed's ops,
+libaio, GPUs) and their report as text or JSON. Nothing here builds an op or creates a CUDA context."""
 
 from __future__ import annotations
 

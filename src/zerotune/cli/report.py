@@ -1,7 +1,5 @@
-"""`python -m zerotune report <sweep dir> [<more dirs>...] [--budget-mib N] [--metric gpu|host] [--out DIR]`
-[--where KEY=VALUE ...]: the command; the work is zerotune/report/.
-
-`python -m zerotune report` is `zerotune report` (zerotune/cli/report.py)."""
+"""`zerotune report <sweep dir>... [--budget-mib N] [--metric gpu|host] [--out DIR] [--where KEY=VALUE ...]`: the
+command; the work is zerotune/report/."""
 
 from __future__ import annotations
 

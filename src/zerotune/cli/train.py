@@ -145,14 +145,10 @@ def _interrupted_exit(summary: RunSummary) -> int:
 
 
 def agree_across_ranks(args: list[str]) -> list[str]:
-    """Under torchrun / `accelerate launch` / `deepspeed`, every rank runs this CLI and composes its own config.
-
-    The ranks first join the default process group and take rank 0's clock, so `${now:...}` in
-    hydra.run.dir (and hydra.sweep.dir) resolves to ONE folder on every rank. Ranks other than 0 then
-    write nothing of Hydra's there: no `.hydra/` (hydra.output_subdir=null) and no log file
-    (hydra/job_logging=stdout: their log goes to the launcher's console). Only rank 0 writes the
-    run's files (train/run.py) and talks to W&B.
-    """
+    """Under torchrun / `accelerate launch` / `deepspeed`, every rank runs this CLI: the ranks join the default
+    process group and take rank 0's clock, so `${now:...}` in hydra.run.dir (and hydra.sweep.dir) names ONE folder
+    on every rank. The others write nothing of Hydra's there (hydra.output_subdir=null, hydra/job_logging=stdout);
+    only rank 0 writes the run's files and talks to W&B."""
     if not distributed.launched_externally() or distributed.world_size() == 1 or _hydra_option_only(args):
         started = job_start_time(os.environ)  # `srun` started this process on each node of a SLURM job
         if started is not None and not _hydra_option_only(args):

@@ -1,18 +1,6 @@
-"""Configs users already have: a DeepSpeed JSON, an accelerate YAML, or `accelerate launch`'s environment.
-
-The file is the user's intent; zerotune's config groups fill only what it leaves out. config/compose/settle.py reads
-the sources (`accelerate_config`, `deepspeed_file`), turns them into zerotune settings (`settings`), applies them
-to the composed config, refusing a value typed on the command line that contradicts them, and records what was
-used and where every value came from (`precedence.UserConfig`).
-
-accelerate's own configs: the YAML `accelerate config` writes, and the environment `accelerate launch` sets.
-
-Both are read into one shape, accelerate's field names (`zero_stage`, `offload_optimizer_device`,
-`mixed_precision`, `num_processes`, ...), which `settings.from_accelerate` maps onto zerotune's keys.
-
-What a user's file says, in zerotune's keys: `zero_optimization.stage: 3` is `zero_stage.stage=3`.
-
-Only values the file states count: a missing key or `"auto"` leaves the choice to zerotune's groups."""
+"""Configs users already have (a DeepSpeed JSON, an accelerate YAML, `accelerate launch`'s environment) as settings
+in zerotune's keys: `zero_optimization.stage: 3` is `zero_stage.stage=3`. Only values a file states count: a missing
+key or `"auto"` leaves the choice to zerotune's groups. config/compose/settle.py applies them."""
 
 from __future__ import annotations
 
@@ -116,9 +104,8 @@ def find(setting: str | None, environ: dict | None = None) -> list[AccelerateCon
 
 @contextlib.contextmanager
 def absorbed_launch_environment():
-    """accelerate's DeepSpeedPlugin re-reads `accelerate launch`'s variables and refuses a config dict while
-    ACCELERATE_CONFIG_DS_FIELDS names any. zerotune has already folded them into the dict (or refused a
-    conflict), so they are hidden while the plugin is built."""
+    """`accelerate launch`'s variables hidden while accelerate's DeepSpeedPlugin is built: zerotune has already
+    folded them into the dict (or refused a conflict), and the plugin would refuse the dict."""
     names = [DS_FIELDS_ENV, "ACCELERATE_MIXED_PRECISION", *ENV_FIELDS.values()]
     saved = {n: os.environ.pop(n) for n in names if n in os.environ}
     try:

@@ -1,17 +1,6 @@
-"""The DeepSpeed config dict: built from the config groups, validated before anything runs.
-
-DeepSpeed's batch rule: train_batch_size = micro batch × accumulation × world size.
-
-Any two determine the third. Each known value carries where it came from, so an inconsistent
-triple is reported with the knob that keeps the user's global batch.
-
-Optimizer names: normalisation, aliases, and which ones DeepSpeed can run where.
-
-Two kinds: DeepSpeed's own (built by the engine from the dict's `optimizer` block) and client optimizers
-(torch, transformers or bitsandbytes classes zerotune builds and hands to the engine; the dict then has no
-`optimizer` block, and `zero_force_ds_cpu_optimizer: false` lets them run on offloaded partitions).
-
-The DeepSpeed "scheduler" block for each scheduler option."""
+"""The DeepSpeed dict's blocks, built from the config groups and checked before anything runs: the batch rule
+(train_batch_size = micro batch × accumulation × world size), optimizers (DeepSpeed's own, and client optimizers
+zerotune builds and hands to the engine) and the scheduler block."""
 
 from __future__ import annotations
 
@@ -29,8 +18,8 @@ from zerotune.config.schema import Scheduler
 
 @dataclass(frozen=True)
 class Known:
-    """One of the three batch values, where it came from, and how to change it there. The one check that
-    each is a positive integer (preflight and the validator both build these)."""
+    """One of the three batch values, where it came from, and how to change it there (an inconsistent triple
+    is reported with the knob that keeps the user's global batch)."""
 
     value: int
     origin: str              # "ds.json", "command line" or "default"
@@ -238,8 +227,8 @@ def _implementation(name: str, offloaded: bool, torch_adam: bool):
 
 
 def check_params(name: str, params: dict, offloaded: bool, key: str = "optimizer.params") -> None:
-    """The engine passes `params` to the optimizer's constructor mid-start-up, where an unknown one is a
-    TypeError; the constructor's own signature answers it here."""
+    """Refuse `params` the optimizer's constructor does not take, read from its signature (the engine's
+    TypeError would come mid-start-up)."""
     import inspect
 
     if "max_grad_norm" in params:
@@ -339,10 +328,9 @@ PARAMS = {
 
 
 def derived_params(sched: Scheduler, lrs: list[float], max_steps: int) -> dict:
-    """Every scheduler parameter zerotune derives from the scheduler group, the parameter groups' learning rates
-    (`lrs`: optimizer.lr, then each trained text encoder's) and train.max_steps: for its own blocks, and for "auto"
-    in a user's. DeepSpeed's WarmupLR and OneCycle set every group to their lr, or to the group's own entry of a
-    list (`_format_param`); WarmupCosineLR scales each group's own lr."""
+    """Every scheduler parameter derived from the scheduler group, `lrs` (optimizer.lr, then each trained text
+    encoder's) and max_steps: for zerotune's blocks and a user's "auto". WarmupLR and OneCycle set every group to
+    their lr, or its own entry of a list (`_format_param`); WarmupCosineLR scales each group's own lr."""
     half = max(max_steps // 2, 1)
     div = float(sched.div_factor)
     top: float | list[float] = lrs[0] if len(lrs) == 1 else list(lrs)

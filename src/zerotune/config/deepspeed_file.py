@@ -1,27 +1,7 @@
-"""DeepSpeed 0.19.8's top-level config keys, and what a user's DeepSpeed JSON may do with each.
-
-- honoured: passed to DeepSpeed, and it means in zerotune's run what it says.
-- translated: an older spelling, rewritten by `deepspeed_file.translate` (with a warning).
-- refused: it asks for something zerotune's run does not do, so it would be ignored without a word (or fail
-  mid-start-up). A value that asks for nothing (`"enabled": false`, `false`, an empty block) is accepted; where
-  DeepSpeed rejects the key itself (a feature it removed), misreads it or does not read it, such a value is dropped
-  with a warning.
-- ignored: DeepSpeed does not read it, but circulating files carry it (LLaMA-Factory's `comms_config` and
-  `monitor_config`). A value that asks for nothing is dropped with a warning; one that asks for something is
-  refused, since DeepSpeed would not do it.
-
-Any other key is unknown. One that looks like a misspelling of a key DeepSpeed reads is refused with the
-rename; one whose value turns nothing on (false, 0, null, empty, or a block of such values) is dropped with a
-warning, as DeepSpeed ignores it; any other is refused, as what it asks for would not happen. A file with no
-key DeepSpeed reads is not a DeepSpeed config. Errors and warnings name keys, never the values of keys they do
-not know (a pasted secret stays out of stderr, summary.json and the builder's answers).
-tests/test_ds_file_keys.py compares this table with the keys DeepSpeed's own config parser reads.
-
-Read a hand-written DeepSpeed JSON, as DeepSpeed, accelerate and the HF Trainer accept it.
-
-Keys that older DeepSpeed configs still carry are translated to today's spelling (`translate`). DeepSpeed itself either
-accepts the old spelling silently (`cpu_offload`, which then escapes zerotune's offload handling) or stops
-with an exception, so they are settled here first. Removed features are refused by `ds_keys`."""
+"""A hand-written DeepSpeed JSON read as DeepSpeed, accelerate and the HF Trainer accept it, against a table of
+DeepSpeed 0.19.8's top-level keys (tests/test_ds_file_keys.py compares it with DeepSpeed's parser). Errors and
+warnings name keys, never the values of keys they do not know (a pasted secret stays out of stderr, summary.json
+and the builder's answers)."""
 
 from __future__ import annotations
 
@@ -36,6 +16,8 @@ from typing import Any, NamedTuple
 
 from zerotune.config.errors import ConfigError
 
+# honoured: passed on, meaning what it says; translated: an older spelling `translate` rewrites; refused: asks for
+# what zerotune's run does not do; ignored: DeepSpeed does not read it, but circulating files carry it.
 HONOURED, TRANSLATED, REFUSED, IGNORED = "honoured", "translated", "refused", "ignored"
 DOCS = "https://www.deepspeed.ai/docs/config-json/"
 
@@ -299,10 +281,9 @@ KEYS: dict[str, Decision] = {
 
 
 def check(ds: dict, source: str, key: str) -> tuple[dict, list[str]]:
-    """`ds` less what asks for nothing of a key DeepSpeed ignores, removed or misreads, and one warning line
-    for each key left out (deepspeed_file logs them); a ConfigError for a file that is not a DeepSpeed config,
-    a misspelt key, or a key whose value asks for what the run would not do. `source` names the file; `key`
-    is its setting."""
+    """`ds` less what asks for nothing of a key DeepSpeed ignores, removed or misreads, and a warning line for
+    each key left out; a ConfigError for a file that is not a DeepSpeed config, a misspelt key, or a key whose
+    value asks for what the run would not do. `source` names the file; `key` is its setting."""
     if ds and not any(name in KEYS and KEYS[name].kind != IGNORED for name in ds):
         raise ConfigError(key, f"{source} is not a DeepSpeed config: none of its {len(ds)} top-level keys is "
                           "one of DeepSpeed's", f"point {key} at a DeepSpeed JSON file (keys such as "
@@ -402,8 +383,8 @@ SYNONYMS_ZERO = {
 
 
 def translate(ds: dict, source: str) -> tuple[dict, list[str]]:
-    """A copy of the user's dict in today's spelling, and one warning line for each change (deepspeed_file logs
-    them)."""
+    """A copy of the user's dict in today's spelling, and one warning line for each change. DeepSpeed would take
+    some old spellings silently (`cpu_offload`, escaping zerotune's offload handling) and stop on others."""
     ds = copy.deepcopy(ds)
     notes: list[str] = []
 

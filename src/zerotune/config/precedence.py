@@ -1,9 +1,6 @@
-"""A fix must work when applied. Checks write their fixes as overrides (`precision=fp32`), but an override of a
-value a file states is refused by the precedence rules ("the command line says ... but the file says ..."):
-such an override is rewritten here into the edit of that file.
-
-What the user's files set and where each value came from (`UserConfig`), and how a key typed on the command
-line is found (`typed_keys`, `pinned_by`). The rules of who wins are config/compose/settle.py's, which applies them."""
+"""What the user's files set and where each value came from (`UserConfig`), which keys the command line typed, and
+fixes that work when applied: a fix's override of a value a file states would be refused, so it becomes the edit of
+that file. The rules of who wins are config/compose/settle.py's."""
 
 from __future__ import annotations
 

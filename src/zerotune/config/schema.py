@@ -1,15 +1,6 @@
-"""The types of the keys that steer a job rather than the model it trains: checkpoints, resume, the
-planner, launching, fault injection, sweep reports and tune trials (the schema's other half: schema/__init__.py).
-
-The config tree's types, registered in Hydra's ConfigStore as the schema of conf/config.yaml (config/compose/settle.py).
-
-The YAML files stay the options users read and copy; these dataclasses say what each key may hold, so a
-wrong type (`train.batch_size=abc`) or an unknown key (`train.batchsize=4`, also with `+`) fails at
-composition, naming the key. A group whose options differ in their keys (optimizer, scheduler, model,
-data) has one dataclass holding every option's keys; an option leaves the others at their defaults.
-Checks that need the model or DeepSpeed stay in preflight and the validator.
-
-Units every part shares: bytes per MiB, and bytes per element of the precisions a run trains in."""
+"""The config tree's types, the schema of conf/config.yaml: a wrong type (`train.batch_size=abc`) or an unknown key
+(`train.batchsize=4`) fails at composition, naming the key. A group whose options differ in their keys has one
+dataclass holding every option's keys. Also the units every part shares: bytes per MiB and per element."""
 
 from __future__ import annotations
 
@@ -337,8 +328,8 @@ def launch_world_size(launch: Launch) -> int:
 
 
 def as_dict(block: Any) -> dict[str, Any]:
-    """A config block (one of the frozen dataclasses above, or the whole Config) as a plain dict; a block still in
-    OmegaConf's form, as composed and not yet settled, is converted the same way (values resolved)."""
+    """A config block (a frozen dataclass, or the whole Config) as a plain dict; one still in OmegaConf's form
+    is converted the same way (values resolved)."""
     if dataclasses.is_dataclass(block) and not isinstance(block, type):
         return dataclasses.asdict(block)
     return OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]

@@ -1,13 +1,6 @@
-"""Where configs are found: the user's own folder first, then the configs packaged with zerotune.
-
-The packaged ones are the package zerotune.config.conf (the checkout's conf/) and zerotune.config.experiments (its
-experiments/experiment/), read through importlib.resources, so an installed wheel finds them wherever it
-lies. The user's folder is `--config-dir DIR` (or $ZEROTUNE_CONFIG_DIR, which a command sets for the
-processes it starts), or else a `zerotune/` folder in the working directory. Its
-group folders add options (`zerotune/optimizer/my_adamw.yaml` is `optimizer=my_adamw`) and experiments
-(`zerotune/experiment/mine.yaml` is `experiment=mine`); a file with a packaged option's name is used in its
-place, with a warning naming both.
-"""
+"""Where configs are found: the user's folder (`--config-dir DIR`, $ZEROTUNE_CONFIG_DIR, else ./zerotune/) first,
+then the packaged ones (read through importlib.resources, as an installed wheel holds them). A user's file with a
+packaged option's name is used in its place, with a warning naming both."""
 
 from __future__ import annotations
 
@@ -128,10 +121,8 @@ def add_config_dir_option(parser) -> None:
 
 
 def choose(config_dir: str | Path | None) -> ConfigSearch:
-    """A command's `--config-dir`, for the rest of this process and the processes it starts (a run's workers,
-    a sweep's jobs, a SLURM job), which inherit it through the environment. Without one nothing is fixed:
-    ./zerotune/ is looked for at each use (the builder page's first save creates it); a bad
-    $ZEROTUNE_CONFIG_DIR is refused here all the same."""
+    """A command's `--config-dir`, for this process and those it starts (through the environment). Without one
+    ./zerotune/ is looked for at each use; a bad $ZEROTUNE_CONFIG_DIR is refused here all the same."""
     global _chosen
     search = ConfigSearch(find_user_folder(config_dir))
     if config_dir is not None:

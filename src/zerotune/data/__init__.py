@@ -1,8 +1,5 @@
-"""A lower bound on the host memory a job's input tensors take, checked before any worker starts: a
-resolution whose inputs alone cannot fit this machine is refused with the estimate, not an allocation failure.
-
-Data sets by name (spec.data.name); each loads its own module on demand (scikit-learn, PIL and the
-latent cache are heavy, and a job needs one of them). Items are dicts: "x0" (the clean sample) plus conditioning."""
+"""Data sets by name (spec.data.name), each loading its own module on demand (scikit-learn, PIL and the latent cache
+are heavy; items are dicts: "x0" plus conditioning), and the data checks run before any worker starts."""
 
 from __future__ import annotations
 
@@ -107,12 +104,9 @@ def check_invert(spec: DataSpec) -> None:
 
 
 def build_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
-    """The training DataLoader: shuffled by a seeded generator, whole batches only.
-
-    data=folder: batches from one aspect-ratio bucket each, read from the latent cache (filled first, by
-    one process per node); `loader.dataset.report` is its data report, also written to
-    <run_dir>/data_report.json when run_dir is given.
-    """
+    """The training DataLoader: shuffled by a seeded generator, whole batches only. data=folder: batches from one
+    aspect-ratio bucket each, read from the latent cache (filled first, by one process per node);
+    `loader.dataset.report` is its data report, also written to <run_dir>/data_report.json when run_dir is given."""
     if spec.data.name == "folder":
         from zerotune.data.prepare import folder_loader
 

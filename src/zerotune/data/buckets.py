@@ -1,20 +1,6 @@
-"""SDXL-style aspect-ratio buckets, and where an image lands in its bucket.
-
-Buckets are, for each width divisible by `step`, the tallest height divisible by `step` whose area
-stays within size**2, and the same pairs turned on their side, with aspect ratios up to `max_ratio`:
-for 1024, SDXL's 512x2048, 512x1984, ..., 832x1216, ..., 1024x1024, ..., 2048x512. An image goes to the bucket closest to it in log aspect
-ratio, is resized (keeping its aspect) to cover the bucket, and centre-cropped to it; SDXL's time_ids
-record the original size and the crop's top-left corner.
-
-Batches that never mix buckets: a seeded, deterministic batch sampler.
-
-Each epoch, every bucket's samples are shuffled and cut into whole batches; the batches of all buckets
-are then shuffled together. A bucket's remainder (fewer than a batch) sits out that epoch only: the
-next epoch's shuffle leaves out different samples, so over epochs every sample is seen. A bucket with
-fewer samples than one batch is never trained on; `batches_per_bucket` says so, and the data report lists it.
-
-With random_flip, each drawn sample also gets a coin flip, and the sampler yields (index, flipped)
-pairs: the dataset returns the flipped view, whose latents were encoded from mirrored pixels."""
+"""SDXL-style aspect-ratio buckets (for 1024: 512x2048, ..., 1024x1024, ..., 2048x512), where an image lands in its
+bucket (nearest in log aspect ratio, resized to cover it, centre-cropped), and a seeded sampler whose batches never
+mix buckets. A bucket's remainder sits out one epoch only; a bucket smaller than a batch is never trained on."""
 
 from __future__ import annotations
 
@@ -90,6 +76,9 @@ SampleRef = int | tuple[int, bool]
 
 
 class BucketBatchSampler(Sampler[list[SampleRef]]):
+    """Each epoch, every bucket's shuffled samples in whole batches, all buckets' batches shuffled together; with
+    random_flip, (index, flipped) pairs (the flipped view's latents were encoded from mirrored pixels)."""
+
     def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, random_flip: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

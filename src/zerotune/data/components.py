@@ -1,11 +1,5 @@
-"""The frozen components from local folders: the VAE, the text encoders and their tokenizers (SDXL: two
-of each; SD 1.x/2.x, `conditioning: text`: one).
-
-Each comes from its own key (model.vae, model.text_encoder, model.text_encoder_2, model.tokenizer,
-model.tokenizer_2) or from the matching subfolder of one pipeline folder, model.components; an
-own key wins. Nothing is ever downloaded (local_files_only). Their configs are checked against the
-U-Net before any weights load, and they load only when the latent cache misses.
-"""
+"""The frozen VAE, text encoders and tokenizers from local folders (their own keys, model.vae, ..., winning over
+model.components' subfolders; nothing downloaded), checked against the U-Net before any weights load."""
 
 from __future__ import annotations
 
@@ -211,10 +205,8 @@ class FrozenEncoders:
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[n, 3, h, w] in [-1, 1] -> latents the U-Net trains on: the posterior's mean, scaled.
-
-        The mean, not a sample: the cache holds one deterministic value per image.
-        """
+        """[n, 3, h, w] in [-1, 1] -> latents the U-Net trains on: the posterior's mean (the cache holds one
+        deterministic value per image), scaled."""
         vae = self._load_vae()
         latents = vae.encode(pixels.to(self.device, torch.float32)).latent_dist.mean
         shift = vae.config.get("shift_factor") or 0.0

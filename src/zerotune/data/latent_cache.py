@@ -1,23 +1,6 @@
-"""Content hashes of files, remembered by (path, size, mtime) so a rerun reads no file twice.
-
-The cache is keyed by what files contain, not by their names; hashing a 10 GB text encoder or 50,000
-photos on every run would cost minutes, so each hash is kept in a small JSON index in the cache folder.
-A file whose size or modification time changed is hashed again.
-
-VAE latents and text embeddings on disk, one safetensors file per entry, computed once.
-
-An entry's name is a hash of everything its value depends on, so a change recomputes exactly what it
-touches and nothing else:
-  latents  <- image bytes, VAE (config + weights), bucket, flip, preprocessing version
-  text     <- caption, both text encoders and tokenizers (config + weights / files), sequence length
-Text entries are shared by every image with the same caption, and the folder can be shared by all runs
-of a sweep and by several data sets. Files are written whole and renamed into place, so a run that dies
-mid-write, or two runs writing the same entry, leave no half entry behind. Nothing is ever evicted:
-delete the folder (or any entry in it) to reclaim space.
-
-Training items read back from the latent cache: {"x0", "encoder_hidden_states"}, and SDXL's added
-conditioning {"text_embeds", "time_ids"}; with model.train_text_encoder, the trained encoders' tokens too
-({"input_ids", "input_ids_2"}), from which those encoders compute their part of the condition at each step."""
+"""VAE latents and text embeddings on disk, one safetensors file per entry named by a hash of all its value depends
+on (so a change recomputes only what it touches), written whole and never evicted; the training items read back from
+it; and file hashes remembered by (path, size, mtime), as rehashing a 10 GB encoder each run would cost minutes."""
 
 from __future__ import annotations
 

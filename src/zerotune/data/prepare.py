@@ -1,9 +1,4 @@
-"""data=folder from config to DataLoader: check, scan, bucket, cache, report.
-
-`check_folder_data(spec)` does every check that needs no model and no pixel decoding (seconds), so a
-bad folder or a missing component fails before anything loads; `prepare_folder_data(spec, run_dir)`
-then fills the cache and writes data_report.json; `folder_loader` wraps it for the trainer.
-"""
+"""data=folder from config to DataLoader: check (in seconds, before anything loads), scan, bucket, cache, report."""
 
 from __future__ import annotations
 
@@ -105,11 +100,8 @@ def check_folder_data(spec: DataSpec) -> CheckedFolder:
 def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro_batch: int | None = None,
                         device: torch.device | None = None,
                         progress: bool = True) -> tuple[CachedFolderDataset, dict]:
-    """The cached dataset and its report; writes <run_dir>/data_report.json when run_dir is given.
-
-    Encoders load only if some entry is missing, on `device` (default: data.cache_device), and are
-    released before this returns.
-    """
+    """The cached dataset and its report; writes <run_dir>/data_report.json when run_dir is given. Encoders load
+    only if some entry is missing, on `device` (default: data.cache_device), and are released before it returns."""
     folder = check_folder_data(spec)
     micro_batch = int(micro_batch or spec.batch_size)
     cache = LatentCache(cache_dir(spec))

@@ -1,15 +1,7 @@
-"""The validation prompts: from validation.prompts and validation.prompt_file, each with its own seed, negative
-prompt and size, checked before any model exists (preflight calls check_validation).
-
-A prompt file is one of:
-- `.txt`: a prompt per line (blank lines and `#` comments skipped), in kohya's sample_prompts format: options
-  after the prompt, `--n` negative prompt, `--d` seed, `--w`/`--h` width/height, `--l` guidance scale, `--s` steps;
-- `.jsonl`: a {"prompt", "negative_prompt", "seed", "width", "height", "guidance_scale", "steps", "name"} object
-  per line (only "prompt" required);
-- `.json`: SimpleTuner's prompt library, {name: prompt}, or a list of prompts or of such objects.
-
-Validation prompts (the `validation` block of conf/config.yaml): what they are and whether a run's settings are
-sound, before any model exists. The passes themselves run in training (train/validation.py)."""
+"""The validation prompts (validation.prompts, validation.prompt_file), each with its seed, negative prompt and size,
+checked before any model exists; the passes run in train/validation.py. A prompt file is `.txt` (kohya's
+sample_prompts: `--n` negative, `--d` seed, `--w`/`--h`, `--l` guidance, `--s` steps), `.jsonl` ({"prompt", ...}
+per line) or `.json` (SimpleTuner's {name: prompt} library, or a list of prompts or such objects)."""
 
 from __future__ import annotations
 

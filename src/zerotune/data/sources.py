@@ -1,16 +1,5 @@
-"""Random inputs of the model's exact shapes: memory and speed do not depend on their values.
-
-scikit-learn's 8x8 digits as an in-memory image data set for class-conditional diffusion.
-
-Find the images of a folder, their captions and their repeat counts; decode nothing.
-
-Captions come from a side-car `<stem>.txt` beside the image, else from a `metadata.jsonl` (lines of
-{"file_name": ..., "caption": ...}, file_name relative to the jsonl's folder) in the image's folder or
-any folder above it inside data.path; a side-car wins over metadata, a nearer metadata.jsonl over a
-farther one. Hidden files and folders (a leading ".") are never searched: that keeps a cache folder
-inside data.path out of the scan.
-
-Decode an image and cut its bucket-sized crop as the VAE takes it: RGB in [-1, 1], channels first."""
+"""Where samples come from: random inputs of the model's exact shapes (memory and speed do not depend on their
+values), scikit-learn's 8x8 digits, and a folder's images, captions and repeats, decoded to bucket crops."""
 
 from __future__ import annotations
 
@@ -99,17 +88,11 @@ def split_indices(labels: np.ndarray, holdout_fraction: float, seed: int) -> tup
 
 
 class DigitsDataset(Dataset):
-    """The 1797 sklearn digits, upsampled to `size` x `size`, one channel.
-
-    Pixel values: raw intensities 0..16 map linearly to [-1, 1] (x / 8 - 1), then the 8x8 image is
-    resized bilinearly (align_corners=False) to `size`; bilinear keeps the range inside [-1, 1] and
-    2x2 area-averaging of a 16x16 image recovers the 8x8 digit closely, which is what the scorer does.
-
-    `split` is "train" (the default, with holdout_fraction=0 that is all 1797 images), "holdout" or
-    "all"; the split is stratified by class and fixed by `seed`. `invert`: every digit drawn inverted
-    (raw x -> 16 - x before the mapping, so paper is 1 and ink -1).
-    Items: {"x0": FloatTensor[1, size, size] in [-1, 1], "class_labels": LongTensor scalar}.
-    """
+    """The 1797 sklearn digits, one channel: raw 0..16 map to [-1, 1] (x / 8 - 1), then bilinear resizing to `size`
+    keeps that range, and 2x2 area-averaging of a 16x16 image recovers the 8x8 digit closely (as the scorer does).
+    `split`: "train" (all 1797 with holdout_fraction=0), "holdout" or "all", stratified by class and fixed by `seed`.
+    `invert`: x -> 16 - x before the mapping (paper 1, ink -1).
+    Items: {"x0": FloatTensor[1, size, size] in [-1, 1], "class_labels": LongTensor scalar}."""
 
     def __init__(self, size: int, split: str = "train", holdout_fraction: float = 0.0, seed: int = 0,
                  invert: bool = False) -> None:
@@ -171,7 +154,9 @@ class ScanResult:
 
 
 def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanResult:
-    """Every supported image under `root`, with its caption, display size and repeat count."""
+    """Every supported image under `root`, with its caption, display size and repeat count; decodes nothing. A
+    caption is a side-car `<stem>.txt`, else a metadata.jsonl line ({"file_name", "caption"}) in its folder or one
+    above inside `root`, the nearer winning. Hidden files and folders are never searched (a cache folder, say)."""
     root = root.expanduser().resolve()
     if not root.is_dir():
         raise ConfigError("data.path", f"{root} is not a folder", "data.path=/path/to/your/images")

@@ -99,13 +99,10 @@ def targeted_modules(module: torch.nn.Module, adapter_cfg: Adapter | None,
 
 
 def gathered_targets(targets: list[torch.nn.Module]):
-    """At ZeRO-3 (built under zero.Init) each target's weight is a 1-D placeholder; peft sizes its layers from the
-    base weight (a conv's kernel from `weight.dim()`), so the targets are gathered whole while peft wraps them,
-    as peft itself gathers a base weight for its data-dependent inits (`gather_params_ctx`). peft only reads
-    them (modifier_rank=None: nothing is broadcast back). Its adapters are built outside zero.Init, as plain
-    tensors: DeepSpeed's engine partitions every parameter it finds unpartitioned when it is built (rank 0's
-    values broadcast), so all ranks start from the same adapter. The cost is transient: the targets' weights
-    whole, once, before any optimizer state exists. Elsewhere: a no-op."""
+    """At ZeRO-3 each target's weight is a 1-D placeholder and peft sizes its layers from the base weight, so the
+    targets are gathered whole, read only, while peft wraps them (as peft's own `gather_params_ctx`). The adapters
+    are built as plain tensors, which DeepSpeed's engine partitions from rank 0's values: every rank starts from the
+    same adapter. The cost: the targets' weights whole, once, before any optimizer state. Elsewhere: a no-op."""
     params = [p for module in targets for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
     if not params:
         return contextlib.nullcontext()

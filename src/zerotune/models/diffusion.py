@@ -1,7 +1,6 @@
-"""Diffusion: the training objective (DDPM forward noising and the noise- or v-prediction loss), how a batch
-conditions the U-Net per model kind and how the condition is dropped for guidance, and class-conditional sampling
-with classifier-free guidance. diffusers is imported where a schedule is made: the job's planner reads the
-conditioning rules here without it."""
+"""Diffusion: the training objective (DDPM noising, the noise- or v-prediction loss), how a batch conditions the U-Net
+and drops its condition, and class-conditional sampling with classifier-free guidance. diffusers is imported where a
+schedule is made: the job's planner reads the conditioning rules here without it."""
 
 from __future__ import annotations
 
@@ -43,12 +42,9 @@ def min_snr_weights(sched: DDPMScheduler, timesteps: torch.Tensor, gamma: float)
 def diffusion_loss(unet, x0: torch.Tensor, cond: dict, sched: DDPMScheduler, generator: torch.Generator,
                    dtype: torch.dtype, noise: torch.Tensor | None = None,
                    timesteps: torch.Tensor | None = None, min_snr_gamma: float | None = None) -> torch.Tensor:
-    """MSE between the U-Net's prediction and its target at a random timestep, computed in fp32; with
-    `min_snr_gamma`, each sample's MSE weighted by min_snr_weights.
-
-    Noise and timesteps are drawn on the CPU from `generator`, so runs are reproducible on any device,
-    unless given (drawn for the global batch and sliced per rank: see train/distributed.py).
-    """
+    """MSE between the U-Net's prediction and its target at a random timestep, in fp32 (with `min_snr_gamma`,
+    weighted by min_snr_weights). Noise and timesteps, unless given (drawn for the global batch and sliced per
+    rank), are drawn on the CPU from `generator`, so runs are reproducible on any device."""
     n = x0.shape[0]
     if noise is None:
         noise = torch.randn(x0.shape, generator=generator)
@@ -84,10 +80,8 @@ def unet_kwargs(kind: str, batch: dict) -> dict:
 
 def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generator,
                    uniform: torch.Tensor | None = None) -> dict:
-    """Replace the condition by the null condition for a random `prob` share of the batch.
-
-    `uniform`: the batch's U(0, 1) draws, if already drawn (for the global batch, sliced per rank).
-    """
+    """Replace the condition by the null condition for a random `prob` share of the batch. `uniform`: the
+    batch's U(0, 1) draws, if already drawn (for the global batch, sliced per rank)."""
     if prob <= 0:
         return batch
     keys = {"class": ("class_labels",), "text": ("encoder_hidden_states",),
@@ -150,12 +144,9 @@ def sample_images(
     generator: torch.Generator,
     prediction_type: str,
 ) -> torch.Tensor:
-    """Generate one image per entry of `class_labels`; returns float32 [N, C, H, W] clamped to [-1, 1].
-
-    `shape` is the per-image (C, H, W) (a full (N, C, H, W) is accepted too). The initial noise is
-    drawn on `generator`'s device, so a fixed generator seed gives the same images on any device.
-    The conditional and NULL_CLASS halves run as one batch; guidance_scale 1 means no guidance.
-    """
+    """One image per entry of `class_labels`, float32 [N, C, H, W] clamped to [-1, 1]. `shape`: (C, H, W) (or
+    (N, C, H, W)). The initial noise is drawn on `generator`'s device, so a fixed seed gives the same images on
+    any device. guidance_scale 1 means no guidance."""
     if prediction_type not in ("epsilon", "v_prediction"):
         raise ValueError(f"unsupported prediction_type {prediction_type!r}")
     n = len(class_labels)

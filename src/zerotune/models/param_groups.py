@@ -1,15 +1,5 @@
 """The optimizer's parameter groups: each trained module's parameters (the U-Net's, then each trained text
-encoder's) cut into contiguous runs, `deepspeed.param_groups` of them in all.
-
-Why more than one: ZeRO-1/2 (DeepSpeed 0.19.8, runtime/zero/stage_1_and_2.py DeepSpeedZeroOptimizer.__init__)
-take the optimizer's groups one at a time. For each, they empty the cache, flatten the group into one buffer on
-the card, free the group's separate blocks, and clone the rank's partition on the card before casting it to the
-master dtype (and moving it to the host under offload). With one group, the card holds the separate blocks (kept
-reserved), the flat buffer and the clone at once: about 3 copies of the trained weights. With K groups, the
-blocks of the groups already flattened are returned at the next group's start, so the peak is about one copy plus
-2/K of one (plan/zero12.py's `loading` counts it group by group). The update is the same for any K: Adam and its
-kin update element by element, and gradient clipping takes one norm over all groups.
-"""
+encoder's) cut into contiguous runs, `deepspeed.param_groups` of them in all."""
 
 from __future__ import annotations
 
@@ -19,6 +9,10 @@ from dataclasses import dataclass
 from zerotune.config.errors import ConfigError
 
 AUTO = "auto"
+# Why more than one: ZeRO-1/2 (DeepSpeed 0.19.8, stage_1_and_2.py DeepSpeedZeroOptimizer.__init__) flatten the groups
+# one at a time. With one group the card holds its separate blocks, the flat buffer and the partition's clone at once
+# (~3 copies of the trained weights); with K, about one copy plus 2/K (plan/zero12.py's `loading`). The update is the
+# same for any K: Adam and its kin update element by element, and clipping takes one norm over all groups.
 AUTO_ZERO12 = 16  # ZeRO-1/2's loading peak is then ~1.13 copies of the weights, below SDXL's training step
 
 
@@ -48,12 +42,10 @@ def count(setting: object, zero_stage: int, resumed: dict | None = None) -> int:
 
 
 def layout(module_numels: Sequence[Sequence[int]], groups: int) -> tuple[tuple[int, ...], ...]:
-    """Per trained module, how many of its parameters (in order) each of its groups holds.
-
-    `module_numels`: each trained module's trainable parameters' sizes, in parameters() order. The trained
-    elements are cut at `groups` equal shares of their total: a parameter starting in share s goes to group s,
-    and a module boundary always starts a new group (each module's group keeps its own learning rate). So there
-    are at most groups + modules - 1 groups, each a contiguous run, none empty."""
+    """Per trained module, how many of its parameters (in order) each of its groups holds. `module_numels`: each
+    trained module's trainable parameters' sizes, in parameters() order. A parameter starting in share s of
+    `groups` equal shares of the elements goes to group s, and a module boundary always starts a new group (its
+    own learning rate): at most groups + modules - 1 groups, each a contiguous run, none empty."""
     total = sum(sum(numels) for numels in module_numels)
     offset, out = 0, []
     for numels in module_numels:

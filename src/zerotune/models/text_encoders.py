@@ -1,17 +1,7 @@
-"""Training the text encoders with the U-Net (`model.train_text_encoder`): which encoders train, each as its own
-parameter group, built from local folders, whole or with LoRA adapters; and the one module the engine trains, the
-U-Net and the trained encoders side by side, so one ZeRO config partitions all of them (kohya's
-`prepare_deepspeed_model` does the same; accelerate's DeepSpeed path takes one model per engine).
-
-The condition is what data=folder's cache holds without training (data/components.py FrozenEncoders): SD 1.x/2.x
-the one encoder's last hidden states; SDXL both encoders' penultimate states side by side and text_encoder_2's
-projected pooled embedding. A trained encoder computes its part from the batch's tokens at every step; a frozen
-one's part is read from the cache.
-
-The VAE's and text encoders' architectures: the components' own config.json when model.components (or
-model.vae, ...) names local folders; otherwise the published configs for model=sdxl (SDXL base 1.0), sd15 and
-sd21, and tests/helpers/tiny_components.py's for model=sdxl_tiny and sd15_tiny (their conf/model/ files describe
-the same sets). The planner traces them (plan/encoders.py); model_stats counts the text encoders a run trains."""
+"""Training the text encoders with the U-Net (`model.train_text_encoder`), each its own parameter group, whole or
+with LoRA, in one module with the U-Net so one ZeRO config partitions all (as kohya's `prepare_deepspeed_model`;
+accelerate's DeepSpeed path takes one model per engine); and the VAE's and encoders' architectures, from local
+config.json files or the published configs of model=sdxl, sd15 and sd21 (tests/helpers/tiny_components.py's: tiny)."""
 
 from __future__ import annotations
 
@@ -144,7 +134,8 @@ class UNetWithTextEncoders(torch.nn.Module):
         return {n: m for n in TOKENS if (m := getattr(self, n)) is not None}
 
     def encode(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The condition from the trained encoders (tokens) and the cache (the frozen encoder's part)."""
+        """The condition from the trained encoders (tokens) and the cache (the frozen encoder's part), as
+        FrozenEncoders.encode_text gives it."""
         if not self.pooled:  # SD 1.x / 2.x: the one encoder's last hidden states
             assert self.text_encoder is not None
             return self.text_encoder(batch["input_ids"])[0], None

@@ -1,22 +1,7 @@
-"""`model.pretrained`'s files read without their tensors: a diffusers folder's config and weight files, and
-safetensors headers (tensor names and shapes), so a wrong path or a broken file is refused in seconds.
-
-Original-layout single-file checkpoints: the `.safetensors` files A1111 and ComfyUI load, whose U-Net is
-stored under `model.diffusion_model.` beside the VAE and the text encoders.
-
-They are read with diffusers' own single-file loader and conversion (`from_single_file`,
-`convert_ldm_unet_checkpoint`). The U-Net's config is the model option's architecture, written to a local
-folder for `from_single_file`: it is never fetched from a hub.
-
-The U-Net built under ZeRO-3's `deepspeed.zero.Init`: each module's parameters are partitioned across the
-ranks as soon as that module is built, so no rank ever holds the whole model.
-
-`model.pretrained` is loaded module by module into the partitioned model: each module's parameters are
-gathered, rank 0 copies its tensors in (read one by one from the files, never the whole state dict; an
-original-layout single file is converted whole on rank 0 alone, as diffusers' conversion needs), and
-DeepSpeed broadcasts them and re-partitions (`GatheredParameters(modifier_rank=0)`, as transformers loads
-into a ZeRO-3 model). diffusers' `from_pretrained` cannot be used: it ignores zero.Init and reads every
-weight whole on every rank."""
+"""`model.pretrained`'s weights (a diffusers folder, or an original-layout single file as A1111 and ComfyUI load, read
+with diffusers' own conversion), checked from headers in seconds, and loaded module by module into a U-Net built under
+ZeRO-3's zero.Init: rank 0 copies each gathered module's tensors in and DeepSpeed broadcasts them, as transformers does.
+diffusers' `from_pretrained` cannot: it ignores zero.Init and reads every weight whole on every rank."""
 
 from __future__ import annotations
 
@@ -155,7 +140,8 @@ def converted_unet_tensors(path: Path, config: dict) -> dict[str, torch.Tensor]:
 
 
 def load(path: Path, config: dict):
-    """The U-Net of an original-layout checkpoint, in fp32, through diffusers' `from_single_file`."""
+    """The U-Net of an original-layout checkpoint, in fp32, through diffusers' `from_single_file` (its config
+    written to a local folder: never fetched from a hub)."""
     from diffusers import UNet2DConditionModel
 
     with tempfile.TemporaryDirectory() as folder:

@@ -1,9 +1,5 @@
-"""Sweep reports: one table, a few plots and a budget answer for a Hydra sweep of zerotune runs.
-
-`zerotune report <sweep dir>...` from a shell; `SweepReportCallback` (zerotune.cli.callbacks)
-at the end of `train.py -m`; `build_report` (zerotune.report.build) from Python. This module imports no
-plotting library, so registering the callback costs a training run nothing.
-"""
+"""Sweep reports: one table, a few plots and a budget answer for a Hydra sweep of zerotune runs. This module imports
+no plotting library, so registering the report callback (zerotune.cli.callbacks) costs a training run nothing."""
 
 from zerotune.report.budget import BudgetAnswer, budget_answer, cheapest_fit
 from zerotune.report.collect import NoRunsError, collect_runs, swept_keys

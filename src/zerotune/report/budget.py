@@ -1,10 +1,6 @@
-"""Which configuration to pick: the fastest one whose measured peak memory fits a budget.
-
-Measured figures come first. Where they give no answer (planned jobs that were never run, GPU figures from
-a machine without a GPU), the planner's predictions do, and the answer says "predicted". The planner's
-speed is a time floor, a lower bound, so it is never set against a measured median: a predicted job that
-might be faster than the measured choice is named, not chosen.
-"""
+"""Which configuration to pick: the fastest one whose measured peak memory fits a budget; where measured figures give
+no answer, the planner's predictions do. Its time floor is a lower bound, never set against a measured median: a
+predicted job that might be faster than the measured choice is named, not chosen."""
 
 from __future__ import annotations
 
@@ -85,12 +81,10 @@ def resolve_metric(metric: str) -> str:
 
 def cheapest_fit(rows: list[dict], budget_mib: float, metric: str = "gpu_peak_process_mib",
                  where: dict[str, Any] | None = None) -> dict | None:
-    """The fastest row whose peak `metric` fits `budget_mib`, as a copy with a `fit` entry (metric,
-    budget_mib, peak_mib, headroom_mib, source, reason, ties); None when nothing fits or nothing was measured
-    or predicted -- `budget_answer` gives the reason then. Measured figures of ok jobs come first; only when
-    they give no answer do the planner's predictions (ok and planned jobs without a measured figure) decide,
-    and then `source` is "predicted". `where` ({"resolution": 512}) keeps only the jobs with those values,
-    so step times compare like with like."""
+    """The fastest row whose peak `metric` fits `budget_mib`, as a copy with a `fit` entry (metric, budget_mib,
+    peak_mib, headroom_mib, source, reason, ties); None when nothing fits or nothing was measured or predicted
+    (`budget_answer` says why). `source` is "predicted" where the planner's figures decided. `where`
+    ({"resolution": 512}) keeps only the jobs with those values, so step times compare like with like."""
     answer = budget_answer(rows, budget_mib, metric, where)
     if answer.best is None:
         return None

@@ -30,11 +30,9 @@ class Report:
 def build_report(dirs: Sequence[str | Path], out: str | Path | None = None, budget_mib: float | None = None,
                  metric: str = "gpu", where: dict[str, Any] | None = None,
                  running_window_s: float = RUNNING_WINDOW_S) -> Report:
-    """Report on the sweep (or run) directories `dirs`, written into `out` (default: the first of them);
-    with `budget_mib`, answer which configuration fits it fastest (among the jobs matching `where`).
-
-    Raises FileNotFoundError / NoRunsError (from collect_runs) before writing anything.
-    """
+    """Report on the sweep (or run) directories `dirs`, written into `out` (default: the first of them); with
+    `budget_mib`, which configuration fits it fastest (among the jobs matching `where`). Raises
+    FileNotFoundError / NoRunsError (from collect_runs) before writing anything."""
     rows = collect_runs(dirs, running_window_s)
     keys = swept_keys(rows)
     budget = budget_answer(rows, float(budget_mib), metric, where) if budget_mib is not None else None

@@ -1,14 +1,6 @@
-"""The planner's prediction beside the measurement: the `plan` object of summary.json as row keys, and
-measured / predicted ratios.
-
-A predicted figure is None where the job has no plan (runs older than the planner), where the planner
-failed (`plan` is {"error": ...}) or where the plan left that figure out: None means "unpredicted",
-never 0, just as a measured None means "unmeasured".
-
-Read sweep directories into flat rows: one per job, whatever state the job was left in.
-
-A row is a plain dict (see `Row keys` below). GPU figures stay None where they were not measured:
-None means "unmeasured", never 0, and every consumer of these rows keeps that distinction."""
+"""Sweep directories read into flat rows (plain dicts, see `Row keys` below), one per job whatever state it was left
+in, with the planner's prediction beside the measurement (plan_* keys, measured / predicted ratios). None means
+"unmeasured" or "unpredicted", never 0, and every consumer of these rows keeps that distinction."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The sweep as pictures (PNG, Agg): GPU memory and step time against resolution, host memory by stage.
-
-Unmeasured values (None) are left out of every plot, never drawn as 0. When a whole quantity is
-unmeasured (GPU memory on a machine without a GPU) the PNG is still written, with that said in it, so a
-report always has the same files; `write_plots` returns the sentence for summary.md too.
-"""
+"""The sweep as pictures (PNG, Agg): GPU memory and step time against resolution, host memory by stage. Unmeasured
+values are left out, never drawn as 0; a wholly unmeasured quantity's PNG is still written, saying so."""
 
 from __future__ import annotations
 

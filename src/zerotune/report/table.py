@@ -1,8 +1,5 @@
-"""The sweep as tables: summary.csv for tools, Markdown for people.
-
-Unmeasured values (None) are empty cells in the CSV, the usual "missing" for CSV readers, and "n/a" in
-Markdown; neither is ever written as 0.
-"""
+"""The sweep as tables: summary.csv for tools, Markdown for people. Unmeasured values are empty CSV cells and "n/a"
+in Markdown, never 0."""
 
 from __future__ import annotations
 
@@ -83,9 +80,8 @@ RATIO_KEYS = {name: (measured, predicted) for name, measured, predicted in RATIO
 
 
 def metric_columns(rows: list[dict]) -> list[Column]:
-    """The parameter counts (when any row has them), then METRIC_COLUMNS, with the planner's columns beside
-    them when any row carries a plan: a sweep from before the planner gets the table it always had, not a
-    block of empty columns."""
+    """The parameter counts (when any row has them), then METRIC_COLUMNS, with the planner's columns beside them
+    when any row carries a plan (an older sweep gets no block of empty columns)."""
     counts = COUNT_COLUMNS if any(row.get(k) is not None for row in rows for k in PARAM_COUNT_KEYS) else []
     counts = [*SLURM_COLUMNS, *counts] if any(row.get("slurm_job") for row in rows) else counts
     if not has_plan(rows):

@@ -1,14 +1,6 @@
-"""After the search, the verdict: the finalists, re-measured in rounds, the fastest against each of the others
-round by round, and what is written: the fastest, or, when others tie with it, the cheapest of the tied.
-
-A search's figures come from different moments (one trial each): on a shared or throttling machine, the gap
-between two of them can be noise. Re-measured in rounds (every finalist once per round, the order reversed
-every other round), a pair's ratio is taken between runs minutes apart, and its spread over the rounds shows
-what the noise does to it. A close call (a lead beyond the allowance in the median, but a round the other was
-level in) gets more rounds, for the fastest and that one only, before it is judged, where its outcome can change
-what is written. Then the rounds are drawn again (resampled_choices): how often the same verdict writes the same
-configuration says how sure it is.
-"""
+"""After the search, the verdict: the finalists re-measured in rounds (a pair's ratio taken between runs minutes
+apart, as a search's one-trial figures may differ by noise), the fastest against each of the others by round, and what
+is written: the fastest, or the cheapest of those tied with it. Rounds drawn again (resampled_choices) say how sure."""
 
 from __future__ import annotations
 
@@ -106,15 +98,12 @@ def run_to_run_spread(finalists: list[Finalist]) -> float | None:
 
 
 def pick(trials: list[Trial], min_spread: float, limit: int) -> list[Trial]:
-    """The fastest complete trials by pooled figure (tune/study.py), at most `limit`: the best, the runner-up
-    (so that the winner's lead is measured in pairs too), then the next fastest whose figure could reach the
-    best's (figure x (1 + spread) >= best x (1 - its spread), each spread its last rung's, floored by
-    min_spread), then, where room is left, those within twice the spreads: two trials run minutes apart, and
-    each may drift by its spread. Then each one's cheapest variant (cheaper_variants), beyond the limit.
-    By speed, not cost: the rounds are there to tell the fastest from its nearest rivals, and the verdict then
-    writes the cheapest of those that tie. Cheap trials at the edge of the noise, re-measured first, mostly
-    proved slower, and now and then tied by luck and were written (README workload: micro batch 8, at 0.72-0.74
-    of the grid's best); pooled figures rank the search's trials steadily enough to go by."""
+    """The fastest complete trials by pooled figure, at most `limit`: the best, the runner-up (so the winner's lead
+    is measured in pairs too), the next whose figure could reach the best's (figure x (1 + spread) >= best x (1 -
+    its spread), each its last rung's, floored by min_spread), then, room left, those within twice the spreads;
+    then each one's cheapest variant (cheaper_variants), beyond the limit. By speed, not cost: cheap trials at the
+    edge of the noise, re-measured first, mostly proved slower, and now and then tied by luck and were written
+    (README workload: micro batch 8, at 0.72-0.74 of the grid's best)."""
     complete, within, reaches = _near_best(trials, min_spread)
     near = [t for t in complete[2:] if t not in within and reaches(t, 2)]
     fastest = [*complete[:2], *within, *near][:limit]

@@ -1,9 +1,5 @@
-"""What a tune sweep leaves in its folder: tune.md (the answer; the finalists' rounds, with medians, ratios and
-spreads; then one row per candidate: trials with their rungs, samples/s and memory, and the candidates dropped
-before any trial, each with its reason) and tune.csv.
-
-The fastest configuration, saved as an experiment file (`tuned_<name>.yaml` in the user's experiment folder,
-./zerotune/experiment/ unless --config-dir names another): `zerotune train experiment=tuned_<name>` trains it."""
+"""What a tune sweep leaves in its folder: tune.md (the answer, the finalists' rounds, a row per candidate), tune.csv,
+and the winner as experiment/tuned_<name>.yaml in the user's folder: `zerotune train experiment=tuned_<name>`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""The sweeper's settings (conf/hydra/sweeper/tune.yaml, `hydra.sweeper.<key>=...`), checked before any trial:
-a bad value is a config error naming its key, with a value that works.
-
-The candidates a tune sweep considers: the command line's fixed values and lists, over the sweeper's space.
-
-A knob the command line gives one value is fixed; a list (`zero_stage=1,2,3`) bounds it; a knob it does not
-name takes `hydra.sweeper.space`'s values. Any other key given one value is part of the workload, the same
-in every trial; a list there is refused (it would compare different workloads). The micro batch and the
-accumulation share the global batch: `train.grad_accum` is derived for each candidate.
-
-Before any trial: each candidate composed, checked by the validator and planned. What the validator refuses,
-what the planner predicts will not fit, and what composes to the same run as an earlier candidate are dropped,
-each with its reason; the rest are the trials."""
+"""The sweeper's settings (conf/hydra/sweeper/tune.yaml), checked; and the candidates: a knob given one value is
+fixed, a list bounds it, an unnamed one takes `hydra.sweeper.space`'s values, any other key is the workload (a list
+there is refused). Each candidate is composed, validated and planned before any trial; one refused, predicted not to
+fit, or the same run as an earlier one is dropped with its reason. train.grad_accum is derived for the global batch."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""The measured search: the kept candidates as Optuna trials, one job each, in the order Optuna's grid sampler
-draws them. Each job reports samples/s at its rungs and the study's pruner (successive halving, or Hyperband)
-stops it where it falls behind; a job that runs out of memory or fails is told to the study as the worst
-score (0 samples/s), and the search goes on.
-
-The search's figures pooled with their neighbours': which trials become finalists.
-
-The search runs each configuration once, and one run here varies by ±7-13%: on a workload where a dozen
-configurations are one run in effect (2 processes at micro batch 16, any ZeRO stage), which of them a single
-measurement puts near the best is chance, and so is the answer. Every trial also says something about its
-knobs: stage 1 at 2 processes x micro batch 16 was measured alone, but stage 1 and "2 x 16" were measured in
-many others. A knobs model (log samples/s = the sum of one effect per knob value, fit by least squares over
-every trial with a figure, pruned ones at their last rung) predicts each configuration from all of them; a
-trial's pooled figure is the geometric mean of its own figure and that prediction (the model counts as one
-more measurement). Measured on the README's workload: the cheapest of the fast group was measured at 0.76-0.79
-of the best in 3 of 6 searches, outside the spreads, and pooled at 0.87-0.94, inside them."""
+"""The measured search: the kept candidates as Optuna trials, one job each, stopped by the study's pruner where they
+fall behind (a failed or OOM job scores 0 samples/s, and the search goes on); and the pooled figures that pick the
+finalists."""
 
 from __future__ import annotations
 
@@ -201,8 +188,12 @@ JOINT = ("launch.num_processes", "train.batch_size")
 
 
 def pooled_figures(trials: list[Trial]) -> dict[int, float]:
-    """Trial number -> pooled samples/s, for every complete trial. The measured figures where the trials are too
-    few for the model (TRIALS_PER_TERM per term)."""
+    """Trial number -> pooled samples/s, for every complete trial: the geometric mean of its figure and a knobs
+    model's prediction (log samples/s = a sum of one effect per knob value, by least squares over every trial with
+    a figure, pruned ones at their last rung). One run varies by ±7-13%, so which of a dozen near-equal
+    configurations one measurement puts near the best is chance; on the README's workload the cheapest of the fast
+    group was measured at 0.76-0.79 of the best in 3 of 6 searches, outside the spreads, and pooled at 0.87-0.94,
+    inside them. The measured figures where the trials are too few for the model (TRIALS_PER_TERM per term)."""
     import numpy as np
 
     measured = [t for t in trials if t.samples_per_s and t.samples_per_s > 0]

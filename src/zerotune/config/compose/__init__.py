@@ -1,9 +1,5 @@
-"""Composing the config as train.py does, with every composition error turned into a ConfigError that names
-the key and the fix (exit 2, no traceback), before Hydra's own runner would print one.
-
-Experiment files (<the user's folder>/experiment/<name>.yaml), written from overrides: what
-`zerotune train experiment=<name>` then runs, holding only what differs from the default job.
-Group choices become the file's defaults list (`override /zero_stage: "3"`), other keys nested values."""
+"""Composing the config as train.py does, every composition error a ConfigError naming the key and the fix (exit 2,
+no traceback); and experiment files written from overrides, holding only what differs from the default job."""
 
 from __future__ import annotations
 
@@ -44,8 +40,8 @@ _HYDRA_STATE = threading.Lock()
 
 @dataclass(frozen=True)
 class Composed:
-    """A config as Hydra composed it, before the user's files are folded in (config/compose/settle.py): what the config
-    builder's page shows and edits. Hydra's tree stays inside; readers get plain values."""
+    """A config as Hydra composed it, before the user's files are folded in: what the builder page shows and edits.
+    Readers get plain values."""
 
     node: DictConfig
     choices: dict[str, str]         # the option each config group ended up with
@@ -112,8 +108,7 @@ class Setter:
 
 def value_setter(overrides: list[str], key: str) -> Setter | None:
     """Which config gives `key` its value when composed with `overrides` (typed overrides aside): the last file
-    in Hydra's defaults list that sets it, as Hydra merges them in that order. None where no file does (the
-    schema's default)."""
+    in Hydra's defaults list that sets it. None where no file does (the schema's default)."""
     search = config_search.current()
     args = normalize_overrides(list(overrides), search)
     try:
@@ -176,10 +171,8 @@ def is_multirun(args: list[str]) -> bool:
 
 
 def check_command_line(args: list[str]) -> None:
-    """Every job the command line describes composes: each value of a sweep (`-m zero_stage=1,2,3`) is
-    tried once, the other sweeps at their first value, before the first job starts. A single run is
-    composed once, by Hydra (cli/train.py turns its errors into config errors). Hydra options and hydra.*
-    overrides are Hydra's."""
+    """Every job of a sweep composes: each swept value (`-m zero_stage=1,2,3`) tried once, the other sweeps at
+    their first value, before the first job starts. A single run is left to Hydra (cli/train.py reports it)."""
     overrides = [a for a in args if "=" in a and not a.startswith("-") and not _key(a).startswith("hydra")]
     check_added_keys(overrides)
     if not is_multirun(args):
@@ -258,9 +251,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def experiment_path(name: str, key: str = "name") -> Path:
-    """Where experiment `name` is written: the user's experiment/ folder (./zerotune/experiment/ unless
-    --config-dir names another), for a name that cannot leave that folder. A packaged experiment's name is
-    refused: the new file would hide it."""
+    """Where experiment `name` is written: the user's experiment/ folder, for a name that cannot leave it. A
+    packaged experiment's name is refused: the new file would hide it."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ConfigError(key, f"{name!r} is not an experiment name: letters, digits, _ and - only (at most "
                           "64, starting with a letter or digit), no path separators or dots",

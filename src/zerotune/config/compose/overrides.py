@@ -1,15 +1,6 @@
-r"""Make command lines work as users type them, before Hydra parses them.
-
-Hydra 1.3 parses `zero_stage=2` as the int 2 and then refuses it as a config group choice
-("Config group override must be a string or a list. Got int"). Group choices that look like
-numbers are quoted here, in single values and in sweep lists (`zero_stage=1,2,3`). Optimizer
-choices are normalised case-insensitively, and an unknown choice of any group is refused with the
-list of options, in zerotune's error format. Each override is read by Hydra's own parser.
-
-Which OmegaConf resolvers an override's value calls, read with OmegaConf's own grammar, so that overrides
-from a less trusted source (the builder page) compose without reading the environment: `${a.b}` (another
-config key) and the pure resolvers are accepted, `${oc.env:HOME}` and any other resolver are refused with
-a ConfigError at the override's key. Escaped `\${` is text, not an interpolation."""
+r"""Command lines made to work as typed, before Hydra parses them: group choices that look like numbers quoted
+(Hydra 1.3 refuses `zero_stage=2` as an int), unknown choices refused with the options; and the resolvers an
+override calls, so the builder page's overrides compose without reading the environment (`${oc.env:HOME}`)."""
 
 from __future__ import annotations
 

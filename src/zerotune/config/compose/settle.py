@@ -1,17 +1,7 @@
-"""The schema (zerotune/schema) as OmegaConf's node: registered in Hydra's ConfigStore as conf/config.yaml's
-`zerotune_schema`, and the way from a node, or plain data, to the frozen `Config`.
-
-The composed config as it will run: the user's DeepSpeed JSON and accelerate config folded in, then frozen
-into the schema's dataclasses. Who wins:
-
-- A value a file states replaces the group default (the composed config is updated, so config.yaml, summary
-  choices, reports, offload handling and measurement all describe what runs).
-- A value typed on the command line that contradicts a file is an error naming both sides.
-- Two files (an accelerate YAML and the DeepSpeed JSON it names) that disagree are an error too.
-
-Light on purpose (no torch, DeepSpeed or diffusers): a job's parent settles its config before it starts its
-workers, and the checks that need those run while the workers import. This is the last place Hydra's DictConfig
-is seen: past it, every function is given the frozen `Config`."""
+"""The schema as conf/config.yaml's `zerotune_schema`, and the composed config as it will run: a file's value replaces
+the group default, a typed value that contradicts a file (or two files that disagree) is an error, and the result is
+frozen into `Config`, past which no DictConfig is seen. Light on purpose (no torch, DeepSpeed or diffusers): a job's
+parent settles its config before it starts its workers."""
 
 from __future__ import annotations
 
@@ -35,9 +25,8 @@ from zerotune.config.schema import Config, launch_world_size
 
 
 def structured() -> DictConfig:
-    """The schema as a config Hydra can compose into. The dataclasses are frozen (a resolved run's config is
-    never changed), which OmegaConf carries over as read-only nodes; composition must write into them
-    (defaults, then overrides), so the nodes are made writable here."""
+    """The schema as a config Hydra can compose into: the frozen dataclasses' read-only nodes made writable,
+    as composition writes defaults, then overrides, into them."""
     node = OmegaConf.structured(Config)
 
     def writable(container: DictConfig) -> None:
@@ -99,10 +88,9 @@ def _fit_default_warmup(draft: DictConfig, user: UserConfig) -> None:
 
 def settle(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
            settings: Mapping[str, Any] | None = None, quiet: bool = False) -> Settled:
-    """The composed config as it will run, frozen: the user's DeepSpeed JSON and accelerate config folded in
-    (`overrides`, as typed on the command line, may not contradict them), then `settings` (what the job's
-    surroundings fix: a SLURM job's nodes and ranks). `cfg` itself is left as it is. `world_size`: None means
-    `launch.num_processes x launch.nnodes`. `quiet`: the file's warnings are recorded, not logged."""
+    """The composed config as it will run, frozen: the user's files folded in (`overrides`, as typed, may not
+    contradict them), then `settings` (a SLURM job's nodes and ranks). `cfg` is left as it is. `world_size`:
+    None means `launch.num_processes x launch.nnodes`. `quiet`: the file's warnings are recorded, not logged."""
     draft = copy.deepcopy(cfg) if isinstance(cfg, DictConfig) else typed(cfg)
     for key, value in (settings or {}).items():
         OmegaConf.update(draft, key, value, merge=False)
@@ -114,9 +102,8 @@ def settle(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int |
 
 def _fold_user_files(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
                      environ: dict | None = None, quiet: bool = False) -> UserConfig:
-    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg` (settle's own copy of the composed
-    config), in place; return what was used.
-    `quiet`: the file's warnings are only recorded (a later resolve of the same files says them)."""
+    """Fold the user's accelerate config(s) and DeepSpeed JSON into `cfg` (settle's own copy) in place; return
+    what was used."""
     user = UserConfig(typed=typed_keys(list(overrides)))
     applied: dict[str, Setting] = {}
     for acc in accelerate_file.find(cfg.accelerate.config_file, environ):
