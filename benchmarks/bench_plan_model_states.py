@@ -107,10 +107,10 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
 
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
-    checked = check(settle(cfg, world_size=world))
-    numels, trainable = param_numels(checked.config.model, checked.config.adapter)
-    return [model_state_bytes(numels, checked.ds_config, world, r, checked.use_deepspeed, trainable,
-                              checked.client_optimizer, checked.model_stats.trained_shapes(), checked.group_sizes())
+    resolved = check(settle(cfg, world_size=world))
+    numels, trainable = param_numels(resolved.config.model, resolved.config.adapter)
+    return [model_state_bytes(numels, resolved.ds_config, world, r, resolved.use_deepspeed, trainable,
+                              resolved.client_optimizer, resolved.model_stats.trained_shapes(), resolved.group_sizes())
             for r in range(world)]
 
 

@@ -73,10 +73,10 @@ def zero3_kept_cache(answer: Plan, overrides: list[str], card) -> float | None:
     from zerotune.plan.rules import zero_stage
     from zerotune.plan.zero3_replay import step_terms
 
-    checked = check(settle(compose(overrides), overrides), platform_for(card))
-    if not checked.use_deepspeed or zero_stage(checked) != 3:
+    resolved = check(settle(compose(overrides), overrides), platform_for(card))
+    if not resolved.use_deepspeed or zero_stage(resolved) != 3:
         return None
-    kept = step_terms(checked.config, checked, card, emptied=False)
+    kept = step_terms(resolved.config, resolved, card, emptied=False)
     if kept is None:
         return None
     context = mib_of(t for t in answer.gpu_terms if t.term == "cuda_context")

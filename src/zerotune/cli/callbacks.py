@@ -260,8 +260,8 @@ def step_floor(settled: Settled, card: gpus.GPU, req: Request) -> float | None:
     launch = replace(settled.config.launch, num_processes=per_node, nnodes=req.nodes)
     on_cluster = replace(settled, config=replace(settled.config, launch=launch), world_size=per_node * launch.nnodes)
     try:
-        checked = check(on_cluster, ANY_CUDA_GPU)
-        terms = predict(checked, card).time_terms
+        resolved = check(on_cluster, ANY_CUDA_GPU)
+        terms = predict(resolved, card).time_terms
     except Exception as exc:  # noqa: BLE001 (no floor is no refusal)
         log.debug("no time floor for %s: %s", settled.config.launch, exc)
         return None

@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         search.choose_and_warn(args.config_dir)
         settled = compose_settled(args.overrides, world_size=args.world_size)
         with contextlib.redirect_stdout(sys.stderr):
-            checked = check(settled)
+            resolved = check(settled)
     except ConfigError as exc:
         return report_config_error(exc)
-    print(json.dumps(checked.ds_config, indent=2))
-    print_sources(checked.config_sources)
+    print(json.dumps(resolved.ds_config, indent=2))
+    print_sources(resolved.config_sources)
     return 0
 
 

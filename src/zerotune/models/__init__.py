@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,6 @@ def model_stats(model_cfg: Model, adapter_cfg: Adapter | None = None) -> ModelSt
 
 def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
     """The architecture, the adapter, and the versions of the libraries that build them."""
-    from importlib.metadata import PackageNotFoundError, version
 
     def installed(name: str) -> str | None:
         try:

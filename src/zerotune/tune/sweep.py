@@ -4,6 +4,7 @@ for a card not present, the planner's ranking), the report and the winner's file
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -132,8 +133,6 @@ def _gpu_name() -> str:
 
 
 def _machine(named_gpu: str | None, gpus: int) -> str:
-    import os
-
     if named_gpu:
         return f"{named_gpu} (not present: the planner's prediction)"
     where = f"{gpus} x {_gpu_name()}" if gpus else f"CPU only, {len(os.sched_getaffinity(0))} cores"
