@@ -64,7 +64,6 @@ class TuneSweeper(Sweeper):
         of group choices (zero_stage, offload ...), the rest applied by Hydra's own step for value overrides:
         the screen composes every candidate, and Hydra's defaults tree is 0.17 s each (10 s of 12 for 60
         candidates), though the candidates differ in two or three groups."""
-
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
         from hydra.core.override_parser.overrides_parser import OverridesParser
 

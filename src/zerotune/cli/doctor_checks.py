@@ -237,7 +237,6 @@ def build_tools_check(built: set[str]) -> Check:
 def op_table() -> dict[str, dict]:
     """ds_report's data: each op of this accelerator, whether it is compatible and whether it is built
     (installed with DeepSpeed, or in the torch extensions cache)."""
-
     with contextlib.redirect_stdout(sys.stderr):  # builders print their checks
         from deepspeed.git_version_info import installed_ops
         from deepspeed.ops.op_builder.all_ops import ALL_OPS

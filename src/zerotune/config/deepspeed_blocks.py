@@ -229,7 +229,6 @@ def _implementation(name: str, offloaded: bool, torch_adam: bool):
 def check_params(name: str, params: dict, offloaded: bool, key: str = "optimizer.params") -> None:
     """Refuse `params` the optimizer's constructor does not take, read from its signature (the engine's
     TypeError would come mid-start-up)."""
-
     if "max_grad_norm" in params:
         raise ConfigError(f"{key}.max_grad_norm", "DeepSpeed clips gradients itself",
                           "remove it and set gradient_clipping (train.grad_clip=...)")

@@ -182,7 +182,6 @@ def _build_error(name: str, op: str, exc: BaseException) -> OpBuildError:
 
 def _build_isolated(name: str) -> dict:
     """Build one op in a spawned child process (its own interpreter: no CUDA state shared with the parent)."""
-
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_build, args=(name, send), name=f"zerotune-build-{name}")

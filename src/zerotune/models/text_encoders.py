@@ -84,8 +84,6 @@ def build_meta(name: str, arch: dict) -> torch.nn.Module:
 
 def first_width(model_cfg: Model) -> int:
     """text_encoder's hidden size: its width in the cached states of SDXL ([te1 | te2])."""
-
-
     found = configs(model_cfg)
     if found is None:
         raise ConfigError("model.components", f"model={model_cfg.name}'s text encoders have no known architecture",

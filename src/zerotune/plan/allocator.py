@@ -252,7 +252,6 @@ class TaggedPool:
 def storage_mode(pool: TaggedPool):
     """A torch dispatch mode: every new storage an op returns is a block of the pool, freed with its storage
     (a weak reference's callback, as torch's MemTracker follows storages)."""
-
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves

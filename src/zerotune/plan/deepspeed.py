@@ -283,7 +283,6 @@ def validate(ds: dict, platform: Platform, world_size: int = 1, client: dict | N
 def _check_scheduler(block: Any) -> None:
     """DeepSpeed builds the scheduler only inside the engine, where a wrong name or parameter is a TypeError
     mid-start-up; the classes' own signatures answer it here."""
-
     from deepspeed.runtime import lr_schedules
 
     kind = block.get("type") if isinstance(block, dict) else None
@@ -317,7 +316,6 @@ def _deepspeed_accepts(ds: dict) -> None:
 def _rejected_field(exc: Any) -> ConfigError:
     """A pydantic error of DeepSpeed's config classes, at the JSON key. A key DeepSpeed does not know is named
     with the nearest one it does, and its value is not repeated (it may be anything, a secret included)."""
-
     from deepspeed.runtime.config_utils import DeepSpeedConfigModel
     from pydantic import BaseModel
 

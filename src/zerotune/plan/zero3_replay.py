@@ -56,7 +56,6 @@ def loading_memory(cfg: Config, resolved: ResolvedRun) -> dict:
 def _build(model, pool: TaggedPool, cfg: Config, resolved: ResolvedRun, emptied: bool) -> tuple[dict, list[int]]:
     """The engine's build on `model` through `pool`: its peaks (TaggedPool.record) with "end_reserved", what stays
     reserved once the trainer empties the cache (`emptied` False: the trainer before d6e1446), and the sub-groups."""
-
     ds, zero, prec = resolved.ds_config, zero_config(resolved.ds_config), precision_of(resolved.ds_config)
     world = launch_world_size(cfg.launch)
     trained = [p for p in model.parameters() if p.requires_grad]

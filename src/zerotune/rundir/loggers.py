@@ -113,7 +113,6 @@ LOCAL_MODES = ("offline", "dryrun", "disabled")
 
 def known_modes() -> tuple[str, ...]:
     """The modes wandb.init accepts, from its own settings type."""
-
     from wandb.sdk.wandb_settings import Settings
 
     return get_args(Settings.model_fields["mode"].annotation)
