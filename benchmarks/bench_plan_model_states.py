@@ -102,16 +102,16 @@ def predicted(model: str, stage: int, offload: str, world: int, adapter: str = "
     and preflight's dict."""
     from tests.helpers.cli import compose_cfg
     from zerotune.config.compose.settle import settle
-    from zerotune.plan.model_states import model_state_bytes, param_numels
+    from zerotune.plan.model_states import Partitioning, param_numels
     from zerotune.plan.resolve import check
 
     cfg = compose_cfg(f"model={model}", f"zero_stage={stage}", f"offload={offload}",
                       f"launch.num_processes={world}", f"adapter={adapter}", *QUICK, *EXTRA)
     resolved = check(settle(cfg, world_size=world))
     numels, trainable = param_numels(resolved.config.model, resolved.config.adapter)
-    return [model_state_bytes(numels, resolved.ds_config, world, r, resolved.use_deepspeed, trainable,
-                              resolved.client_optimizer, resolved.model_stats.trained_shapes(), resolved.group_sizes())
-            for r in range(world)]
+    part = Partitioning(numels, resolved.ds_config, world, resolved.use_deepspeed, trainable, resolved.group_sizes(),
+                        resolved.client_optimizer, resolved.model_stats.trained_shapes())
+    return [part.states for _ in range(world)]  # every rank's partition is padded to one size
 
 
 def compare(combo, engine: list[dict]) -> list[dict]:

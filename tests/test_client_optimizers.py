@@ -16,7 +16,7 @@ import benchmarks.bench_plan_model_states as bench
 from tests.helpers.cli import compose_cfg, preflight
 from zerotune.config import deepspeed_blocks as optimizers
 from zerotune.config.errors import ConfigError
-from zerotune.plan.model_states import model_state_bytes
+from zerotune.plan.model_states import Partitioning
 from zerotune.plan.rules import Precision, client_kind, optimizer_state
 from zerotune.plan.zero12 import zero12_flat
 from zerotune.rundir.resume import conversion_mode, current_meta, decide_resume
@@ -51,15 +51,16 @@ def test_state_rule_equals_the_real_class_after_a_step(name):
 def test_adafactor_factors_whole_tensors_but_not_zero_partitions():
     client = spec("adafactor")
     numels = [math.prod(s) for s in SHAPES]
-    plain = model_state_bytes(numels, {}, 1, 0, False, None, client, SHAPES)["optimizer_state_bytes"]
+    plain = Partitioning(numels, {}, 1, False, client_optimizer=client, trainable_shapes=SHAPES).states["optimizer_state_bytes"]
     rows_cols = 4 + 6 + 18 + 18 + 5 + 80 + 70 + 20 + 30  # 1-D: the whole second moment (5)
     assert plain == rows_cols * 4 + 4 * len(SHAPES)  # + a 0-d fp32 RMS each
     ds = {"zero_optimization": {"stage": 2}}
     flat = zero12_flat(numels, 1, False, 4)
     # ZeRO-2 hands it one flat 1-D partition: a whole second moment, smaller saving than the paper's
-    assert model_state_bytes(numels, ds, 1, 0, True, None, client, SHAPES)["optimizer_state_bytes"] == flat * 4 + 4
+    zero2 = Partitioning(numels, ds, 1, client_optimizer=client, trainable_shapes=SHAPES)
+    assert zero2.states["optimizer_state_bytes"] == flat * 4 + 4
     with_momentum = spec("adafactor", "optimizer.beta1=0.9")
-    assert model_state_bytes(numels, ds, 1, 0, True, None, with_momentum)["optimizer_state_bytes"] == flat * 8 + 4
+    assert Partitioning(numels, ds, 1, client_optimizer=with_momentum).states["optimizer_state_bytes"] == flat * 8 + 4
 
 
 def test_8bit_states_are_a_byte_per_element_plus_block_scales():
@@ -176,8 +177,8 @@ def test_adafactors_step_copies_are_planned_where_it_steps():
         plan = predict.predict(checked, lookup("rtx4090"))
         temps = [t for t in getattr(plan, where) if t.term == "optimizer_temporaries"]
         stats = checked.model_stats
-        states = model_state_bytes(list(stats.param_numels), checked.ds_config, 1, 0, True, None,
-                                   checked.client_optimizer, None, checked.group_sizes())
+        states = Partitioning(list(stats.param_numels), checked.ds_config, 1, groups=checked.group_sizes(),
+                              client_optimizer=checked.client_optimizer).states
         assert len(states["step_groups"]) > 1  # deepspeed.param_groups: auto (16) at ZeRO-2, as the layout cuts them
         assert temps and temps[0].mib * 2**20 == pytest.approx(2 * max(states["step_groups"]) * 4), where
     times = {t.term: t for t in plan.time_terms}

@@ -19,7 +19,7 @@ from zerotune.plan.host_memory import (
     rank_terms,
     rounding_bytes,
 )
-from zerotune.plan.model_states import buffer_terms, host_buffer_bytes
+from zerotune.plan.model_states import Partitioning
 from zerotune.plan.rules import split_groups
 from zerotune.plan.zero12 import zero12_flat
 from zerotune.rundir.plan import Plan, Term
@@ -60,7 +60,7 @@ def ds(stage: int, pin: bool | None = True, precision: str = "bf16", **extra) ->
 
 def host_terms(config: dict, groups: list[int] | None = None, numels: list[int] = NUMELS, world: int = 1,
                trainable: list[int] | None = None) -> dict[str, int]:
-    return {t.term: t.nbytes for t in buffer_terms(config, numels, world, None, 0, True, trainable, groups)
+    return {t.term: t.nbytes for t in Partitioning(numels, config, world, True, trainable, groups).buffers(0)
             if t.where == "host"}
 
 
@@ -115,7 +115,7 @@ def test_the_engines_cast_leaves_its_copies_in_the_heap_below_zero3():
     big = [8 * MIB, 16 * MIB]  # bf16 copies of 16 MiB and 32 MiB: the first from the heap, the second mmapped
     for stage in (1, 2):
         assert host_terms(ds(stage), numels=big)[HEAP_KEPT] == 16 * MIB
-        assert host_buffer_bytes(ds(stage, pin=False), big, 1)[HEAP_KEPT] == 16 * MIB
+        assert Partitioning(big, ds(stage, pin=False), 1).host_buffer_bytes()[HEAP_KEPT] == 16 * MIB
     assert HEAP_KEPT not in host_terms(ds(2, precision="fp32"))  # no cast: the fp32 build is mmapped, then unmapped
     assert HEAP_KEPT not in host_terms(ds(3))  # zero.Init builds on the card
 

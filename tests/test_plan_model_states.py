@@ -19,13 +19,7 @@ import pytest
 from benchmarks.bench_plan_model_states import KEYS, compare, engine_partitions, refused
 from tests.helpers.cli import ROOT, config_of
 from zerotune.models import _from_config, model_stats
-from zerotune.plan.model_states import (
-    buffer_terms,
-    gpu_buffer_bytes,
-    host_buffer_bytes,
-    model_state_bytes,
-    param_numels,
-)
+from zerotune.plan.model_states import Partitioning, param_numels
 from zerotune.plan.zero3_runtime import stage3_partition_numel, stage3_sub_groups
 from zerotune.plan.zero12 import zero12_flat
 
@@ -44,8 +38,8 @@ def ds(stage: int, offload: str = "none", precision: str = "fp32", optimizer: st
     return out
 
 
-def states(numels, config, world=2, rank=0, use_deepspeed=True, trainable=None) -> tuple[int, int, int, int]:
-    got = model_state_bytes(numels, config, world, rank, use_deepspeed, trainable)
+def states(numels, config, world=2, use_deepspeed=True, trainable=None) -> tuple[int, int, int, int]:
+    got = Partitioning(numels, config, world, use_deepspeed, trainable).states
     return tuple(got[k] for k in KEYS)
 
 
@@ -73,7 +67,7 @@ def test_stage3_pads_every_tensor_and_keeps_small_ones_whole():
     # the 3-element tensor is under the threshold: its 2-element partition and its whole 3 elements
     config = ds(3, stage3_param_persistence_threshold=4)
     assert states(ODD, config) == ((9 + 3) * 4, 9 * 4, 9 * 4, 2 * 9 * 4 + 4)
-    got = model_state_bytes(ODD, config, 2, 1, True)
+    got = Partitioning(ODD, config, 2).states
     assert got["params_persistent_bytes"] == 12 and got["master_weights_alias_params"]  # fp32, no offload
 
 
@@ -84,11 +78,11 @@ def test_stage3_sub_groups_each_keep_a_step():
 
 
 def test_offload_moves_master_weights_and_states_to_the_host():
-    got = model_state_bytes(ODD, ds(2, "cpu"), 2, 0, True)
+    got = Partitioning(ODD, ds(2, "cpu"), 2).states
     assert (got["optimizer"], got["optimizer_state_bytes"]) == ("DeepSpeedCPUAdam", 64)  # int step, no tensor
     assert got["where"] == {"params": "gpu", "grads": "host", "master_weights": "host", "optimizer_state": "host"}
-    got3 = model_state_bytes(ODD, {**ds(3, "cpu"), "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, 2, 0, True)
+    got3 = Partitioning(ODD, {**ds(3, "cpu"), "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}, 2).states
     assert got3["where"]["params"] == "host" and not got3["master_weights_alias_params"]
 
 
@@ -98,7 +92,7 @@ def test_precision_sets_the_element_sizes():
     # stage 0 in bf16: torch's AdamW behind FP16_UnfusedOptimizer, an fp32 copy per tensor
     assert states(ODD, ds(0, precision="bf16")) == (30, 30, 60, 2 * 60 + 3 * 4)
     accum = {**ds(3, precision="bf16"), "data_types": {"grad_accum_dtype": "fp32"}}
-    assert model_state_bytes(ODD, accum, 2, 0, True)["grads_bytes"] == 9 * 4
+    assert Partitioning(ODD, accum, 2).states["grads_bytes"] == 9 * 4
 
 
 def test_stage0_and_plain_partition_nothing():
@@ -114,38 +108,38 @@ def test_other_optimizers_state_counts():
     assert states(ODD, ds(2, "cpu", optimizer="Adagrad"))[3] == 32
     assert states(ODD, ds(2, optimizer="Adagrad"))[3] == 32 + 4  # torch's Adagrad, rebuilt on the partition
     with pytest.raises(ValueError, match="rank 2"):
-        model_state_bytes(ODD, ds(2), 2, 2, True)
+        Partitioning(ODD, ds(2), 2).buffers(rank=2)
 
 
 def test_buffers_name_their_source_and_overlaps():
-    terms = {t.term: t for t in buffer_terms(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2)}
+    terms = {t.term: t for t in Partitioning([3, 6, 7], ds(2, reduce_bucket_size=100, overlap_comm=True), 2).buffers()}
     assert terms["ipg_bucket"].nbytes == 2 * 100 * 4 and "setup_buckets" in terms["ipg_bucket"].note
     assert terms["flat_group_padding"].nbytes == 0
     # partition 8: rank 0 holds params 0-1 (9 elements), rank 1 params 1-2 (13): whole tensors
     assert terms["contiguous_gradients"].nbytes == 13 * 4 and terms["contiguous_gradients"].overlaps
-    gpu = gpu_buffer_bytes(ds(2, reduce_bucket_size=100, overlap_comm=True), [3, 6, 7], 2, "fp32", rank=0)
+    gpu = Partitioning([3, 6, 7], ds(2, reduce_bucket_size=100, overlap_comm=True), 2, precision="fp32").gpu_buffer_bytes(rank=0)
     assert gpu["contiguous_gradients"] == 4
-    host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), ODD, 2)
+    host = Partitioning(ODD, ds(1, "cpu", reduce_bucket_size=100), 2).host_buffer_bytes()
     # each pinned buffer also holds its block beyond its bytes: torch's pinned allocator rounds to a power of 2
     assert host == {"offload_fp32_grad_partition": 32, "offload_bit16_param_partition": 32, "offload_temp_grad_host": 28,
                     "offload_fp32_master_pinned_rounding": 0, "offload_fp32_grad_partition_pinned_rounding": 0,
                     "offload_bit16_param_partition_pinned_rounding": 0, "offload_temp_grad_host_pinned_rounding": 4}
-    offload_gpu = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), ODD, 2)
+    offload_gpu = Partitioning(ODD, ds(2, "cpu", reduce_bucket_size=100), 2).gpu_buffer_bytes()
     # the largest parameter (7 elements) in the model dtype for staging, and cast to fp64 for its norm
     assert offload_gpu["offload_temp_grad_gpu"] == 7 * 4 and offload_gpu["offload_grad_norm_fp64"] == 7 * 8
-    assert "offload_grad_norm_fp64" not in gpu_buffer_bytes(ds(2, reduce_bucket_size=100), ODD, 2)
-    z3 = {t.term: t for t in buffer_terms(ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
-                                              stage3_param_persistence_threshold=0), ODD, 2)}
+    assert "offload_grad_norm_fp64" not in Partitioning(ODD, ds(2, reduce_bucket_size=100), 2).gpu_buffer_bytes()
+    z3 = {t.term: t for t in Partitioning(ODD, ds(3, reduce_bucket_size=100, stage3_max_live_parameters=10,
+                                                   stage3_param_persistence_threshold=0), 2).buffers()}
     assert z3["ipg_bucket"].nbytes == 400 and z3["stage3_live_params"].nbytes == 10 * 4
     # gathered tensors are padded: 2 + 3 + 4 partitions x 2 ranks = 18 elements, under the 50M prefetch
     assert z3["stage3_prefetch_bucket"].nbytes == 18 * 4 and z3["stage3_prefetch_bucket"].overlaps
     assert all(t.note.startswith("runtime/") for t in z3.values())
-    assert buffer_terms(ds(0), ODD, 2)[0].nbytes == 15 * 4  # stage 0: one flat copy of the gradients
+    assert Partitioning(ODD, ds(0), 2).buffers()[0].nbytes == 15 * 4  # stage 0: one flat copy of the gradients
     # plain accelerate: none of DeepSpeed's; with two processes DDP's buckets, a copy of the gradients (fp32)
-    assert gpu_buffer_bytes(ds(0), ODD, 2, use_deepspeed=False) == {"ddp_gradient_buckets": 15 * 4}
-    assert gpu_buffer_bytes(ds(0), ODD, 1, use_deepspeed=False) == {}
+    assert Partitioning(ODD, ds(0), 2, use_deepspeed=False).gpu_buffer_bytes() == {"ddp_gradient_buckets": 15 * 4}
+    assert Partitioning(ODD, ds(0), 1, use_deepspeed=False).gpu_buffer_bytes() == {}
     with pytest.raises(ValueError, match="disagrees"):
-        buffer_terms(ds(2), ODD, 2, "bf16")
+        Partitioning(ODD, ds(2), 2, precision="bf16")
 
 
 # ------------------------------------------------------------------------------------------- with an adapter
@@ -159,7 +153,7 @@ def test_zero12_flatten_only_the_trained_parameters():
     assert states(MIXED, ds(1), trainable=TRAINED) == (76, 9 * 4, 6 * 4, 2 * 6 * 4 + 4)  # whole trained grads
     bf16 = {**ds(1, precision="bf16"), "data_types": {"grad_accum_dtype": "fp32"}}  # BF16_Optimizer
     assert states(MIXED, bf16, trainable=TRAINED)[:2] == (38, 12 * 4)
-    got = model_state_bytes(MIXED, ds(2), 2, 0, True, TRAINED)
+    got = Partitioning(MIXED, ds(2), 2, trainable_numels=TRAINED).states
     assert got["partition_numel"] == 6 and got["trainable_params_bytes"] == 9 * 4
 
 
@@ -167,7 +161,7 @@ def test_stage3_partitions_frozen_parameters_without_their_states():
     config = ds(3, stage3_param_persistence_threshold=3)  # the frozen 3 also stays whole
     # every parameter's partition (2+3+4+2) and the whole 3; gradients, master, states: the trained 3+2
     assert states(MIXED, config, trainable=TRAINED) == ((11 + 3) * 4, 5 * 4, 5 * 4, 2 * 5 * 4 + 4)
-    assert model_state_bytes(MIXED, config, 2, 1, True, TRAINED)["params_persistent_bytes"] == 12
+    assert Partitioning(MIXED, config, 2, trainable_numels=TRAINED).states["params_persistent_bytes"] == 12
 
 
 def test_stage0_and_plain_keep_gradients_and_states_of_the_trained_only():
@@ -177,18 +171,18 @@ def test_stage0_and_plain_keep_gradients_and_states_of_the_trained_only():
 
 
 def test_buffers_follow_the_optimizers_parameters():
-    offload = gpu_buffer_bytes(ds(2, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
+    offload = Partitioning(MIXED, ds(2, "cpu", reduce_bucket_size=100), 2, trainable_numels=TRAINED).gpu_buffer_bytes()
     # the largest trained parameter (5), not the frozen 7, sizes the staging and norm buffers
     assert offload["offload_temp_grad_gpu"] == 5 * 4 and offload["offload_grad_norm_fp64"] == 5 * 8
-    host = host_buffer_bytes(ds(1, "cpu", reduce_bucket_size=100), MIXED, 2, trainable_numels=TRAINED)
+    host = Partitioning(MIXED, ds(1, "cpu", reduce_bucket_size=100), 2, trainable_numels=TRAINED).host_buffer_bytes()
     assert host == {"offload_fp32_grad_partition": 24, "offload_bit16_param_partition": 24,
                     "offload_temp_grad_host": 20, "offload_fp32_master_pinned_rounding": 8,
                     "offload_fp32_grad_partition_pinned_rounding": 8,
                     "offload_bit16_param_partition_pinned_rounding": 8, "offload_temp_grad_host_pinned_rounding": 12}
-    assert buffer_terms(ds(0), MIXED, 2, trainable_numels=TRAINED)[0].nbytes == 9 * 4
-    z3 = {t.term: t for t in buffer_terms(ds(3, "cpu", reduce_bucket_size=100,
-                                              stage3_param_persistence_threshold=0), MIXED, 2,
-                                          trainable_numels=TRAINED)}
+    assert Partitioning(MIXED, ds(0), 2, trainable_numels=TRAINED).buffers()[0].nbytes == 9 * 4
+    z3 = {t.term: t for t in Partitioning(MIXED, ds(3, "cpu", reduce_bucket_size=100,
+                                                     stage3_param_persistence_threshold=0), 2,
+                                          trainable_numels=TRAINED).buffers()}
     # forward and backward gather every parameter, frozen ones too: (2+3+4+2) x 2 ranks
     assert z3["stage3_prefetch_bucket"].nbytes == 22 * 4
     assert z3["offload_fp32_grad_partition"].nbytes == 5 * 4  # the trained partitions only

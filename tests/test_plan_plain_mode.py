@@ -204,8 +204,8 @@ def test_ddp_wraps_the_module_with_several_processes_or_on_a_cpu():
     assert not plain_buffers({}, [3], 1) and not plain_buffers({}, [3], 1, "cuda")
     assert [t.term for t in plain_buffers({}, [3], 1, "cpu")] == ["ddp_gradient_buckets"]
     assert [t.term for t in plain_buffers({}, [3], 2)] == ["ddp_gradient_buckets"]
-    assert model_states.gpu_buffer_bytes({}, [3, 5], 2, use_deepspeed=False, trainable_numels=[5]) == \
-        {"ddp_gradient_buckets": 20}
+    plain = model_states.Partitioning([3, 5], {}, 2, use_deepspeed=False, trainable_numels=[5])
+    assert plain.gpu_buffer_bytes() == {"ddp_gradient_buckets": 20}
 
 
 # --------------------------------------------------------------------- the whole step through zerotune's Trainer

@@ -167,13 +167,13 @@ def test_trained_resumed_and_exported(case, parts, tmp_path):
     summary = read_summary(straight)
     assert summary["status"] == "ok" and summary["data"]["text_conditioning"]["text_encoder"] == "tokens (trained)"
     # the planner's model states are the engine's, one flat partition per parameter group (U-Net, each encoder)
-    from zerotune.plan.model_states import model_state_bytes
+    from zerotune.plan.model_states import Partitioning
     from zerotune.plan.resolve import ResolvedRun, resolved_file
 
     run = ResolvedRun.from_json(json.loads((straight / resolved_file(0)).read_text()))
     stats = run.model_stats
-    planned = model_state_bytes(list(stats.param_numels), run.ds_config, 1, 0, True, list(stats.trainable_numels),
-                                run.client_optimizer, None, run.group_sizes())
+    planned = Partitioning(list(stats.param_numels), run.ds_config, 1, True, list(stats.trainable_numels),
+                           run.group_sizes(), run.client_optimizer).states
     assert len(stats.trainable_groups) == 1 + {"te1": 1, "both": 2}[choice]
     assert {k: planned[k] for k in summary["partition"] if k.endswith("_bytes")} == \
         {k: v for k, v in summary["partition"].items() if k.endswith("_bytes")}

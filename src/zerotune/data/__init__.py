@@ -48,18 +48,16 @@ def check_fits_memory(spec: DataSpec, total: int | None = None) -> None:
 
 
 def build_dataset(spec: DataSpec) -> Dataset:
-    name, model = spec.data.name, spec.model
-    check_invert(spec)
-    shape = latent_shape(model, spec.resolution)
+    """The data set `spec` names, checked before (check_data, in the job's checks)."""
+    name = spec.data.name
     if name == "digits":
-        check_digits(spec)
         from zerotune.data.sources import DigitsDataset
 
         return DigitsDataset(size=spec.resolution, split="train", seed=spec.seed, invert=bool(spec.data.invert))
     if name == "synthetic":
         from zerotune.data.sources import SyntheticDataset
 
-        return SyntheticDataset(spec, shape)
+        return SyntheticDataset(spec, latent_shape(spec.model, spec.resolution))
     if name == "folder":
         from zerotune.data.prepare import prepare_folder_data
 

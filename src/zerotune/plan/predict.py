@@ -13,19 +13,12 @@ from zerotune.models import text_encoders
 from zerotune.plan import allocator, cpu_optimizer, gpus, host_memory, zero3_replay
 from zerotune.plan.activations import Trace, trace_step
 from zerotune.plan.allocator import CONTEXT, CUBLAS_WORKSPACE
-from zerotune.plan.model_states import (
-    buffer_terms,
-    gpu_buffer_bytes,
-    host_buffer_bytes,
-    model_state_bytes,
-    rules_for,
-)
+from zerotune.plan.model_states import Partitioning, rules_for
 from zerotune.plan.phases import run_peak, run_phases, validation_pass_terms
 from zerotune.plan.resolve import ResolvedRun
 from zerotune.plan.rules import (
     StepShape,
     frozen_numels,
-    numels_of,
     offload_devices,
     optimizer_temporaries,
     term,
@@ -114,21 +107,16 @@ def predict(resolved: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -
     world, precision = launch_world_size(cfg.launch), cfg.precision.name
     trace = trace_step(cfg.model, resolved.input_shape, int(ds["train_micro_batch_size_per_gpu"]), precision,
                        cfg.train.gradient_checkpointing, cfg.model.attention, cfg.adapter)
-    numels, train = numels_of(resolved.model_stats.param_numels, resolved.model_stats.trainable_numels or None)
-    groups = resolved.group_sizes()  # deepspeed.param_groups' cut of the U-Net's, then each trained encoder's
-    states = model_state_bytes(numels, ds, world, 0, use_ds, train, resolved.client_optimizer,
-                               resolved.model_stats.trained_shapes(), groups)
-    # where the step runs decides plain accelerate's buffers: on a CPU, accelerate wraps even one process in DDP
-    buffers = {t.term: t for t in buffer_terms(ds, numels, world, precision, 0, use_ds, train, groups, device)}
-    shape = _step_shape(states, stage, use_ds, train, device, ds)
-    step_terms = _step_terms(states, buffers, gpu_buffer_bytes(ds, numels, world, precision, 0, use_ds, train,
-                                                               groups, device), trace, shape)
+    part = Partitioning.of(resolved, world, device)  # where the step runs decides plain accelerate's buffers
+    states, buffers = part.states, {t.term: t for t in part.buffers(0)}
+    shape = _step_shape(states, stage, use_ds, part.train, device, ds)
+    step_terms = _step_terms(states, buffers, part.gpu_buffer_bytes(0), trace, shape)
     host_terms = _state_terms(states, "host")
     if cfg.ema.enabled:  # the EMA averages what the optimizer trains: the adapter alone under adapter=lora
         host_terms.append(term("ema", resolved.model_stats.num_trainable * 4,
                                "fp32 copy of the trained parameters, rank 0"))
     host_terms += [term(f"deepspeed:{name}", nbytes, _HOST_NOTES.get(name, "pinned")) for name, nbytes in
-                   host_buffer_bytes(ds, numels, world, precision, 0, use_ds, train, groups, device).items()]
+                   part.host_buffer_bytes(0).items()]
     host_terms += host_step_temporaries(shape)
     host_peak, load = _host_peak(resolved, host_terms, stage, world)
     per_node, nvme_terms = cfg.launch.num_processes, _state_terms(states, "nvme")
@@ -142,7 +130,7 @@ def predict(resolved: ResolvedRun, gpu: gpus.GPU | None, device: str = "cuda") -
         peak, moment = step_peak(pool)
         plan = plan.adding(gpu_peak_mib=None, gpu_terms=[], fits=None, step_terms=pool)
     else:
-        gpu_terms = _cuda_terms(gpu, param_blocks(numels, stage, precision, use_ds, states, train)) + step_terms
+        gpu_terms = _cuda_terms(gpu, param_blocks(part.numels, stage, precision, use_ds, states, part.train)) + step_terms
         replayed = zero3_replay.step_terms(cfg, resolved, gpu) if use_ds and stage == 3 and gpu else None
         if replayed is not None:  # ZeRO-3's step as the card's allocator sees it, in place of the rules' sum
             gpu_terms = [t for t in gpu_terms if t.term == "cuda_context"] + replayed

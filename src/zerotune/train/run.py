@@ -20,6 +20,7 @@ from zerotune.plan.resolve import ResolvedRun, check
 from zerotune.rundir import JobSpec, RunDir, resume
 from zerotune.rundir.loggers import NullLogger, RunLogger, make_logger
 from zerotune.rundir.summary import (
+    JsonDict,
     RunSummary,
     Status,
     experiment_info,
@@ -100,7 +101,7 @@ def train(resolved: ResolvedRun, spec: JobSpec, startup: dict | None = None) -> 
     distributed.ensure_single_process_env()
     cfg, rank = resolved.config, distributed.rank()
     run_dir = RunDir(spec.run_dir, is_writer=rank == 0)
-    summary = _initial_summary(resolved, run_dir)
+    summary = _starting_summary(resolved.config, run_dir, resolved)
     logger: RunLogger = NullLogger()
     with StopSignals() as stop, ExitStack() as held:
         try:
@@ -138,7 +139,7 @@ def train_launched_externally(settled: Settled, spec: JobSpec) -> RunSummary:
         if distributed.rank() == 0:
             run_dir = RunDir(spec.run_dir)
             run_dir.write_config(settled.config)
-            summary = _failed_summary(settled.config, run_dir)
+            summary = _starting_summary(settled.config, run_dir)
             summary.error = {"type": "ConfigError", "key": exc.key, "message": str(exc)}
             summary.env = environment_info()
             run_dir.write_summary(summary)
@@ -167,20 +168,18 @@ def _resolved_by_rank0(settled: Settled, spec: JobSpec) -> ResolvedRun:
     return resolved
 
 
-def _failed_summary(cfg: Config, run_dir: RunDir) -> RunSummary:
-    """What the summary says before training: failed until it is known otherwise."""
-    return RunSummary.from_json({"status": Status.FAILED, "choices": key_choices(cfg, distributed.world_size()),
-                                 "run_dir": str(run_dir.path), "experiment": experiment_info(cfg),
-                                 "previous_attempts": run_dir.previous_attempts()})
-
-
-def _initial_summary(resolved: ResolvedRun, run_dir: RunDir) -> RunSummary:
-    """The summary before training, with what the resolution settled: the summary's choices and sources."""
-    summary, stats = _failed_summary(resolved.config, run_dir), resolved.model_stats
-    summary.update({"config_sources": resolved.config_sources, "config_warnings": list(resolved.config_warnings),
-                    "use_deepspeed": resolved.use_deepspeed, "num_params": stats.num_params,
-                    "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen})
-    return summary
+def _starting_summary(cfg: Config, run_dir: RunDir, resolved: ResolvedRun | None = None) -> RunSummary:
+    """What the summary says before training (failed until it is known otherwise); once `resolved`, with what the
+    resolution settled: the config's sources and the model's sizes."""
+    known: JsonDict = {"status": Status.FAILED, "choices": key_choices(cfg, distributed.world_size()),
+                       "run_dir": str(run_dir.path), "experiment": experiment_info(cfg),
+                       "previous_attempts": run_dir.previous_attempts()}
+    if resolved is not None:
+        stats = resolved.model_stats
+        known |= {"config_sources": resolved.config_sources, "config_warnings": list(resolved.config_warnings),
+                  "use_deepspeed": resolved.use_deepspeed, "num_params": stats.num_params,
+                  "trainable_params": stats.num_trainable, "frozen_params": stats.num_frozen}
+    return RunSummary.from_json(known)
 
 
 def _close(summary: RunSummary, run_dir: RunDir, logger: RunLogger, marks: dict, plot: bool) -> None:
