@@ -141,10 +141,16 @@ class Resolution:
 @dataclass(frozen=True)
 class Model:
     name: str = MISSING
+    backbone: str = "unet"               # unet | flux | sd3: the network family (models/backbones.py)
     unet: dict[str, Any] = field(default_factory=dict)   # diffusers UNet2DConditionModel's arguments
+    # flux | sd3: diffusers FluxTransformer2DModel's or SD3Transformer2DModel's arguments
+    transformer: dict[str, Any] = field(default_factory=dict)
+    # flow_matching: FlowMatchEulerDiscreteScheduler's arguments, as the pipeline's scheduler/ folder holds them
+    scheduler: dict[str, Any] = field(default_factory=dict)
     vae_scale_factor: int = 1
-    conditioning: str = "class"          # class | text (SD 1.x/2.x) | text_time (SDXL)
-    prediction_type: str = "epsilon"     # epsilon | v_prediction
+    # class | text (SD 1.x/2.x) | text_time (SDXL) | text_pooled (FLUX.1, SD3: token states + a pooled embedding)
+    conditioning: str = "class"
+    prediction_type: str = "epsilon"     # epsilon | v_prediction | flow_matching (FLUX.1, SD3)
     attention: str = "default"           # default | sdpa
     num_classes: int = 10
     text_seq_len: int = 77
@@ -222,6 +228,13 @@ class Diffusion:
     min_snr_gamma: float | None = None        # None: off
     timestep_range: list[int] | None = None   # [first, last] inclusive; None: every timestep
     rescale_betas_zero_snr: bool = False
+    # flow matching (models/flow_matching.py): how timesteps are drawn and the loss weighted
+    weighting_scheme: str = "none"       # none | logit_normal | mode | cosmap | sigma_sqrt
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    precondition_outputs: bool = False   # SD3's script's EDM preconditioning: the loss on the predicted clean latents
+    guidance_scale: float = 3.5          # FLUX.1-dev: the distilled guidance its embedding is given while training
 
 
 @dataclass(frozen=True)

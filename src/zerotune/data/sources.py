@@ -20,21 +20,18 @@ from torch.utils.data import Dataset
 from zerotune.config.errors import ConfigError
 from zerotune.data.buckets import Placement
 from zerotune.data.spec import DataSpec
-from zerotune.models import unet_config
+from zerotune.models.backbones import backbone_of
 
 
 class SyntheticDataset(Dataset):
     """Deterministic per index, so every process and every resume sees the same items."""
 
     def __init__(self, spec: DataSpec, latent_shape: tuple[int, int, int]):
-        model, unet = spec.model, unet_config(spec.model)
+        model, widths = spec.model, backbone_of(spec.model).text_widths()
         self.n, self.shape, self.seed = spec.data.num_samples, latent_shape, spec.seed
         self.kind, self.pixel_size = model.conditioning, spec.resolution
         self.seq, self.num_classes = int(model.text_seq_len), int(model.num_classes)
-        self.dim = int(unet.get("cross_attention_dim") or 0)
-        # SDXL's pooled text embedding: what the added-conditioning projection takes besides 6 time ids.
-        self.pooled = int(unet.get("projection_class_embeddings_input_dim", 2816)) - 6 * int(
-            unet.get("addition_time_embed_dim", 256))
+        self.dim, self.pooled = widths.hidden, widths.pooled
 
     def __len__(self) -> int:
         return self.n
@@ -48,6 +45,9 @@ class SyntheticDataset(Dataset):
             s = float(self.pixel_size)
             item["encoder_hidden_states"] = torch.randn(self.seq, self.dim, generator=g)
             if self.kind == "text":  # SD 1.x / 2.x: nothing added
+                return item
+            if self.kind == "text_pooled":  # FLUX.1 / SD3: the pooled embedding, no time ids
+                item["pooled_projections"] = torch.randn(self.pooled, generator=g)
                 return item
             item["text_embeds"] = torch.randn(self.pooled, generator=g)
             # SDXL's time_ids: original size, crop top-left, target size.

@@ -1,4 +1,5 @@
-"""U-Net construction: from an architecture config (random init) or a local pretrained path."""
+"""The denoising network's construction (models/backbones.py names its family): from an architecture config (random
+init) or a local pretrained path, and its sizes from a meta-device build."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Adapter, Model
 from zerotune.models import adapter
 from zerotune.models import weights as single_file
+from zerotune.models.backbones import backbone_of
 from zerotune.models.weights import compare_shapes, found_unet_folder, read_folder, read_shapes, unet_folder
 
 
@@ -69,27 +71,27 @@ def unet_config(model_cfg: Model) -> dict:
 
 
 def downsample_factor(model_cfg: Model) -> int:
-    """How many times the U-Net halves its input: one less than the number of blocks."""
-    return 2 ** (len(unet_config(model_cfg)["block_out_channels"]) - 1)
+    """How many latent pixels the network takes as one: a U-Net's 2 ** halvings, a transformer's patch side."""
+    return backbone_of(model_cfg).size_unit() // int(model_cfg.vae_scale_factor)
 
 
 def latent_shape(model_cfg: Model, size: int) -> tuple[int, int, int]:
-    """(channels, height, width) of the U-Net's input at pixel side `size`; refuses sizes it cannot take."""
-    vae, down = model_cfg.vae_scale_factor, downsample_factor(model_cfg)
+    """(channels, height, width) of the network's input at pixel side `size`; refuses sizes it cannot take."""
+    net = backbone_of(model_cfg)
+    vae, unit = int(model_cfg.vae_scale_factor), net.size_unit()
     if not isinstance(size, int) or size <= 0:
         raise ConfigError("resolution.size", f"must be a positive integer, got {size!r}", "resolution=1024")
-    if size % (vae * down):
-        ok = [s for s in (size - size % (vae * down), size + (vae * down) - size % (vae * down)) if s > 0]
-        raise ConfigError("resolution.size", f"{size} px is not divisible by {vae * down}: model "
-                          f"{model_cfg.name} encodes by {vae} and its U-Net halves {down.bit_length() - 1} times",
+    if size % unit:
+        ok = [s for s in (size - size % unit, size + unit - size % unit) if s > 0]
+        raise ConfigError("resolution.size", f"{size} px is not divisible by {unit}: model "
+                          f"{model_cfg.name} encodes by {vae} and {net.size_reason()}",
                           f"resolution.size={' or '.join(map(str, ok))}")
-    return int(unet_config(model_cfg)["in_channels"]), size // vae, size // vae
+    return net.latent_channels(), size // vae, size // vae
 
 
 def _from_config(model_cfg: Model):
-    from diffusers import UNet2DConditionModel
-
-    return UNet2DConditionModel(**unet_config(model_cfg))
+    net = backbone_of(model_cfg)
+    return net.model_class()(**net.arguments())
 
 
 def model_stats(model_cfg: Model, adapter_cfg: Adapter | None = None) -> ModelStats:
@@ -115,9 +117,11 @@ def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
         except PackageNotFoundError:
             return None
 
-    what = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
+    what: dict[str, Any] = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
             "text_encoders": trained_encoder_archs(model_cfg),
             "versions": [installed(name) for name in ("diffusers", "peft", "torch", "transformers")], "format": 4}
+    if model_cfg.backbone != "unet":  # absent for U-Nets: their cached stats keep their keys
+        what.update(backbone=model_cfg.backbone, transformer=backbone_of(model_cfg).arguments())
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -1,16 +1,19 @@
-"""Diffusion: the training objective (DDPM noising, the noise- or v-prediction loss), how a batch conditions the U-Net
-and drops its condition, and class-conditional sampling with classifier-free guidance. diffusers is imported where a
-schedule is made: the job's planner reads the conditioning rules here without it."""
+"""Diffusion: the training objectives (DDPM noising with the noise- or v-prediction loss here; flow matching in
+flow_matching.py), how a batch conditions the network and drops its condition, and class-conditional sampling with
+classifier-free guidance. diffusers is imported where a schedule is made: the job's planner reads the conditioning
+rules here without it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from zerotune.config.schema import Diffusion
+from zerotune.config.schema import Diffusion, Model
+from zerotune.models.flow_matching import FlowMatching, Predict
 
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
@@ -39,6 +42,52 @@ def min_snr_weights(sched: DDPMScheduler, timesteps: torch.Tensor, gamma: float)
     return clipped / snr
 
 
+class Objective(Protocol):
+    """What the trainer asks of a training objective: timesteps for the global batch, and the loss."""
+
+    def draw_timesteps(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """`n` draws from `generator`: what `loss` takes as its `timesteps` (DDPM's timesteps; flow matching's
+        indices into its schedule)."""
+
+    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The loss in fp32; `predict(noisy, t)`: the network's output for noisy latents at the schedule's t."""
+
+
+@dataclass(frozen=True)
+class NoisePrediction:
+    """DDPM's objective: noise (epsilon) or velocity (v) prediction, optionally Min-SNR-γ weighted."""
+
+    schedule: DDPMScheduler
+    min_snr_gamma: float | None = None
+    timestep_range: Sequence[int] | None = None  # [first, last], inclusive
+
+    def draw_timesteps(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        first, last = self.timestep_range if self.timestep_range is not None else (
+            0, self.schedule.config.num_train_timesteps - 1)  # type: ignore[attr-defined]
+        return torch.randint(first, last + 1, (n,), generator=generator)
+
+    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        noise, t = noise.to(x0.device, x0.dtype), timesteps.to(x0.device)
+        noisy = self.schedule.add_noise(x0, noise, t)
+        if self.schedule.config.prediction_type == "v_prediction":  # type: ignore[attr-defined]
+            target = self.schedule.get_velocity(x0, noise, t)
+        else:
+            target = noise
+        pred = predict(noisy, t)
+        if self.min_snr_gamma is None:
+            return F.mse_loss(pred.float(), target.float())
+        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        return (per_sample * min_snr_weights(self.schedule, t, self.min_snr_gamma)).mean()
+
+
+def objective_of(model: Model, diff: Diffusion) -> NoisePrediction | FlowMatching:
+    """The model's objective: flow matching for a flow model (prediction_type flow_matching), DDPM's otherwise."""
+    if diff.prediction_type == "flow_matching":
+        return FlowMatching.of(model, diff)
+    return NoisePrediction(noise_scheduler(diff), diff.min_snr_gamma,
+                           tuple(diff.timestep_range) if diff.timestep_range is not None else None)
+
+
 def diffusion_loss(unet, x0: torch.Tensor, cond: dict, sched: DDPMScheduler, generator: torch.Generator,
                    dtype: torch.dtype, noise: torch.Tensor | None = None,
                    timesteps: torch.Tensor | None = None, min_snr_gamma: float | None = None) -> torch.Tensor:
@@ -50,17 +99,8 @@ def diffusion_loss(unet, x0: torch.Tensor, cond: dict, sched: DDPMScheduler, gen
         noise = torch.randn(x0.shape, generator=generator)
     if timesteps is None:
         timesteps = torch.randint(0, sched.config.num_train_timesteps, (n,), generator=generator)
-    noise, t = noise.to(x0.device, x0.dtype), timesteps.to(x0.device)
-    noisy = sched.add_noise(x0, noise, t)
-    if sched.config.prediction_type == "v_prediction":
-        target = sched.get_velocity(x0, noise, t)
-    else:
-        target = noise
-    pred = unet(noisy.to(dtype), t, **cond).sample
-    if min_snr_gamma is None:
-        return F.mse_loss(pred.float(), target.float())
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-    return (per_sample * min_snr_weights(sched, t, min_snr_gamma)).mean()
+    objective = NoisePrediction(sched, min_snr_gamma)
+    return objective.loss(lambda noisy, t: unet(noisy.to(dtype), t, **cond).sample, x0, noise, timesteps)
 
 
 NULL_CLASS = 10  # the class index reserved for "no class" (classifier-free guidance)
@@ -75,6 +115,9 @@ def unet_kwargs(kind: str, batch: dict) -> dict:
     if kind == "text_time":
         return {"encoder_hidden_states": batch["encoder_hidden_states"],
                 "added_cond_kwargs": {"text_embeds": batch["text_embeds"], "time_ids": batch["time_ids"]}}
+    if kind == "text_pooled":  # FLUX.1 / SD3: the token states and the pooled embedding (models/backbones.py)
+        return {"encoder_hidden_states": batch["encoder_hidden_states"],
+                "pooled_projections": batch["pooled_projections"]}
     raise ValueError(f"unknown conditioning kind {kind!r}")
 
 
@@ -85,7 +128,8 @@ def drop_condition(kind: str, batch: dict, prob: float, generator: torch.Generat
     if prob <= 0:
         return batch
     keys = {"class": ("class_labels",), "text": ("encoder_hidden_states",),
-            "text_time": ("encoder_hidden_states", "text_embeds")}[kind]
+            "text_time": ("encoder_hidden_states", "text_embeds"),
+            "text_pooled": ("encoder_hidden_states", "pooled_projections")}[kind]
     n = batch[keys[0]].shape[0]
     drop = (torch.rand(n, generator=generator) if uniform is None else uniform) < prob
     out = dict(batch)

@@ -20,8 +20,17 @@ import torch
 
 from zerotune.config import files
 from zerotune.config.errors import ConfigError
-from zerotune.config.schema import Adapter, Model
-from zerotune.models import adapter, build_unet, diffusion, text_encoders, trained_encoder_archs, unet_config
+from zerotune.config.schema import Adapter, Diffusion, Model
+from zerotune.models import (
+    adapter,
+    backbones,
+    build_unet,
+    diffusion,
+    text_encoders,
+    trained_encoder_archs,
+    unet_config,
+)
+from zerotune.models.flow_matching import FlowMatching
 from zerotune.plan.stage0 import cast_policy
 
 # The fake tensors are CPU tensors: on a CPU-only torch the autograd engine aborts on the first fake CUDA tensor
@@ -109,6 +118,8 @@ def trace_key(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, 
     model = {"unet": unet_config(model_cfg), "conditioning": model_cfg.conditioning,
              "text_seq_len": model_cfg.text_seq_len, "prediction_type": model_cfg.prediction_type,
              "adapter": fields}
+    if backbones.is_transformer(model_cfg):  # absent for U-Nets: their traces keep their keys
+        model.update(backbone=model_cfg.backbone, transformer=backbones.backbone_of(model_cfg).arguments())
     trained = trained_encoder_archs(model_cfg)
     if trained:  # the text encoders trained in the same step (absent otherwise: earlier traces keep their keys)
         model["text_encoders"] = trained
@@ -272,19 +283,22 @@ def _meta_unet(model_cfg: Model, precision: str, gradient_checkpointing: bool, a
 
 
 def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dtype: torch.dtype) -> dict:
-    """One micro batch as the trainer hands it to diffusion_loss: float tensors in the training dtype
-    (Trainer._to_device), the conditioning of the model's kind (data/sources.py's shapes)."""
-    unet = unet_config(model_cfg)
+    """One micro batch as the trainer hands it to the objective: float tensors in the training dtype
+    (Trainer._to_device), the conditioning of the model's kind (data/sources.py's shapes), the objective's draws."""
+    widths = backbones.backbone_of(model_cfg).text_widths()
     x0 = torch.randn(batch, *latent_shape, dtype=dtype)
-    drawn = {"x0": x0, "noise": torch.randn_like(x0), "timesteps": torch.randint(0, 1000, (batch,))}
+    drawn = {"x0": x0, "noise": torch.randn_like(x0),
+             "timesteps": _timesteps(model_cfg, batch)}
     if model_cfg.conditioning == "class":
         cond = {"class_labels": torch.randint(int(model_cfg.num_classes), (batch,))}
     else:
         seq = int(model_cfg.text_seq_len)
-        cond = {"encoder_hidden_states": torch.randn(batch, seq, int(unet["cross_attention_dim"]), dtype=dtype)}
+        cond = {"encoder_hidden_states": torch.randn(batch, seq, widths.hidden, dtype=dtype)}
         if model_cfg.conditioning == "text_time":  # SDXL's added conditioning
-            pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"])
-            cond.update(text_embeds=torch.randn(batch, pooled, dtype=dtype), time_ids=torch.randn(batch, 6, dtype=dtype))
+            cond.update(text_embeds=torch.randn(batch, widths.pooled, dtype=dtype),
+                        time_ids=torch.randn(batch, 6, dtype=dtype))
+        elif model_cfg.conditioning == "text_pooled":  # FLUX.1 / SD3: the pooled embedding
+            cond.update(pooled_projections=torch.randn(batch, widths.pooled, dtype=dtype))
     tokens = {text_encoders.TOKENS[name]: torch.randint(int(arch["vocab_size"]), (batch, int(model_cfg.text_seq_len)))
               for name, arch in trained_encoder_archs(model_cfg).items()}
     if tokens:  # the trained encoders encode the tokens inside the engine's module (Trainer.forward_backward)
@@ -292,16 +306,33 @@ def _inputs(model_cfg: Model, latent_shape: tuple[int, int, int], batch: int, dt
     return {**drawn, "cond": diffusion.unet_kwargs(model_cfg.conditioning, cond)}
 
 
-def _loss(unet: torch.nn.Module, model_cfg: Model, inputs: dict) -> torch.Tensor:
-    from diffusers import DDPMScheduler
+def _objective(model_cfg: Model) -> diffusion.NoisePrediction | FlowMatching:
+    """The model's objective on its default settings (the loss's memory does not depend on them); a fresh one:
+    DDPM's add_noise caches its tables on the device of the samples it last saw. Its schedule is made of real
+    tensors, also inside a trace's fake mode: the flow schedule reads one of its values (sigmas[-1].item())."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from zerotune.models.diffusion import diffusion_loss  # here: the trace runs on a cache miss only
+    with unset_fake_temporarily():
+        return diffusion.objective_of(model_cfg, Diffusion(prediction_type=model_cfg.prediction_type))
 
-    # A fresh scheduler: add_noise caches its tables on the device of the samples it last saw.
-    sched = DDPMScheduler(num_train_timesteps=1000, prediction_type=str(model_cfg.prediction_type))
-    x0 = inputs["x0"]
-    return diffusion_loss(unet, x0, inputs["cond"], sched, None,  # type: ignore[arg-type]  # noise given: no generator
-                          x0.dtype, noise=inputs["noise"], timesteps=inputs["timesteps"])
+
+def _timesteps(model_cfg: Model, batch: int) -> torch.Tensor:
+    """The objective's draws for `batch` samples, real tensors (indices into a real schedule) in a fake mode too."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    objective = _objective(model_cfg)
+    with unset_fake_temporarily():
+        return objective.draw_timesteps(batch, torch.Generator().manual_seed(0))
+
+
+def _loss(network: torch.nn.Module, model_cfg: Model, inputs: dict) -> torch.Tensor:
+    """The trainer's loss (Trainer.forward_backward): the objective over the backbone's call."""
+    net, x0 = backbones.backbone_of(model_cfg), inputs["x0"]
+
+    def predict(noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return net.predict(network, noisy.to(x0.dtype), t, inputs["cond"], Diffusion.guidance_scale)
+
+    return _objective(model_cfg).loss(predict, x0, inputs["noise"], inputs["timesteps"])
 
 
 class MeasuredPeaks(NamedTuple):

@@ -18,11 +18,19 @@ from zerotune.config.deepspeed_blocks import Batch, derived_params
 from zerotune.config.errors import ConfigError
 from zerotune.config.files import write_json_atomic
 from zerotune.config.schema import Config, as_dict
-from zerotune.data import check_data
+from zerotune.data import check_data, prompts
 from zerotune.data.prompts import check_validation
 from zerotune.data.spec import DataSpec
 from zerotune.host.platform import Platform, detect
-from zerotune.models import ModelStats, adapter, param_groups, stats_from_json, text_encoders
+from zerotune.models import (
+    ModelStats,
+    adapter,
+    backbones,
+    flow_matching,
+    param_groups,
+    stats_from_json,
+    text_encoders,
+)
 from zerotune.models.param_groups import ParamGroups
 from zerotune.plan import deepspeed
 from zerotune.plan.deepspeed import DEFAULT_BUCKETS, bucket_size, optimizer_block
@@ -208,11 +216,31 @@ def _check_train(cfg: Config) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ConfigError("train.seed", f"must be an integer from 0 to 2**32 - 1 (numpy's seed range), "
                           f"got {seed!r}", "train.seed=0, or any integer in that range")
-    if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction"):
+    if cfg.diffusion.prediction_type not in ("epsilon", "v_prediction", "flow_matching"):
         raise ConfigError("diffusion.prediction_type", f"unknown {cfg.diffusion.prediction_type!r}",
-                          "diffusion.prediction_type=epsilon or v_prediction")
+                          "diffusion.prediction_type=epsilon or v_prediction (U-Nets), flow_matching (FLUX.1, SD3)")
+    flow_matching.check(cfg.diffusion)  # first: a DDPM-only setting on a flow model is named as such
     _check_loss_settings(cfg)
     text_encoders.check(cfg.model)
+    _check_transformer(cfg)
+
+
+def _check_transformer(cfg: Config) -> None:
+    """A diffusion transformer's conditioning is T5's and CLIP's, which zerotune does not load: it trains on
+    conditioning already encoded (data=synthetic's shapes), without the features that encode text."""
+    model = cfg.model
+    if not backbones.is_transformer(model):
+        return
+    if text_encoders.trained(model):
+        raise ConfigError("model.train_text_encoder", f"model={model.name}'s text encoders (T5, CLIP) are not loaded: "
+                          "its conditioning comes encoded", "model.train_text_encoder=none")
+    if cfg.data.name == "folder":
+        raise ConfigError("data", f"data=folder encodes captions with the model's text encoders; model={model.name}'s "
+                          "(T5, CLIP) are not loaded", f"model={model.name} data=synthetic, or a U-Net (model=sdxl, sd15, sd21) "
+                          "for your own images")
+    if prompts.enabled(cfg):
+        raise ConfigError("validation.prompts", f"prompts are encoded by the model's text encoders; model={model.name}'s "
+                          "(T5, CLIP) are not loaded", "validation.prompts=[] validation.prompt_file=null")
 
 
 def _check_loss_settings(cfg: Config) -> None:

@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zerotune.config.errors import ConfigError
@@ -95,11 +95,13 @@ def init_accelerate_state(use_deepspeed: bool, timeout_s: float) -> None:
 
 def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int, world: int,
                        num_timesteps: int, cond_dropout: float, noise_offset: float = 0.0,
-                       timestep_range: Sequence[int] | None = None) -> dict:
+                       timestep_range: Sequence[int] | None = None,
+                       draw_timesteps: Callable[[int, Any], Any] | None = None) -> dict:
     """This rank's slice of the random draws for the GLOBAL micro batch (world × local), from a generator seeded the
     same on every rank: sample j gets the same dropout, noise and timestep whatever the process count, drawn in the
     order a lone process always used (dropout, noise, timesteps). `noise_offset` adds offset × N(0, 1) per image and
-    channel, drawn after the timesteps (as diffusers' examples do); `timestep_range`: [first, last], inclusive."""
+    channel, drawn after the timesteps (as diffusers' examples do); `timestep_range`: [first, last], inclusive.
+    `draw_timesteps(n, generator)`: the objective's own draw (models/diffusion.py Objective), in place of DDPM's."""
     import torch
 
     n = local_shape[0]
@@ -107,8 +109,11 @@ def global_batch_draws(generator, local_shape: tuple[int, ...], rank_index: int,
     total = (n * world, *local_shape[1:])
     uniform = torch.rand(total[0], generator=generator)[rows] if cond_dropout > 0 else None
     noise = torch.randn(total, generator=generator)[rows]
-    first, last = timestep_range if timestep_range is not None else (0, num_timesteps - 1)
-    timesteps = torch.randint(first, last + 1, (total[0],), generator=generator)[rows]
+    if draw_timesteps is not None:
+        timesteps = draw_timesteps(total[0], generator)[rows]
+    else:
+        first, last = timestep_range if timestep_range is not None else (0, num_timesteps - 1)
+        timesteps = torch.randint(first, last + 1, (total[0],), generator=generator)[rows]
     if noise_offset:
         per_channel = (total[0], total[1], *([1] * (len(total) - 2)))
         noise = noise + noise_offset * torch.randn(per_channel, generator=generator)[rows]

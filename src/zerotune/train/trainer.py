@@ -21,7 +21,8 @@ from zerotune.data.components import resolve_components
 from zerotune.data.spec import DataSpec
 from zerotune.host.process import pause
 from zerotune.models import adapter, build_unet, diffusion, text_encoders
-from zerotune.models.diffusion import diffusion_loss, noise_scheduler
+from zerotune.models.backbones import backbone_of
+from zerotune.models.diffusion import objective_of
 from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir import RunDir, checkpoint_io, resume
 from zerotune.rundir.checkpoint_io import RunSaves
@@ -126,7 +127,9 @@ class Trainer:
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.kind = cfg.model.conditioning
-        self.noise_schedule = noise_scheduler(cfg.diffusion)
+        self.backbone = backbone_of(cfg.model)
+        self.objective = objective_of(cfg.model, cfg.diffusion)
+        self.noise_schedule = self.objective.schedule
         # Shuffling, noise and dropout draw from their own seeded generators; the noise one is the same on every
         # rank, which keeps its slice of the global batch's draws (distributed.global_batch_draws).
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
@@ -304,19 +307,19 @@ class Trainer:
         batch = {k: (v.to(dev, self.dtype) if v.is_floating_point() else v.to(dev)) for k, v in batch.items()}
         diff = self.cfg.diffusion
         p = diff.cond_dropout
-        draws = distributed.global_batch_draws(
-            self.gen, tuple(batch["x0"].shape), self.rank, self.world,
-            self.noise_schedule.config.num_train_timesteps, p, noise_offset=diff.noise_offset,  # type: ignore[attr-defined]
-            timestep_range=diff.timestep_range)
+        draws = distributed.global_batch_draws(self.gen, tuple(batch["x0"].shape), self.rank, self.world, 0, p,
+                                               noise_offset=diff.noise_offset,
+                                               draw_timesteps=self.objective.draw_timesteps)
         if self.trains_text:  # the condition is encoded inside the engine's module, then dropped there
             drop = draws["uniform"] < p if draws["uniform"] is not None else None
             cond = {"batch": batch, "drop": drop}
         else:
             cond = diffusion.unet_kwargs(self.kind, diffusion.drop_condition(
                 self.kind, batch, p, self.gen, uniform=draws["uniform"]))
-        loss = diffusion_loss(self.unet, batch["x0"], cond, self.noise_schedule,
-                              self.gen, self.dtype, noise=draws["noise"], timesteps=draws["timesteps"],
-                              min_snr_gamma=diff.min_snr_gamma)
+        def predict(noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return self.backbone.predict(self.unet, noisy.to(self.dtype), t, cond, diff.guidance_scale)
+
+        loss = self.objective.loss(predict, batch["x0"], draws["noise"], draws["timesteps"])
         self.accelerator.backward(loss)
         return float(loss.detach())
 

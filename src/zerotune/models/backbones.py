@@ -1,0 +1,197 @@
+"""The denoising networks zerotune trains, behind one seam: each family says which diffusers class it is, what
+latents and text it takes, and how one call of it goes. U-Nets (SD 1.x/2.x, SDXL: `UNet2DConditionModel`) and
+diffusion transformers (FLUX.1: `FluxTransformer2DModel`; SD3/3.5: `SD3Transformer2DModel`). The model option's
+`backbone` names the family; the trainer, the planner and the data ask it, never the family's name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omegaconf import OmegaConf
+
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import Model
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class TextWidths:
+    """What a text-conditioned backbone takes: the width of each token's hidden state, and of the pooled
+    embedding (0: none)."""
+
+    hidden: int
+    pooled: int
+
+
+class Backbone(Protocol):
+    @property
+    def model(self) -> Model:
+        """The model option the network is built from."""
+
+    def arguments(self) -> dict[str, Any]:
+        """The diffusers class's constructor arguments (the model option's architecture)."""
+
+    def model_class(self) -> type:
+        """The diffusers class (imported on demand: diffusers' import takes seconds)."""
+
+    def latent_channels(self) -> int:
+        """Channels of the latents the VAE makes (and the network denoises)."""
+
+    def size_unit(self) -> int:
+        """Pixel sides must be a multiple of this: the VAE's factor times the network's own (a U-Net's halvings,
+        a transformer's patch)."""
+
+    def size_reason(self) -> str:
+        """Why sides are multiples of size_unit(), in words."""
+
+    def text_widths(self) -> TextWidths:
+        """The text conditioning's widths (a class-conditional U-Net: the hidden width is 0)."""
+
+    def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
+                guidance: float) -> torch.Tensor:
+        """The network's output for `noisy` latents (B, C, H, W) at `timesteps` (the schedule's values), in the
+        latents' layout. `cond`: models/diffusion.py condition_kwargs; `guidance`: FLUX.1-dev's distilled
+        guidance (diffusion.guidance_scale), for a network with a guidance embedding."""
+
+
+def _architecture(block: Any) -> dict[str, Any]:
+    return dict(block) if isinstance(block, dict) else OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class UNet:
+    """SD 1.x / 2.x / SDXL: `UNet2DConditionModel(**model.unet)`, called as unet(sample, t, **cond).sample."""
+
+    model: Model
+
+    def arguments(self) -> dict[str, Any]:
+        return _architecture(self.model.unet)
+
+    def model_class(self) -> type:
+        from diffusers import UNet2DConditionModel
+
+        return UNet2DConditionModel
+
+    def latent_channels(self) -> int:
+        return int(self.arguments()["in_channels"])
+
+    def size_unit(self) -> int:
+        """The VAE's factor times the U-Net's halvings: one fewer than its blocks."""
+        return int(self.model.vae_scale_factor) * 2 ** (len(self.arguments()["block_out_channels"]) - 1)
+
+    def size_reason(self) -> str:
+        return f"its U-Net halves {len(self.arguments()['block_out_channels']) - 1} times"
+
+    def text_widths(self) -> TextWidths:
+        unet = self.arguments()
+        # SDXL's pooled text embedding: what the added-conditioning projection takes besides its 6 time ids
+        pooled = int(unet["projection_class_embeddings_input_dim"]) - 6 * int(unet["addition_time_embed_dim"]) \
+            if unet.get("addition_embed_type") == "text_time" else 0
+        return TextWidths(int(unet.get("cross_attention_dim") or 0), pooled)
+
+    def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
+                guidance: float) -> torch.Tensor:
+        return module(noisy, timesteps, **cond).sample
+
+
+@dataclass(frozen=True)
+class Flux:
+    """FLUX.1: `FluxTransformer2DModel(**model.transformer)` over 2x2 patches of the latents packed into tokens,
+    with image and text position ids, the timestep in [0, 1] and (dev) a guidance embedding, as diffusers'
+    train_dreambooth_flux.py calls it."""
+
+    model: Model
+
+    def arguments(self) -> dict[str, Any]:
+        return _architecture(self.model.transformer)
+
+    def model_class(self) -> type:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel
+
+    def latent_channels(self) -> int:
+        return int(self.arguments()["in_channels"]) // 4  # a token packs a 2x2 patch of every channel
+
+    def size_unit(self) -> int:
+        return int(self.model.vae_scale_factor) * 2
+
+    def size_reason(self) -> str:
+        return "its transformer packs 2x2 latent patches into a token"
+
+    def text_widths(self) -> TextWidths:
+        arch = self.arguments()
+        return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
+
+    def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
+                guidance: float) -> torch.Tensor:
+        import torch
+        from diffusers import FluxPipeline
+
+        batch, channels, height, width = noisy.shape
+        packed = FluxPipeline._pack_latents(noisy, batch, channels, height, width)
+        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, noisy.device, noisy.dtype)
+        text = cond["encoder_hidden_states"]
+        text_ids = torch.zeros(text.shape[1], 3, device=noisy.device, dtype=noisy.dtype)
+        embedded = None
+        if self.arguments().get("guidance_embeds"):
+            embedded = torch.full((batch,), float(guidance), device=noisy.device, dtype=torch.float32)
+        out = module(hidden_states=packed, timestep=timesteps.to(noisy.dtype) / 1000, guidance=embedded,
+                     pooled_projections=cond["pooled_projections"], encoder_hidden_states=text, txt_ids=text_ids,
+                     img_ids=image_ids, return_dict=False)[0]
+        vae = int(self.model.vae_scale_factor)
+        return FluxPipeline._unpack_latents(out, height * vae, width * vae, vae)
+
+
+@dataclass(frozen=True)
+class SD3:
+    """SD3 / SD3.5: `SD3Transformer2DModel(**model.transformer)`, patching the latents itself, called on the
+    timestep in [0, 1000] as diffusers' train_dreambooth_sd3.py calls it."""
+
+    model: Model
+
+    def arguments(self) -> dict[str, Any]:
+        return _architecture(self.model.transformer)
+
+    def model_class(self) -> type:
+        from diffusers import SD3Transformer2DModel
+
+        return SD3Transformer2DModel
+
+    def latent_channels(self) -> int:
+        return int(self.arguments()["in_channels"])
+
+    def size_unit(self) -> int:
+        return int(self.model.vae_scale_factor) * int(self.arguments().get("patch_size", 2))
+
+    def size_reason(self) -> str:
+        return f"its transformer takes {self.arguments().get('patch_size', 2)}-pixel latent patches"
+
+    def text_widths(self) -> TextWidths:
+        arch = self.arguments()
+        return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
+
+    def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
+                guidance: float) -> torch.Tensor:
+        return module(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"],
+                      pooled_projections=cond["pooled_projections"], return_dict=False)[0]
+
+
+FAMILIES: dict[str, type[UNet] | type[Flux] | type[SD3]] = {"unet": UNet, "flux": Flux, "sd3": SD3}
+TRANSFORMERS = ("flux", "sd3")
+
+
+def backbone_of(model: Model) -> Backbone:
+    """The model option's network family."""
+    family = FAMILIES.get(str(model.backbone))
+    if family is None:
+        raise ConfigError("model.backbone", f"unknown network family {model.backbone!r}",
+                          "model.backbone=unet (model=sdxl, sd15, ...), flux (model=flux) or sd3 (model=sd35_large)")
+    return family(model)
+
+
+def is_transformer(model: Model) -> bool:
+    return str(model.backbone) in TRANSFORMERS
