@@ -20,7 +20,7 @@ from zerotune.config.errors import CONFIG_ERROR_EXIT, ConfigError
 from zerotune.config.search import packaged_conf
 from zerotune.data import GIB, check_fits_memory
 from zerotune.data.spec import DataSpec
-from zerotune.models import build_unet, check_pretrained, downsample_factor
+from zerotune.models import build_network, check_pretrained, downsample_factor
 from zerotune.plan.deepspeed import check_nvme_path
 from zerotune.rundir.loggers import check_logger
 
@@ -81,7 +81,7 @@ def test_cli_negative_seed(tmp_path):
 def tiny_weights(tmp_path_factory):
     """The tiny model's weights, as a diffusers folder and as one safetensors file."""
     root = tmp_path_factory.mktemp("weights")
-    unet = build_unet(compose_cfg().model)
+    unet = build_network(compose_cfg().model)
     unet.save_pretrained(root / "unet")
     save_file(unet.state_dict(), str(root / "unet.safetensors"))
     return root
@@ -117,7 +117,7 @@ def test_missing_path(tmp_path):
 
 
 def test_keys_missing_and_shapes_differ_are_listed(tiny_weights, tmp_path):
-    state = build_unet(compose_cfg().model).state_dict()
+    state = build_network(compose_cfg().model).state_dict()
     state.pop("conv_in.weight")
     state["conv_out.bias"] = torch.zeros(3)
     state["extra.weight"] = torch.zeros(1)

@@ -9,7 +9,7 @@ from PIL import Image
 
 from tests.helpers.cli import compose_cfg
 from zerotune.data.sources import DigitsDataset, split_indices
-from zerotune.models import build_unet
+from zerotune.models import build_network
 from zerotune.models.diffusion import NULL_CLASS, sample_images, unet_kwargs
 from zerotune.train.evaluate import DigitClassifier, save_grid
 
@@ -24,7 +24,7 @@ def classifier() -> DigitClassifier:
 @pytest.fixture(scope="module")
 def tiny_unet() -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_unet(compose_cfg().model)
+    return build_network(compose_cfg().model)
 
 
 def test_dataset_shapes_ranges_and_balance() -> None:

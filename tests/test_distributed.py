@@ -40,9 +40,9 @@ def partition_tolerance_bytes(world: int) -> int:
     and per group: 4 bytes × 2 × world × (tensors + groups). For the tiny U-Net (95 tensors) that is
     under 1 KB of ~4.4 MB, 0.02 %; a rank that kept the whole state would be 2.2 MB off.
     """
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
 
-    tensors = len(list(build_unet(compose_cfg().model).parameters()))
+    tensors = len(list(build_network(compose_cfg().model).parameters()))
     return 4 * 2 * world * (tensors + 4)
 
 

@@ -55,7 +55,7 @@ def pretrained(tmp_path_factory):
     """A tiny U-Net with random weights, saved as a diffusers folder: the base the adapters train on."""
     folder = tmp_path_factory.mktemp("base") / "unet"
     torch.manual_seed(1)
-    models.build_unet(compose_cfg().model).save_pretrained(folder)
+    models.build_network(compose_cfg().model).save_pretrained(folder)
     return folder
 
 
@@ -108,13 +108,13 @@ def check_export(run_dir, out, base) -> None:
 
 def test_only_the_adapter_is_trainable():
     cfg = config_of("adapter=lora")
-    unet = adapter.add_adapter(models.build_unet(cfg.model), cfg.adapter)
+    unet = adapter.add_adapter(models.build_network(cfg.model), cfg.adapter)
     trained = [n for n, p in unet.named_parameters() if p.requires_grad]
     assert trained and all(adapter.is_adapter_weight(n) for n in trained)
     assert len(adapter.trainable_parameters(unet)) == len(trained)
     stats = models.model_stats(cfg.model, cfg.adapter)
     # each conv1/conv2 (3x3) gets A: r x in x 3 x 3 and B: out x r x 1 x 1
-    expected = sum(16 * m.in_channels * 9 + m.out_channels * 16 for n, m in models.build_unet(cfg.model)
+    expected = sum(16 * m.in_channels * 9 + m.out_channels * 16 for n, m in models.build_network(cfg.model)
                    .named_modules() if n.rsplit(".", 1)[-1] in ("conv1", "conv2"))
     assert stats.num_trainable == expected and stats.num_frozen == models.model_stats(cfg.model).num_params
     plain = models.model_stats(cfg.model)
@@ -124,7 +124,7 @@ def test_only_the_adapter_is_trainable():
 def test_sdxl_defaults_to_the_attention_projections():
     cfg = compose_cfg("adapter=lora", "model=sdxl_tiny")
     assert list(cfg.adapter.target_modules) == ["to_q", "to_k", "to_v", "to_out.0"]
-    unet = adapter.add_adapter(models.build_unet(cfg.model), cfg.adapter)
+    unet = adapter.add_adapter(models.build_network(cfg.model), cfg.adapter)
     wrapped = {n.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for n, _ in unet.named_parameters() if ".lora_A." in n}
     assert wrapped == {"to_q", "to_k", "to_v", "0"}
 

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from tests.helpers.cli import compose_cfg
 from zerotune.config.errors import ConfigError
-from zerotune.models import build_unet, latent_shape, model_stats
+from zerotune.models import build_network, latent_shape, model_stats
 
 SDXL_UNET_PARAMS = 2_567_463_684
 
@@ -32,23 +32,23 @@ def _tiny_forward(unet) -> torch.Tensor:
 def test_load_pretrained_folder_and_safetensors(tmp_path):
     cfg = compose_cfg()
     torch.manual_seed(1)
-    saved = build_unet(cfg.model)
+    saved = build_network(cfg.model)
     saved.save_pretrained(tmp_path / "unet")
     save_file(saved.state_dict(), str(tmp_path / "unet.safetensors"))
     expected = _tiny_forward(saved.eval())
 
     for path in (tmp_path / "unet", tmp_path, tmp_path / "unet.safetensors"):  # tmp_path: a pipeline folder
-        loaded = build_unet(compose_cfg(f"model.pretrained={path}").model).eval()
+        loaded = build_network(compose_cfg(f"model.pretrained={path}").model).eval()
         assert torch.equal(_tiny_forward(loaded), expected), path
 
 
 def test_pretrained_errors(tmp_path):
     with pytest.raises(ConfigError) as err:
-        build_unet(compose_cfg(f"model.pretrained={tmp_path}/missing").model)
+        build_network(compose_cfg(f"model.pretrained={tmp_path}/missing").model)
     assert err.value.key == "model.pretrained"
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no diffusers U-Net"):
-        build_unet(compose_cfg(f"model.pretrained={tmp_path}/empty").model)
+        build_network(compose_cfg(f"model.pretrained={tmp_path}/empty").model)
     save_file({"nope": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ConfigError, match="does not match model=tiny"):
-        build_unet(compose_cfg(f"model.pretrained={tmp_path}/other.safetensors").model)
+        build_network(compose_cfg(f"model.pretrained={tmp_path}/other.safetensors").model)

@@ -156,12 +156,12 @@ def test_lora_at_zero3_gathers_its_targets_before_caching():
     import torch
     from accelerate import init_empty_weights
 
-    from zerotune.models import adapter, build_unet
+    from zerotune.models import adapter, build_network
 
     tiny = ("model=sdxl_tiny", "resolution.size=64", "train.batch_size=2", "precision=bf16")
     cfg = config_of(*tiny, "adapter=lora")
     with init_empty_weights():
-        unet = build_unet(cfg.model)
+        unet = build_network(cfg.model)
         want = sum(p.numel() for m in adapter.targeted_modules(unet, cfg.adapter) for p in m.parameters(recurse=False))
     assert want > 0 and all(isinstance(m, torch.nn.Linear) for m in adapter.targeted_modules(unet, cfg.adapter))
     _, phases = plan_with_phases(*tiny, "adapter=lora", "zero_stage=3")

@@ -12,13 +12,13 @@ import torch
 from tests.helpers.cli import compose_cfg, run_cli
 from tests.helpers.original_layout import original_layout, original_unet, write_checkpoint
 from zerotune.config.errors import ConfigError
-from zerotune.models import build_unet, check_pretrained
+from zerotune.models import build_network, check_pretrained
 
 
 def _source(model: str, *overrides: str):
     """A diffusers U-Net of the model option's architecture, its weights not the seeded init a run makes."""
     torch.manual_seed(5)
-    unet = build_unet(compose_cfg(f"model={model}", "data=synthetic", *overrides).model)
+    unet = build_network(compose_cfg(f"model={model}", "data=synthetic", *overrides).model)
     with torch.no_grad():
         for p in unet.parameters():
             p.add_(torch.randn_like(p))
@@ -35,7 +35,7 @@ def test_a_single_file_loads_equal_to_the_model_it_was_made_from(model, tmp_path
     path = write_checkpoint(source, tmp_path / "checkpoint.safetensors")
     cfg = _cfg(model, path)
     check_pretrained(cfg.model)
-    loaded = build_unet(cfg.model).state_dict()
+    loaded = build_network(cfg.model).state_dict()
     expected = source.state_dict()
     assert loaded.keys() == expected.keys()
     assert all(loaded[name].dtype == torch.float32 and torch.equal(loaded[name], expected[name]) for name in expected)
@@ -47,7 +47,7 @@ def test_a_half_precision_file_loads_in_fp32(tmp_path):
 
     source = _source("sd15_tiny")
     save_file({name: t.half() for name, t in original_layout(source).items()}, str(tmp_path / "half.safetensors"))
-    loaded = build_unet(_cfg("sd15_tiny", tmp_path / "half.safetensors").model).state_dict()
+    loaded = build_network(_cfg("sd15_tiny", tmp_path / "half.safetensors").model).state_dict()
     expected = source.state_dict()
     assert all(loaded[name].dtype == torch.float32 and torch.equal(loaded[name], expected[name].half().float())
                for name in expected)
@@ -62,7 +62,7 @@ def test_the_loaded_u_net_computes_what_the_original_model_computes(tmp_path):
     groups = "model.unet.norm_num_groups=32"
     source = _source("sd15_tiny", groups)
     path = write_checkpoint(source, tmp_path / "checkpoint.safetensors")
-    loaded = build_unet(_cfg("sd15_tiny", path, groups).model).eval()
+    loaded = build_network(_cfg("sd15_tiny", path, groups).model).eval()
     original = original_unet(dict(source.config)).eval()
     original.load_state_dict({name.removeprefix(LDM_UNET_KEY): t for name, t in original_layout(source).items()})
     torch.manual_seed(0)

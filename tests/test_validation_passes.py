@@ -217,7 +217,7 @@ def test_a_pass_that_runs_out_of_memory_is_recorded_or_under_strict_raised(stric
 
     from tests.helpers.cli import compose_cfg
     from zerotune.data.prompts import check_validation
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
     from zerotune.models.diffusion import noise_scheduler
     from zerotune.rundir import RunDir
     from zerotune.rundir.loggers import NullLogger
@@ -226,7 +226,7 @@ def test_a_pass_that_runs_out_of_memory_is_recorded_or_under_strict_raised(stric
     cfg = compose_cfg("model=sdxl_tiny", "data=synthetic", f"model.components={tiny_sdxl_components}",
                       f"data.cache_dir={tmp_path / 'cache'}", "resolution.size=64", *_validation(),
                       "debug.validation_oom_at_step=2", f"validation.strict={strict}")
-    unet = build_unet(cfg.model)
+    unet = build_network(cfg.model)
     trained = SimpleNamespace(unet=unet, ema=None, noise_schedule=noise_scheduler(cfg.diffusion),
                               resolved=SimpleNamespace(zero_stage=2), trained_module=lambda: unet)
     validator = Validator(cfg, check_validation(cfg), RunDir(tmp_path / "run"), NullLogger(), torch.device("cpu"),

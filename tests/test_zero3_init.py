@@ -23,7 +23,7 @@ PROBE = textwrap.dedent("""
     import deepspeed
     from accelerate.utils import set_seed
     from zerotune.rundir.loggers import NullLogger
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
     from tests.helpers.cli import preflight
     from zerotune.rundir import RunDir
     from zerotune.train import trainer as trainer_module
@@ -33,7 +33,7 @@ PROBE = textwrap.dedent("""
                  "precision=fp32", "scheduler=constant", "checkpoint.final=false", *extra]
     cfg = compose_cfg(*overrides)
     built = {}
-    real_build = trainer_module.build_unet
+    real_build = trainer_module.build_network
 
     def recording_build(model_cfg, zero_init=None):
         unet = real_build(model_cfg, zero_init=zero_init)
@@ -43,7 +43,7 @@ PROBE = textwrap.dedent("""
         built["numel"] = sum(getattr(p, "ds_numel", p.numel()) for p in unet.parameters())
         return unet
 
-    trainer_module.build_unet = recording_build
+    trainer_module.build_network = recording_build
     if mode == "plain":
         trainer_module.zero3_init = lambda accelerator, checked: None
     t = trainer_module.Trainer(preflight(cfg, 1), RunDir(out), NullLogger())
@@ -56,7 +56,7 @@ PROBE = textwrap.dedent("""
         final = {n: p.detach().clone() for n, p in params}
     t.accelerator.end_training()
     set_seed(cfg.train.seed)  # the trainer's RNG state when it builds the U-Net
-    reference = dict(build_unet(cfg.model).named_parameters())
+    reference = dict(build_network(cfg.model).named_parameters())
     torch.save({"initial": initial, "final": final, "ema_initial": ema_initial, "ema": t.ema.shadow,
                 "reference": {n: p.detach() for n, p in reference.items()}}, f"{out}/weights.pt")
     json.dump({"losses": losses, **built}, open(f"{out}/probe.json", "w"))
@@ -104,14 +104,14 @@ LOAD = textwrap.dedent("""
     from zerotune.train import distributed
     distributed.ensure_single_process_env()
     import deepspeed
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
 
     deepspeed.init_distributed(dist_backend="gloo")
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     loaded, draws = [], []
     for overrides in sys.argv[2:]:
         torch.manual_seed(0)
-        unet = build_unet(compose_cfg(*overrides.split()).model, zero_init=deepspeed.zero.Init(config_dict_or_path=ds))
+        unet = build_network(compose_cfg(*overrides.split()).model, zero_init=deepspeed.zero.Init(config_dict_or_path=ds))
         draws.append(torch.randn(4))  # what draws next (peft's LoRA init) gets
         params = list(unet.named_parameters())
         assert all(p.data.numel() == 0 for _, p in params)
@@ -130,12 +130,12 @@ def test_zero3_loads_pretrained_into_the_partitions(tmp_path):
 
     from tests.helpers.cli import compose_cfg
     from tests.helpers.original_layout import write_checkpoint
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
 
     sources = {}
     for model in ("tiny", "sdxl_tiny"):
         torch.manual_seed(123)
-        sources[model] = build_unet(compose_cfg(f"model={model}", "data=synthetic").model)
+        sources[model] = build_network(compose_cfg(f"model={model}", "data=synthetic").model)
         with torch.no_grad():
             for p in sources[model].parameters():
                 p.add_(torch.randn_like(p))  # not the seeded init a run would make anyway
@@ -152,7 +152,7 @@ def test_zero3_loads_pretrained_into_the_partitions(tmp_path):
         assert _equal(weights, {n: p.detach() for n, p in sources[source].named_parameters()}), run
     for run, draw in zip(runs, draws, strict=True):
         torch.manual_seed(0)
-        build_unet(compose_cfg(*run.split()).model)
+        build_network(compose_cfg(*run.split()).model)
         assert torch.equal(draw, torch.randn(4)), run
 
 
@@ -178,11 +178,11 @@ BUILD_PEAK = textwrap.dedent("""
     import json, resource, sys
     import deepspeed, diffusers, peft, torch
     from tests.helpers.cli import compose_cfg
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = compose_cfg(*sys.argv[2:])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    build_unet(cfg.model, zero_init=deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+    build_network(cfg.model, zero_init=deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
                                                                              "zero_optimization": {"stage": 3}}))
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
     open(f"{sys.argv[1]}.{torch.distributed.get_rank()}", "w").write(json.dumps(grown))

@@ -21,7 +21,7 @@ import torch
 from zerotune.config.compose import compose
 from zerotune.data import build_loader
 from zerotune.data.spec import DataSpec
-from zerotune.models import build_unet
+from zerotune.models import build_network
 from zerotune.models.diffusion import diffusion_loss, noise_scheduler, unet_kwargs
 
 OVERRIDES = ["model=sdxl_tiny", "data=synthetic", "resolution=64"]
@@ -66,7 +66,7 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     cfg = compose(OVERRIDES)
-    unet = build_unet(cfg.model)
+    unet = build_network(cfg.model)
     unet.train()
     engine, _, _, _ = deepspeed.initialize(args=args, model=unet, model_parameters=unet.parameters())
     train(engine, cfg, args.steps, args.seed)

@@ -43,7 +43,7 @@ def build_work(cfg, micro_batch: int):
 
     from zerotune.data import build_loader
     from zerotune.data.spec import DataSpec
-    from zerotune.models import build_unet
+    from zerotune.models import build_network
     from zerotune.models.diffusion import noise_scheduler
 
     seed = int(cfg.train.seed)
@@ -52,7 +52,7 @@ def build_work(cfg, micro_batch: int):
         torch.use_deterministic_algorithms(True, warn_only=True)
     schedule = noise_scheduler(cfg.diffusion)
     generator = torch.Generator().manual_seed(seed * 7919)
-    unet = build_unet(cfg.model)
+    unet = build_network(cfg.model)
     loader = build_loader(DataSpec.from_config(cfg), micro_batch, seed)
     return unet, loader, schedule, generator
 

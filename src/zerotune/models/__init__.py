@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -19,7 +19,16 @@ from zerotune.config.schema import Adapter, Model
 from zerotune.models import adapter
 from zerotune.models import weights as single_file
 from zerotune.models.backbones import backbone_of
-from zerotune.models.weights import compare_shapes, found_unet_folder, read_folder, read_shapes, unet_folder
+from zerotune.models.weights import (
+    compare_shapes,
+    found_network_folder,
+    network_folder,
+    read_folder,
+    read_shapes,
+)
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
 
 
 @dataclass(frozen=True)
@@ -167,9 +176,9 @@ def _measure_stats(model_cfg: Model, adapter_cfg: Adapter | None) -> ModelStats:
                       trainable_shapes=tuple(tuple(p.shape) for p in trained), trainable_groups=groups)
 
 
-def build_unet(model_cfg: Model, zero_init=None):
-    """A U-Net from `model.pretrained` (a diffusers folder, a .safetensors state dict in diffusers' names, or an
-    original-layout single-file checkpoint) or from its config.
+def build_network(model_cfg: Model, zero_init=None):
+    """The network (its family: models/backbones.py) from `model.pretrained` (a diffusers folder, a .safetensors
+    state dict in diffusers' names, or a U-Net's original-layout single-file checkpoint) or from its config.
 
     `zero_init`: a `deepspeed.zero.Init` context (ZeRO-3), under which each module's parameters are partitioned
     as it is built and the weights are loaded into the partitions (models/weights.py)."""
@@ -190,11 +199,12 @@ def build_unet(model_cfg: Model, zero_init=None):
 def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
     # Imported before zero.Init is entered: diffusers' first import creates tensors, which zero.Init's patched
     # tensor constructors would take.
-    from diffusers import UNet2DConditionModel
     from diffusers.models.modeling_utils import no_init_weights
 
     from zerotune.models import weights as partitioned
 
+    net = backbone_of(model_cfg)
+    net.model_class()  # diffusers' import, before zero.Init
     if path is None:
         return partitioned.build(lambda: _from_config(model_cfg), zero_init, None, "")
     config, weight_files = _pretrained_files(model_cfg, path)
@@ -204,14 +214,14 @@ def _build_partitioned(model_cfg: Model, zero_init, path: Path | None):
         return partitioned.build(lambda: _from_config(model_cfg), zero_init,
                                  partitioned.FileWeights(weight_files), str(path))
     else:  # .bin weights: read_folder only looks for them
-        weights = partitioned.FileWeights(weight_files or _bin_files(found_unet_folder(path)))
+        weights = partitioned.FileWeights(weight_files or _bin_files(found_network_folder(path, net.folder)))
 
     def make_unet():
         # As from_pretrained and from_single_file build it: torch.nn.init's functions skipped, since the files
         # replace every weight. So the build draws nothing from the global RNG, and what draws next (peft's LoRA
         # init, the data) draws what it does after them at the other stages.
         with no_init_weights():
-            return UNet2DConditionModel.from_config(config)
+            return net.model_class().from_config(config)
 
     unet = partitioned.build(make_unet, zero_init, weights, str(path))
     return unet.eval()  # as from_pretrained leaves it
@@ -232,12 +242,12 @@ def _bin_files(folder: Path) -> list[Path]:
 
 
 def load_pretrained(model_cfg: Model, path: Path):
-    from diffusers import UNet2DConditionModel
     from safetensors.torch import load_file
 
+    net = backbone_of(model_cfg)
     config, _ = _pretrained_files(model_cfg, path)
     if path.is_dir():
-        return UNet2DConditionModel.from_pretrained(unet_folder(path), local_files_only=True)
+        return net.model_class().from_pretrained(network_folder(path, net.folder), local_files_only=True)
     if is_single_file(path):  # its architecture checked by preflight's check_pretrained, from the header
         return single_file.load(path, config)
     unet = _from_config(model_cfg)
@@ -250,13 +260,14 @@ def load_pretrained(model_cfg: Model, path: Path):
 
 
 def _pretrained_files(model_cfg: Model, path: Path) -> tuple[dict, list[Path]]:
-    """The U-Net config and safetensors files `model.pretrained` names: a diffusers folder's own (one without a
-    U-Net config or weights is refused, saying which), or the model option's config for a single .safetensors
-    (a state dict in diffusers' names, or an original-layout checkpoint)."""
+    """The network's config and safetensors files `model.pretrained` names: a diffusers folder's own (one without
+    a config or weights is refused, saying which), or the model option's config for a single .safetensors (a state
+    dict in diffusers' names, or a U-Net's original-layout checkpoint)."""
+    net = backbone_of(model_cfg)
     if path.is_dir():
-        return read_folder(path)
+        return read_folder(path, net.folder)
     if path.suffix == ".safetensors" and path.is_file():
-        return unet_config(model_cfg), [path]
+        return net.arguments(), [path]
     problem = "does not exist" if not path.exists() else "is neither a diffusers folder nor a .safetensors file"
     raise ConfigError("model.pretrained", f"{path} {problem}",
                       "model.pretrained=/path/to/unet_folder, /path/to/unet.safetensors or /path/to/checkpoint.safetensors")
@@ -271,7 +282,8 @@ def check_pretrained(model_cfg: Model) -> None:
         return
     path = Path(str(model_cfg.pretrained)).expanduser()
     config, weight_files = _pretrained_files(model_cfg, path)
-    model = "the U-Net its config.json describes" if path.is_dir() else f"model={model_cfg.name}"
+    net = backbone_of(model_cfg)
+    model = f"the {net.class_name} its config.json describes" if path.is_dir() else f"model={model_cfg.name}"
     found = {name: shape for file in weight_files for name, shape in read_shapes(file).items()}
     if single_file.is_original_layout(found):
         try:
@@ -281,20 +293,23 @@ def check_pretrained(model_cfg: Model) -> None:
             raise ConfigError(err.key, err.problem, f"model={matching[0]} (its U-Net is that option's)" if matching
                               else single_file.WRONG_MODEL_FIX) from None
     elif weight_files:
-        compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found, _meta_shapes(config, path), model)
+        compare_shapes(weight_files[0] if len(weight_files) == 1 else path, found,
+                       _meta_shapes(config, path, net.model_class()), model)
 
 
-def _meta_shapes(config: dict, path: Path) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the U-Net `config` describes, built on the meta device."""
+def _meta_shapes(config: dict, path: Path, model_class: type[ModelMixin] | None = None) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the network `config` describes (a U-Net unless `model_class` says), on the meta device."""
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
+    model_class = model_class or UNet2DConditionModel
     try:
         with init_empty_weights():
-            unet = UNet2DConditionModel.from_config(config)
+            unet = model_class.from_config(config)
     except (TypeError, ValueError) as exc:
         raise ConfigError("model.pretrained", f"{path}'s config.json does not describe a "
-                          f"UNet2DConditionModel ({exc})", "point model.pretrained at a U-Net folder") from None
+                          f"{model_class.__name__} ({exc})", f"point model.pretrained at a {model_class.__name__}'s "
+                          "folder") from None
     return {name: tuple(tensor.shape) for name, tensor in unet.state_dict().items()}
 
 

@@ -6,7 +6,7 @@ diffusion transformers (FLUX.1: `FluxTransformer2DModel`; SD3/3.5: `SD3Transform
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from omegaconf import OmegaConf
 
@@ -15,6 +15,7 @@ from zerotune.config.schema import Model
 
 if TYPE_CHECKING:
     import torch
+    from diffusers.models.modeling_utils import ModelMixin
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,13 @@ class TextWidths:
 
 
 class Backbone(Protocol):
+    folder: ClassVar[str]         # the subfolder of a diffusers pipeline folder that holds it; export's too
+    class_name: ClassVar[str]     # diffusers' class, as a saved config.json's `_class_name` names it
+    lora_pipeline: ClassVar[str]  # the pipeline class whose save_lora_weights / load_lora_weights take its LoRA
+    # whether diffusers' LoRA scripts for it save peft's own names (lora_A / lora_B: FLUX.1's, SD3's) rather than
+    # diffusers' older lora.down / lora.up (the U-Nets')
+    lora_peft_names: ClassVar[bool]
+
     @property
     def model(self) -> Model:
         """The model option the network is built from."""
@@ -34,7 +42,7 @@ class Backbone(Protocol):
     def arguments(self) -> dict[str, Any]:
         """The diffusers class's constructor arguments (the model option's architecture)."""
 
-    def model_class(self) -> type:
+    def model_class(self) -> type[ModelMixin]:
         """The diffusers class (imported on demand: diffusers' import takes seconds)."""
 
     def latent_channels(self) -> int:
@@ -66,11 +74,15 @@ class UNet:
     """SD 1.x / 2.x / SDXL: `UNet2DConditionModel(**model.unet)`, called as unet(sample, t, **cond).sample."""
 
     model: Model
+    folder: ClassVar[str] = "unet"  # a pipeline folder's subfolder holding it, and export's
+    class_name: ClassVar[str] = "UNet2DConditionModel"
+    lora_pipeline: ClassVar[str] = "StableDiffusionXLPipeline"  # its save_lora_weights writes `unet.` keys
+    lora_peft_names: ClassVar[bool] = False
 
     def arguments(self) -> dict[str, Any]:
         return _architecture(self.model.unet)
 
-    def model_class(self) -> type:
+    def model_class(self) -> type[ModelMixin]:
         from diffusers import UNet2DConditionModel
 
         return UNet2DConditionModel
@@ -104,11 +116,15 @@ class Flux:
     train_dreambooth_flux.py calls it."""
 
     model: Model
+    folder: ClassVar[str] = "transformer"
+    class_name: ClassVar[str] = "FluxTransformer2DModel"
+    lora_pipeline: ClassVar[str] = "FluxPipeline"
+    lora_peft_names: ClassVar[bool] = True
 
     def arguments(self) -> dict[str, Any]:
         return _architecture(self.model.transformer)
 
-    def model_class(self) -> type:
+    def model_class(self) -> type[ModelMixin]:
         from diffusers import FluxTransformer2DModel
 
         return FluxTransformer2DModel
@@ -152,11 +168,15 @@ class SD3:
     timestep in [0, 1000] as diffusers' train_dreambooth_sd3.py calls it."""
 
     model: Model
+    folder: ClassVar[str] = "transformer"
+    class_name: ClassVar[str] = "SD3Transformer2DModel"
+    lora_pipeline: ClassVar[str] = "StableDiffusion3Pipeline"
+    lora_peft_names: ClassVar[bool] = True
 
     def arguments(self) -> dict[str, Any]:
         return _architecture(self.model.transformer)
 
-    def model_class(self) -> type:
+    def model_class(self) -> type[ModelMixin]:
         from diffusers import SD3Transformer2DModel
 
         return SD3Transformer2DModel
@@ -191,6 +211,15 @@ def backbone_of(model: Model) -> Backbone:
         raise ConfigError("model.backbone", f"unknown network family {model.backbone!r}",
                           "model.backbone=unet (model=sdxl, sd15, ...), flux (model=flux) or sd3 (model=sd35_large)")
     return family(model)
+
+
+def family_of_class(class_name: str | None) -> type[UNet] | type[Flux] | type[SD3]:
+    """The family a saved config's `_class_name` is of (a checkpoint's config.json; none: a U-Net's, as older
+    checkpoints hold)."""
+    for family in FAMILIES.values():
+        if family.class_name == (class_name or UNet.class_name):
+            return family
+    raise ValueError(f"{class_name!r} is no network zerotune trains ({', '.join(f.class_name for f in FAMILIES.values())})")
 
 
 def is_transformer(model: Model) -> bool:

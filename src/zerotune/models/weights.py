@@ -18,30 +18,32 @@ from safetensors import SafetensorError, safe_open
 from zerotune.config.errors import ConfigError
 
 KEY = "model.pretrained"
-FOLDER_FIX = "point model.pretrained at a folder saved by UNet2DConditionModel.save_pretrained"
+FOLDER_FIX = "point model.pretrained at a pipeline folder, or its unet/ or transformer/ (saved by save_pretrained)"
 SHOWN = 3  # names listed per kind of mismatch
 
 
-def unet_folder(path: Path) -> Path | None:
-    """The folder holding the U-Net's config.json: `path`, or its unet/ (a whole pipeline's folder)."""
-    for folder in (path / "unet", path):
+def network_folder(path: Path, sub: str = "unet") -> Path | None:
+    """The folder holding the network's config.json: `path`, or its `sub`/ (a whole pipeline's folder: unet/ for
+    a U-Net, transformer/ for a diffusion transformer)."""
+    for folder in (path / sub, path):
         if (folder / "config.json").is_file():
             return folder
     return None
 
 
-def found_unet_folder(path: Path) -> Path:
-    """`unet_folder`, refused where `path` holds none."""
-    folder = unet_folder(path)
+def found_network_folder(path: Path, sub: str = "unet") -> Path:
+    """`network_folder`, refused where `path` holds none."""
+    folder = network_folder(path, sub)
     if folder is None:
-        raise ConfigError(KEY, f"{path} holds no diffusers U-Net (no config.json in it or in unet/)", FOLDER_FIX)
+        raise ConfigError(KEY, f"{path} holds no diffusers {'U-Net' if sub == 'unet' else sub} (no config.json in it "
+                          f"or in {sub}/)", FOLDER_FIX)
     return folder
 
 
-def read_folder(path: Path) -> tuple[dict, list[Path]]:
-    """The U-Net's config.json and the safetensors files `from_pretrained` would read ([] for .bin weights,
+def read_folder(path: Path, sub: str = "unet") -> tuple[dict, list[Path]]:
+    """The network's config.json and the safetensors files `from_pretrained` would read ([] for .bin weights,
     which are only looked for)."""
-    folder = found_unet_folder(path)
+    folder = found_network_folder(path, sub)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -24,7 +24,7 @@ from zerotune.config.schema import Adapter, Diffusion, Model
 from zerotune.models import (
     adapter,
     backbones,
-    build_unet,
+    build_network,
     diffusion,
     text_encoders,
     trained_encoder_archs,
@@ -240,7 +240,7 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
     """The U-Net as trained, from its architecture config: `attention`, the adapter (base frozen), every
     parameter cast as DeepSpeed's engine casts it, the gradient checkpointing switch."""
     without_weights = replace(model_cfg, pretrained=None, attention=attention)
-    unet = adapter.add_adapter(build_unet(without_weights), adapter_cfg)
+    unet = adapter.add_adapter(build_network(without_weights), adapter_cfg)
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin method

@@ -171,12 +171,12 @@ def measure_sampling_on_cpu(archs: dict, model_cfg: Model, latent_hw: tuple[int,
     from torch.profiler import ProfilerActivity, profile
 
     from zerotune.config.schema import Diffusion
-    from zerotune.models import build_unet, unet_config
+    from zerotune.models import build_network, unet_config
     from zerotune.models.diffusion import make_sampler, noise_scheduler
     from zerotune.plan.activations import _peaks
 
     torch.manual_seed(0)
-    unet = build_unet(model_cfg).eval()
+    unet = build_network(model_cfg).eval()
     vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"}).eval()
     schedule = dict(noise_scheduler(Diffusion()).config)  # the training schedule's defaults
     sampler = make_sampler(schedule, str(model_cfg.prediction_type), pixel_space=False)

@@ -231,6 +231,9 @@ def _check_transformer(cfg: Config) -> None:
     model = cfg.model
     if not backbones.is_transformer(model):
         return
+    if model.attention != "default":  # models/__init__.py build_network's sdpa processor is a U-Net's
+        raise ConfigError("model.attention", f"model={model.name}'s attention processors already call torch's "
+                          "scaled_dot_product_attention", "model.attention=default")
     if text_encoders.trained(model):
         raise ConfigError("model.train_text_encoder", f"model={model.name}'s text encoders (T5, CLIP) are not loaded: "
                           "its conditioning comes encoded", "model.train_text_encoder=none")

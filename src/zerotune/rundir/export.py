@@ -6,27 +6,36 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerotune.config.schema import Adapter
-from zerotune.models import adapter, text_encoders
+from zerotune.models import adapter, backbones, text_encoders
 from zerotune.rundir import checkpoints
 from zerotune.rundir import checkpoints as manifest
 from zerotune.rundir.checkpoint_io import full_state
 from zerotune.rundir.checkpoints import read_meta
 from zerotune.rundir.summary import RunSummary, Status
 
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 
 
-def build(unet_config: dict, adapter_cfg: dict, weights: dict):
-    """The U-Net with its adapter, holding `weights` (base and adapter, by the module's own names)."""
-    from diffusers import UNet2DConditionModel
+def network_class(config: dict) -> type[ModelMixin]:
+    """The diffusers class a checkpoint's config.json names (UNet2DConditionModel, FluxTransformer2DModel, ...)."""
+    import diffusers
 
-    unet = adapter.add_adapter(UNet2DConditionModel.from_config(unet_config), Adapter(**adapter_cfg))
-    unet.load_state_dict(weights, strict=True)
-    return unet
+    return getattr(diffusers, backbones.family_of_class(config.get("_class_name")).class_name)
+
+
+def build(config: dict, adapter_cfg: dict, weights: dict):
+    """The network with its adapter, holding `weights` (base and adapter, by the module's own names)."""
+    network = adapter.add_adapter(network_class(config).from_config(config), Adapter(**adapter_cfg))
+    network.load_state_dict(weights, strict=True)
+    return network
 
 
 def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
@@ -40,9 +49,10 @@ def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
 
 def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
          encoders: dict[str, tuple[dict, dict]] | None = None) -> dict[str, str]:
-    """Write lora{suffix}/ (with `merge` also unet{suffix}/, unet{suffix}.safetensors and each trained encoder's
-    folder); returns what was written. `encoders`: {name: (config, weights)}."""
-    from diffusers import StableDiffusionXLPipeline
+    """Write lora{suffix}/ (with `merge` also the network's folder, unet{suffix}/ or transformer{suffix}/, its
+    .safetensors and each trained encoder's folder); returns what was written. `encoders`: {name: (config,
+    weights)}."""
+    import diffusers
     from diffusers.utils import convert_state_dict_to_diffusers
     from diffusers.utils.peft_utils import recurse_remove_peft_layers
     from safetensors.torch import save_file
@@ -54,19 +64,23 @@ def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix:
               for name, module in trained.items()}
     metadata = {f"{name}_lora_adapter_metadata": module.peft_config[adapter.ADAPTER_NAME].to_dict()
                 for name, module in trained.items()}
-    # A classmethod that only prefixes `unet.` / `text_encoder.` ... and writes the file, for any U-Net; SDXL's
-    # takes both encoders' layers (SD 1.x/2.x read text_encoder's the same way).
-    StableDiffusionXLPipeline.save_lora_weights(
-        folder, unet_lora_layers=convert_state_dict_to_diffusers(adapter.adapter_state_dict(unet)),
-        unet_lora_adapter_metadata=unet.peft_config[adapter.ADAPTER_NAME].to_dict(), weight_name=WEIGHT_NAME,
-        **layers, **metadata)
+    # A classmethod that only prefixes `unet.` / `transformer.` / `text_encoder.` ... and writes the file: for any
+    # U-Net SDXL's (it takes both encoders' layers; SD 1.x/2.x read text_encoder's the same way), FluxPipeline's
+    # and StableDiffusion3Pipeline's for theirs, whose load_lora_weights read it back.
+    family = backbones.family_of_class(unet_config.get("_class_name"))
+    lora = adapter.adapter_state_dict(unet)
+    getattr(diffusers, family.lora_pipeline).save_lora_weights(
+        folder, **{f"{family.folder}_lora_layers": lora if family.lora_peft_names else convert_state_dict_to_diffusers(lora),
+                   f"{family.folder}_lora_adapter_metadata": unet.peft_config[adapter.ADAPTER_NAME].to_dict()},
+        weight_name=WEIGHT_NAME, **layers, **metadata)
     written = {f"lora{suffix}": str(folder / WEIGHT_NAME)}
     if merge:
         unet.fuse_lora(adapter_names=[adapter.ADAPTER_NAME])
         unet.unload_lora()
-        unet.save_pretrained(out / f"unet{suffix}", safe_serialization=True)
-        save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"unet{suffix}.safetensors"))
-        written[f"unet{suffix}"] = str(out / f"unet{suffix}")
+        name = f"{family.folder}{suffix}"
+        unet.save_pretrained(out / name, safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"{name}.safetensors"))
+        written[name] = str(out / name)
         for name, module in trained.items():
             from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -115,11 +129,10 @@ def _why_none(run_dir: Path) -> str:
     return f" (its run ended with status {status!r} before any checkpoint was saved)"
 
 
-def _save(unet_config: dict, weights: dict, out: Path, name: str) -> Path:
-    from diffusers import UNet2DConditionModel
+def _save(config: dict, weights: dict, out: Path, name: str) -> Path:
     from safetensors.torch import save_file
 
-    unet = UNet2DConditionModel.from_config(unet_config)
+    unet = network_class(config).from_config(config)
     unet.load_state_dict(weights, strict=True)
     unet.save_pretrained(out / name, safe_serialization=True)
     save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"{name}.safetensors"))
@@ -145,7 +158,8 @@ def split_modules(weights: dict, names: tuple[str, ...]) -> dict[str, dict]:
 
 
 def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict[str, str]:
-    """Write the checkpoint's weights into `out`: unet/ + unet.safetensors and each trained text encoder's <name>/,
+    """Write the checkpoint's weights into `out`: unet/ + unet.safetensors (a transformer's: transformer/ +
+    transformer.safetensors) and each trained text encoder's <name>/,
     or under adapter=lora lora/pytorch_lora_weights.safetensors (encoders' adapters under `text_encoder.` /
     `text_encoder_2.`), with `merge` also the merged unet/ and encoders; `*_ema` twins when the run kept an EMA.
     `checkpoint` may be a run dir or checkpoint dir (its newest complete checkpoint, or the one its summary names).
@@ -167,7 +181,8 @@ def export(checkpoint: str | Path, out: str | Path, merge: bool = False) -> dict
                             if ema_parts is not None else [])
     for suffix, modules in runs:
         if adapter_cfg is None:
-            written[f"unet{suffix}"] = str(_save(config, modules["unet"], out, f"unet{suffix}"))
+            name = backbones.family_of_class(config.get("_class_name")).folder + suffix  # unet or transformer
+            written[name] = str(_save(config, modules["unet"], out, name))
             for n in names:
                 written[f"{n}{suffix}"] = str(_save_encoder(n, encoder_configs[n], modules[n], out, f"{n}{suffix}"))
         else:  # the averaged adapter weights over the same frozen base

@@ -18,7 +18,7 @@ from sklearn.svm import SVC
 
 from zerotune.config.schema import Config
 from zerotune.data.sources import DIGITS_MAX, invert_digits, split_indices, unit_range_to_digits
-from zerotune.models import adapter, build_unet
+from zerotune.models import adapter, build_network
 from zerotune.models.diffusion import sample_images
 from zerotune.rundir import SAMPLES, RunDir
 
@@ -145,7 +145,7 @@ def evaluate_digits(trainer: Trainer, cfg: Config, run_dir: RunDir) -> dict | No
     if not trainer.accelerator.is_main_process:
         return None
     t0 = time.perf_counter()
-    unet = adapter.add_adapter(build_unet(cfg.model), cfg.adapter).float()
+    unet = adapter.add_adapter(build_network(cfg.model), cfg.adapter).float()
     unet.load_state_dict(state)
     unet.eval()
     ev = cfg.evaluate

@@ -20,7 +20,7 @@ from zerotune.data import build_loader
 from zerotune.data.components import resolve_components
 from zerotune.data.spec import DataSpec
 from zerotune.host.process import pause
-from zerotune.models import adapter, build_unet, diffusion, text_encoders
+from zerotune.models import adapter, build_network, diffusion, text_encoders
 from zerotune.models.backbones import backbone_of
 from zerotune.models.diffusion import objective_of
 from zerotune.plan.resolve import ResolvedRun
@@ -158,7 +158,7 @@ class Trainer:
         optimizer and scheduler, handed to accelerate (and DeepSpeed) as one module: one engine partitions all."""
         cfg = self.cfg
         # ZeRO-3: built partitioned (zero.Init), from the same seeded RNG stream as the other stages' plain build.
-        unet = build_unet(cfg.model, zero_init=zero3_init(self.accelerator, self.resolved))
+        unet = build_network(cfg.model, zero_init=zero3_init(self.accelerator, self.resolved))
         unet = adapter.add_adapter(unet, cfg.adapter)  # adapter=none: unchanged
         if cfg.train.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
