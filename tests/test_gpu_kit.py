@@ -116,3 +116,20 @@ def test_paths_selects_the_cuda_tests_and_skips_them_here(dry_run):
     assert "test_nvml_telemetry_reads_the_process_on_the_card" in outcomes
     assert "test_checkpoint_resume_and_export_on_the_card" in outcomes and len(outcomes) == 6
     assert set(outcomes.values()) == {"skipped"}
+
+
+@pytest.mark.slow
+def test_the_flux_part_trains_a_tiny_twin_of_its_first_row(tmp_path):
+    """`run.sh flux --dry-run`: FLUX.1's LoRA row as flux_tiny on this CPU (one row of each kind), the others listed
+    with their estimates; every GPU figure null."""
+    out = tmp_path / "out"
+    env = {**cli_env(), "OUT": str(out), "GPU_KIT_WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
+           "HF_HOME": str(tmp_path / "hf_home"), search.CONFIG_DIR_ENV: ""}
+    proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "flux", "--dry-run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["name"]: r for r in load(out, "flux")["rows"]}
+    assert list(rows) == ["flux_lora_z3_cpu_1024_bs1", "sd35_medium_z3_cpu_1024_bs1", "flux_full_z3_cpu_1024_bs1"]
+    lora = rows["flux_lora_z3_cpu_1024_bs1"]
+    assert lora["status"] == "ok" and "model=flux_tiny" in lora["command"] and "adapter=lora" in lora["command"]
+    assert lora["measured"]["gpu_peak_process_mib"] is None  # no card: unmeasured, not 0

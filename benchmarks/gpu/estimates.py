@@ -83,6 +83,13 @@ Z3_PARAMS_1024_BS8 = Cost(round(143.3 - (11.00 + 37.16 + 6.73) + 60 + 50, 1), 12
 GRID_UNRECORDED = Cost.allowance(150, "never run on a card; above the slowest recorded grid row (z3_cpu_512_bs4, "
                                       "143.3 s)")
 
+# The flux part's rows have never run on a card: FLUX.1's and SD3.5 Medium's random init under zero.Init, the job's
+# plan (its ZeRO-3 replay of a 11.9B transformer: about 50 s on this CPU), then 3 steps with the parameters fetched
+# from the host each forward and backward (22.7 GiB of bf16 for FLUX.1, about 1 s each way at 25 GB/s).
+FLUX_LORA = Cost.allowance(300, "never run on a card: FLUX.1's build under zero.Init, a plan of ~60 s, 3 steps")
+SD35_MEDIUM = Cost.allowance(180, "never run on a card: SD3.5 Medium's build under zero.Init, its plan, 3 steps")
+FLUX_SKIPPED = Cost.allowance(90, "the job's checks and plan only: the guard skips it (predicted host OOM)")
+
 # The env probe's one run on a card (an H200, `first`, a bare machine); the paths part has not run on one yet.
 ENV_PROBE = Cost(19.2, 0.0, "measured: 19.2 s on an H200 (experiments/results/gpu/h200-2026-11-27/first.json)")
 PATHS = Cost.allowance(240, "pytest -m cuda (six sdxl_tiny runs) has never run on a card")

@@ -44,7 +44,7 @@ BUDGET_S = 480.0
 # A piece still running at this many times its estimate is stuck or far off the records: it is stopped, and the
 # pieces after it keep their time.
 LIMIT_FACTOR = 2
-PARTS = ("first", "loading", "env", "reference", "grid", "paths")
+PARTS = ("first", "loading", "env", "reference", "grid", "paths", "flux")
 ALL = ("env", "reference", "grid", "paths")  # `all`: 8 files, what the device tool brings back; `first` repeats
 # the env part and two reference rows, so `all` leaves it out, and `loading` is a call of its own
 # A piece planned past its part's budget (`loading`): its estimate does not fit after those before it
@@ -311,7 +311,8 @@ def junit_rows(path: Path) -> list[dict]:
 
 
 RENDER = {"first": report.first_markdown, "loading": report.loading_markdown, "env": report.env_markdown,
-          "reference": report.runs_markdown, "grid": report.runs_markdown, "paths": report.paths_markdown}
+          "reference": report.runs_markdown, "grid": report.runs_markdown, "paths": report.paths_markdown,
+          "flux": report.runs_markdown}
 
 
 def run_part(name: str, out: Path, work: Path, dry_run: bool, started: float, first_of_call: bool,
@@ -333,7 +334,7 @@ def run_part(name: str, out: Path, work: Path, dry_run: bool, started: float, fi
     elif name == "paths":
         pieces = [paths_piece(part, part_work)]
     else:
-        table = parts.REFERENCE if name == "reference" else parts.GRID
+        table = {"reference": parts.REFERENCE, "grid": parts.GRID, "flux": parts.FLUX}[name]
         pieces = row_pieces(part, table, part_work, dry_run, cpu_adam, kinds_run)
     return run_plan(part, pieces, install)
 

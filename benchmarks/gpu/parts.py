@@ -1,4 +1,4 @@
-"""The rows of the `first`, `reference`, `grid` and `loading` parts, most valuable first (a part starts a row only
+"""The rows of the `first`, `reference`, `grid`, `loading` and `flux` parts, most valuable first (a part starts a row only
 when its estimated seconds fit what is left of its time budget, and lists the rest as not run, with their
 commands)."""
 
@@ -98,4 +98,22 @@ LOADING = [
     Row("ref_128_bs8_k16_bucket2e8", [REF_128, STEPS_10, K16, "deepspeed.reduce_bucket_size=200000000"],
         estimates.REF_128_BS8, "reduce bucket 2e8 (default 5e8): its s/step against the default's; K=16",
         against="ref_128_bs8_k16"),
+]
+
+
+# `flux`: the diffusion transformers on a card, with random weights and the real shapes, ZeRO-3 with the parameters
+# and optimizer states on the host, 1024² batch 1, bf16, gradient checkpointing, 3 steps. The lent machine's host has
+# 128 GiB: FLUX.1's full fine-tune needs about 280 GiB of it (its plan: fp32 master weights and Adam's states,
+# 11.9B each, pinned), so that row runs with plan.guard=skip and is recorded as the guard's skip with the plan's
+# figures; its LoRA (the base frozen on the host, 44.8M trained) and SD3.5 Medium's full fine-tune fit and train.
+FLUX_BASE = ["data=synthetic", "precision=bf16", "resolution=1024", "train.batch_size=1",
+             "train.gradient_checkpointing=true", "train.max_steps=3", "train.log_every=1", "zero_stage=3",
+             "offload=cpu", "offload.params=true"]
+FLUX = [
+    Row("flux_lora_z3_cpu_1024_bs1", ["model=flux", "adapter=lora", *FLUX_BASE], estimates.FLUX_LORA,
+        "FLUX.1-dev's transformer, LoRA rank 16 on attention and MLPs"),
+    Row("sd35_medium_z3_cpu_1024_bs1", ["model=sd35_medium", *FLUX_BASE], estimates.SD35_MEDIUM,
+        "SD3.5 Medium's transformer, full fine-tune"),
+    Row("flux_full_z3_cpu_1024_bs1", ["model=flux", *FLUX_BASE, "plan.guard=skip"], estimates.FLUX_SKIPPED,
+        "FLUX.1-dev full: predicted above the host's memory, skipped by the guard"),
 ]

@@ -27,7 +27,9 @@ COMMON = ["plan.guard=warn", "checkpoint.final=false"]
 # kept on the device: offload=cpu's CPU-Adam op is a JIT build of minutes on 2 cores (the env part times it on
 # the card).
 # plan.gpu=h100: the job's prediction is a card's, as on the GPU machine (a CPU run's own plan is --device cpu's).
-TINY = ["model=sdxl_tiny", "resolution=32", "train.batch_size=2", "train.max_steps=1", "offload=none", "plan.gpu=h100"]
+TINY = ["resolution=32", "train.batch_size=2", "train.max_steps=1", "offload=none", "plan.gpu=h100"]
+# each row's model in miniature: the same class (the experiments' rows are SDXL's)
+TINY_TWIN = {"sdxl": "sdxl_tiny", "flux": "flux_tiny", "sd35_large": "sd3_tiny", "sd35_medium": "sd3_tiny"}
 
 
 # The last seconds of a row's time: zerotune stops its job at train.timeout_s and writes summary.json (what it
@@ -54,11 +56,13 @@ def shrink(overrides: list[str], dry_run: bool) -> list[str]:
     # offload's fields go with it (offload.params=true needs a host to put them on)
     keep = [o for o in overrides if not o.startswith(("train.batch_size=", "train.max_steps=", "resolution=", "offload=",
                                                       "offload."))]
-    return [*keep, *TINY]
+    model = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("model=")), "sdxl")
+    return [*keep, f"model={TINY_TWIN[model]}", *TINY]
 
 
 def command(row: Row, run_dir: Path, dry_run: bool, timeout_s: float) -> list[str]:
-    overrides = [*shrink(row.overrides, dry_run), *COMMON, f"hydra.run.dir={run_dir}",
+    # COMMON first: a row may set its own guard (the flux part's skipped row)
+    overrides = [*COMMON, *shrink(row.overrides, dry_run), f"hydra.run.dir={run_dir}",
                  f"train.timeout_s={max(int(timeout_s) - STOP_GRACE_S, 30)}"]
     if row.kind == "phases":
         shapes = {"image_size": 32, "images": 4} if dry_run else {}  # TINY's resolution, two batches of 2

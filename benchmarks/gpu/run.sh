@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU kit's one command (README "GPU kit"): measures what only a card can, with zerotune's own commands.
-#   bash benchmarks/gpu/run.sh PART [--dry-run]        PART: first | loading | env | reference | grid | paths | all
+#   bash benchmarks/gpu/run.sh PART [--dry-run]        PART: first | loading | env | reference | grid | paths | flux | all
 # `loading` is a lease's first call: the reference rows' loading peak with deepspeed.param_groups=16, then =1, then
 # ZeRO-3 with the parameters on the host, as far as its budget goes. `first`: the environment, then the two
 # reference rows beside the planner's prediction.
@@ -15,9 +15,9 @@ set -euo pipefail
 # the budget counts from here: the install is the call's time too
 export GPU_KIT_STARTED=$(date +%s.%N)
 cd "$(dirname "$0")/../.."
-PART=${1:?usage: bash benchmarks/gpu/run.sh first|loading|env|reference|grid|paths|all [--dry-run]}
+PART=${1:?usage: bash benchmarks/gpu/run.sh first|loading|env|reference|grid|paths|flux|all [--dry-run]}
 DRY=${2:-}
-case $PART in first|loading|env|reference|grid|paths|all) ;; *) echo "run.sh: no part '$PART'" >&2; exit 2 ;; esac
+case $PART in first|loading|env|reference|grid|paths|flux|all) ;; *) echo "run.sh: no part '$PART'" >&2; exit 2 ;; esac
 case $DRY in ""|--dry-run) ;; *) echo "run.sh: unknown option '$DRY'" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}
 WORK=${GPU_KIT_WORK:-/tmp/zerotune-gpu-kit}

@@ -164,7 +164,8 @@ def predict(row: Row) -> tuple[float, float, str]:
     from zerotune.plan.command_line import plan_one
 
     answer = plan_one([*row.overrides, "data=synthetic"], gpus.lookup(row.card, key="--gpu"))
-    return float(answer["run_peak_mib"]), float(answer["step_peak_mib"]), str(answer["run_peak_phase"])
+    assert answer.run_peak_mib is not None and answer.step_peak_mib is not None  # a card's plan has its phases
+    return answer.run_peak_mib, answer.step_peak_mib, str(answer.run_peak_phase)
 
 
 def verdict(row: Row, mib: float) -> str:
@@ -175,11 +176,13 @@ def verdict(row: Row, mib: float) -> str:
     return f"{mib / row.figure_mib:.2f} ({'consistent' if mib > row.figure_mib else 'not consistent'}: needs more)"
 
 
-def table(predicted: dict[str, tuple[float, float, str]]) -> str:
+def table(predicted: dict[str, tuple[float, float, str]], rows: list[Row] = ROWS,
+          not_expressible: list[tuple[str, str]] = NOT_EXPRESSIBLE, what: str = "SD 1.x and SDXL fine-tunes",
+          command: str = "python experiments/public_figures/predict.py") -> str:
     lines = [
-        "# The planner against published figures (SD 1.x and SDXL fine-tunes)",
+        f"# The planner against published figures ({what})",
         "",
-        "Made by `python experiments/public_figures/predict.py` (the planner, unfitted, on this CPU: no card was "
+        f"Made by `{command}` (the planner, unfitted, on this CPU: no card was "
         "used). Published figures are as their sources state them; \"GB\" taken as GiB (1,024 MiB). Ratio = "
         "predicted / published. For a \"fits\" claim (the run fits that card) the prediction should be below it; "
         "for a \"needs\" claim (it does not fit that card) above it.",
@@ -188,29 +191,33 @@ def table(predicted: dict[str, tuple[float, float, str]]) -> str:
         "peak, its phase) | the step's | ratio |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in ROWS:
+    for row in rows:
         mib, step, phase = predicted[row.key]
         lines.append(f"| {row.key} | {row.figure_mib:,.0f} MiB | {row.kind} | {row.setting} | "
                      f"`{' '.join(row.overrides)}` | {row.card} | {mib:,.0f} ({phase}) | {step:,.0f} | "
                      f"{verdict(row, mib)} |")
     lines += ["", "## Sources, and what the planner leaves out", ""]
-    for row in ROWS:
+    for row in rows:
         lines.append(f"- **{row.key}**: {row.source}." + (f" Not modelled: {row.gap}." if row.gap else "")
                      + (f" **Miss:** {row.why}" if row.why else ""))
     lines += ["", "## Published figures the planner cannot express", ""]
-    lines += [f"- {source}: {reason}." for source, reason in NOT_EXPRESSIBLE]
+    lines += [f"- {source}: {reason}." for source, reason in not_expressible]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "results" / "public_figures.md"
+def run(rows: list[Row]) -> dict[str, tuple[float, float, str]]:
     predicted = {}
-    for row in ROWS:
+    for row in rows:
         predicted[row.key] = predict(row)
         mib = predicted[row.key][0]
         print(f"{row.key}: published {row.figure_mib:,.0f} MiB ({row.kind}), predicted {mib:,.0f} MiB,"
               f" ratio {verdict(row, mib)}", flush=True)
-    out.write_text(table(predicted))
+    return predicted
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "results" / "public_figures.md"
+    out.write_text(table(run(ROWS)))
     print(f"wrote {out}")
     return 0
 
