@@ -160,7 +160,7 @@ def test_a_piece_past_the_budget_still_runs_when_it_fits_what_is_left(tmp_path, 
 
 def test_run_sh_lists_the_loading_part():
     usage = subprocess.run(["bash", "benchmarks/gpu/run.sh"], cwd=ROOT, capture_output=True, text=True)
-    assert usage.returncode != 0 and "first|loading|env|reference|grid|paths|all" in usage.stderr
+    assert usage.returncode != 0 and "first|loading|env|reference|grid|paths|flux|all" in usage.stderr
     # the part is accepted: the option after it is what is refused, before anything is installed or run
     wrong = subprocess.run(["bash", "benchmarks/gpu/run.sh", "loading", "--dry"], cwd=ROOT, capture_output=True,
                            text=True)
