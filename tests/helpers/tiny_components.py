@@ -94,3 +94,73 @@ def save_tiny_sd15_pipeline(root: Path) -> Path:
                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)).save_pretrained(root / "text_encoder")
     return root
+
+
+def t5_tokenizer(words: int = 64):
+    """A T5TokenizerFast over a word-level vocabulary built here (T5's sentencepiece model cannot be fetched): the
+    pipelines call it as they call T5's, padding to max_sequence_length."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import T5TokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": 3 + i for i in range(words)}}
+    for word in ("a", "photo", "of", "cat", "dog", "red", "blue"):
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return T5TokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                           model_max_length=512)
+
+
+def _t5(vocab_size: int, width: int, seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    return T5EncoderModel(T5Config(vocab_size=vocab_size, d_model=width, d_kv=8, d_ff=37, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0)).eval()  # as from_pretrained leaves it: no dropout
+
+
+def _clip(tok, hidden: int, seed: int, projection: int | None = None):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(vocab_size=len(tok), max_position_embeddings=77, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=37, hidden_size=hidden, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                            **({"projection_dim": projection} if projection else {}))
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)).eval()
+
+
+def _flow_vae(seed: int = 0):
+    """A 4x VAE into 4 channels with a shift, as FLUX's and SD3's VAEs have one (their pipelines read it)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 3,
+                         up_block_types=["UpDecoderBlock2D"] * 3, block_out_channels=[8, 16, 16], layers_per_block=1,
+                         latent_channels=4, norm_num_groups=8, sample_size=64, scaling_factor=0.3611,
+                         shift_factor=0.1159).eval()
+
+
+def tiny_flux_pipeline(root: Path, transformer, scheduler: dict):
+    """FluxPipeline around `transformer` (flux_tiny's shapes): a CLIP whose pooled output is its 32 wide hidden
+    state, a T5 of width 32 (joint_attention_dim), the 4x VAE."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    tok = save_tokenizer(root / "tokenizer")
+    t5_tok = t5_tokenizer()
+    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**scheduler), vae=_flow_vae(),
+                        text_encoder=_clip(tok, 32, 1), tokenizer=tok, text_encoder_2=_t5(len(t5_tok), 32, 2),
+                        tokenizer_2=t5_tok, transformer=transformer)
+
+
+def tiny_sd3_pipeline(root: Path, transformer, scheduler: dict):
+    """StableDiffusion3Pipeline around `transformer` (sd3_tiny's shapes): two CLIPs of width 16 with 32-wide
+    projections (the pooled 64), a T5 of width 32 (joint_attention_dim; the CLIPs' 16 + 16 padded to it)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    tok = save_tokenizer(root / "tokenizer")
+    t5_tok = t5_tokenizer()
+    return StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
+                                    vae=_flow_vae(), text_encoder=_clip(tok, 16, 1, 32), tokenizer=tok,
+                                    text_encoder_2=_clip(tok, 16, 2, 32), tokenizer_2=tok,
+                                    text_encoder_3=_t5(len(t5_tok), 32, 3), tokenizer_3=t5_tok)
