@@ -70,8 +70,8 @@ def test_caching_allocator_rules(sizes, reserved):
 # ------------------------------------------------------------------------------------------ ranking
 
 
-def _row(stage, offload, checkpointing, peak):
-    plan = Plan.made(gpu_peak_mib=peak, host_peak_mib=1.0, nvme_mib=0.0, time_floor_s=0.1, bound="compute")
+def _row(stage, offload, checkpointing, peak, host=1.0):
+    plan = Plan.made(gpu_peak_mib=peak, host_peak_mib=host, nvme_mib=0.0, time_floor_s=0.1, bound="compute")
     return recommend.Row(stage, offload, checkpointing, plan)
 
 
@@ -90,6 +90,24 @@ def test_the_lowest_stage_that_fits_is_recommended_and_why():
                                   "peak_mib": 9_000, "time_floor_s": 0.1}
     assert "smallest peak: zero_stage=3 offload=cpu gradient_checkpointing=false (9,000 MiB, time floor 0.100 " \
         "s/step)" in command_line.ranking({"micro_batch": None, **answer})
+
+
+def test_a_host_budget_ranks_by_the_host_too():
+    """FLUX.1 on an rtx4090: only ZeRO-3 with offload fits the card, and it needs ~280 GiB of host memory. Without
+    plan.host_mib the card decides and the recommendation says what the host needs; with it, too much is no fit."""
+    rows = [_row(3, "cpu", True, 7_750, host=286_900), _row(3, "none", True, 208_114, host=23_674)]
+    card = gpus.lookup("rtx4090")
+    by_card = recommend.rank(rows, card)
+    assert by_card["recommended"]["option"] == "zero_stage=3 offload=cpu gradient_checkpointing=true"
+    assert "it needs 286,900 MiB of host memory (plan.host_mib=<MiB>" in by_card["recommended"]["why"]
+    budget = recommend.rank(rows, card, host_mib=131_072)
+    assert budget["recommended"]["option"] is None and budget["options"][0]["fits"] is False
+    assert "nothing fits rtx4090 (24,564 MiB) and 131,072 MiB of host memory" in budget["recommended"]["why"]
+
+
+def test_plan_all_reads_the_host_budget_from_the_overrides():
+    assert command_line.host_budget(["plan.host_mib=65536"]) == 65536.0
+    assert command_line.host_budget([]) is None
 
 
 def test_nothing_fits_says_so_with_the_smallest():

@@ -101,7 +101,13 @@ def plan_all(overrides: list[str], gpu: gpus.GPU | None, plan: Callable[[list[st
             rows.append(recommend.Row(stage, offload, checkpointing, None, refused=str(exc).splitlines()[0]))
     # The options vary stage, offload and checkpointing only: every one plans the same micro batch.
     batch = next((r.plan.micro_batch for r in rows if r.plan and "micro_batch" in r.plan), None)
-    return {**recommend.rank(rows, gpu), "micro_batch": batch}
+    return {**recommend.rank(rows, gpu, host_budget(overrides)), "micro_batch": batch}
+
+
+def host_budget(overrides: list[str]) -> float | None:
+    """plan.host_mib as the overrides set it (None: not given)."""
+    budget = compose_settled(overrides).config.plan.host_mib
+    return float(budget) if budget is not None else None
 
 
 def _terms(terms: Sequence[Term], unit: str = "MiB") -> list[str]:

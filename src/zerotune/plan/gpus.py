@@ -73,10 +73,12 @@ class Row:
     def label(self) -> str:
         return f"zero_stage={self.stage} offload={self.offload} gradient_checkpointing={str(self.checkpointing).lower()}"
 
-    def fits(self, gpu: GPU | None) -> bool | None:
+    def fits(self, gpu: GPU | None, host_mib: float | None = None) -> bool | None:
+        """On the card, and within `host_mib` of host memory when the user gave that budget (plan.host_mib)."""
         if self.plan is None or gpu is None:
             return None
-        return peak_mib(self.plan) <= gpu.memory_mib
+        on_host = host_mib is None or self.plan.host_peak_mib is None or self.plan.host_peak_mib <= host_mib
+        return peak_mib(self.plan) <= gpu.memory_mib and on_host
 
 
 def peak_mib(plan: Plan | None) -> float:
@@ -86,18 +88,20 @@ def peak_mib(plan: Plan | None) -> float:
     return plan.peak_mib
 
 
-def rank(rows: list[Row], gpu: GPU | None) -> dict:
-    """The table (fitting options first, cheapest first) and the recommendation with its reason."""
+def rank(rows: list[Row], gpu: GPU | None, host_mib: float | None = None) -> dict:
+    """The table (fitting options first, cheapest first) and the recommendation with its reason. `host_mib`: the
+    user's host budget (plan.host_mib); None: the card alone decides what fits (a rented machine's host is not
+    this one), and the recommendation says what it needs of the host."""
     # cheaper first: lower stage, then less offload, then no recomputation
-    ordered = sorted(rows, key=lambda r: (r.fits(gpu) is not True, r.plan is None, r.stage, _OFFLOAD_COST[r.offload],
-                                          r.checkpointing))
-    fitting = [r for r in ordered if r.fits(gpu)]
+    ordered = sorted(rows, key=lambda r: (r.fits(gpu, host_mib) is not True, r.plan is None, r.stage,
+                                          _OFFLOAD_COST[r.offload], r.checkpointing))
+    fitting = [r for r in ordered if r.fits(gpu, host_mib)]
     table = [{"option": r.label, "zero_stage": r.stage, "offload": r.offload, "gradient_checkpointing": r.checkpointing,
-              "fits": r.fits(gpu), "refused": r.refused,
+              "fits": r.fits(gpu, host_mib), "refused": r.refused,
               **({k: getattr(r.plan, k) for k in _FIGURES} if r.plan else {}),
               **({"peak_mib": peak_mib(r.plan)} if r.plan else {})} for r in ordered]
-    return {"gpu": gpu.as_dict() if gpu else None, "options": table, "recommended": _recommend(fitting, rows, gpu),
-            "smallest": _smallest(rows)}
+    return {"gpu": gpu.as_dict() if gpu else None, "host_mib": host_mib, "options": table,
+            "recommended": _recommend(fitting, rows, gpu, host_mib), "smallest": _smallest(rows)}
 
 
 def _smallest(rows: list[Row]) -> dict:
@@ -113,20 +117,24 @@ _FIGURES = ("gpu_peak_mib", "step_peak_moment", "run_peak_mib", "run_peak_phase"
             "time_floor_s", "bound")
 
 
-def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None) -> dict:
+def _recommend(fitting: list[Row], rows: list[Row], gpu: GPU | None, host_mib: float | None = None) -> dict:
     if gpu is None:
         return {"option": None, "why": "no GPU named: give --gpu or --gpu-mib to judge what fits"}
+    within = f" and {host_mib:,.0f} MiB of host memory (plan.host_mib)" if host_mib is not None else ""
     if not fitting:
         least = min((r for r in rows if r.plan), key=lambda r: peak_mib(r.plan), default=None)
-        why = f"nothing fits {gpu.name} ({gpu.memory_mib:,} MiB)"
+        why = f"nothing fits {gpu.name} ({gpu.memory_mib:,} MiB){within}"
         if least is not None:
             why += f"; the smallest is {least.label} at {peak_mib(least.plan):,.0f} MiB: lower the batch or resolution"
         return {"option": None, "why": why}
     best = fitting[0]
     below = [r for r in rows if r.plan and r.stage < best.stage]
-    why = (f"the lowest ZeRO stage that fits {gpu.name}: {peak_mib(best.plan):,.0f} of {gpu.memory_mib:,} MiB "
+    why = (f"the lowest ZeRO stage that fits {gpu.name}{within}: {peak_mib(best.plan):,.0f} of {gpu.memory_mib:,} MiB "
            f"predicted, with the least offload and recomputation at that stage")
     if below:
         closest = min(below, key=lambda r: peak_mib(r.plan))
         why += f"; stage {closest.stage} needs at least {peak_mib(closest.plan):,.0f} MiB ({closest.label})"
+    host = best.plan.host_peak_mib if best.plan else None
+    if host_mib is None and host is not None:
+        why += f"; it needs {host:,.0f} MiB of host memory (plan.host_mib=<MiB> ranks by your host's too)"
     return {"option": best.label, "why": why}
