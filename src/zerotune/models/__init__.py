@@ -18,7 +18,7 @@ from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Adapter, Model
 from zerotune.models import adapter
 from zerotune.models import weights as single_file
-from zerotune.models.backbones import backbone_of
+from zerotune.models.backbones import backbone_of, is_transformer
 from zerotune.models.weights import (
     compare_shapes,
     found_network_folder,
@@ -129,7 +129,7 @@ def _stats_key(model_cfg: Model, adapter_cfg: Adapter | None) -> str:
     what: dict[str, Any] = {"unet": unet_config(model_cfg), "adapter": adapter.settings(adapter_cfg),
             "text_encoders": trained_encoder_archs(model_cfg),
             "versions": [installed(name) for name in ("diffusers", "peft", "torch", "transformers")], "format": 4}
-    if model_cfg.backbone != "unet":  # absent for U-Nets: their cached stats keep their keys
+    if is_transformer(model_cfg):  # absent for U-Nets: their cached stats keep their keys
         what.update(backbone=model_cfg.backbone, transformer=backbone_of(model_cfg).arguments())
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -69,6 +69,13 @@ def _architecture(block: Any) -> dict[str, Any]:
     return dict(block) if isinstance(block, dict) else OmegaConf.to_container(block, resolve=True)  # type: ignore[return-value]
 
 
+def diffusers_class(class_name: str) -> type[ModelMixin]:
+    """diffusers' class of that name (imported on demand: diffusers' import takes seconds)."""
+    import diffusers
+
+    return getattr(diffusers, class_name)
+
+
 @dataclass(frozen=True)
 class UNet:
     """SD 1.x / 2.x / SDXL: `UNet2DConditionModel(**model.unet)`, called as unet(sample, t, **cond).sample."""
@@ -83,9 +90,7 @@ class UNet:
         return _architecture(self.model.unet)
 
     def model_class(self) -> type[ModelMixin]:
-        from diffusers import UNet2DConditionModel
-
-        return UNet2DConditionModel
+        return diffusers_class(self.class_name)
 
     def latent_channels(self) -> int:
         return int(self.arguments()["in_channels"])
@@ -110,24 +115,35 @@ class UNet:
 
 
 @dataclass(frozen=True)
-class Flux:
-    """FLUX.1: `FluxTransformer2DModel(**model.transformer)` over 2x2 patches of the latents packed into tokens,
-    with image and text position ids, the timestep in [0, 1] and (dev) a guidance embedding, as diffusers'
-    train_dreambooth_flux.py calls it."""
+class _Transformer:
+    """What FLUX.1's and SD3's transformers share: `model.transformer` holds the class's arguments, the text comes
+    as token states of joint_attention_dim and a pooled embedding, the LoRA in peft's names."""
 
     model: Model
     folder: ClassVar[str] = "transformer"
-    class_name: ClassVar[str] = "FluxTransformer2DModel"
-    lora_pipeline: ClassVar[str] = "FluxPipeline"
+    class_name: ClassVar[str]
+    lora_pipeline: ClassVar[str]
     lora_peft_names: ClassVar[bool] = True
 
     def arguments(self) -> dict[str, Any]:
         return _architecture(self.model.transformer)
 
     def model_class(self) -> type[ModelMixin]:
-        from diffusers import FluxTransformer2DModel
+        return diffusers_class(self.class_name)
 
-        return FluxTransformer2DModel
+    def text_widths(self) -> TextWidths:
+        arch = self.arguments()
+        return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
+
+
+@dataclass(frozen=True)
+class Flux(_Transformer):
+    """FLUX.1: `FluxTransformer2DModel(**model.transformer)` over 2x2 patches of the latents packed into tokens,
+    with image and text position ids, the timestep in [0, 1] and (dev) a guidance embedding, as diffusers'
+    train_dreambooth_flux.py calls it."""
+
+    class_name: ClassVar[str] = "FluxTransformer2DModel"
+    lora_pipeline: ClassVar[str] = "FluxPipeline"
 
     def latent_channels(self) -> int:
         return int(self.arguments()["in_channels"]) // 4  # a token packs a 2x2 patch of every channel
@@ -137,10 +153,6 @@ class Flux:
 
     def size_reason(self) -> str:
         return "its transformer packs 2x2 latent patches into a token"
-
-    def text_widths(self) -> TextWidths:
-        arch = self.arguments()
-        return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
 
     def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
                 guidance: float) -> torch.Tensor:
@@ -163,23 +175,12 @@ class Flux:
 
 
 @dataclass(frozen=True)
-class SD3:
+class SD3(_Transformer):
     """SD3 / SD3.5: `SD3Transformer2DModel(**model.transformer)`, patching the latents itself, called on the
     timestep in [0, 1000] as diffusers' train_dreambooth_sd3.py calls it."""
 
-    model: Model
-    folder: ClassVar[str] = "transformer"
     class_name: ClassVar[str] = "SD3Transformer2DModel"
     lora_pipeline: ClassVar[str] = "StableDiffusion3Pipeline"
-    lora_peft_names: ClassVar[bool] = True
-
-    def arguments(self) -> dict[str, Any]:
-        return _architecture(self.model.transformer)
-
-    def model_class(self) -> type[ModelMixin]:
-        from diffusers import SD3Transformer2DModel
-
-        return SD3Transformer2DModel
 
     def latent_channels(self) -> int:
         return int(self.arguments()["in_channels"])
@@ -190,10 +191,6 @@ class SD3:
     def size_reason(self) -> str:
         return f"its transformer takes {self.arguments().get('patch_size', 2)}-pixel latent patches"
 
-    def text_widths(self) -> TextWidths:
-        arch = self.arguments()
-        return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
-
     def predict(self, module: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict,
                 guidance: float) -> torch.Tensor:
         return module(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"],
@@ -201,7 +198,6 @@ class SD3:
 
 
 FAMILIES: dict[str, type[UNet] | type[Flux] | type[SD3]] = {"unet": UNet, "flux": Flux, "sd3": SD3}
-TRANSFORMERS = ("flux", "sd3")
 
 
 def backbone_of(model: Model) -> Backbone:
@@ -223,4 +219,4 @@ def family_of_class(class_name: str | None) -> type[UNet] | type[Flux] | type[SD
 
 
 def is_transformer(model: Model) -> bool:
-    return str(model.backbone) in TRANSFORMERS
+    return issubclass(FAMILIES.get(str(model.backbone), UNet), _Transformer)

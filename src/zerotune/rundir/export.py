@@ -26,9 +26,7 @@ WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_
 
 def network_class(config: dict) -> type[ModelMixin]:
     """The diffusers class a checkpoint's config.json names (UNet2DConditionModel, FluxTransformer2DModel, ...)."""
-    import diffusers
-
-    return getattr(diffusers, backbones.family_of_class(config.get("_class_name")).class_name)
+    return backbones.diffusers_class(backbones.family_of_class(config.get("_class_name")).class_name)
 
 
 def build(config: dict, adapter_cfg: dict, weights: dict):
