@@ -247,7 +247,7 @@ def test_random_flip_caches_mirrored_views(folder, tiny_sdxl_components, tmp_pat
     plain, flipped = dataset[i], dataset[(i, True)]
     assert flipped["time_ids"].tolist() == dataset.items[i].placement.time_ids(flipped=True)
     assert not torch.allclose(plain["x0"], flipped["x0"])
-    encoders = FrozenEncoders(cfg_paths(tiny_sdxl_components), torch.device("cpu"))
+    encoders = FrozenEncoders(cfg_paths(tiny_sdxl_components), torch.device("cpu"), cfg.model)
     pixels = crop_pixels(open_rgb(dataset.items[i].record.path), dataset.items[i].placement)
     assert torch.allclose(flipped["x0"], encoders.encode_images(pixels.flip(-1)[None])[0], atol=1e-5)
     batch = next(iter(build_loader(cfg, 2, seed=0)))

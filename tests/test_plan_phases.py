@@ -193,7 +193,7 @@ def test_a_validation_pass_is_the_sampling_phase(stage, tmp_path):
     terms = {t.term: t.mib for t in sampling.terms}
     # The VAE in bf16 and, at ZeRO-3 only, the U-Net gathered whole in bf16: one allocator block per parameter.
     cfg = config_of(*overrides)
-    vae = encoders._meta_models(text_encoders.SDXL_TINY)["vae"]
+    vae = encoders._meta_models(text_encoders.SDXL_TINY, {"vae": "AutoencoderKL"})["vae"]
     assert terms["vae_weights"] == allocator.reserved_bytes([p.numel() * 2 for p in vae.parameters()]) / 2**20
     assert ("unet_gathered_for_sampling" in terms) == (stage == 3)
     if stage == 3:
@@ -218,3 +218,45 @@ def test_the_sampling_trace_matches_the_pass_run_on_this_cpu(size):
     predicted = max(traced["unet_peak"], traced["vae_decode_peak"])
     measured = encoders.measure_sampling_on_cpu(archs, cfg.model, hw)["between_ops"]
     assert 0.95 < measured / predicted < 1.15, (measured, predicted)  # 1.06 at 64 px, 1.03 at 256 and 512
+
+
+@pytest.mark.parametrize("model,encoders_", [("flux_tiny", ("CLIPTextModel", "T5EncoderModel")),
+                                             ("sd3_tiny", ("CLIPTextModelWithProjection",) * 2 + ("T5EncoderModel",))])
+def test_a_transformers_caching_and_validation_are_planned(model, encoders_, tmp_path):
+    """FLUX.1's and SD3's frozen encoders (CLIP and T5, fp32) while caching, their transformer gathered for
+    sampling at ZeRO-3, from the built-in architectures of their tiny components."""
+    import transformers
+
+    from zerotune.models import text_encoders
+    from zerotune.plan import allocator
+
+    (tmp_path / "vae").mkdir()  # no config.json: the built-in architectures describe the components
+    overrides = (f"model={model}", "resolution.size=64", "train.batch_size=2", f"model.components={tmp_path}",
+                 "zero_stage=3")
+    _, phases = plan_with_phases(*overrides, card="h100",
+                                 phase_overrides=(PROMPTS, "data=folder", "data.path=/nonexistent"))
+    check_accounting(phases)
+    assert [p.phase for p in phases][:4] == ["caching", "loading", "step", "sampling"]
+    archs = text_encoders.BUILTIN[model][0]
+    built = []
+    for arch, cls in zip((a for n, a in archs.items() if n != "vae"), encoders_, strict=True):
+        config = (transformers.T5Config if cls == "T5EncoderModel" else transformers.CLIPTextConfig)(**arch)
+        built.append(allocator.reserved_bytes([p.numel() * 4 for p in getattr(transformers, cls)(config).parameters()]))
+    caching = {t.term: t.mib for t in by_name(phases)["caching"].terms}
+    if "text_encoder_weights" in caching:  # the larger of the VAE's and the text's moments
+        assert caching["text_encoder_weights"] == pytest.approx(sum(built) / 2**20)
+    sampling = {t.term for t in by_name(phases)["sampling"].terms}
+    assert {"unet_gathered_for_sampling", "vae_weights", "sampling_activations"} <= sampling
+
+
+@pytest.mark.slow  # FLUX.1-dev's 11.9B transformer traced cold: about a minute
+def test_flux_caches_with_t5_xxl_and_clip_l_in_fp32(tmp_path):
+    (tmp_path / "vae").mkdir()
+    _, phases = plan_with_phases("model=flux", "resolution.size=1024", "train.batch_size=1", "precision=bf16",
+                                 "zero_stage=3", "offload=cpu", f"model.components={tmp_path}", card="h100",
+                                 phase_overrides=(PROMPTS, "data=folder", "data.path=/nonexistent",
+                                                  "data.cache_batch_size=1"))
+    check_accounting(phases)
+    caching = {t.term: t.mib for t in by_name(phases)["caching"].terms}
+    # T5 v1.1 XXL's encoder (4,762,310,656 parameters) and CLIP-L's text model (123,060,480), 4 bytes each
+    assert 18_636 <= caching["text_encoder_weights"] < 18_700

@@ -42,11 +42,11 @@ def write_tokenizer_files(folder: Path) -> None:
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(dict.fromkeys(merges)) + "\n")
 
 
-def save_tokenizer(folder: Path):
+def save_tokenizer(folder: Path, max_length: int = 77):
     from transformers import CLIPTokenizer
 
     write_tokenizer_files(folder)
-    tok = CLIPTokenizer.from_pretrained(folder, local_files_only=True, model_max_length=77)
+    tok = CLIPTokenizer.from_pretrained(folder, local_files_only=True, model_max_length=max_length)
     tok.save_pretrained(folder)
     return tok
 
@@ -97,16 +97,15 @@ def save_tiny_sd15_pipeline(root: Path) -> Path:
 
 
 def t5_tokenizer(words: int = 64):
-    """A T5TokenizerFast over a word-level vocabulary built here (T5's sentencepiece model cannot be fetched): the
-    pipelines call it as they call T5's, padding to max_sequence_length."""
+    """A T5TokenizerFast over a Unigram vocabulary built here, as T5's own is (its sentencepiece model cannot be
+    fetched): a piece per word, the pipelines padding to max_sequence_length; it saves and loads as T5's does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import T5TokenizerFast
 
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": 3 + i for i in range(words)}}
-    for word in ("a", "photo", "of", "cat", "dog", "red", "blue"):
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    pieces = ["<pad>", "</s>", "<unk>", *(f"\u2581w{i}" for i in range(words)),
+              *(f"\u2581{w}" for w in ("a", "photo", "of", "cat", "dog", "red", "blue"))]
+    tok = Tokenizer(models.Unigram([(p, 0.0 if i < 3 else -1.0) for i, p in enumerate(pieces)], unk_id=2))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
     return T5TokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                            model_max_length=512)
 
@@ -155,12 +154,22 @@ def tiny_flux_pipeline(root: Path, transformer, scheduler: dict):
 
 def tiny_sd3_pipeline(root: Path, transformer, scheduler: dict):
     """StableDiffusion3Pipeline around `transformer` (sd3_tiny's shapes): two CLIPs of width 16 with 32-wide
-    projections (the pooled 64), a T5 of width 32 (joint_attention_dim; the CLIPs' 16 + 16 padded to it)."""
+    projections (the pooled 64), padding captions to 8 tokens (model.clip_tokens), a T5 of width 32
+    (joint_attention_dim; the CLIPs' 16 + 16 padded to it)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    tok = save_tokenizer(root / "tokenizer")
+    tok = save_tokenizer(root / "tokenizer", max_length=8)
     t5_tok = t5_tokenizer()
     return StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
                                     vae=_flow_vae(), text_encoder=_clip(tok, 16, 1, 32), tokenizer=tok,
                                     text_encoder_2=_clip(tok, 16, 2, 32), tokenizer_2=tok,
                                     text_encoder_3=_t5(len(t5_tok), 32, 3), tokenizer_3=t5_tok)
+
+
+def save_tiny_transformer_components(root: Path, family: str, scheduler: dict) -> Path:
+    """root/{scheduler, vae, text_encoder, tokenizer, ...}: flux_tiny's (family "flux") or sd3_tiny's ("sd3") frozen
+    parts and `scheduler` (the model option's), a model.components folder (no transformer: the run builds or loads
+    its own)."""
+    make = tiny_flux_pipeline if family == "flux" else tiny_sd3_pipeline
+    make(root, None, scheduler).save_pretrained(root)
+    return root

@@ -153,7 +153,8 @@ class Model:
     prediction_type: str = "epsilon"     # epsilon | v_prediction | flow_matching (FLUX.1, SD3)
     attention: str = "default"           # default | sdpa
     num_classes: int = 10
-    text_seq_len: int = 77
+    text_seq_len: int = 77               # tokens of the text condition (FLUX.1, SD3: data.max_sequence_length sets T5's)
+    clip_tokens: int = 0                 # SD3: CLIP's tokens ahead of T5's in the condition (its tokenizers' 77)
     pretrained: str | None = None
     # the modules adapter=lora targets unless adapter.target_modules says otherwise: the attention projections
     lora_targets: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
@@ -163,6 +164,8 @@ class Model:
     text_encoder_2: str | None = None
     tokenizer: str | None = None
     tokenizer_2: str | None = None
+    text_encoder_3: str | None = None    # SD3's T5-XXL (FLUX.1's T5 is text_encoder_2)
+    tokenizer_3: str | None = None
     train_text_encoder: str = "none"     # none | te1 | te2 | both (te2 and both: SDXL); full, or LoRA with adapter=lora
     text_encoder_lr: float | None = None    # text_encoder's parameter group; null: optimizer.lr
     text_encoder_2_lr: float | None = None  # text_encoder_2's
@@ -183,6 +186,9 @@ class Data:
     bucket_max_ratio: float = 4.0
     cache_batch_size: int = 8
     cache_device: str = "auto"
+    # FLUX.1, SD3: T5's tokens per caption and prompt (null: the model's, FLUX.1-dev 512, SD3 256); the text
+    # condition is model.clip_tokens + these (config/compose/settle.py)
+    max_sequence_length: int | None = None
 
 
 @dataclass(frozen=True)

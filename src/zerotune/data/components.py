@@ -1,5 +1,6 @@
 """The frozen VAE, text encoders and tokenizers from local folders (their own keys, model.vae, ..., winning over
-model.components' subfolders; nothing downloaded), checked against the U-Net before any weights load."""
+model.components' subfolders; nothing downloaded), checked against the network before any weights load. Which
+ones, and how they encode, the backbone says (models/backbones.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Model
 from zerotune.data.latent_cache import FileHasher, digest
 from zerotune.models import downsample_factor, unet_config
+from zerotune.models.backbones import backbone_of, is_transformer
 
-NAMES = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-ONE_ENCODER = ("vae", "text_encoder", "tokenizer")  # conditioning: text (SD 1.x / 2.x)
 # Files from_pretrained loads, in the order it looks for them; anything else in the folder
 # (other precision variants, READMEs) does not change what is computed.
 _WEIGHTS = ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.bin",
@@ -33,20 +33,21 @@ class ComponentPaths:
     vae: Path
     text_encoder: Path
     tokenizer: Path
-    text_encoder_2: Path | None = None  # SDXL's second encoder; None for SD 1.x / 2.x
+    text_encoder_2: Path | None = None  # SDXL's second CLIP, FLUX.1's T5; None for SD 1.x / 2.x
     tokenizer_2: Path | None = None
+    text_encoder_3: Path | None = None  # SD3's T5
+    tokenizer_3: Path | None = None
 
     def text_pairs(self) -> list[tuple[Path, Path]]:
-        """(tokenizer, text encoder) folders, in the order their states are concatenated."""
-        pairs = [(self.tokenizer, self.text_encoder)]
-        if self.text_encoder_2 is not None and self.tokenizer_2 is not None:
-            pairs.append((self.tokenizer_2, self.text_encoder_2))
-        return pairs
+        """(tokenizer, text encoder) folders, in the pipeline's order."""
+        pairs = [(self.tokenizer, self.text_encoder), (self.tokenizer_2, self.text_encoder_2),
+                 (self.tokenizer_3, self.text_encoder_3)]
+        return [(t, e) for t, e in pairs if t is not None and e is not None]
 
 
 def component_names(model_cfg: Model) -> tuple[str, ...]:
     """The components a model's conditioning needs."""
-    return ONE_ENCODER if model_cfg.conditioning == "text" else NAMES
+    return tuple(backbone_of(model_cfg).components())
 
 
 def resolve_components(model_cfg: Model) -> ComponentPaths:
@@ -83,23 +84,19 @@ def _config(path: Path, key: str = "model.components") -> dict:
 def _field(config: dict, name: str, key: str, path: Path) -> Any:
     if name not in config:
         raise ConfigError(key, f"{path / 'config.json'} has no {name!r}: not the expected model type",
-                          "an AutoencoderKL for vae, CLIPTextModel(WithProjection) for the text encoders")
+                          "an AutoencoderKL for vae, CLIPTextModel(WithProjection) or T5EncoderModel for the "
+                          "text encoders")
     return config[name]
 
 
 def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
-    """The components' output shapes against what the U-Net takes, from their configs alone."""
+    """The components' output shapes against what the network takes, from their configs alone."""
+    _check_vae(model_cfg, paths, backbone_of(model_cfg).latent_channels())
+    if is_transformer(model_cfg):
+        _check_transformer_text(model_cfg, paths)
+        return
     unet = unet_config(model_cfg)
-    vae = _config(paths.vae, "model.vae")
     te1 = _config(paths.text_encoder, "model.text_encoder")
-    vae_factor = 2 ** (len(_field(vae, "block_out_channels", "model.vae", paths.vae)) - 1)
-    if vae_factor != model_cfg.vae_scale_factor:
-        raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
-                          f"says vae_scale_factor={model_cfg.vae_scale_factor}",
-                          f"model.vae_scale_factor={vae_factor}, or the VAE the U-Net was made for")
-    if int(vae.get("latent_channels", 4)) != int(unet["in_channels"]):
-        raise ConfigError("model.vae", f"{paths.vae} makes {vae.get('latent_channels')}-channel latents; the "
-                          f"U-Net takes {unet['in_channels']}", "the VAE the U-Net was made for")
     h1 = int(_field(te1, "hidden_size", "model.text_encoder", paths.text_encoder))
     encoders = [("model.text_encoder", te1)]
     if paths.text_encoder_2 is None:  # SD 1.x / 2.x: cross-attention on the one encoder's states
@@ -123,6 +120,49 @@ def check_compatible(model_cfg: Model, paths: ComponentPaths) -> None:
         if int(cfg.get("max_position_embeddings", seq)) < seq:
             raise ConfigError(key, f"takes at most {cfg['max_position_embeddings']} tokens, "
                               f"model.text_seq_len is {seq}", f"model.text_seq_len={cfg['max_position_embeddings']}")
+
+
+def _check_vae(model_cfg: Model, paths: ComponentPaths, channels: int) -> None:
+    vae = _config(paths.vae, "model.vae")
+    vae_factor = 2 ** (len(_field(vae, "block_out_channels", "model.vae", paths.vae)) - 1)
+    if vae_factor != model_cfg.vae_scale_factor:
+        raise ConfigError("model.vae", f"{paths.vae} downsamples by {vae_factor}, but model={model_cfg.name} "
+                          f"says vae_scale_factor={model_cfg.vae_scale_factor}",
+                          f"model.vae_scale_factor={vae_factor}, or the VAE the network was made for")
+    if int(vae.get("latent_channels", 4)) != channels:
+        raise ConfigError("model.vae", f"{paths.vae} makes {vae.get('latent_channels')}-channel latents; "
+                          f"model={model_cfg.name} denoises {channels}", "the VAE the network was made for")
+
+
+def _check_transformer_text(model_cfg: Model, paths: ComponentPaths) -> None:
+    """FLUX.1 / SD3: T5's width is the token states' (joint_attention_dim); the CLIPs' pooled outputs side by side
+    (CLIP-L's hidden size for FLUX.1, the projections for SD3) are the pooled embedding; SD3's CLIP tokenizers
+    pad to model.clip_tokens."""
+    backbone = backbone_of(model_cfg)
+    widths, pooled = backbone.text_widths(), 0
+    for name, cls in backbone.components().items():
+        path, key = getattr(paths, name), f"model.{name}"
+        if cls == "CLIPTokenizer" and model_cfg.clip_tokens:
+            length = json.loads((path / "tokenizer_config.json").read_text()).get("model_max_length")
+            if length != model_cfg.clip_tokens:
+                raise ConfigError(key, f"{path} pads captions to {length} tokens; model={model_cfg.name} takes "
+                                  f"{model_cfg.clip_tokens} from each CLIP (model.clip_tokens)",
+                                  f"model.clip_tokens={length}, or the tokenizer the model was made for")
+        if not name.startswith("text_encoder"):
+            continue
+        config = _config(path, key)
+        if cls == "T5EncoderModel":
+            width = int(_field(config, "d_model", key, path))
+            if width != widths.hidden:
+                raise ConfigError(key, f"{path}'s T5 is {width} wide; model={model_cfg.name}'s joint_attention_dim "
+                                  f"is {widths.hidden}", "the T5 encoder the model was made for (T5-XXL: 4096)")
+        else:
+            pooled += int(_field(config, "projection_dim" if cls.endswith("WithProjection") else "hidden_size",
+                                 key, path))
+    if pooled != widths.pooled:
+        raise ConfigError("model.text_encoder", f"the CLIP encoders' pooled outputs add up to {pooled} values; "
+                          f"model={model_cfg.name}'s pooled_projection_dim is {widths.pooled}",
+                          "the CLIP encoders the model was made for")
 
 
 def check_bucket_step(model_cfg: Model, step: int) -> None:
@@ -197,16 +237,17 @@ def tokenize(paths: ComponentPaths, names: tuple[str, ...], captions: list[str],
 
 
 class FrozenEncoders:
-    """The frozen VAE and text encoders, each loaded on first use, in fp32, on `device`."""
+    """The frozen VAE and text encoders the model's backbone names, each loaded on first use, in fp32, on `device`."""
 
-    def __init__(self, paths: ComponentPaths, device: torch.device, seq_len: int = 77):
-        self.paths, self.device, self.seq_len = paths, device, seq_len
-        self._vae = self._text = None
+    def __init__(self, paths: ComponentPaths, device: torch.device, model_cfg: Model):
+        self.paths, self.device, self.backbone = paths, device, backbone_of(model_cfg)
+        self._vae: Any = None
+        self._text: dict[str, Any] | None = None
 
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[n, 3, h, w] in [-1, 1] -> latents the U-Net trains on: the posterior's mean (the cache holds one
-        deterministic value per image), scaled."""
+        """[n, 3, h, w] in [-1, 1] -> latents the network trains on: the posterior's mean (the cache holds one
+        deterministic value per image), shifted (FLUX.1's and SD3's VAEs have a shift factor) and scaled."""
         vae = self._load_vae()
         latents = vae.encode(pixels.to(self.device, torch.float32)).latent_dist.mean
         shift = vae.config.get("shift_factor") or 0.0
@@ -214,26 +255,11 @@ class FrozenEncoders:
 
     @torch.no_grad()
     def encode_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """SDXL's conditioning: both encoders' penultimate hidden states side by side [n, seq, d1 + d2],
-        and text_encoder_2's projected pooled embedding [n, p]. SD 1.x / 2.x: the one encoder's last hidden
-        states (final layer norm applied, as StableDiffusionPipeline.encode_prompt takes them), no pooled."""
-        pairs = self._load_text()
-        if len(pairs) == 1:
-            tok, enc = pairs[0]
-            return enc(self._ids(tok, captions))[0].float().cpu(), None
-        states, pooled = [], None
-        for tok, enc in pairs:
-            out = enc(self._ids(tok, captions), output_hidden_states=True)
-            states.append(out.hidden_states[-2])
-            pooled = out[0]  # for text_encoder_2 (a ...WithProjection model), its text_embeds
-        assert pooled is not None
-        return torch.cat(states, dim=-1).float().cpu(), pooled.float().cpu()
+        """The condition the model's pipeline makes of `captions` (backbone.encode_text), in fp32 on the host."""
+        hidden, pooled = self.backbone.encode_text(self._load_text(), captions, self.device)
+        return hidden.float().cpu(), None if pooled is None else pooled.float().cpu()
 
-    def _ids(self, tok, captions: list[str]) -> torch.Tensor:
-        return tok(captions, padding="max_length", max_length=self.seq_len, truncation=True,
-                   return_tensors="pt").input_ids.to(self.device)
-
-    def _load_vae(self):
+    def _load_vae(self) -> Any:
         if self._vae is None:
             from diffusers import AutoencoderKL
 
@@ -242,17 +268,20 @@ class FrozenEncoders:
                                                           torch_dtype=torch.float32).to(self.device).eval()
         return self._vae
 
-    def _load_text(self):
+    def _load_text(self) -> dict[str, Any]:
         if self._text is None:
-            from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+            import transformers
 
-            def model(cls, path: Path):
-                return cls.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(self.device).eval()
+            def load(name: str, cls: str) -> Any:
+                loader = getattr(transformers, cls)
+                if name.startswith("tokenizer"):
+                    return loader.from_pretrained(getattr(self.paths, name), local_files_only=True)
+                model = loader.from_pretrained(getattr(self.paths, name), local_files_only=True, dtype=torch.float32)
+                return model.to(self.device).eval()
 
-            classes = [CLIPTextModel, CLIPTextModelWithProjection]
             with whole_frozen_models():
-                self._text = [(CLIPTokenizer.from_pretrained(tok, local_files_only=True), model(cls, enc))
-                              for (tok, enc), cls in zip(self.paths.text_pairs(), classes, strict=False)]
+                self._text = {name: load(name, cls) for name, cls in self.backbone.components().items()
+                              if name != "vae"}
         return self._text
 
     def release(self) -> None:

@@ -99,6 +99,10 @@ class LatentCache:
         with replaced(path) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
 
+    def size_bytes(self, kind: str, keys: set[str]) -> int:
+        """The bytes on disk of these entries (a shared cache holds other data sets' too)."""
+        return sum(self._path(kind, key).stat().st_size for key in keys)
+
     def get(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         return load_file(str(self._path(kind, key)))
 
@@ -230,9 +234,11 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
 class CachedFolderDataset(Dataset):
     """One sample per image and repeat; index with an int, or (int, flipped) under random_flip."""
 
-    def __init__(self, cache: LatentCache, items: list[CacheItem], tokens: dict[str, torch.Tensor] | None = None):
-        """`tokens`: {key: [len(items), seq]} per trained text encoder, in `items`' order."""
-        self.cache, self.items, self.tokens = cache, items, tokens or {}
+    def __init__(self, cache: LatentCache, items: list[CacheItem], conditioning: str,
+                 tokens: dict[str, torch.Tensor] | None = None):
+        """`conditioning`: the model's (text, text_time, text_pooled); `tokens`: {key: [len(items), seq]} per trained
+        text encoder, in `items`' order."""
+        self.cache, self.items, self.tokens, self.conditioning = cache, items, tokens or {}, conditioning
         # A repeated image is several samples that read the same entries.
         self._item_of = [i for i, it in enumerate(items) for _ in range(it.record.repeats)]
         self.buckets: list[Bucket] = [items[i].placement.bucket for i in self._item_of]
@@ -247,7 +253,9 @@ class CachedFolderDataset(Dataset):
         item = self.items[i]
         hidden, pooled = self.cache.get_text(item.text_key)
         sample = {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"], "encoder_hidden_states": hidden}
-        if pooled is not None:  # SDXL: the added conditioning
+        if self.conditioning == "text_pooled":  # FLUX.1, SD3: the pooled embedding, no time ids
+            sample["pooled_projections"] = pooled
+        elif pooled is not None:  # SDXL: the added conditioning
             sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(flipped)))
         sample.update({key: ids[i] for key, ids in self.tokens.items()})
         return sample

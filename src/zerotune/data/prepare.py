@@ -36,6 +36,7 @@ from zerotune.data.latent_cache import CachedFolderDataset, CacheItem, FileHashe
 from zerotune.data.sources import ImageRecord, ScanResult, Skipped, scan_folder
 from zerotune.data.spec import DataSpec
 from zerotune.models import text_encoders
+from zerotune.models.backbones import backbone_of
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,9 @@ def cache_dir(spec: DataSpec) -> Path:
 
 def check_folder_data(spec: DataSpec) -> CheckedFolder:
     """Every check of data=folder that loads no model and decodes no pixels."""
-    if spec.model.conditioning not in ("text", "text_time"):
+    if spec.model.conditioning == "class":
         raise ConfigError("data", f"data=folder makes text conditioning; model={spec.model.name} "
-                          f"takes {spec.model.conditioning!r}", "model=sdxl, sd15 or sd21 with data=folder")
+                          "is conditioned on class labels", "model=sdxl, sd15, sd21, flux or sd35_large with data=folder")
     if not spec.data.path:
         raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
     step = spec.data.bucket_step
@@ -107,7 +108,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     cache = LatentCache(cache_dir(spec))
     seq_len = int(spec.model.text_seq_len)
     items, unreadable = _cache_items(spec, folder, cache, seq_len)
-    encoders = FrozenEncoders(folder.components, device or _device(spec), seq_len)
+    encoders = FrozenEncoders(folder.components, device or _device(spec), spec.model)
     try:
         ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress)
     finally:
@@ -117,7 +118,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
     trained = text_encoders.trained(spec.model)
     tokens = tokenize(folder.components, trained, [it.record.caption for it in ok], seq_len) if trained else None
-    dataset = CachedFolderDataset(cache, ok, tokens)
+    dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens)
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
@@ -188,6 +189,10 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "random_flip": spec.data.random_flip, "micro_batch": micro_batch,
         "buckets": batches_per_bucket(dataset.buckets, micro_batch),
         "cache": cache_stats,
+        # what this data set's entries take on disk: T5's states are most of it (FLUX.1: 8 MiB a caption in fp32)
+        "cache_mib": {"latents": round(cache.size_bytes("latents", {k for it in dataset.items
+                                                                    for k in it.latent_keys.values()}) / 2**20, 3),
+                      "text": round(cache.size_bytes("text", {it.text_key for it in dataset.items}) / 2**20, 3)},
         # a trained encoder's condition is computed from the tokens at every step: its embeddings are not used
         "text_conditioning": _text_conditioning(spec),
         "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *folder.too_small]],
@@ -201,7 +206,7 @@ def _text_conditioning(spec: DataSpec) -> dict:
     """What the cache gives each text encoder: a trained one computes its part from the captions' tokens at every
     step (its cached embeddings go unused); a frozen one's part is its cached embeddings."""
     trained = text_encoders.trained(spec.model)
-    encoders = ("text_encoder",) if spec.model.conditioning == "text" else ("text_encoder", "text_encoder_2")
+    encoders = [n for n in backbone_of(spec.model).components() if n.startswith("text_encoder")]
     return {name: "tokens (trained)" if name in trained else "embeddings" for name in encoders}
 
 
@@ -222,10 +227,12 @@ def _device(spec: DataSpec) -> torch.device:
 
 def _log_summary(r: dict) -> None:
     log.info("data=folder: %d of %d images used (%d unreadable, %d too small, %d upscaled), %d without caption, "
-             "%d buckets; cache: %d latents and %d text entries computed, %d and %d reused",
+             "%d buckets; cache: %d latents and %d text entries computed, %d and %d reused, %.1f MiB of latents "
+             "and %.1f MiB of text on disk",
              r["images_used"], r["images_found"], r["skipped"]["unreadable"], r["skipped"]["too_small"],
              r["upscaled"], r["captions"]["missing"], len(r["buckets"]), r["cache"]["latents_computed"],
-             r["cache"]["texts_computed"], r["cache"]["latents_reused"], r["cache"]["texts_reused"])
+             r["cache"]["texts_computed"], r["cache"]["latents_reused"], r["cache"]["texts_reused"],
+             r["cache_mib"]["latents"], r["cache_mib"]["text"])
     if r["captions"]["missing"]:
         log.warning("%d images have no caption (no side-car .txt, no metadata.jsonl entry): trained with an "
                     "empty caption; listed in %s", r["captions"]["missing"], REPORT_FILE)

@@ -14,7 +14,7 @@ from typing import Any
 
 from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Config, Model, Validation
-from zerotune.models import downsample_factor
+from zerotune.models.backbones import backbone_of
 
 WEIGHTS = ("auto", "model", "ema", "comparison")
 # kohya's per-prompt options (library/train_util.py sample_images): the letter and the field it sets.
@@ -44,14 +44,13 @@ def check_validation(cfg: Config) -> list[ValidationPrompt]:
     v = cfg.validation
     if not enabled(cfg):
         return []
-    if cfg.model.conditioning not in ("text", "text_time"):
+    if cfg.model.conditioning == "class":
         raise ConfigError("validation.prompts", f"model={cfg.model.name} is class-conditional: it takes no text "
                           "prompt (its grid per class is sampled by evaluate.*)",
                           "validation.prompts=[] validation.prompt_file=null, or a text model: model=sdxl_tiny "
                           "data=folder data.path=/path/to/images model.components=/path/to/sdxl_pipeline")
     if not (cfg.model.components or cfg.model.vae):
-        folders = ("vae/, text_encoder/, tokenizer/" if cfg.model.conditioning == "text" else
-                   "vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/")
+        folders = ", ".join(f"{name}/" for name in backbone_of(cfg.model).components())
         raise ConfigError("model.components", "validation prompts are encoded by the text encoders and decoded by "
                           "the VAE, and no local folder holds them",
                           f"model.components=/path/to/a/local/{cfg.model.name}/pipeline (with {folders})")
@@ -131,13 +130,14 @@ def _default_size(cfg: Config) -> tuple[int, int]:
 
 
 def _check_size(model: Model, p: ValidationPrompt) -> None:
-    unit = int(model.vae_scale_factor) * downsample_factor(model)
+    net = backbone_of(model)
+    unit = net.size_unit()
     for side, value in (("width", p.width), ("height", p.height)):
         if value <= 0 or value % unit:
             fit = max(unit, round(value / unit) * unit)
             raise ConfigError("validation.resolution", f"prompt {p.name!r}: a {side} of {value} px is not a multiple "
-                              f"of {unit} (model={model.name} encodes by {model.vae_scale_factor} and its U-Net "
-                              "halves the rest)", f"validation.resolution={fit} (and --w/--h in the prompt file "
+                              f"of {unit} (model={model.name} encodes by {model.vae_scale_factor} and "
+                              f"{net.size_reason()})", f"validation.resolution={fit} (and --w/--h in the prompt file "
                               f"multiples of {unit})")
     if p.steps < 1 or p.guidance_scale < 0:
         raise ConfigError("validation.prompt_file", f"prompt {p.name!r}: steps {p.steps} and guidance scale "

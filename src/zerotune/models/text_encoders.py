@@ -15,6 +15,7 @@ import torch
 from zerotune.config.errors import ConfigError
 from zerotune.config.schema import Adapter, Model
 from zerotune.models import adapter
+from zerotune.models.backbones import backbone_of
 
 if TYPE_CHECKING:
     from transformers import CLIPPreTrainedModel
@@ -186,7 +187,7 @@ def param_groups(module: torch.nn.Module, lrs: list[float], sizes: Sequence[Sequ
 _CLIP = {"vocab_size": 49408, "max_position_embeddings": 77}
 # stabilityai/stable-diffusion-xl-base-1.0: vae/config.json, text_encoder/config.json (CLIP ViT-L/14's text
 # model), text_encoder_2/config.json (OpenCLIP ViT-bigG/14's text model, with its projection).
-SDXL = {
+SDXL: dict[str, dict] = {
     "vae": {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4,
             "up_block_types": ["UpDecoderBlock2D"] * 4, "block_out_channels": [128, 256, 512, 512],
             "layers_per_block": 2, "latent_channels": 4, "norm_num_groups": 32, "sample_size": 1024,
@@ -198,7 +199,7 @@ SDXL = {
 }
 _TINY_TEXT = {"vocab_size": 520, "max_position_embeddings": 77, "num_hidden_layers": 2, "num_attention_heads": 2,
               "intermediate_size": 37}
-SDXL_TINY = {
+SDXL_TINY: dict[str, dict] = {
     "vae": {"in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 3,
             "up_block_types": ["UpDecoderBlock2D"] * 3, "block_out_channels": [8, 16, 16], "layers_per_block": 1,
             "latent_channels": 4, "norm_num_groups": 8, "sample_size": 64},
@@ -213,21 +214,43 @@ SD21 = {"vae": {**_SD_VAE, "sample_size": 768},
         "text_encoder": {**_CLIP, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23,
                          "num_attention_heads": 16, "hidden_act": "gelu", "projection_dim": 512}}
 SD15_TINY = {"vae": SDXL_TINY["vae"], "text_encoder": SDXL_TINY["text_encoder"]}
+# black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-large: vae/config.json (16 latent channels, no
+# quant convs, each its scale and shift), text_encoder*/config.json (CLIP-L; SD3 adds CLIP-G, both projected; T5
+# v1.1 XXL's encoder).
+_FLOW_VAE = {**SDXL["vae"], "latent_channels": 16, "use_quant_conv": False, "use_post_quant_conv": False}
+T5_XXL = {"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24, "num_heads": 64,
+          "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+          "feed_forward_proj": "gated-gelu", "layer_norm_epsilon": 1e-6}
+FLUX = {"vae": {**_FLOW_VAE, "scaling_factor": 0.3611, "shift_factor": 0.1159},
+        "text_encoder": SDXL["text_encoder"], "text_encoder_2": T5_XXL}
+SD35 = {"vae": {**_FLOW_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609},
+        "text_encoder": SDXL["text_encoder"], "text_encoder_2": SDXL["text_encoder_2"], "text_encoder_3": T5_XXL}
+_TINY_FLOW_VAE = {**SDXL_TINY["vae"], "scaling_factor": 0.3611, "shift_factor": 0.1159}
+_TINY_T5 = {"vocab_size": 174, "d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 2}
+_TINY_CLIP = {**_TINY_TEXT, "vocab_size": 528}  # the tests' tokenizer's length
+FLUX_TINY = {"vae": _TINY_FLOW_VAE, "text_encoder": {**_TINY_CLIP, "hidden_size": 32}, "text_encoder_2": _TINY_T5}
+_TINY_CLIP_16 = {**_TINY_CLIP, "hidden_size": 16, "projection_dim": 32}
+SD3_TINY = {"vae": _TINY_FLOW_VAE, "text_encoder": _TINY_CLIP_16, "text_encoder_2": _TINY_CLIP_16,
+            "text_encoder_3": _TINY_T5}
 BUILTIN: dict[str, tuple[dict, str]] = {
+    "flux": (FLUX, "FLUX.1-dev's vae/, text_encoder/, text_encoder_2/ config.json"),
+    "sd35_large": (SD35, "SD3.5 Large's vae/, text_encoder/, text_encoder_2/, text_encoder_3/ config.json"),
+    "sd35_medium": (SD35, "SD3.5 Medium's vae/, text_encoder/, text_encoder_2/, text_encoder_3/ config.json"),
+    "flux_tiny": (FLUX_TINY, "tests/helpers/tiny_components.py (conf/model/flux_tiny.yaml)"),
+    "sd3_tiny": (SD3_TINY, "tests/helpers/tiny_components.py (conf/model/sd3_tiny.yaml)"),
     "sdxl": (SDXL, "SDXL base 1.0's vae/, text_encoder/, text_encoder_2/ config.json"),
     "sdxl_tiny": (SDXL_TINY, "tests/helpers/tiny_components.py (conf/model/sdxl_tiny.yaml)"),
     "sd15": (SD15, "Stable Diffusion 1.5's vae/, text_encoder/ config.json"),
     "sd21": (SD21, "Stable Diffusion 2.1's vae/, text_encoder/ config.json"),
     "sd15_tiny": (SD15_TINY, "tests/helpers/tiny_components.py (conf/model/sd15_tiny.yaml)")}
-_MODEL_KEYS = ("vae", "text_encoder", "text_encoder_2")
 
 
 def configs(model_cfg: Model) -> tuple[dict, str] | None:
-    """The three architectures and where they come from; None when neither local folders nor a built-in set
-    describe them."""
+    """The VAE's and text encoders' architectures and where they come from; None when neither local folders nor a
+    built-in set describe them."""
     base = model_cfg.components
     found = {}
-    for name in _MODEL_KEYS if model_cfg.conditioning == "text_time" else _MODEL_KEYS[:2]:
+    for name in (n for n in backbone_of(model_cfg).components() if not n.startswith("tokenizer")):
         own = getattr(model_cfg, name) or (Path(str(base)) / name if base else None)
         file = Path(str(own)).expanduser() / "config.json" if own else None
         if file is None or not file.is_file():

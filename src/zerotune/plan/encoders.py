@@ -18,13 +18,28 @@ from zerotune.config.schema import Adapter, Model
 if TYPE_CHECKING:  # step_tracker imports torch's MemTracker (~1 s): only where a trace runs
     from zerotune.plan.step_tracker import StepTracker
 
-FORMAT = 1
+FORMAT = 2  # bumped when a trace changes what it counts (2: T5 counts its tied embedding once)
 _CACHE: dict[str, dict] = {}
-def trace_encoders(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
+def text_lengths(model_cfg: Model) -> dict[str, int]:
+    """{encoder: tokens per caption} as the backbone's encode_text tokenizes: CLIP model.text_seq_len for a U-Net;
+    a transformer's CLIP its tokenizer's 77 (SD3: model.clip_tokens), its T5 the rest of the condition."""
+    from zerotune.models.backbones import backbone_of
+
+    components = backbone_of(model_cfg).components()
+    transformer = any(cls == "T5EncoderModel" for cls in components.values())
+    clip = int(model_cfg.clip_tokens or 77) if transformer else int(model_cfg.text_seq_len)
+    t5 = int(model_cfg.text_seq_len) - int(model_cfg.clip_tokens)
+    return {name: t5 if cls == "T5EncoderModel" else clip for name, cls in components.items()
+            if name.startswith("text_encoder")}
+
+
+def trace_encoders(archs: dict, classes: dict[str, str], image_hw: tuple[int, int], image_batch: int,
+                   text_batch: int, lengths: dict[str, int]) -> dict:
     """{"params": {name: [bytes per parameter tensor, fp32]}, "vae_peak": B, "text_peak": B, "seconds"}: the
-    activation peaks (inputs, outputs and temporaries beyond the parameters) of one cache batch."""
-    what = [archs, list(image_hw), image_batch, text_batch, seq_len, torch.__version__, FORMAT]
-    return _cached("encoders-", what, lambda: _trace(archs, image_hw, image_batch, text_batch, seq_len))
+    activation peaks (inputs, outputs and temporaries beyond the parameters) of one cache batch. `classes`: the
+    backbone's components; `lengths`: text_lengths()."""
+    what = [archs, classes, list(image_hw), image_batch, text_batch, lengths, torch.__version__, FORMAT]
+    return _cached("encoders-", what, lambda: _trace(archs, classes, image_hw, image_batch, text_batch, lengths))
 
 
 def _cached(prefix: str, what: list, make: Callable[[], dict]) -> dict:
@@ -41,36 +56,41 @@ def _cached(prefix: str, what: list, make: Callable[[], dict]) -> dict:
     return _CACHE[key]
 
 
-def _meta_models(archs: dict) -> dict:
+def _meta_models(archs: dict, classes: dict[str, str]) -> dict:
+    """The VAE and text encoders on the meta device, each of its component's class."""
+    import transformers
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    def text(cls: type, fields: dict) -> torch.nn.Module:
-        return cls(CLIPTextConfig(**{k: v for k, v in fields.items() if k in CLIPTextConfig().to_dict()}))
+    def text(cls_name: str, fields: dict) -> torch.nn.Module:
+        config_class = transformers.T5Config if cls_name == "T5EncoderModel" else transformers.CLIPTextConfig
+        known = config_class().to_dict()
+        return getattr(transformers, cls_name)(config_class(**{k: v for k, v in fields.items() if k in known}))
 
     with init_empty_weights():
         vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"})
-        models = {"vae": vae.eval(), "text_encoder": text(CLIPTextModel, archs["text_encoder"]).eval()}
-        if "text_encoder_2" in archs:  # SDXL
-            models["text_encoder_2"] = text(CLIPTextModelWithProjection, archs["text_encoder_2"]).eval()
-        return models
+        models = {"vae": vae.eval(), **{name: text(cls, archs[name]).eval() for name, cls in classes.items()
+                                        if name.startswith("text_encoder")}}
+    for model in models.values():  # init_empty_weights unties T5's shared token embedding from its encoder's
+        getattr(model, "tie_weights", lambda: None)()
+    return models
 
 
-def _trace(archs: dict, image_hw: tuple[int, int], image_batch: int, text_batch: int, seq_len: int) -> dict:
+def _trace(archs: dict, classes: dict[str, str], image_hw: tuple[int, int], image_batch: int, text_batch: int,
+           lengths: dict[str, int]) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zerotune.plan.step_tracker import StepTracker
 
     start = time.perf_counter()
-    models = _meta_models(archs)
+    models = _meta_models(archs, classes)
     params = {name: [p.numel() * 4 for p in m.parameters()] for name, m in models.items()}
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         for m in models.values():
             m.to_empty(device="cpu")
         vae_peak = _peak(StepTracker(), [models["vae"]], lambda: _encode_images(models["vae"], image_hw, image_batch))
         text_peak = _peak(StepTracker(), list(models.values()),
-                          lambda: _encode_text(models, text_batch, seq_len))
+                          lambda: _encode_text(models, classes, text_batch, lengths))
     return {"params": params, "vae_peak": vae_peak, "text_peak": text_peak,
             "seconds": round(time.perf_counter() - start, 3)}
 
@@ -91,19 +111,21 @@ def _encode_images(vae: Any, image_hw: tuple[int, int], batch: int) -> torch.Ten
     return (latents - 0.0) * 0.13025
 
 
-def _encode_text(models: dict, batch: int, seq_len: int) -> torch.Tensor:
-    """FrozenEncoders.encode_text: both encoders with all hidden states, the first's output alive meanwhile
-    (`out` is rebound only when the second returns); SD 1.x / 2.x: the one encoder's last hidden states."""
-    if "text_encoder_2" not in models:
-        enc = models["text_encoder"]
-        return enc(torch.randint(0, int(enc.config.vocab_size), (batch, seq_len)))[0]
-    states, out = [], None
-    for name in ("text_encoder", "text_encoder_2"):
+def _encode_text(models: dict, classes: dict[str, str], batch: int, lengths: dict[str, int]) -> list[torch.Tensor]:
+    """The backbones' encode_text, encoder after encoder in the pipeline's order, each one's outputs alive while the
+    next runs: a CLIP with all its hidden states where the condition joins two CLIPs' (SDXL, SD3; the
+    penultimate's kept), else its last states (SD 1.x / 2.x) or pooled output (FLUX.1); T5 its last states."""
+    clips = sum(1 for name, cls in classes.items() if name.startswith("text_encoder") and cls.startswith("CLIP"))
+    kept = []
+    for name in (n for n in classes if n.startswith("text_encoder")):
         enc = models[name]
-        ids = torch.randint(0, int(enc.config.vocab_size), (batch, seq_len))
-        out = enc(ids, output_hidden_states=True)
-        states.append(out.hidden_states[-2])
-    return torch.cat(states, dim=-1)
+        ids = torch.randint(0, int(enc.config.vocab_size), (batch, lengths[name]))
+        if classes[name].startswith("CLIP") and clips > 1:
+            out = enc(ids, output_hidden_states=True)
+            kept += [out.hidden_states[-2], out[0]]
+        else:
+            kept.append(enc(ids)[0])
+    return kept
 
 
 def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -> int:
@@ -127,7 +149,8 @@ def largest_module_numel(model_cfg: Model, adapter_cfg: Adapter | None = None) -
 def trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, latent_hw: tuple[int, int],
                    precision: str) -> dict:
     """A validation pass (train/validation.py) on fake tensors: {"vae_params": [bytes per parameter, in the
-    training dtype], "unet_peak": B (one guided step: the prompt and its negative as a batch of 2, no grad),
+    training dtype], "unet_peak": B (one step of the network, no grad: the prompt and its negative as a batch of 2
+    where it is guided by them, FLUX.1's prompt alone),
     "vae_decode_peak": B (one latent decoded), "seconds"}."""
     from zerotune.models import adapter, unet_config
 
@@ -142,10 +165,11 @@ def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, 
     from diffusers import AutoencoderKL
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from zerotune.models.backbones import backbone_of
     from zerotune.plan.activations import DTYPES, _inputs, _meta_unet
     from zerotune.plan.step_tracker import StepTracker
 
-    start, dtype = time.perf_counter(), DTYPES[precision]
+    start, dtype, net = time.perf_counter(), DTYPES[precision], backbone_of(model_cfg)
     unet = _meta_unet(model_cfg, precision, False, str(model_cfg.attention), adapter_cfg).eval()
     with init_empty_weights():
         vae = AutoencoderKL.from_config({k: v for k, v in archs["vae"].items() if k != "force_upcast"})
@@ -155,8 +179,9 @@ def _trace_sampling(archs: dict, model_cfg: Model, adapter_cfg: Adapter | None, 
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         unet.to_empty(device="cpu")
         vae.to_empty(device="cpu")
-        inputs = _inputs(model_cfg, (channels, *latent_hw), 2, dtype)
-        unet_peak = _peak(StepTracker(), [unet], lambda: unet(inputs["x0"], inputs["timesteps"], **inputs["cond"]))
+        inputs = _inputs(model_cfg, (channels, *latent_hw), net.sampling_rows, dtype)
+        unet_peak = _peak(StepTracker(), [unet], lambda: net.predict(unet, inputs["x0"], inputs["timesteps"],
+                                                                     inputs["cond"], 3.5))
         latents = torch.randn(1, channels, *latent_hw, dtype=dtype)
         decode_peak = _peak(StepTracker(), [vae], lambda: vae.decode(latents).sample)
     return {"vae_params": vae_params, "unet_peak": unet_peak, "vae_decode_peak": decode_peak,

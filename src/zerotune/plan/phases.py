@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from zerotune.config.schema import DTYPE_BYTES, MIB, Config
 from zerotune.data.prompts import check_validation, enabled
-from zerotune.models import text_encoders
+from zerotune.models import backbones, text_encoders
 from zerotune.plan import allocator, encoders
 from zerotune.plan.gpus import GPU
 from zerotune.plan.model_states import rules_for
@@ -62,7 +62,8 @@ def _caching(cfg: Config, resolved: ResolvedRun, gpu: GPU | None, plan: Plan, ba
     archs, where = found
     size, batch = cfg.resolution.size, cfg.data.cache_batch_size
     images = batch * (2 if cfg.data.random_flip else 1)  # both orientations of each image in one encode call
-    traced = encoders.trace_encoders(archs, (size, size), images, batch, cfg.model.text_seq_len)
+    traced = encoders.trace_encoders(archs, backbones.backbone_of(cfg.model).components(), (size, size), images,
+                                     batch, encoders.text_lengths(cfg.model))
     weights = {n: allocator.reserved_bytes(sizes) for n, sizes in traced["params"].items()}
     resident = _zero3_resident(resolved, plan)
     vae = [term("vae_weights", weights["vae"], f"fp32, one block per parameter ({where})"),
@@ -138,7 +139,7 @@ def validation_pass_terms(cfg: Config, resolved: ResolvedRun) -> tuple[list[Term
     """What a validation pass adds to what training holds, on any device: the U-Net gathered whole at ZeRO-3, the
     VAE in the training dtype, and the larger of one guided U-Net call and the VAE's decode (fake-tensor traces;
     no text encoder: the latent cache holds the embeddings). None without prompts or a VAE architecture."""
-    if not (enabled(cfg) and cfg.model.conditioning in ("text", "text_time")):
+    if not enabled(cfg) or cfg.model.conditioning == "class":
         return None
     found = text_encoders.configs(cfg.model)
     if found is None:
@@ -157,7 +158,8 @@ def validation_pass_terms(cfg: Config, resolved: ResolvedRun) -> tuple[list[Term
     terms += [term("vae_weights", allocator.reserved_bytes(traced["vae_params"]), f"{precision}, one block per "
                    f"parameter ({where}); on the device for the pass only"),
               term("sampling_activations", max(traced["unet_peak"], traced["vae_decode_peak"]),
-                   f"fake-tensor trace at {largest.width}x{largest.height}: one guided U-Net call (batch 2) "
+                   f"fake-tensor trace at {largest.width}x{largest.height}: one network call (batch "
+                   f"{backbones.backbone_of(cfg.model).sampling_rows}) "
                    f"{traced['unet_peak'] / MIB:,.1f} MiB, the VAE's decode {traced['vae_decode_peak'] / MIB:,.1f} MiB")]
     return terms, f"train/validation.py: {len(prompts)} prompts, one at a time, {largest.steps} steps"
 

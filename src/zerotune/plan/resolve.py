@@ -18,7 +18,7 @@ from zerotune.config.deepspeed_blocks import Batch, derived_params
 from zerotune.config.errors import ConfigError
 from zerotune.config.files import write_json_atomic
 from zerotune.config.schema import Config, as_dict
-from zerotune.data import check_data, prompts
+from zerotune.data import check_data
 from zerotune.data.prompts import check_validation
 from zerotune.data.spec import DataSpec
 from zerotune.host.platform import Platform, detect
@@ -226,8 +226,7 @@ def _check_train(cfg: Config) -> None:
 
 
 def _check_transformer(cfg: Config) -> None:
-    """A diffusion transformer's conditioning is T5's and CLIP's, which zerotune does not load: it trains on
-    conditioning already encoded (data=synthetic's shapes), without the features that encode text."""
+    """What a diffusion transformer (FLUX.1, SD3) does not take: its T5 and CLIP encoders stay frozen."""
     model = cfg.model
     if not backbones.is_transformer(model):
         return
@@ -235,15 +234,12 @@ def _check_transformer(cfg: Config) -> None:
         raise ConfigError("model.attention", f"model={model.name}'s attention processors already call torch's "
                           "scaled_dot_product_attention", "model.attention=default")
     if text_encoders.trained(model):
-        raise ConfigError("model.train_text_encoder", f"model={model.name}'s text encoders (T5, CLIP) are not loaded: "
-                          "its conditioning comes encoded", "model.train_text_encoder=none")
-    if cfg.data.name == "folder":
-        raise ConfigError("data", f"data=folder encodes captions with the model's text encoders; model={model.name}'s "
-                          "(T5, CLIP) are not loaded", f"model={model.name} data=synthetic, or a U-Net (model=sdxl, sd15, sd21) "
-                          "for your own images")
-    if prompts.enabled(cfg):
-        raise ConfigError("validation.prompts", f"prompts are encoded by the model's text encoders; model={model.name}'s "
-                          "(T5, CLIP) are not loaded", "validation.prompts=[] validation.prompt_file=null")
+        raise ConfigError("model.train_text_encoder", f"model={model.name}'s text encoders (T5, CLIP) are frozen: "
+                          "their outputs are cached with the latents", "model.train_text_encoder=none")
+    if model.text_seq_len <= model.clip_tokens:
+        raise ConfigError("model.text_seq_len", f"is {model.text_seq_len}, which leaves T5 no token after CLIP's "
+                          f"{model.clip_tokens} (model.clip_tokens)",
+                          f"model.text_seq_len={model.clip_tokens + 256} (T5's 256 after CLIP's)")
 
 
 def _check_loss_settings(cfg: Config) -> None:

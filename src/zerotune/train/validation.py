@@ -32,7 +32,7 @@ from zerotune.data.prompts import ValidationPrompt, check_validation, enabled, w
 from zerotune.data.spec import DataSpec
 from zerotune.host.torch_memory import MeasuredPhase, largest
 from zerotune.models import text_encoders
-from zerotune.models.diffusion import make_sampler
+from zerotune.models.backbones import Encoded, backbone_of
 from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.rundir.loggers import RunLogger
@@ -146,6 +146,7 @@ class Validator:
         self.run_dir, self.logger = run_dir, logger
         self.device, self.dtype, self.rank, self.world = device, dtype, rank, world
         self.weights = weights_to_sample(cfg)
+        self.backbone = backbone_of(cfg.model)
         self.paths = resolve_components(cfg.model)
         self.mine = [p for i, p in enumerate(prompts) if i % world == rank]
         self.embeddings = self._encode_prompts()
@@ -216,8 +217,8 @@ class Validator:
                     pipe = None
                     try:
                         embeddings = self._embeddings(module)
-                        unet = module.unet if isinstance(module, text_encoders.UNetWithTextEncoders) else module
-                        pipe = self._pipeline(unet, self._vae_on_device(), trainer)
+                        network = module.unet if isinstance(module, text_encoders.UNetWithTextEncoders) else module
+                        pipe = self._pipeline(network, self._vae_on_device(), trainer)
                         if inject_oom:
                             raise torch.OutOfMemoryError(f"debug.validation_oom_at_step={step}: injected")
                         for p in self.mine:
@@ -232,21 +233,10 @@ class Validator:
             self._vae_off_device()
         return images, errors
 
-    def _pipeline(self, unet: torch.nn.Module, vae: Any, trainer: Trained) -> Any:
+    def _pipeline(self, network: torch.nn.Module, vae: Any, trainer: Trained) -> Any:
         schedule = dict(trainer.noise_schedule.config)  # type: ignore[attr-defined]  # diffusers' ConfigMixin
-        scheduler = make_sampler(schedule, self.cfg.diffusion.prediction_type, pixel_space=False)
-        if self.cfg.model.conditioning == "text":  # SD 1.x / 2.x
-            from diffusers import StableDiffusionPipeline
-
-            pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
-                                           safety_checker=None, feature_extractor=None,
-                                           requires_safety_checker=False)
-        else:
-            from diffusers import StableDiffusionXLPipeline
-
-            pipe = StableDiffusionXLPipeline(vae=vae, text_encoder=None, text_encoder_2=None, tokenizer=None,
-                                             tokenizer_2=None, unet=unet, scheduler=scheduler, add_watermarker=False,
-                                             force_zeros_for_empty_prompt=True)
+        scheduler = self.backbone.sampler(schedule, self.cfg.diffusion.prediction_type)
+        pipe = self.backbone.sampling_pipeline(network, vae, scheduler)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -266,24 +256,13 @@ class Validator:
 
     def _png(self, pipe: Any, p: ValidationPrompt,
              embeddings: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> bytes:
-        def on_device(t: torch.Tensor) -> torch.Tensor:
-            return t[None].to(self.device, self.dtype)
+        def on_device(encoded: tuple[torch.Tensor, torch.Tensor | None]) -> Encoded:
+            return tuple(None if t is None else t[None].to(self.device, self.dtype) for t in encoded)  # type: ignore[return-value]
 
-        states, pooled = embeddings[p.prompt]
-        kwargs: dict[str, Any] = {"prompt_embeds": on_device(states)}
-        if pooled is not None:  # SDXL's added conditioning
-            kwargs["pooled_prompt_embeds"] = on_device(pooled)
-        if p.negative_prompt:
-            neg_states, neg_pooled = embeddings[p.negative_prompt]
-            kwargs["negative_prompt_embeds"] = on_device(neg_states)
-            if neg_pooled is not None:
-                kwargs["negative_pooled_prompt_embeds"] = on_device(neg_pooled)
-        elif pooled is None:
-            # SD 1.x / 2.x would tokenize "" (no tokenizer here); zeros are the null condition trained on
-            # (models/conditioning.drop_condition), as SDXL's force_zeros_for_empty_prompt
-            kwargs["negative_prompt_embeds"] = torch.zeros_like(kwargs["prompt_embeds"])
+        negative = on_device(embeddings[p.negative_prompt]) if p.negative_prompt else None
+        kwargs = self.backbone.sampling_kwargs(on_device(embeddings[p.prompt]), negative,
+                                               float(self.v.guidance_rescale))
         image = pipe(width=p.width, height=p.height, num_inference_steps=p.steps, guidance_scale=p.guidance_scale,
-                     guidance_rescale=float(self.v.guidance_rescale),
                      generator=torch.Generator("cpu").manual_seed(p.seed), output_type="pil", **kwargs).images[0]
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
@@ -333,7 +312,7 @@ class Validator:
         keys = {t: LatentCache.text_key(t, text_id, seq_len) for t in texts}
         todo = [t for t in texts if not cache.has("text", keys[t])]
         if todo:
-            encoders = FrozenEncoders(self.paths, _encode_device(self.cfg, self.device), seq_len)
+            encoders = FrozenEncoders(self.paths, _encode_device(self.cfg, self.device), self.cfg.model)
             try:
                 hidden, pooled = encoders.encode_text(todo)
             finally:

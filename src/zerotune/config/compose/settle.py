@@ -86,6 +86,27 @@ def _fit_default_warmup(draft: DictConfig, user: UserConfig) -> None:
         sched.name = "constant"  # one step leaves nothing to warm up or decay over
 
 
+def _fit_text_tokens(draft: DictConfig, user: UserConfig) -> None:
+    """data.max_sequence_length, T5's tokens per caption, sets the text condition's length: model.clip_tokens (SD3's
+    CLIP tokens, ahead of T5's) plus these. Only a model conditioned through T5 (FLUX.1, SD3) takes it."""
+    tokens = draft.data.max_sequence_length
+    if tokens is None:
+        return
+    model = draft.model
+    if model.conditioning != "text_pooled":
+        raise ConfigError("data.max_sequence_length", f"sets T5's tokens per caption; model={model.name} has no T5 "
+                          "encoder (its CLIP encoders take model.text_seq_len tokens)", "data.max_sequence_length=null")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 < tokens <= 512:
+        raise ConfigError("data.max_sequence_length", f"must be a whole number of tokens from 1 to 512 (the "
+                          f"pipelines' limit), got {tokens!r}", "data.max_sequence_length=512 (FLUX.1-dev's), or 256")
+    length = int(model.clip_tokens) + tokens
+    if "model.text_seq_len" in user.typed and int(model.text_seq_len) != length:
+        raise ConfigError("model.text_seq_len", f"is {model.text_seq_len}, but data.max_sequence_length={tokens} "
+                          f"makes the condition {length} tokens long (model.clip_tokens={model.clip_tokens} + {tokens})",
+                          f"model.text_seq_len={length} (or no model.text_seq_len: data.max_sequence_length sets it)")
+    model.text_seq_len = length
+
+
 def settle(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int | None = None,
            settings: Mapping[str, Any] | None = None, quiet: bool = False) -> Settled:
     """The composed config as it will run, frozen: the user's files folded in (`overrides`, as typed, may not
@@ -96,6 +117,7 @@ def settle(cfg: DictConfig, overrides: list[str] | tuple = (), world_size: int |
         OmegaConf.update(draft, key, value, merge=False)
     user = _fold_user_files(draft, overrides, world_size, quiet=quiet)
     _fit_default_warmup(draft, user)
+    _fit_text_tokens(draft, user)
     config = to_config(draft)
     return Settled(config, user, world_size or launch_world_size(config.launch))
 
