@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml $(TORCH_CHOICE)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q '$(TORCH)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(PIP) install -q -e '.[wandb,gpu,slurm,dev]'
+	$(PIP) install -q -e '.[wandb,tensorboard,gpu,slurm,dev]'
 	@# The original Stable Diffusion code (its `ldm` package), whose UNetModel names the original checkpoint
 	@# layout in the single-file tests. --no-deps: its pins (transformers 4.33, lightning 1.4) would downgrade
 	@# the stack, and its U-Net needs only torch and einops.

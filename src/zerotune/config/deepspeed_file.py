@@ -205,9 +205,8 @@ KEYS: dict[str, Decision] = {
         # deepspeed/comm/config.py: comms_logger_enabled = 'comms_logger' in ds_config; "enabled" is never read
         left_out='DeepSpeed 0.19.8 turns its comms logger on for any "comms_logger" block, "enabled": false '
                 "included, and synchronises the device after every collective"),
-    "tensorboard": refused("DeepSpeed's TensorBoard writer needs the tensorboard package, which zerotune does "
-                           "not install", _delete("tensorboard") + "; zerotune's metrics are in <run dir>/"
-                           "metrics.jsonl (logger=wandb for W&B)"),
+    "tensorboard": refused("DeepSpeed would write a second TensorBoard log beside zerotune's logger, with its "
+                           "own names", _delete("tensorboard") + "; use logger=tensorboard"),
     "wandb": refused("DeepSpeed would start a second W&B run beside zerotune's logger",
                      _delete("wandb") + "; use logger=wandb"),
     "comet": refused("DeepSpeed's Comet monitor needs comet_ml, which zerotune does not install",

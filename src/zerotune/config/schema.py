@@ -202,7 +202,7 @@ class Precision:
 
 @dataclass(frozen=True)
 class Logger:
-    name: str = "none"                   # none | wandb
+    name: str = "none"                   # none | wandb | tensorboard | all (W&B and TensorBoard)
     project: str = "zerotune"
     entity: str | None = None
     mode: str = "offline"
