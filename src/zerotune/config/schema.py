@@ -271,12 +271,13 @@ class Validation:
 
 @dataclass(frozen=True)
 class Adapter:
-    name: str = "none"                   # none | lora
+    name: str = "none"                   # none | lora | loha | lokr
     rank: int = 16
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
-    init: str = "gaussian"               # gaussian | default
+    init: str = "gaussian"               # gaussian | default (LoHa, LoKr: default only)
+    dora: bool = False                   # lora: DoRA (a learned magnitude per output, Liu et al. 2024)
     # with model.train_text_encoder: the modules of each trained text encoder that get adapters
     text_encoder_target_modules: list[str] = field(default_factory=lambda: list(CLIP_ATTENTION_PROJECTIONS))
 

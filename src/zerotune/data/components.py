@@ -4,9 +4,7 @@ ones, and how they encode, the backbone says (models/backbones.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from zerotune.config.schema import Model
 from zerotune.data.latent_cache import FileHasher, digest
 from zerotune.models import downsample_factor, unet_config
 from zerotune.models.backbones import backbone_of, is_transformer
+from zerotune.models.weights import transformers_zero3_lifted
 
 # Files from_pretrained loads, in the order it looks for them; anything else in the folder
 # (other precision variants, READMEs) does not change what is computed.
@@ -198,29 +197,6 @@ def component_ids(paths: ComponentPaths, hasher: FileHasher) -> dict[str, str]:
     return {"vae": component_id(paths.vae, hasher), "text": text}
 
 
-@contextlib.contextmanager
-def whole_frozen_models() -> Iterator[None]:
-    """The encoders are loaded whole, never partitioned. At ZeRO-3 accelerate registers its DeepSpeed config
-    with transformers (`DeepSpeedPlugin.dschf`), whose from_pretrained then builds under zero.Init and leaves
-    each rank a 1-D placeholder of every weight, which no engine ever gathers. accelerate's own
-    `zero3_init_context_manager(enable=False)` registers the same ZeRO-3 config again (it builds the
-    HfDeepSpeedConfig whatever the flag), so transformers' registration is lifted here and put back after."""
-    from accelerate.state import AcceleratorState, is_initialized
-
-    plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
-    registered = getattr(plugin, "dschf", None)
-    if registered is None:
-        yield
-        return
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        set_hf_deepspeed_config(registered)
-
-
 def tokenize(paths: ComponentPaths, names: tuple[str, ...], captions: list[str], seq_len: int) -> dict[str, torch.Tensor]:
     """{"input_ids": [n, seq], "input_ids_2": ...}: the captions' tokens for each trained encoder (`names`),
     padded and truncated as FrozenEncoders encodes them."""
@@ -263,7 +239,7 @@ class FrozenEncoders:
         if self._vae is None:
             from diffusers import AutoencoderKL
 
-            with whole_frozen_models():
+            with transformers_zero3_lifted():
                 self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
                                                           torch_dtype=torch.float32).to(self.device).eval()
         return self._vae
@@ -279,7 +255,7 @@ class FrozenEncoders:
                 model = loader.from_pretrained(getattr(self.paths, name), local_files_only=True, dtype=torch.float32)
                 return model.to(self.device).eval()
 
-            with whole_frozen_models():
+            with transformers_zero3_lifted():
                 self._text = {name: load(name, cls) for name, cls in self.backbone.components().items()
                               if name != "vae"}
         return self._text

@@ -1,10 +1,11 @@
-"""LoRA on the U-Net with peft, as diffusers adds it (`unet.add_adapter`): the base weights frozen, only the
+"""Adapters on the network with peft, as diffusers adds them (`unet.add_adapter`): LoRA (and DoRA, LoRA with a
+learned magnitude), LoHa and LoKr (LyCORIS's Hadamard and Kronecker products). The base weights frozen, only the
 adapters trainable. The layers, their names and their saving are peft's and diffusers' own."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TypeGuard, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
@@ -14,6 +15,12 @@ from zerotune.config.schema import Adapter, as_dict
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 ADAPTER_NAME = "default"  # peft's name for a model's first adapter; the exported keys carry no name
 INITS = {"gaussian": "gaussian", "default": True}  # adapter.init -> peft's init_lora_weights
+KINDS = ("lora", "loha", "lokr")
+# Each kind's trainable tensors, by peft's names (LoraLayer / LoHaLayer / LoKrLayer.adapter_layer_names, which
+# tests/test_adapters.py checks): written out so that reading a checkpoint does not import peft.
+ADAPTER_LAYER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
+                       "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
+                       "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 def enabled(adapter_cfg: Adapter | None) -> TypeGuard[Adapter]:
@@ -29,8 +36,15 @@ def check(adapter_cfg: Adapter | None) -> None:
     """The adapter's own keys, before any model is built."""
     if not enabled(adapter_cfg):
         return
-    if adapter_cfg.name != "lora":
-        raise ConfigError("adapter", f"unknown adapter {adapter_cfg.name!r}", "adapter=lora or adapter=none")
+    if adapter_cfg.name not in KINDS:
+        raise ConfigError("adapter.name", f"unknown adapter {adapter_cfg.name!r}",
+                          "adapter=lora or adapter=loha or adapter=lokr or adapter=none")
+    if adapter_cfg.dora and adapter_cfg.name != "lora":
+        raise ConfigError("adapter.dora", f"DoRA learns a magnitude beside LoRA's update; adapter={adapter_cfg.name} "
+                          "has none", "adapter.dora=false, or adapter=lora adapter.dora=true")
+    if adapter_cfg.name != "lora" and str(adapter_cfg.init) != "default":
+        raise ConfigError("adapter.init", f"adapter={adapter_cfg.name} starts at zero as peft initialises it; "
+                          f"{adapter_cfg.init!r} is LoRA's", "adapter.init=default")
     if int(adapter_cfg.rank) < 1:
         raise ConfigError("adapter.rank", f"must be at least 1, got {adapter_cfg.rank}", "adapter.rank=16")
     if float(adapter_cfg.alpha) <= 0:
@@ -72,12 +86,12 @@ def add_adapter(module: ModuleT, adapter_cfg: Adapter | None, targets: list[str]
     targets = [str(m) for m in adapter_cfg.target_modules] if targets is None else targets
     _check_targets(module, targets, key)
     module.requires_grad_(False)
-    from peft import LoraConfig
+    config = peft_config(adapter_cfg, targets)
+    # DoRA's magnitudes are the base weights' norms, which peft would gather again (gather_params_ctx) at ZeRO-3,
+    # and DeepSpeed refuses a nested gathering of the same parameters: peft is told ZeRO-3 is off meanwhile
+    from zerotune.models.weights import transformers_zero3_lifted
 
-    config = LoraConfig(r=int(adapter_cfg.rank), lora_alpha=float(adapter_cfg.alpha),
-                        lora_dropout=float(adapter_cfg.dropout), init_lora_weights=INITS[str(adapter_cfg.init)],
-                        target_modules=targets)
-    with gathered_targets(targeted_modules(module, adapter_cfg, targets)):
+    with gathered_targets(targeted_modules(module, adapter_cfg, targets)), transformers_zero3_lifted():
         if hasattr(module, "disable_lora"):  # diffusers' models (PeftAdapterMixin)
             module.add_adapter(config, adapter_name=ADAPTER_NAME)
         else:
@@ -87,6 +101,20 @@ def add_adapter(module: ModuleT, adapter_cfg: Adapter | None, targets: list[str]
             inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
             module.peft_config = {ADAPTER_NAME: config}
     return module
+
+
+def peft_config(adapter_cfg: Adapter, targets: list[str]) -> Any:
+    """peft's config of the adapter's kind. LoHa and LoKr take adapter.dropout as their rank dropout (LyCORIS's
+    `dropout` on the rank dimension); they start at zero (init_weights=True)."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    rank, alpha, dropout = int(adapter_cfg.rank), float(adapter_cfg.alpha), float(adapter_cfg.dropout)
+    if adapter_cfg.name == "loha":
+        return LoHaConfig(r=rank, alpha=alpha, rank_dropout=dropout, init_weights=True, target_modules=targets)
+    if adapter_cfg.name == "lokr":
+        return LoKrConfig(r=rank, alpha=alpha, rank_dropout=dropout, init_weights=True, target_modules=targets)
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, init_lora_weights=INITS[str(adapter_cfg.init)],
+                      target_modules=targets, use_dora=bool(adapter_cfg.dora))
 
 
 def targeted_modules(module: torch.nn.Module, adapter_cfg: Adapter | None,
@@ -112,8 +140,8 @@ def gathered_targets(targets: list[torch.nn.Module]):
 
 
 def is_adapter_weight(name: str) -> bool:
-    """peft names an adapter's weights <module>.lora_A.<adapter>.weight / lora_B (and lora_embedding_*)."""
-    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+    """peft names an adapter's tensors <module>.<layer name>.<adapter>[.weight] (lora_A, hada_w1_a, lokr_w1, ...)."""
+    return any(f".{layer}." in name for layer in ADAPTER_LAYER_NAMES)
 
 
 def trainable_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -138,5 +166,5 @@ _WHOLE_MODEL_OPTIMIZERS = {"MuAdam", "MuAdamW", "MuSGD"}
 def check_optimizer(adapter_cfg: Adapter | None, optimizer_type: str) -> None:
     if enabled(adapter_cfg) and optimizer_type in _WHOLE_MODEL_OPTIMIZERS:
         raise ConfigError("optimizer", f"{optimizer_type} (muP) scales each parameter by its base shape, which the "
-                          f"LoRA weights do not have: it cannot train adapter={adapter_cfg.name}",
+                          f"adapter's weights do not have: it cannot train adapter={adapter_cfg.name}",
                           "optimizer=adamw (or adam, adagrad, lion) with the adapter, or adapter=none")

@@ -346,7 +346,8 @@ class SD3(_Transformer):
                 "negative_pooled_prompt_embeds": negative[1]}
 
 
-FAMILIES: dict[str, type[UNet] | type[Flux] | type[SD3]] = {"unet": UNet, "flux": Flux, "sd3": SD3}
+Family = type[UNet] | type[Flux] | type[SD3]
+FAMILIES: dict[str, Family] = {"unet": UNet, "flux": Flux, "sd3": SD3}
 
 
 def backbone_of(model: Model) -> Backbone:
@@ -358,7 +359,7 @@ def backbone_of(model: Model) -> Backbone:
     return family(model)
 
 
-def family_of_class(class_name: str | None) -> type[UNet] | type[Flux] | type[SD3]:
+def family_of_class(class_name: str | None) -> Family:
     """The family a saved config's `_class_name` is of (a checkpoint's config.json; none: a U-Net's, as older
     checkpoints hold)."""
     for family in FAMILIES.values():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -256,3 +256,27 @@ def load_into_partitioned(unet: torch.nn.Module, weights: Weights, what: str) ->
                         param.data.copy_(weights.get(prefix + name))
     finally:
         weights.close()
+
+
+@contextlib.contextmanager
+def transformers_zero3_lifted() -> Iterator[None]:
+    """transformers (and peft, which asks it) told ZeRO-3 is off meanwhile: frozen encoders are loaded whole,
+    never partitioned, and peft does not gather weights gathered already. At ZeRO-3 accelerate registers its
+    DeepSpeed config with transformers (`DeepSpeedPlugin.dschf`), whose from_pretrained then builds under zero.Init
+    and leaves each rank a 1-D placeholder of every weight, which no engine ever gathers. accelerate's own
+    `zero3_init_context_manager(enable=False)` registers the same ZeRO-3 config again (it builds the
+    HfDeepSpeedConfig whatever the flag), so transformers' registration is lifted here and put back after."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    plugin = AcceleratorState().deepspeed_plugin if is_initialized() else None
+    registered = getattr(plugin, "dschf", None)
+    if registered is None:
+        yield
+        return
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from diffusers.models.modeling_utils import ModelMixin
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+PEFT_WEIGHTS = "adapter_model.safetensors"        # peft's SAFETENSORS_WEIGHTS_NAME
 
 
 def network_class(config: dict) -> type[ModelMixin]:
@@ -47,17 +48,35 @@ def build_encoder(name: str, config: dict, adapter_cfg: dict, weights: dict):
 
 def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix: str, merge: bool,
          encoders: dict[str, tuple[dict, dict]] | None = None) -> dict[str, str]:
-    """Write lora{suffix}/ (with `merge` also the network's folder, unet{suffix}/ or transformer{suffix}/, its
-    .safetensors and each trained encoder's folder); returns what was written. `encoders`: {name: (config,
-    weights)}."""
-    import diffusers
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from diffusers.utils.peft_utils import recurse_remove_peft_layers
-    from safetensors.torch import save_file
-
+    """Write the adapter's folder, <kind>{suffix}/ (lora, loha, lokr), and with `merge` also the network's folder
+    (unet{suffix}/ or transformer{suffix}/), its .safetensors and each trained encoder's folder; returns what was
+    written. `encoders`: {name: (config, weights)}."""
     unet = build(unet_config, adapter_cfg, weights)
     trained = {name: build_encoder(name, config, adapter_cfg, w) for name, (config, w) in (encoders or {}).items()}
-    folder = out / f"lora{suffix}"
+    family = backbones.family_of_class(unet_config.get("_class_name"))
+    kind = str(adapter_cfg.get("name", "lora"))
+    folder = out / f"{kind}{suffix}"
+    if kind == "lora":
+        written = {f"lora{suffix}": _save_lora(unet, trained, family, folder)}
+    else:
+        written = {f"{kind}{suffix}": _save_peft(unet, trained, family.folder, folder)}
+    if merge:
+        modules = {f"{family.folder}{suffix}": unet, **{f"{name}{suffix}": m for name, m in trained.items()}}
+        for name, module in modules.items():
+            _merge(module)
+            module.save_pretrained(out / name, safe_serialization=True)
+            written[name] = str(out / name)
+        _save_weights(unet, out / f"{family.folder}{suffix}.safetensors")
+    return written
+
+
+def _save_lora(unet: torch.nn.Module, trained: dict[str, torch.nn.Module], family: backbones.Family,
+               folder: Path) -> str:
+    """LoRA (DoRA's magnitudes included) as diffusers' LoRA scripts save it: pytorch_lora_weights.safetensors, which
+    the pipeline's load_lora_weights reads."""
+    import diffusers
+    from diffusers.utils import convert_state_dict_to_diffusers
+
     layers = {f"{name}_lora_layers": convert_state_dict_to_diffusers(adapter.adapter_state_dict(module))
               for name, module in trained.items()}
     metadata = {f"{name}_lora_adapter_metadata": module.peft_config[adapter.ADAPTER_NAME].to_dict()
@@ -65,30 +84,43 @@ def save(unet_config: dict, adapter_cfg: dict, weights: dict, out: Path, suffix:
     # A classmethod that only prefixes `unet.` / `transformer.` / `text_encoder.` ... and writes the file: for any
     # U-Net SDXL's (it takes both encoders' layers; SD 1.x/2.x read text_encoder's the same way), FluxPipeline's
     # and StableDiffusion3Pipeline's for theirs, whose load_lora_weights read it back.
-    family = backbones.family_of_class(unet_config.get("_class_name"))
     lora = adapter.adapter_state_dict(unet)
     getattr(diffusers, family.lora_pipeline).save_lora_weights(
         folder, **{f"{family.folder}_lora_layers": lora if family.lora_peft_names else convert_state_dict_to_diffusers(lora),
                    f"{family.folder}_lora_adapter_metadata": unet.peft_config[adapter.ADAPTER_NAME].to_dict()},
         weight_name=WEIGHT_NAME, **layers, **metadata)
-    written = {f"lora{suffix}": str(folder / WEIGHT_NAME)}
-    if merge:
-        unet.fuse_lora(adapter_names=[adapter.ADAPTER_NAME])
-        unet.unload_lora()
-        name = f"{family.folder}{suffix}"
-        unet.save_pretrained(out / name, safe_serialization=True)
-        save_file({k: v.contiguous() for k, v in unet.state_dict().items()}, str(out / f"{name}.safetensors"))
-        written[name] = str(out / name)
-        for name, module in trained.items():
-            from peft.tuners.tuners_utils import BaseTunerLayer
+    return str(folder / WEIGHT_NAME)
 
-            for layer in module.modules():
-                if isinstance(layer, BaseTunerLayer):
-                    layer.merge(adapter_names=[adapter.ADAPTER_NAME])
-            recurse_remove_peft_layers(module)
-            module.save_pretrained(out / f"{name}{suffix}", safe_serialization=True)
-            written[f"{name}{suffix}"] = str(out / f"{name}{suffix}")
-    return written
+
+def _save_peft(unet: torch.nn.Module, trained: dict[str, torch.nn.Module], network: str, folder: Path) -> str:
+    """LoHa / LoKr in peft's own format, a folder per module (<network>/, text_encoder/, ...) of
+    adapter_config.json and adapter_model.safetensors: what PeftModel.from_pretrained loads (diffusers' LoRA
+    loaders take LoRA only)."""
+    from safetensors.torch import save_file
+
+    for name, module in {network: unet, **trained}.items():
+        (folder / name).mkdir(parents=True, exist_ok=True)
+        module.peft_config[adapter.ADAPTER_NAME].save_pretrained(str(folder / name))
+        state = {k: v.contiguous() for k, v in adapter.adapter_state_dict(module).items()}
+        save_file(state, str(folder / name / PEFT_WEIGHTS), metadata={"format": "pt"})
+    return str(folder)
+
+
+def _merge(module: torch.nn.Module) -> None:
+    """The adapter merged into its base weights by peft's own merge, then peft's layers removed."""
+    from diffusers.utils.peft_utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for layer in module.modules():
+        if isinstance(layer, BaseTunerLayer):
+            layer.merge(adapter_names=[adapter.ADAPTER_NAME])
+    recurse_remove_peft_layers(module)
+
+
+def _save_weights(module: torch.nn.Module, file: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(file))
 
 
 def find_checkpoint(path: str | Path) -> Path:

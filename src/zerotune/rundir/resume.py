@@ -52,6 +52,8 @@ def _adapter(cfg: Config) -> str:
         return "none"
     targets = ",".join(str(m) for m in adapter.target_modules)
     described = f"{adapter.name} rank={adapter.rank} alpha={adapter.alpha} targets={targets}"
+    if adapter.dora:  # absent before DoRA: older checkpoints keep their description
+        described += " dora"
     if cfg.model.train_text_encoder != "none":  # the encoders' adapters too (absent before they trained)
         described += " text_encoder_targets=" + ",".join(str(m) for m in adapter.text_encoder_target_modules)
     return described

@@ -197,7 +197,8 @@ RANKS = "ranks"  # <run dir>/ranks/rank<k>.json: each rank's own figures
 def key_choices(cfg: Config, world_size: int) -> JsonDict:
     """The few choices that identify a configuration in reports and dashboards; the adapter as none or lora-r16."""
     adapter = cfg.adapter
-    adapter_choice = "none" if adapter is None or adapter.name == "none" else f"{adapter.name}-r{adapter.rank}"
+    adapter_choice = "none" if adapter is None or adapter.name == "none" else \
+        f"{adapter.name}-r{adapter.rank}" + ("-dora" if adapter.dora else "")
     return {"zero_stage": cfg.zero_stage.stage, "offload": cfg.offload.device,
             "optimizer": cfg.optimizer.name, "scheduler": cfg.scheduler.name,
             "resolution": cfg.resolution.size, "batch_size": cfg.train.batch_size,

@@ -24,7 +24,6 @@ from zerotune.data.components import (
     component_ids,
     resolve_components,
     tokenize,
-    whole_frozen_models,
 )
 from zerotune.data.latent_cache import FileHasher, LatentCache
 from zerotune.data.prepare import cache_dir
@@ -33,6 +32,7 @@ from zerotune.data.spec import DataSpec
 from zerotune.host.torch_memory import MeasuredPhase, largest
 from zerotune.models import text_encoders
 from zerotune.models.backbones import Encoded, backbone_of
+from zerotune.models.weights import transformers_zero3_lifted
 from zerotune.plan.resolve import ResolvedRun
 from zerotune.rundir import SAMPLES, RunDir
 from zerotune.rundir.loggers import RunLogger
@@ -324,7 +324,7 @@ class Validator:
         if self._vae is None:
             from diffusers import AutoencoderKL
 
-            with whole_frozen_models():
+            with transformers_zero3_lifted():
                 self._vae = AutoencoderKL.from_pretrained(self.paths.vae, local_files_only=True,
                                                           torch_dtype=self.dtype).eval()
         return self._vae.to(self.device)
