@@ -186,6 +186,12 @@ class Data:
     bucket_max_ratio: float = 4.0
     cache_batch_size: int = 8
     cache_device: str = "auto"
+    # folder: caption rules (data/captions.py)
+    caption_dropout: float = 0.0         # chance a sample trains on the empty caption (cached once)
+    shuffle_tags: bool = False           # shuffle each caption's tags (split at tag_separator)
+    keep_tags: int = 0                   # the first N tags stay first, in order
+    tag_separator: str = ","
+    caption_variants: int | None = None  # shuffles cached per caption; null: 4 with shuffle_tags
     # FLUX.1, SD3: T5's tokens per caption and prompt (null: the model's, FLUX.1-dev 512, SD3 256); the text
     # condition is model.clip_tokens + these (config/compose/settle.py)
     max_sequence_length: int | None = None

@@ -69,6 +69,10 @@ def check_data(spec: DataSpec, training: bool = True) -> None:
     """The data checks that load no model (seconds): for the parent process, before workers start. `training`:
     False where only a plan is made (`zerotune plan model=sdxl` plans the default data's shapes, never reads it)."""
     check_invert(spec)
+    if spec.data.name != "folder":  # data=folder checks its caption rules with the rest of the folder's
+        from zerotune.data.captions import check as check_captions
+
+        check_captions(spec.data)
     if text_encoders.trained(spec.model) and spec.data.name != "folder" and training:
         raise ConfigError("model.train_text_encoder", f"trains the text encoders on captions' tokens; data="
                           f"{spec.data.name} has no captions", "data=folder data.path=/path/to/captioned/images "

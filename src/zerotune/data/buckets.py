@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -72,17 +73,28 @@ def bucket_name(bucket: Bucket) -> str:
     return f"{bucket[0]}x{bucket[1]}"
 
 
-SampleRef = int | tuple[int, bool]
+class Ref(NamedTuple):
+    """A sample and the draws made for it this epoch."""
+    sample: int             # its position in the data set
+    flipped: bool = False   # the mirrored view (data.random_flip)
+    variant: int = 0        # which of its caption's cached variants (data.shuffle_tags)
+    dropped: bool = False   # the empty caption in its place (data.caption_dropout)
+
+
+SampleRef = int | tuple[int, bool] | Ref
 
 
 class BucketBatchSampler(Sampler[list[SampleRef]]):
     """Each epoch, every bucket's shuffled samples in whole batches, all buckets' batches shuffled together; with
-    random_flip, (index, flipped) pairs (the flipped view's latents were encoded from mirrored pixels)."""
+    random_flip, (index, flipped) pairs (the flipped view's latents were encoded from mirrored pixels); with caption
+    variants or caption dropout, Refs carrying those draws too. Every draw comes from the seed and the epoch."""
 
-    def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, random_flip: bool = False):
+    def __init__(self, buckets: Sequence[Bucket], batch_size: int, seed: int, random_flip: bool = False,
+                 caption_variants: int = 1, caption_dropout: float = 0.0):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size, self.seed, self.random_flip = batch_size, seed, random_flip
+        self.caption_variants, self.caption_dropout = caption_variants, caption_dropout
         self.drop_last = True  # what accelerate reads to know batches are whole
         groups: dict[Bucket, list[int]] = {}
         for index, bucket in enumerate(buckets):
@@ -105,10 +117,16 @@ class BucketBatchSampler(Sampler[list[SampleRef]]):
             shuffled = rng.permutation(group)
             whole = len(shuffled) // self.batch_size * self.batch_size
             batches.extend(shuffled[:whole].reshape(-1, self.batch_size))
+        captions = self.caption_variants > 1 or self.caption_dropout > 0
         for i in rng.permutation(len(batches)):
             batch = batches[i]
-            if self.random_flip:
-                flips = rng.random(len(batch)) < 0.5
+            flips = rng.random(len(batch)) < 0.5 if self.random_flip else np.zeros(len(batch), dtype=bool)
+            if captions:  # drawn after the flips: a run without caption rules keeps its draws
+                variants = rng.integers(self.caption_variants, size=len(batch))
+                dropped = rng.random(len(batch)) < self.caption_dropout
+                yield [Ref(int(index), bool(f), int(v), bool(d))
+                       for index, f, v, d in zip(batch, flips, variants, dropped, strict=True)]
+            elif self.random_flip:
                 yield [(int(index), bool(f)) for index, f in zip(batch, flips, strict=True)]
             else:
                 yield [int(index) for index in batch]

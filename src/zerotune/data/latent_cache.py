@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from zerotune.config.files import replaced, write_text_atomic
-from zerotune.data.buckets import Bucket, Placement, SampleRef
+from zerotune.data.buckets import Bucket, Placement, Ref, SampleRef
 from zerotune.data.sources import DECODE_ERRORS, ImageRecord, Skipped, crop_pixels, open_rgb
 
 
@@ -131,7 +131,8 @@ class CacheItem:
     record: ImageRecord
     placement: Placement
     latent_keys: dict[bool, str]  # flipped -> key; {False: ...} alone without random_flip
-    text_key: str
+    text_keys: tuple[str, ...]    # one per caption variant (data/captions.py); the caption's alone without
+    texts: tuple[str, ...]        # the variants' texts
 
 
 @dataclass
@@ -162,14 +163,15 @@ class Encoders(Protocol):
 
 
 def build_cache(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
-                progress: bool = True) -> tuple[list[CacheItem], CacheStats]:
-    """Compute every missing entry; returns the items whose entries all exist, and what it did.
+                progress: bool = True, extra_texts: dict[str, str] | None = None) -> tuple[list[CacheItem], CacheStats]:
+    """Compute every missing entry; returns the items whose entries all exist, and what it did. `extra_texts`:
+    {key: text} cached beside the items' (the empty caption of caption_dropout).
 
     An image that fails to decode is skipped (warned, listed in stats.failed), never fatal.
     """
     stats = CacheStats()
     ok = _build_latents(items, cache, encoders, batch_size, progress, stats)
-    _build_texts(ok, cache, encoders, batch_size, progress, stats)
+    _build_texts(ok, cache, encoders, batch_size, progress, stats, extra_texts or {})
     return ok, stats
 
 
@@ -215,8 +217,8 @@ def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoder
 
 
 def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
-                 progress: bool, stats: CacheStats) -> None:
-    captions = {it.text_key: it.record.caption for it in items}
+                 progress: bool, stats: CacheStats, extra: dict[str, str]) -> None:
+    captions = {**{k: t for it in items for k, t in zip(it.text_keys, it.texts, strict=True)}, **extra}
     todo = [(k, c) for k, c in captions.items() if not cache.has("text", k)]
     stats.texts_reused = len(captions) - len(todo)
     start = time.perf_counter()
@@ -232,30 +234,44 @@ def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders,
 
 
 class CachedFolderDataset(Dataset):
-    """One sample per image and repeat; index with an int, or (int, flipped) under random_flip."""
+    """One sample per image and repeat; index with an int, (int, flipped) under random_flip, or a buckets.Ref
+    (its caption variant, or the empty caption)."""
 
     def __init__(self, cache: LatentCache, items: list[CacheItem], conditioning: str,
-                 tokens: dict[str, torch.Tensor] | None = None):
-        """`conditioning`: the model's (text, text_time, text_pooled); `tokens`: {key: [len(items), seq]} per trained
-        text encoder, in `items`' order."""
+                 tokens: dict[str, torch.Tensor] | None = None, empty_key: str | None = None):
+        """`conditioning`: the model's (text, text_time, text_pooled); `tokens`: {key: [len(texts), seq]} per trained
+        text encoder, a row per text of text_rows(); `empty_key`: the empty caption's entry (caption_dropout)."""
         self.cache, self.items, self.tokens, self.conditioning = cache, items, tokens or {}, conditioning
+        self.empty_key = empty_key
         # A repeated image is several samples that read the same entries.
         self._item_of = [i for i, it in enumerate(items) for _ in range(it.record.repeats)]
         self.buckets: list[Bucket] = [items[i].placement.bucket for i in self._item_of]
+        self._row = {key: row for row, key in enumerate(text_rows(items, empty_key))}
         self.report: dict = {}  # filled by prepare_folder_data, for the run's summary
 
     def __len__(self) -> int:
         return len(self._item_of)
 
     def __getitem__(self, ref: SampleRef) -> dict[str, torch.Tensor]:
-        index, flipped = ref if isinstance(ref, tuple) else (ref, False)
-        i = self._item_of[index]
+        drawn = Ref(ref) if isinstance(ref, int) else Ref(*ref)
+        i = self._item_of[drawn.sample]
         item = self.items[i]
-        hidden, pooled = self.cache.get_text(item.text_key)
-        sample = {"x0": self.cache.get("latents", item.latent_keys[flipped])["latents"], "encoder_hidden_states": hidden}
+        text_key = item.text_keys[drawn.variant]
+        if drawn.dropped:
+            assert self.empty_key is not None, "a dropped caption without data.caption_dropout's empty entry"
+            text_key = self.empty_key
+        hidden, pooled = self.cache.get_text(text_key)
+        sample = {"x0": self.cache.get("latents", item.latent_keys[drawn.flipped])["latents"],
+                  "encoder_hidden_states": hidden}
         if self.conditioning == "text_pooled":  # FLUX.1, SD3: the pooled embedding, no time ids
             sample["pooled_projections"] = pooled
         elif pooled is not None:  # SDXL: the added conditioning
-            sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(flipped)))
-        sample.update({key: ids[i] for key, ids in self.tokens.items()})
+            sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(drawn.flipped)))
+        sample.update({key: ids[self._row[text_key]] for key, ids in self.tokens.items()})
         return sample
+
+
+def text_rows(items: list[CacheItem], empty_key: str | None = None) -> list[str]:
+    """Every text entry the items read, each once, in a fixed order: the rows of the trained encoders' tokens."""
+    keys = [k for it in items for k in it.text_keys]
+    return list(dict.fromkeys([*keys, *([empty_key] if empty_key else [])]))

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from zerotune.config.errors import ConfigError
 from zerotune.config.files import write_cached_json
+from zerotune.data import captions
 from zerotune.data.buckets import (
     Bucket,
     BucketBatchSampler,
@@ -23,6 +24,7 @@ from zerotune.data.buckets import (
     make_buckets,
     place,
 )
+from zerotune.data.captions import CaptionRules
 from zerotune.data.components import (
     ComponentPaths,
     FrozenEncoders,
@@ -32,7 +34,14 @@ from zerotune.data.components import (
     resolve_components,
     tokenize,
 )
-from zerotune.data.latent_cache import CachedFolderDataset, CacheItem, FileHasher, LatentCache, build_cache
+from zerotune.data.latent_cache import (
+    CachedFolderDataset,
+    CacheItem,
+    FileHasher,
+    LatentCache,
+    build_cache,
+    text_rows,
+)
 from zerotune.data.sources import ImageRecord, ScanResult, Skipped, scan_folder
 from zerotune.data.spec import DataSpec
 from zerotune.models import text_encoders
@@ -67,6 +76,7 @@ def check_folder_data(spec: DataSpec) -> CheckedFolder:
                           "is conditioned on class labels", "model=sdxl, sd15, sd21, flux or sd35_large with data=folder")
     if not spec.data.path:
         raise ConfigError("data.path", "no image folder given", "data.path=/path/to/your/images")
+    captions.check(spec.data)
     step = spec.data.bucket_step
     check_bucket_step(spec.model, step)
     size = spec.resolution
@@ -107,18 +117,23 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     micro_batch = int(micro_batch or spec.batch_size)
     cache = LatentCache(cache_dir(spec))
     seq_len = int(spec.model.text_seq_len)
-    items, unreadable = _cache_items(spec, folder, cache, seq_len)
+    rules = CaptionRules.of(spec.data)
+    items, unreadable, text_id = _cache_items(spec, folder, cache, seq_len, rules)
+    empty = {LatentCache.text_key("", text_id, seq_len): ""} if rules.dropout > 0 else {}
     encoders = FrozenEncoders(folder.components, device or _device(spec), spec.model)
     try:
-        ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress)
+        ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress, empty)
     finally:
         encoders.release()
     if not ok:
         raise ConfigError("data.path", f"none of the {len(folder.placed)} images in {folder.root} that fit a bucket "
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
     trained = text_encoders.trained(spec.model)
-    tokens = tokenize(folder.components, trained, [it.record.caption for it in ok], seq_len) if trained else None
-    dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens)
+    empty_key = next(iter(empty), None)
+    texts = {k: t for it in ok for k, t in zip(it.text_keys, it.texts, strict=True)} | empty
+    tokens = tokenize(folder.components, trained, [texts[k] for k in text_rows(ok, empty_key)], seq_len) \
+        if trained else None
+    dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens, empty_key)
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
@@ -134,9 +149,10 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     return dataset, dataset.report
 
 
-def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache,
-                 seq_len: int) -> tuple[list[CacheItem], list[Skipped]]:
-    """Each placed image's cache keys (its content, the components, crop and flip), and what was unreadable."""
+def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, seq_len: int,
+                 rules: CaptionRules) -> tuple[list[CacheItem], list[Skipped], str]:
+    """Each placed image's cache keys (its content, the components, crop and flip; its caption's variants), what
+    was unreadable, and the text encoders' id."""
     hasher = FileHasher(cache.root / "file_hashes.json")
     ids = component_ids(folder.components, hasher)
     flips = (False, True) if spec.data.random_flip else (False,)
@@ -147,11 +163,12 @@ def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache,
         except OSError as exc:
             unreadable.append(Skipped(record.rel, f"unreadable file ({exc})"))
             continue
+        texts = rules.texts(record.caption)
         items.append(CacheItem(record, placement,
                                {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
-                               LatentCache.text_key(record.caption, ids["text"], seq_len)))
+                               tuple(LatentCache.text_key(t, ids["text"], seq_len) for t in texts), texts))
     hasher.save()
-    return items, unreadable
+    return items, unreadable, ids["text"]
 
 
 def folder_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
@@ -164,7 +181,9 @@ def folder_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Pa
     with state.local_main_process_first():
         dataset, _ = prepare_folder_data(spec, run_dir if state.is_main_process else None, micro_batch, device,
                                          progress=state.is_local_main_process)
-    sampler = BucketBatchSampler(dataset.buckets, micro_batch, seed, random_flip=spec.data.random_flip)
+    rules = CaptionRules.of(spec.data)
+    sampler = BucketBatchSampler(dataset.buckets, micro_batch, seed, random_flip=spec.data.random_flip,
+                                 caption_variants=rules.variants, caption_dropout=rules.dropout)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=spec.data.num_workers)
 
 
@@ -185,6 +204,7 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "upscaled": len(upscaled),
         "captions": {"sidecar": sources["sidecar"], "metadata": sources["metadata"],
                      "missing": sources["missing"]},
+        "caption_rules": _caption_rules(spec, dataset),
         "problems": len(folder.scan.problems), "other_files": folder.scan.other_files,
         "random_flip": spec.data.random_flip, "micro_batch": micro_batch,
         "buckets": batches_per_bucket(dataset.buckets, micro_batch),
@@ -192,7 +212,8 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         # what this data set's entries take on disk: T5's states are most of it (FLUX.1: 8 MiB a caption in fp32)
         "cache_mib": {"latents": round(cache.size_bytes("latents", {k for it in dataset.items
                                                                     for k in it.latent_keys.values()}) / 2**20, 3),
-                      "text": round(cache.size_bytes("text", {it.text_key for it in dataset.items}) / 2**20, 3)},
+                      "text": round(cache.size_bytes("text", set(text_rows(dataset.items, dataset.empty_key)))
+                                    / 2**20, 3)},
         # a trained encoder's condition is computed from the tokens at every step: its embeddings are not used
         "text_conditioning": _text_conditioning(spec),
         "skipped_files": [{"file": s.rel, "reason": s.reason} for s in [*skipped, *folder.too_small]],
@@ -200,6 +221,12 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "upscaled_files": upscaled,
         "problem_list": folder.scan.problems,
     }
+
+
+def _caption_rules(spec: DataSpec, dataset: CachedFolderDataset) -> dict:
+    rules = CaptionRules.of(spec.data)
+    return {"shuffle_tags": rules.shuffle, "keep_tags": rules.keep, "variants_per_caption": rules.variants,
+            "caption_dropout": rules.dropout, "text_entries": len(text_rows(dataset.items, dataset.empty_key))}
 
 
 def _text_conditioning(spec: DataSpec) -> dict:
