@@ -186,6 +186,8 @@ class Data:
     bucket_max_ratio: float = 4.0
     cache_batch_size: int = 8
     cache_device: str = "auto"
+    # folder: the loss weighted by each image's mask (<stem>.mask.png, else its alpha channel), as kohya's
+    masked_loss: bool = False
     # folder: caption rules (data/captions.py)
     caption_dropout: float = 0.0         # chance a sample trains on the empty caption (cached once)
     shuffle_tags: bool = False           # shuffle each caption's tags (split at tag_separator)

@@ -43,14 +43,17 @@ class CaptionRules:
 
 
 def check(data: Data) -> None:
-    """The caption keys: their values, and that only data=folder has captions to apply them to."""
+    """The caption keys (and data.masked_loss): their values, and that only data=folder has captions (and masks) to
+    apply them to."""
+    off = {"data.shuffle_tags": "false", "data.caption_dropout": "0", "data.caption_variants": "null",
+           "data.keep_tags": "0", "data.masked_loss": "false"}
     changed = [k for k, on in (("data.shuffle_tags", data.shuffle_tags), ("data.caption_dropout", data.caption_dropout),
                                ("data.caption_variants", data.caption_variants is not None),
-                               ("data.keep_tags", data.keep_tags)) if on]
+                               ("data.keep_tags", data.keep_tags), ("data.masked_loss", data.masked_loss)) if on]
     if changed and data.name != "folder":
-        raise ConfigError(changed[0], f"applies to captions; data={data.name} has none",
-                          f"{changed[0]}={'false' if changed[0] == 'data.shuffle_tags' else 'null' if changed[0] == 'data.caption_variants' else 0}, "
-                          "or data=folder data.path=/path/to/captioned/images")
+        what = "images' masks" if changed[0] == "data.masked_loss" else "captions"
+        raise ConfigError(changed[0], f"applies to a folder's {what}; data={data.name} has none",
+                          f"{changed[0]}={off[changed[0]]}, or data=folder data.path=/path/to/captioned/images")
     p = data.caption_dropout
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ConfigError("data.caption_dropout", f"must be a probability from 0 up to 1, got {p!r}",

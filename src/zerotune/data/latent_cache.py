@@ -19,7 +19,15 @@ from tqdm.auto import tqdm
 
 from zerotune.config.files import replaced, write_text_atomic
 from zerotune.data.buckets import Bucket, Placement, Ref, SampleRef
-from zerotune.data.sources import DECODE_ERRORS, ImageRecord, Skipped, crop_pixels, open_rgb
+from zerotune.data.sources import (
+    DECODE_ERRORS,
+    ImageRecord,
+    Skipped,
+    crop_mask,
+    crop_pixels,
+    open_mask,
+    open_rgb,
+)
 
 
 def digest(*parts: object) -> str:
@@ -84,6 +92,12 @@ class LatentCache:
         return digest("latent", PREPROCESS_VERSION, image_hash, vae_id, list(placement.bucket), geometry, flipped)
 
     @staticmethod
+    def mask_key(source_hash: str, placement: Placement, flipped: bool, factor: int) -> str:
+        """`source_hash`: the mask file's bytes, or the image's for its alpha channel."""
+        geometry = [placement.resized_w, placement.resized_h, placement.crop_left, placement.crop_top]
+        return digest("mask", PREPROCESS_VERSION, source_hash, list(placement.bucket), geometry, flipped, factor)
+
+    @staticmethod
     def text_key(caption: str, text_id: str, seq_len: int) -> str:
         return digest("text", caption, text_id, seq_len)
 
@@ -133,6 +147,7 @@ class CacheItem:
     latent_keys: dict[bool, str]  # flipped -> key; {False: ...} alone without random_flip
     text_keys: tuple[str, ...]    # one per caption variant (data/captions.py); the caption's alone without
     texts: tuple[str, ...]        # the variants' texts
+    mask_keys: dict[bool, str] | None = None  # flipped -> key, under data.masked_loss for an image with a mask
 
 
 @dataclass
@@ -163,16 +178,41 @@ class Encoders(Protocol):
 
 
 def build_cache(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
-                progress: bool = True, extra_texts: dict[str, str] | None = None) -> tuple[list[CacheItem], CacheStats]:
+                progress: bool = True, extra_texts: dict[str, str] | None = None,
+                mask_factor: int | None = None) -> tuple[list[CacheItem], CacheStats]:
     """Compute every missing entry; returns the items whose entries all exist, and what it did. `extra_texts`:
-    {key: text} cached beside the items' (the empty caption of caption_dropout).
+    {key: text} cached beside the items' (the empty caption of caption_dropout); `mask_factor`: the VAE's, under
+    data.masked_loss (masks are cached at the latents' resolution).
 
     An image that fails to decode is skipped (warned, listed in stats.failed), never fatal.
     """
     stats = CacheStats()
     ok = _build_latents(items, cache, encoders, batch_size, progress, stats)
+    if mask_factor is not None:
+        ok = _build_masks(ok, cache, mask_factor, stats)
     _build_texts(ok, cache, encoders, batch_size, progress, stats, extra_texts or {})
     return ok, stats
+
+
+def _build_masks(items: list[CacheItem], cache: LatentCache, factor: int, stats: CacheStats) -> list[CacheItem]:
+    """Each masked image's mask at the latents' resolution, per view; an unreadable mask skips its image."""
+    failed: set[int] = set()
+    for it in items:
+        missing = {f: k for f, k in (it.mask_keys or {}).items() if not cache.has("masks", k)}
+        if not missing:
+            continue
+        try:
+            mask = open_mask(it.record)
+            assert mask is not None, "a mask key without a mask"
+            for flipped, key in missing.items():
+                cache.put("masks", key, {"mask": crop_mask(mask, it.placement, flipped, factor)},
+                          {"image": it.record.rel, "flipped": str(flipped)})
+        except (*DECODE_ERRORS, ValueError) as exc:
+            reason = f"unreadable mask ({type(exc).__name__}: {exc})"
+            log.warning("skipping %s: %s", it.record.rel, reason)
+            stats.failed.append(Skipped(it.record.rel, reason))
+            failed.add(id(it))
+    return [it for it in items if id(it) not in failed]
 
 
 def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
@@ -238,11 +278,12 @@ class CachedFolderDataset(Dataset):
     (its caption variant, or the empty caption)."""
 
     def __init__(self, cache: LatentCache, items: list[CacheItem], conditioning: str,
-                 tokens: dict[str, torch.Tensor] | None = None, empty_key: str | None = None):
+                 tokens: dict[str, torch.Tensor] | None = None, empty_key: str | None = None, masked: bool = False):
         """`conditioning`: the model's (text, text_time, text_pooled); `tokens`: {key: [len(texts), seq]} per trained
-        text encoder, a row per text of text_rows(); `empty_key`: the empty caption's entry (caption_dropout)."""
+        text encoder, a row per text of text_rows(); `empty_key`: the empty caption's entry (caption_dropout);
+        `masked`: each sample carries its loss mask (data.masked_loss; ones for an image without one)."""
         self.cache, self.items, self.tokens, self.conditioning = cache, items, tokens or {}, conditioning
-        self.empty_key = empty_key
+        self.empty_key, self.masked = empty_key, masked
         # A repeated image is several samples that read the same entries.
         self._item_of = [i for i, it in enumerate(items) for _ in range(it.record.repeats)]
         self.buckets: list[Bucket] = [items[i].placement.bucket for i in self._item_of]
@@ -268,6 +309,10 @@ class CachedFolderDataset(Dataset):
         elif pooled is not None:  # SDXL: the added conditioning
             sample.update(text_embeds=pooled, time_ids=torch.tensor(item.placement.time_ids(drawn.flipped)))
         sample.update({key: ids[self._row[text_key]] for key, ids in self.tokens.items()})
+        if self.masked:
+            keys = item.mask_keys
+            sample["mask"] = self.cache.get("masks", keys[drawn.flipped])["mask"] if keys else \
+                torch.ones(1, *sample["x0"].shape[1:])
         return sample
 
 

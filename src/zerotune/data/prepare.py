@@ -40,9 +40,10 @@ from zerotune.data.latent_cache import (
     FileHasher,
     LatentCache,
     build_cache,
+    digest,
     text_rows,
 )
-from zerotune.data.sources import ImageRecord, ScanResult, Skipped, scan_folder
+from zerotune.data.sources import ImageRecord, ScanResult, Skipped, has_alpha, scan_folder
 from zerotune.data.spec import DataSpec
 from zerotune.models import text_encoders
 from zerotune.models.backbones import backbone_of
@@ -122,7 +123,8 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     empty = {LatentCache.text_key("", text_id, seq_len): ""} if rules.dropout > 0 else {}
     encoders = FrozenEncoders(folder.components, device or _device(spec), spec.model)
     try:
-        ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress, empty)
+        ok, stats = build_cache(items, cache, encoders, spec.data.cache_batch_size, progress, empty,
+                                int(spec.model.vae_scale_factor) if spec.data.masked_loss else None)
     finally:
         encoders.release()
     if not ok:
@@ -133,7 +135,8 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
     texts = {k: t for it in ok for k, t in zip(it.text_keys, it.texts, strict=True)} | empty
     tokens = tokenize(folder.components, trained, [texts[k] for k in text_rows(ok, empty_key)], seq_len) \
         if trained else None
-    dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens, empty_key)
+    dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens, empty_key,
+                                  masked=bool(spec.data.masked_loss))
     _check_batches(dataset.buckets, micro_batch)  # again: images that failed to decode are gone
     full = _report(spec, folder, cache, dataset, [*folder.scan.skipped, *unreadable, *stats.failed], stats.as_dict(),
                    micro_batch)
@@ -166,9 +169,26 @@ def _cache_items(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, seq_
         texts = rules.texts(record.caption)
         items.append(CacheItem(record, placement,
                                {f: LatentCache.latent_key(image_hash, ids["vae"], placement, f) for f in flips},
-                               tuple(LatentCache.text_key(t, ids["text"], seq_len) for t in texts), texts))
+                               tuple(LatentCache.text_key(t, ids["text"], seq_len) for t in texts), texts,
+                               _mask_keys(spec, record, placement, flips, image_hash, hasher)))
     hasher.save()
     return items, unreadable, ids["text"]
+
+
+def _mask_keys(spec: DataSpec, record: ImageRecord, placement: Placement, flips: tuple[bool, ...], image_hash: str,
+               hasher: FileHasher) -> dict[bool, str] | None:
+    """Under data.masked_loss, the keys of the image's mask per view: its <stem>.mask.png's, or its alpha
+    channel's (read from the header alone); None when it has neither."""
+    if not spec.data.masked_loss:
+        return None
+    if record.mask is not None:
+        source = hasher.file(record.mask)
+    elif has_alpha(record.path):
+        source = digest("alpha", image_hash)
+    else:
+        return None
+    factor = int(spec.model.vae_scale_factor)
+    return {f: LatentCache.mask_key(source, placement, f, factor) for f in flips}
 
 
 def folder_loader(spec: DataSpec, micro_batch: int, seed: int, run_dir: str | Path | None = None) -> DataLoader:
@@ -202,6 +222,7 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "samples_per_epoch": len(dataset),
         "skipped": {"unreadable": len(skipped), "too_small": len(folder.too_small)},
         "upscaled": len(upscaled),
+        "masks": _masks(spec, dataset),
         "captions": {"sidecar": sources["sidecar"], "metadata": sources["metadata"],
                      "missing": sources["missing"]},
         "caption_rules": _caption_rules(spec, dataset),
@@ -221,6 +242,16 @@ def _report(spec: DataSpec, folder: CheckedFolder, cache: LatentCache, dataset: 
         "upscaled_files": upscaled,
         "problem_list": folder.scan.problems,
     }
+
+
+def _masks(spec: DataSpec, dataset: CachedFolderDataset) -> dict:
+    """data.masked_loss: how many used images train under a mask file, their alpha channel, or none."""
+    if not spec.data.masked_loss:
+        return {"masked_loss": False}
+    files = sum(1 for it in dataset.items if it.mask_keys and it.record.mask is not None)
+    alpha = sum(1 for it in dataset.items if it.mask_keys and it.record.mask is None)
+    return {"masked_loss": True, "mask_files": files, "alpha_channels": alpha,
+            "unmasked": len(dataset.items) - files - alpha}
 
 
 def _caption_rules(spec: DataSpec, dataset: CachedFolderDataset) -> dict:

@@ -123,6 +123,7 @@ log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 METADATA = "metadata.jsonl"
+MASK_SUFFIX = ".mask.png"  # <image stem>.mask.png beside an image: its loss mask (white: trained, black: not)
 # EXIF orientations 5..8 rotate by 90 degrees: the stored width and height swap on display.
 _SWAPS_SIDES = {5, 6, 7, 8}
 
@@ -136,6 +137,7 @@ class ImageRecord:
     caption: str
     caption_source: str      # "sidecar" | "metadata" | "missing"
     repeats: int
+    mask: Path | None = None  # its <stem>.mask.png, if there is one
 
 
 @dataclass
@@ -151,6 +153,7 @@ class ScanResult:
     # Bad metadata.jsonl lines, entries naming no image, unreadable caption files or folders.
     problems: list[str] = field(default_factory=list)
     other_files: int = 0                                  # neither image, caption nor metadata
+    masks: int = 0                                        # <stem>.mask.png files beside an image
 
 
 def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanResult:
@@ -163,6 +166,7 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
     rules = _repeat_rules(root, repeats or {})
     out = ScanResult()
     images: list[Path] = []
+    masks: set[Path] = set()
     metadata: dict[Path, tuple[str, Path]] = {}  # image -> (caption, the jsonl that gave it)
 
     def unreadable_folder(exc: OSError) -> None:
@@ -173,7 +177,9 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
         here = Path(folder)
         for name in sorted(f for f in files if not f.startswith(".")):
             suffix = Path(name).suffix.lower()
-            if suffix in IMAGE_SUFFIXES:
+            if name.lower().endswith(MASK_SUFFIX):  # a mask, never an image: matched to its image below
+                masks.add(here / name)
+            elif suffix in IMAGE_SUFFIXES:
                 images.append(here / name)
             elif name == METADATA:
                 _read_metadata(here / name, root, metadata, out.problems)
@@ -187,7 +193,13 @@ def scan_folder(root: Path, repeats: Mapping[str, int] | None = None) -> ScanRes
             log.warning("skipping %s: %s", rel, size)
             continue
         caption, source = _caption(path, metadata, out.problems)
-        out.records.append(ImageRecord(path, rel, size[0], size[1], caption, source, _repeats_for(rel, rules)))
+        beside = path.with_name(path.stem + MASK_SUFFIX)
+        out.records.append(ImageRecord(path, rel, size[0], size[1], caption, source, _repeats_for(rel, rules),
+                                       beside if beside in masks else None))
+    matched = {r.mask for r in out.records if r.mask is not None}
+    out.masks = len(matched)
+    for path in sorted(masks - matched):
+        out.problems.append(f"{_rel(path, root)}: a mask beside no jpg, png or webp image of its name")
     for path in sorted(set(metadata) - set(images)):
         out.problems.append(f"{_rel(metadata[path][1], root)}: {_rel(path, root)} is not a jpg, png or webp "
                             "file in the folder")
@@ -286,6 +298,41 @@ def open_rgb(path: Path) -> Image.Image:
             rgba = img.convert("RGBA")
             return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
         return img.convert("RGB")
+
+
+def has_alpha(path: Path) -> bool:
+    """Whether the image has an alpha channel (or a transparent palette entry), from its header."""
+    with Image.open(path) as img:
+        return img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info
+
+
+def open_mask(record: ImageRecord) -> Image.Image | None:
+    """The image's loss mask as 8-bit grey ("L"), upright: its <stem>.mask.png, else its own alpha channel; None
+    when it has neither (every pixel trains)."""
+    if record.mask is not None:
+        with Image.open(record.mask) as decoded:
+            decoded.load()
+            return ImageOps.exif_transpose(decoded).convert("L")
+    if not has_alpha(record.path):
+        return None
+    with Image.open(record.path) as decoded:
+        decoded.load()
+        return ImageOps.exif_transpose(decoded).convert("RGBA").getchannel("A")
+
+
+def crop_mask(mask: Image.Image, placement: Placement, flipped: bool, factor: int) -> torch.Tensor:
+    """The mask cropped as crop_pixels crops its image (mirrored for the flipped view), averaged over each
+    latent pixel's `factor` x `factor` pixels (area, as kohya's masked loss): [1, h / factor, w / factor] in [0, 1]."""
+    if mask.size != (placement.orig_w, placement.orig_h):
+        raise ValueError(f"its mask is {mask.size[0]}x{mask.size[1]} px; the image is "
+                         f"{placement.orig_w}x{placement.orig_h}")
+    resized = mask.resize((placement.resized_w, placement.resized_h), Image.Resampling.BILINEAR)
+    bw, bh = placement.bucket
+    crop = resized.crop((placement.crop_left, placement.crop_top, placement.crop_left + bw, placement.crop_top + bh))
+    values = torch.from_numpy(np.asarray(crop, dtype=np.uint8).copy()).float()[None, None] / 255.0
+    if flipped:
+        values = values.flip(-1)
+    return F.interpolate(values, size=(bh // factor, bw // factor), mode="area")[0]
 
 
 def crop_pixels(img: Image.Image, placement: Placement) -> torch.Tensor:

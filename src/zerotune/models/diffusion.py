@@ -49,8 +49,10 @@ class Objective(Protocol):
         """`n` draws from `generator`: what `loss` takes as its `timesteps` (DDPM's timesteps; flow matching's
         indices into its schedule)."""
 
-    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-        """The loss in fp32; `predict(noisy, t)`: the network's output for noisy latents at the schedule's t."""
+    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss in fp32; `predict(noisy, t)`: the network's output for noisy latents at the schedule's t;
+        `mask`: [B, 1, h, w] weights of each latent pixel (data.masked_loss)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class NoisePrediction:
             0, self.schedule.config.num_train_timesteps - 1)  # type: ignore[attr-defined]
         return torch.randint(first, last + 1, (n,), generator=generator)
 
-    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         noise, t = noise.to(x0.device, x0.dtype), timesteps.to(x0.device)
         noisy = self.schedule.add_noise(x0, noise, t)
         if self.schedule.config.prediction_type == "v_prediction":  # type: ignore[attr-defined]
@@ -74,10 +77,19 @@ class NoisePrediction:
         else:
             target = noise
         pred = predict(noisy, t)
-        if self.min_snr_gamma is None:
+        if self.min_snr_gamma is None and mask is None:
             return F.mse_loss(pred.float(), target.float())
-        per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
+        squared = masked(F.mse_loss(pred.float(), target.float(), reduction="none"), mask)
+        per_sample = squared.mean(dim=tuple(range(1, pred.ndim)))
+        if self.min_snr_gamma is None:
+            return per_sample.mean()
         return (per_sample * min_snr_weights(self.schedule, t, self.min_snr_gamma)).mean()
+
+
+def masked(loss: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The per-element loss [B, C, h, w] times the mask [B, 1, h, w] (every channel alike), as kohya's
+    apply_masked_loss: the mean is then taken over every element, masked ones included (not renormalised)."""
+    return loss if mask is None else loss * mask.to(loss.device, loss.dtype)
 
 
 def objective_of(model: Model, diff: Diffusion) -> NoisePrediction | FlowMatching:

@@ -65,8 +65,10 @@ class FlowMatching:
         # sigmoid(N(0, 1)) rounds to 1.0 in float32 about once in 10^8 draws: index N would be past the end
         return first + (u * count).long().clamp(max=count - 1)
 
-    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The weighted flow-matching loss, in fp32, for latents `x0` and `noise` at the schedule's `indices`."""
+    def loss(self, predict: Predict, x0: torch.Tensor, noise: torch.Tensor, indices: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The weighted flow-matching loss, in fp32, for latents `x0` and `noise` at the schedule's `indices`;
+        `mask`: [B, 1, h, w] weights of each latent pixel (data.masked_loss)."""
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
         noise, indices = noise.to(x0.device, x0.dtype), indices.to("cpu")
@@ -79,7 +81,10 @@ class FlowMatching:
         else:
             target = noise - x0
         weighting = compute_loss_weighting_for_sd3(self.weighting_scheme, sigmas)
-        per_sample = (weighting.float() * (pred.float() - target.float()) ** 2).reshape(x0.shape[0], -1).mean(1)
+        squared = weighting.float() * (pred.float() - target.float()) ** 2
+        if mask is not None:  # as kohya's apply_masked_loss: weighted, then the mean over every element
+            squared = squared * mask.to(squared.device, squared.dtype)
+        per_sample = squared.reshape(x0.shape[0], -1).mean(1)
         return per_sample.mean()
 
 

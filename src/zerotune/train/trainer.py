@@ -319,7 +319,7 @@ class Trainer:
         def predict(noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return self.backbone.predict(self.unet, noisy.to(self.dtype), t, cond, diff.guidance_scale)
 
-        loss = self.objective.loss(predict, batch["x0"], draws["noise"], draws["timesteps"])
+        loss = self.objective.loss(predict, batch["x0"], draws["noise"], draws["timesteps"], batch.get("mask"))
         self.accelerator.backward(loss)
         return float(loss.detach())
 
