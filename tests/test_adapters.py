@@ -79,7 +79,8 @@ def test_each_adapter_trains_resumes_exactly_and_exports(kind, tmp_path, base):
     summary = _train(straight, *KINDS[kind], f"model.pretrained={base}", "zero_stage=2", "train.max_steps=4")
     assert summary["choices"]["adapter"] == {"loha": "loha-r8", "lokr": "lokr-r8", "dora": "lora-r16-dora"}[kind]
     stats = models.model_stats(config_of(*KINDS[kind]).model, config_of(*KINDS[kind]).adapter)
-    # the planner's count is the run's: the adapter's parameters on top of the frozen base
+    # the planner's count is the run's: the adapter's parameters on top of the frozen base; it planned the step
+    assert summary["plan"].get("error") is None and summary["plan"]["step_peak_mib"] > 0
     assert summary["trainable_params"] == stats.num_trainable > 0
     assert summary["num_params"] == stats.num_params and summary["frozen_params"] == stats.num_params - stats.num_trainable
     path = checkpoints.find(straight)

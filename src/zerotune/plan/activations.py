@@ -244,7 +244,19 @@ def _unet_as_trained(model_cfg: Model, precision: str, gradient_checkpointing: b
     torch.nn.Module.to(unet, DTYPES[precision])  # nn.Module's: diffusers' own `to` warns about fp32 modules
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()  # type: ignore[operator]  # diffusers' ModelMixin method
-    return unet.train()
+    return _traceable(unet.train())
+
+
+def _traceable(module: torch.nn.Module) -> torch.nn.Module:
+    """LoHa's and LoKr's layers (peft's LycorisLayer) draw their module dropout in training as a Python `if` on
+    torch.rand(1), which a fake tensor cannot answer: in eval mode they skip the draw and add the same delta
+    (adapter.dropout's rank dropout mask, one value per rank, is then left out of the trace)."""
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    for layer in module.modules():
+        if isinstance(layer, LycorisLayer):
+            layer.eval()
+    return module
 
 
 def _as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, attention: str,
@@ -261,7 +273,7 @@ def _as_trained(model_cfg: Model, precision: str, gradient_checkpointing: bool, 
         torch.nn.Module.to(encoder, DTYPES[precision])
         if gradient_checkpointing:
             text_encoders.checkpointing_on(encoder)
-        built[name] = encoder.train()
+        built[name] = _traceable(encoder.train())
     return text_encoders.UNetWithTextEncoders(unet, built, pooled=model_cfg.conditioning == "text_time",
                                               first_width=text_encoders.first_width(model_cfg))
 

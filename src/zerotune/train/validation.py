@@ -57,9 +57,10 @@ def sampling_unet(engine: Any, module: torch.nn.Module, zero3: bool,
 @contextlib.contextmanager
 def _whole(engine: Any, module: torch.nn.Module, zero3: bool) -> Iterator[None]:
     """ZeRO-3: gather every partition (DeepSpeed's GatheredParameters; nothing written back on leaving) and lift
-    the engine's forward hooks meanwhile, which would otherwise release each gathered sub-module after its forward
-    and fetch it again at the next, a collective per call. TRL's unwrap_model_for_generation does the same; no
-    library exposes it for a bare engine, hence these few lines."""
+    the engine's forward hooks meanwhile: each sub-module's, which would release it after its forward and fetch it
+    again at the next (a collective per call), and the root's start-of-forward hook, whose trace check is a
+    collective too (a rank sampling more prompts than another would wait on it forever). TRL's
+    unwrap_model_for_generation does the same; no library exposes it for a bare engine, hence these few lines."""
     if not zero3:
         yield
         return
@@ -67,11 +68,11 @@ def _whole(engine: Any, module: torch.nn.Module, zero3: bool) -> Iterator[None]:
 
     offload = _parameter_offload(engine)
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        _remove_hooks(offload)
+        start_of_forward = _remove_hooks(offload)
         try:
             yield
         finally:
-            _add_hooks(offload)
+            _add_hooks(offload, start_of_forward)
 
 
 def _parameter_offload(engine: Any) -> Any:
@@ -81,7 +82,8 @@ def _parameter_offload(engine: Any) -> Any:
     return getattr(optimizer, "parameter_offload", optimizer)
 
 
-def _remove_hooks(offload: Any) -> None:
+def _remove_hooks(offload: Any) -> Any:
+    """Every hook DeepSpeed's parameter offload put on the module; returns the root's start-of-forward hook."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
     for param in iter_params(offload.module, recurse=True):
@@ -89,9 +91,14 @@ def _remove_hooks(offload: Any) -> None:
     for hook in [*offload.forward_hooks, *offload.backward_hooks]:
         hook.remove()
     offload.forward_hooks, offload.backward_hooks = [], []
+    start_of_forward = offload.module._forward_pre_hooks[offload.fwd_pre_hook.id]
+    offload.fwd_pre_hook.remove()
+    return start_of_forward
 
 
-def _add_hooks(offload: Any) -> None:
+def _add_hooks(offload: Any, start_of_forward: Any) -> None:
+    # As setup_zero_stage3_hooks registers them: the root's start-of-forward hook first, then the modules'.
+    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_forward)
     # DeepSpeed >= 0.16.4 names it _register_deepspeed_module (it also invalidates the prefetch trace).
     offload._register_deepspeed_module(offload.module)
 
