@@ -114,10 +114,12 @@ def llamafactory_offload_run(tmp_path_factory):
     return run_dir, proc
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_sdxl_components(tmp_path_factory):
-    """Tiny random SDXL components (tests/helpers/tiny_components.py) saved once: a model.components folder for
-    every test that caches or trains on data=folder."""
+    """Tiny random SDXL components (tests/helpers/tiny_components.py), saved once per test module (about a second;
+    the same seeded weights each time): a model.components folder for every test that caches or trains on
+    data=folder. Per module, not per session: tests/helpers/xdist_groups.py puts every user of one session
+    fixture on one worker, which made this folder's eight modules one worker's queue."""
     from tests.helpers.tiny_components import save_tiny_pipeline
 
     return save_tiny_pipeline(tmp_path_factory.mktemp("sdxl_tiny"))
