@@ -55,7 +55,7 @@ train: setup
 
 # The suite without the long end-to-end runs (marked slow), one pytest-xdist worker per core, each with its share of
 # the cores' torch threads; tests sharing a trained run, a cluster or a browser run on one worker
-# (tests/helpers/xdist_groups.py). About 10 minutes on 2 cores, 12 from a fresh clone.
+# (tests/helpers/xdist_groups.py). About 14 minutes on 2 cores, 17 from a fresh clone with PyPI's CUDA torch.
 test: setup
 	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
 
