@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cli import call_main, compose_cfg, config_of, preflight, read_summary, run_cli
-from tests.helpers.fixes import check_fix
+from tests.helpers.cli import call_main, compose_cfg, config_of, read_summary, run_cli
+from tests.helpers.fixes import refused_with_fixes
 from zerotune import models
 from zerotune.cli.export import main as export_main
 from zerotune.config.errors import ConfigError
@@ -123,13 +123,9 @@ def test_the_layer_names_are_pefts():
     (["adapter=lora", "adapter.name=lycoris"], "adapter.name"),
 ])
 def test_bad_adapter_settings_are_refused_with_a_fix(overrides, key, tmp_path):
-    def passes(typed: list[str]) -> None:
-        preflight(compose_cfg(*typed), run_dir=tmp_path, overrides=typed)
-
-    with pytest.raises(ConfigError) as err:
-        passes(overrides)
-    assert err.value.key == key, err.value
-    assert check_fix(err.value, overrides, passes) >= 1
+    err, fixes = refused_with_fixes(overrides, tmp_path)
+    assert err.key == key, err
+    assert fixes >= 1
 
 
 def test_a_dora_checkpoint_resumes_only_as_dora(tmp_path):

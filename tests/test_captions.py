@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
-from tests.helpers.fixes import check_fix
-from zerotune.config.errors import ConfigError
+from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.fixes import refused_with_fixes
+from tests.helpers.folder_fixtures import noise_images
 from zerotune.config.schema import Data
 from zerotune.data import build_loader
 from zerotune.data.buckets import BucketBatchSampler, Ref
@@ -29,12 +27,7 @@ CAPTIONS = ("dog, red, grass, sunny, photo", "cat, blue, sofa, night, photo", "d
 @pytest.fixture(scope="module")
 def tagged(tmp_path_factory) -> Path:
     """8 random 64x64 images with comma-separated tag captions."""
-    root = tmp_path_factory.mktemp("tagged")
-    rng = np.random.default_rng(1)
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / f"{i}.png")
-        (root / f"{i}.txt").write_text(CAPTIONS[i % len(CAPTIONS)])
-    return root
+    return noise_images(tmp_path_factory.mktemp("tagged"), CAPTIONS, seed=1)
 
 
 def _overrides(tagged: Path, components: Path, cache: Path, *extra: str) -> list[str]:
@@ -133,10 +126,6 @@ def test_caption_rules_train_end_to_end(stage, extra, tagged, tiny_sdxl_componen
     (["data=synthetic", "model=sdxl_tiny", "data.caption_variants=4"], "data.caption_variants"),
 ])
 def test_bad_caption_settings_are_refused_with_a_fix(overrides, key, tmp_path):
-    def passes(typed: list[str]) -> None:
-        preflight(compose_cfg(*typed), run_dir=tmp_path, overrides=typed)
-
-    with pytest.raises(ConfigError) as err:
-        passes(overrides)
-    assert err.value.key == key, err.value
-    assert check_fix(err.value, overrides, passes) >= 1
+    err, fixes = refused_with_fixes(overrides, tmp_path)
+    assert err.key == key, err
+    assert fixes >= 1

@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from tests.helpers.cli import compose_cfg, config_of, preflight, read_summary, run_cli
-from tests.helpers.fixes import check_fix
-from zerotune.config.errors import ConfigError
+from tests.helpers.cli import compose_cfg, config_of, read_summary, run_cli
+from tests.helpers.fixes import refused_with_fixes
 from zerotune.data.buckets import Ref
 from zerotune.data.prepare import prepare_folder_data
 from zerotune.data.spec import DataSpec
@@ -134,10 +133,6 @@ def test_masked_loss_trains_end_to_end(stage, masked_folder, tiny_sdxl_component
 def test_masked_loss_without_a_folder_is_refused_with_a_fix(tmp_path):
     overrides = ["model=sdxl_tiny", "data=synthetic", "data.masked_loss=true"]
 
-    def passes(typed: list[str]) -> None:
-        preflight(compose_cfg(*typed), run_dir=tmp_path, overrides=typed)
-
-    with pytest.raises(ConfigError) as err:
-        passes(overrides)
-    assert err.value.key == "data.masked_loss" and "masks" in err.value.problem
-    assert check_fix(err.value, overrides, passes) >= 1
+    err, fixes = refused_with_fixes(overrides, tmp_path)
+    assert err.key == "data.masked_loss" and "masks" in err.problem
+    assert fixes >= 1

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import compose_cfg, preflight, read_summary, run_cli
-from tests.helpers.fixes import check_fix
+from tests.helpers.cli import compose_cfg, read_summary, run_cli
+from tests.helpers.fixes import refused_with_fixes
 from tests.helpers.folder_fixtures import make_folder
 from zerotune.config.errors import ConfigError
 from zerotune.rundir.loggers import TENSORBOARD_DIR
@@ -84,13 +84,9 @@ def test_all_logs_to_wandb_and_tensorboard_at_zero2(tmp_path):
 
 @pytest.mark.parametrize("overrides,key", [(["logger.name=tensorbord"], "logger.name")])
 def test_an_unknown_logger_is_refused_with_a_fix(overrides, key, tmp_path):
-    def passes(typed: list[str]) -> None:
-        preflight(compose_cfg(*typed), run_dir=tmp_path, overrides=typed)
-
-    with pytest.raises(ConfigError) as err:
-        passes(overrides)
-    assert err.value.key == key and "unknown logger" in err.value.problem
-    assert check_fix(err.value, overrides, passes) == 4
+    err, fixes = refused_with_fixes(overrides, tmp_path)
+    assert err.key == key and "unknown logger" in err.problem
+    assert fixes == 4
 
 
 def test_tensorboard_missing_is_named_before_any_worker(monkeypatch):

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from tests.helpers.cli import compose_cfg, config_of, preflight, read_summary, run_cli
-from tests.helpers.fixes import check_fix
+from tests.helpers.fixes import refused_with_fixes
+from tests.helpers.folder_fixtures import noise_images
 from zerotune.config.compose import compose_settled
 from zerotune.config.errors import ConfigError
 from zerotune.data.components import FrozenEncoders, resolve_components
@@ -38,12 +39,7 @@ def parts(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
     """8 random 64x64 images, captioned by side-car files."""
-    root = tmp_path_factory.mktemp("transformer_images")
-    rng = np.random.default_rng(0)
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / f"{i}.png")
-        (root / f"{i}.txt").write_text(CAPTIONS[i % len(CAPTIONS)])
-    return root
+    return noise_images(tmp_path_factory.mktemp("transformer_images"), CAPTIONS)
 
 
 def _folder(model: str, parts: dict[str, Path], images: Path, cache: Path, *extra: str) -> list[str]:
@@ -134,13 +130,9 @@ def test_components_that_do_not_fit_the_transformer_are_refused_before_loading(m
 def test_a_model_without_t5_refuses_max_sequence_length_with_a_fix(tmp_path):
     overrides = ["model=sd15_tiny", "data=synthetic", "data.max_sequence_length=128"]
 
-    def passes(typed: list[str]) -> None:
-        preflight(compose_cfg(*typed), run_dir=tmp_path, overrides=typed)
-
-    with pytest.raises(ConfigError) as err:
-        passes(overrides)
-    assert err.value.key == "data.max_sequence_length" and "no T5" in err.value.problem
-    assert check_fix(err.value, overrides, passes) == 1
+    err, fixes = refused_with_fixes(overrides, tmp_path)
+    assert err.key == "data.max_sequence_length" and "no T5" in err.problem
+    assert fixes == 1
 
 
 def test_the_planners_tiny_architectures_are_the_tiny_components(parts):

@@ -11,20 +11,18 @@ import pytest
 from PIL import Image
 
 from tests.helpers.cli import read_summary, run_cli
+from tests.helpers.folder_fixtures import noise_images
 from zerotune.rundir.loggers import TENSORBOARD_DIR
 
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("two_process_images")
-    rng = np.random.default_rng(3)
+    root = noise_images(tmp_path_factory.mktemp("two_process_images"),
+                        ("cat, blue, sofa, photo", "dog, red, grass, photo"), seed=3)
     half = np.zeros((64, 64), dtype=np.uint8)
     half[:, 32:] = 255
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / f"{i}.png")
-        (root / f"{i}.txt").write_text("dog, red, grass, photo" if i % 2 else "cat, blue, sofa, photo")
-        if i % 2 == 0:
-            Image.fromarray(half).save(root / f"{i}.mask.png")
+    for i in range(0, 8, 2):
+        Image.fromarray(half).save(root / f"{i}.mask.png")
     return root
 
 

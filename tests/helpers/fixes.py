@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 from zerotune.config.errors import ConfigError
 
@@ -59,3 +60,18 @@ def check_fix(err: ConfigError, overrides: list[str], passes: Callable[[list[str
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def refused_with_fixes(overrides: list[str], run_dir: Path) -> tuple[ConfigError, int]:
+    """The ConfigError a job's checks raise for `overrides` as the user typed them, and how many alternatives of
+    its fix check_fix applied (each must pass those checks)."""
+    from tests.helpers.cli import compose_cfg, preflight
+
+    def passes(typed: list[str]) -> None:
+        preflight(compose_cfg(*typed), run_dir=run_dir, overrides=typed)
+
+    try:
+        passes(overrides)
+    except ConfigError as err:
+        return err, check_fix(err, overrides, passes)
+    raise AssertionError(f"`{' '.join(overrides)}` was not refused")

@@ -66,3 +66,12 @@ def make_folder(root: Path) -> Path:
     (root / ".hidden").mkdir()
     _noise(128, 128, 25).save(root / ".hidden/ignored.png")
     return root
+
+
+def noise_images(root: Path, captions: tuple[str, ...], count: int = 8, seed: int = 0) -> Path:
+    """`count` random 64x64 images <i>.png in `root`, captioned by side-car files cycling through `captions`."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(root / f"{i}.png")
+        (root / f"{i}.txt").write_text(captions[i % len(captions)])
+    return root

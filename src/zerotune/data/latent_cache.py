@@ -149,6 +149,10 @@ class CacheItem:
     texts: tuple[str, ...]        # the variants' texts
     mask_keys: dict[bool, str] | None = None  # flipped -> key, under data.masked_loss for an image with a mask
 
+    def text_entries(self) -> dict[str, str]:
+        """{text entry key: its text}, one per caption variant."""
+        return dict(zip(self.text_keys, self.texts, strict=True))
+
 
 @dataclass
 class CacheStats:
@@ -258,7 +262,7 @@ def _build_latents(items: list[CacheItem], cache: LatentCache, encoders: Encoder
 
 def _build_texts(items: list[CacheItem], cache: LatentCache, encoders: Encoders, batch_size: int,
                  progress: bool, stats: CacheStats, extra: dict[str, str]) -> None:
-    captions = {**{k: t for it in items for k, t in zip(it.text_keys, it.texts, strict=True)}, **extra}
+    captions = {**{k: t for it in items for k, t in it.text_entries().items()}, **extra}
     todo = [(k, c) for k, c in captions.items() if not cache.has("text", k)]
     stats.texts_reused = len(captions) - len(todo)
     start = time.perf_counter()

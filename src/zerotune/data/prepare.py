@@ -132,7 +132,7 @@ def prepare_folder_data(spec: DataSpec, run_dir: str | Path | None = None, micro
                           "could be read and decoded", "data.path=a folder of valid jpg, png or webp images")
     trained = text_encoders.trained(spec.model)
     empty_key = next(iter(empty), None)
-    texts = {k: t for it in ok for k, t in zip(it.text_keys, it.texts, strict=True)} | empty
+    texts = {k: t for it in ok for k, t in it.text_entries().items()} | empty
     tokens = tokenize(folder.components, trained, [texts[k] for k in text_rows(ok, empty_key)], seq_len) \
         if trained else None
     dataset = CachedFolderDataset(cache, ok, str(spec.model.conditioning), tokens, empty_key,

@@ -320,28 +320,28 @@ def open_mask(record: ImageRecord) -> Image.Image | None:
         return ImageOps.exif_transpose(decoded).convert("RGBA").getchannel("A")
 
 
+def _bucket_crop(img: Image.Image, placement: Placement, resample: Image.Resampling) -> np.ndarray:
+    """The image resized to cover its bucket and cropped to it, as uint8 [h, w(, channels)]."""
+    if img.size != (placement.orig_w, placement.orig_h):
+        raise ValueError(f"{img.size[0]}x{img.size[1]} px differs from the image header's "
+                         f"{placement.orig_w}x{placement.orig_h}")
+    resized = img.resize((placement.resized_w, placement.resized_h), resample)
+    bw, bh = placement.bucket
+    crop = resized.crop((placement.crop_left, placement.crop_top, placement.crop_left + bw, placement.crop_top + bh))
+    return np.asarray(crop, dtype=np.uint8).copy()
+
+
 def crop_mask(mask: Image.Image, placement: Placement, flipped: bool, factor: int) -> torch.Tensor:
     """The mask cropped as crop_pixels crops its image (mirrored for the flipped view), averaged over each
     latent pixel's `factor` x `factor` pixels (area, as kohya's masked loss): [1, h / factor, w / factor] in [0, 1]."""
-    if mask.size != (placement.orig_w, placement.orig_h):
-        raise ValueError(f"its mask is {mask.size[0]}x{mask.size[1]} px; the image is "
-                         f"{placement.orig_w}x{placement.orig_h}")
-    resized = mask.resize((placement.resized_w, placement.resized_h), Image.Resampling.BILINEAR)
-    bw, bh = placement.bucket
-    crop = resized.crop((placement.crop_left, placement.crop_top, placement.crop_left + bw, placement.crop_top + bh))
-    values = torch.from_numpy(np.asarray(crop, dtype=np.uint8).copy()).float()[None, None] / 255.0
+    values = torch.from_numpy(_bucket_crop(mask, placement, Image.Resampling.BILINEAR)).float()[None, None] / 255.0
     if flipped:
         values = values.flip(-1)
+    bw, bh = placement.bucket
     return F.interpolate(values, size=(bh // factor, bw // factor), mode="area")[0]
 
 
 def crop_pixels(img: Image.Image, placement: Placement) -> torch.Tensor:
     """The bucket crop as a float tensor [3, h, w] in [-1, 1]."""
-    if img.size != (placement.orig_w, placement.orig_h):
-        raise ValueError(f"decoded size {img.size} differs from the header's "
-                         f"{(placement.orig_w, placement.orig_h)}")
-    resized = img.resize((placement.resized_w, placement.resized_h), Image.Resampling.LANCZOS)
-    bw, bh = placement.bucket
-    crop = resized.crop((placement.crop_left, placement.crop_top, placement.crop_left + bw, placement.crop_top + bh))
-    pixels = torch.from_numpy(np.asarray(crop, dtype=np.uint8).copy()).permute(2, 0, 1)
+    pixels = torch.from_numpy(_bucket_crop(img, placement, Image.Resampling.LANCZOS)).permute(2, 0, 1)
     return pixels.float() / 127.5 - 1.0

@@ -208,6 +208,7 @@ class _Transformer:
     class_name: ClassVar[str]
     lora_pipeline: ClassVar[str]
     lora_peft_names: ClassVar[bool] = True
+    component_classes: ClassVar[dict[str, str]]  # components(): the same for every model of the family
 
     def arguments(self) -> dict[str, Any]:
         return _architecture(self.model.transformer)
@@ -220,7 +221,7 @@ class _Transformer:
         return TextWidths(int(arch["joint_attention_dim"]), int(arch["pooled_projection_dim"]))
 
     def components(self) -> dict[str, str]:
-        raise NotImplementedError  # each family's own
+        return dict(self.component_classes)
 
     def t5_tokens(self) -> int:
         """T5's tokens per caption: the condition's, less CLIP's ahead of them (SD3's)."""
@@ -251,6 +252,9 @@ class Flux(_Transformer):
     class_name: ClassVar[str] = "FluxTransformer2DModel"
     lora_pipeline: ClassVar[str] = "FluxPipeline"
     sampling_rows: ClassVar[int] = 1  # its guidance is distilled into an embedding
+    component_classes: ClassVar[dict[str, str]] = {
+        "vae": "AutoencoderKL", "text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
+        "text_encoder_2": "T5EncoderModel", "tokenizer_2": "T5TokenizerFast"}
 
     def latent_channels(self) -> int:
         return int(self.arguments()["in_channels"]) // 4  # a token packs a 2x2 patch of every channel
@@ -280,10 +284,6 @@ class Flux(_Transformer):
         vae = int(self.model.vae_scale_factor)
         return FluxPipeline._unpack_latents(out, height * vae, width * vae, vae)
 
-    def components(self) -> dict[str, str]:
-        return {"vae": "AutoencoderKL", "text_encoder": "CLIPTextModel", "tokenizer": "CLIPTokenizer",
-                "text_encoder_2": "T5EncoderModel", "tokenizer_2": "T5TokenizerFast"}
-
     def encode_text(self, modules: dict[str, Any], captions: list[str],
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FluxPipeline.encode_prompt's: T5's last hidden states [n, t5_tokens, 4096] and CLIP-L's pooled output."""
@@ -305,6 +305,10 @@ class SD3(_Transformer):
     class_name: ClassVar[str] = "SD3Transformer2DModel"
     lora_pipeline: ClassVar[str] = "StableDiffusion3Pipeline"
     sampling_rows: ClassVar[int] = 2
+    component_classes: ClassVar[dict[str, str]] = {
+        "vae": "AutoencoderKL", "text_encoder": "CLIPTextModelWithProjection", "tokenizer": "CLIPTokenizer",
+        "text_encoder_2": "CLIPTextModelWithProjection", "tokenizer_2": "CLIPTokenizer",
+        "text_encoder_3": "T5EncoderModel", "tokenizer_3": "T5TokenizerFast"}
 
     def latent_channels(self) -> int:
         return int(self.arguments()["in_channels"])
@@ -319,11 +323,6 @@ class SD3(_Transformer):
                 guidance: float) -> torch.Tensor:
         return module(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"],
                       pooled_projections=cond["pooled_projections"], return_dict=False)[0]
-
-    def components(self) -> dict[str, str]:
-        return {"vae": "AutoencoderKL", "text_encoder": "CLIPTextModelWithProjection", "tokenizer": "CLIPTokenizer",
-                "text_encoder_2": "CLIPTextModelWithProjection", "tokenizer_2": "CLIPTokenizer",
-                "text_encoder_3": "T5EncoderModel", "tokenizer_3": "T5TokenizerFast"}
 
     def encode_text(self, modules: dict[str, Any], captions: list[str],
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

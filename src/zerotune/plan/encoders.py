@@ -23,11 +23,10 @@ _CACHE: dict[str, dict] = {}
 def text_lengths(model_cfg: Model) -> dict[str, int]:
     """{encoder: tokens per caption} as the backbone's encode_text tokenizes: CLIP model.text_seq_len for a U-Net;
     a transformer's CLIP its tokenizer's 77 (SD3: model.clip_tokens), its T5 the rest of the condition."""
-    from zerotune.models.backbones import backbone_of
+    from zerotune.models.backbones import backbone_of, is_transformer
 
     components = backbone_of(model_cfg).components()
-    transformer = any(cls == "T5EncoderModel" for cls in components.values())
-    clip = int(model_cfg.clip_tokens or 77) if transformer else int(model_cfg.text_seq_len)
+    clip = int(model_cfg.clip_tokens or 77) if is_transformer(model_cfg) else int(model_cfg.text_seq_len)
     t5 = int(model_cfg.text_seq_len) - int(model_cfg.clip_tokens)
     return {name: t5 if cls == "T5EncoderModel" else clip for name, cls in components.items()
             if name.startswith("text_encoder")}
